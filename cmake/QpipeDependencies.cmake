@@ -1,0 +1,19 @@
+# Third-party dependencies, found once for every component.
+#
+# LibTorch comes from the project virtualenv's torch wheel (tools/setup.sh passes its
+# torch.utils.cmake_prefix_path as CMAKE_PREFIX_PATH). Its CUDA build probes for a GPU at
+# configure time unless an architecture list is given; the H100/H200 target is Hopper.
+if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
+  set(TORCH_CUDA_ARCH_LIST "9.0")
+endif()
+find_package(Torch 2.11 REQUIRED)
+set(QPIPE_HAS_CUDA OFF)
+if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
+  set(QPIPE_HAS_CUDA ON)
+endif()
+message(STATUS "qpipe: LibTorch ${Torch_VERSION}, CUDA path ${QPIPE_HAS_CUDA}")
+
+find_package(yaml-cpp REQUIRED)
+find_package(spdlog REQUIRED)
+find_package(CLI11 CONFIG REQUIRED)
+find_package(Boost 1.74 REQUIRED)

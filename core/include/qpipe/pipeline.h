@@ -1,0 +1,69 @@
+// Pipeline YAML (msmodelslim's modelslim_v1 schema): parsed, validated against the schema of
+// every processor it names, and turned into processors.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "qpipe/config_node.h"
+#include "qpipe/processor.h"
+
+namespace qpipe {
+
+class ProcessorRegistry;
+
+// One entry of spec.process; a `group` holds children that share one calibration forward.
+struct ProcessStep {
+  std::string type;
+  ConfigNode config;  // validated, defaults filled in, without `type` (and `configs` for group)
+  std::vector<ProcessStep> children;
+  std::string path;  // "spec.process[2]" — for messages
+  SourceLocation location;
+};
+
+struct SaveStep {
+  std::string type;  // compressed_tensors | ascendv1_saver
+  ConfigNode config;
+  SourceLocation location;
+};
+
+// metadata.label: what `--quant_type` is matched against.
+struct PipelineLabel {
+  int wBit = 0;
+  int aBit = 0;
+  bool isSparse = false;
+  bool kvCache = false;
+  int faBit = 0;  // 0: attention not quantized
+};
+
+struct PipelineMetadata {
+  std::string configId;
+  double score = 100;
+  std::optional<PipelineLabel> label;
+  std::vector<std::string> verifiedModelTypes;
+};
+
+struct Pipeline {
+  std::filesystem::path file;
+  std::string apiVersion;
+  PipelineMetadata metadata;
+  std::string runner;  // auto | layer_wise | model_wise | dp_layer_wise
+  std::vector<ProcessStep> process;
+  std::vector<SaveStep> save;
+  std::string dataset;  // empty: the CLI's --calib_data or the default set
+  ConfigNode resolved;  // the whole document with defaults, for printing
+};
+
+// Reads and validates `file`. Every error is Error(kConfig) with file:line:col, the field
+// path and what was expected; an unknown processor type lists the known ones.
+Pipeline loadPipeline(const std::filesystem::path& file, const ProcessorRegistry& registry);
+
+// Constructs the processors of spec.process in order (a group becomes one processor).
+std::vector<std::unique_ptr<Processor>> buildProcessors(const Pipeline& pipeline,
+                                                        const ProcessorRegistry& registry,
+                                                        const ProcessorContext& context);
+
+}  // namespace qpipe

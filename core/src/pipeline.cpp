@@ -1,0 +1,275 @@
+#include "qpipe/pipeline.h"
+
+#include <algorithm>
+
+#include "qpipe/error.h"
+#include "qpipe/registry.h"
+#include "qpipe/schema.h"
+
+namespace qpipe {
+
+namespace {
+
+constexpr const char* kGroupType = "group";
+
+[[noreturn]] void fail(const ConfigNode& at, const std::string& path, const std::string& what) {
+  throw Error(ErrorCode::kConfig, detail::concat(at.location().str(), ": ", path, ": ", what));
+}
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
+  return out;
+}
+
+const Schema& documentSchema() {
+  static const Schema kSchema = [] {
+    Schema label;
+    label.required("w_bit", ValueType::kInt, "weight bits")
+        .required("a_bit", ValueType::kInt, "activation bits (16: not quantized)")
+        .optional("is_sparse", ValueType::kBool, ConfigNode::boolean(false), "sparse weights")
+        .optional("kv_cache", ValueType::kBool, ConfigNode::boolean(false), "KV cache quantized to int8 (c8)")
+        .add({.name = "fa_bit", .type = ValueType::kInt, .help = "attention (FA3) bits"})
+        .add({.name = "fa_quant", .type = ValueType::kBool, .help = "attention quantized (8 bits)"});
+    Schema metadata;
+    metadata.optional("config_id", ValueType::kString, ConfigNode::string(""), "name of this practice")
+        .optional("score", ValueType::kFloat, ConfigNode::number(100), "preference among matching practices")
+        .nested("label", std::move(label), false, "what --quant_type matches")
+        .optional("verified_model_types", ValueType::kStringList, ConfigNode::stringList({}),
+                  "model types this practice was verified on")
+        .add({.name = "verified_tags", .type = ValueType::kAny, .help = "scenario tags (kept, not used)"});
+    Schema spec;
+    spec.choice("runner", {"auto", "layer_wise", "model_wise", "dp_layer_wise"}, "auto", "how the model is iterated")
+        .required("process", ValueType::kAny, "processors, in order")
+        .optional("save", ValueType::kAny, ConfigNode::list(), "savers")
+        .optional("dataset", ValueType::kString, ConfigNode::string(""), "calibration data file");
+    Schema document;
+    document.add({.name = "apiversion", .type = ValueType::kString, .help = "schema version",
+                  .required = true, .allowed = {"modelslim_v1"}})
+        .nested("metadata", std::move(metadata), false, "practice metadata")
+        .nested("spec", std::move(spec), true, "what the pipeline does");
+    return document;
+  }();
+  return kSchema;
+}
+
+const Schema& saverSchema() {
+  static const Schema kSchema = [] {
+    Schema schema;
+    schema.required("type", ValueType::kString, "saver")
+        .optional("part_file_size", ValueType::kFloat, ConfigNode::number(4),
+                  "shard size in GB; 0 writes one file")
+        .optional("ext", ValueType::kAny, ConfigNode::map(), "format-specific options");
+    return schema;
+  }();
+  return kSchema;
+}
+
+const std::vector<std::string>& saverTypes() {
+  static const std::vector<std::string> kTypes{"compressed_tensors", "ascendv1_saver"};
+  return kTypes;
+}
+
+const Schema& groupSchema() {
+  static const Schema kSchema = [] {
+    Schema schema;
+    schema.required("configs", ValueType::kAny, "processors that share one calibration forward");
+    return schema;
+  }();
+  return kSchema;
+}
+
+std::vector<ProcessStep> parseSteps(const ConfigNode& list, const std::string& path, const ProcessorRegistry& registry);
+
+ProcessStep parseStep(const ConfigNode& node, const std::string& path, const ProcessorRegistry& registry) {
+  if (!node.isMap()) fail(node, path, detail::concat("expected a processor mapping with a 'type', got ",
+                                                     ConfigNode::kindName(node.kind())));
+  const ConfigNode* typeNode = node.find("type");
+  if (typeNode == nullptr) fail(node, path, "missing required field 'type' (the processor to run)");
+  if (typeNode->kind() != ConfigNode::Kind::kString) {
+    fail(*typeNode, path + ".type", detail::concat("expected a string, got ", ConfigNode::kindName(typeNode->kind())));
+  }
+  ProcessStep step;
+  step.type = typeNode->asString();
+  step.path = path;
+  step.location = node.location();
+
+  ConfigNode config = ConfigNode::map({}, node.location());
+  for (const auto& [key, value] : node.entries()) {
+    if (key != "type") config.set(key, value);
+  }
+
+  if (step.type == kGroupType) {
+    const ConfigNode validated = groupSchema().validate(config, path);
+    step.children = parseSteps(validated.at("configs"), path + ".configs", registry);
+    step.config = ConfigNode::map({}, node.location());
+    return step;
+  }
+  const ProcessorRegistry::Entry* entry = registry.find(step.type);
+  if (entry == nullptr) {
+    fail(*typeNode, path + ".type", detail::concat("unknown processor type '", step.type, "'; known types: ",
+                                                   join(registry.types()),
+                                                   " (plugins are searched in --plugin_dir, QPIPE_PLUGIN_PATH, "
+                                                   "then the built-in folder; `qpipe plugins` lists them)"));
+  }
+  step.config = entry->info.schema.validate(config, path);
+  return step;
+}
+
+std::vector<ProcessStep> parseSteps(const ConfigNode& list, const std::string& path, const ProcessorRegistry& registry) {
+  if (!list.isList()) fail(list, path, detail::concat("expected a list of processors, got ", ConfigNode::kindName(list.kind())));
+  if (list.items().empty()) fail(list, path, "the list of processors is empty");
+  std::vector<ProcessStep> steps;
+  for (size_t i = 0; i < list.items().size(); ++i) {
+    steps.push_back(parseStep(list.items()[i], detail::concat(path, "[", i, "]"), registry));
+  }
+  return steps;
+}
+
+ConfigNode resolvedStep(const ProcessStep& step) {
+  ConfigNode out = ConfigNode::map({}, step.location);
+  out.set("type", ConfigNode::string(step.type));
+  if (step.type == kGroupType) {
+    ConfigNode children = ConfigNode::list();
+    for (const auto& child : step.children) children.push(resolvedStep(child));
+    out.set("configs", std::move(children));
+  }
+  for (const auto& [key, value] : step.config.entries()) out.set(key, value);
+  return out;
+}
+
+std::vector<SaveStep> parseSavers(const ConfigNode& list) {
+  const std::string path = "spec.save";
+  if (!list.isList()) fail(list, path, detail::concat("expected a list of savers, got ", ConfigNode::kindName(list.kind())));
+  std::vector<SaveStep> savers;
+  for (size_t i = 0; i < list.items().size(); ++i) {
+    const std::string itemPath = detail::concat(path, "[", i, "]");
+    const ConfigNode validated = saverSchema().validate(list.items()[i], itemPath);
+    const ConfigNode& type = validated.at("type");
+    if (std::find(saverTypes().begin(), saverTypes().end(), type.asString()) == saverTypes().end()) {
+      fail(type, itemPath + ".type", detail::concat("unknown saver type '", type.asString(), "'; known types: ",
+                                                    join(saverTypes())));
+    }
+    const ConfigNode& size = validated.at("part_file_size");
+    if (size.asFloat() < 0) fail(size, itemPath + ".part_file_size", "must be >= 0 (GB; 0 writes one file)");
+    savers.push_back({type.asString(), validated, list.items()[i].location()});
+  }
+  return savers;
+}
+
+PipelineMetadata parseMetadata(const ConfigNode& metadata) {
+  PipelineMetadata out;
+  out.configId = metadata.at("config_id").asString();
+  out.score = metadata.at("score").asFloat();
+  out.verifiedModelTypes = metadata.at("verified_model_types").asStringList();
+  const ConfigNode& label = metadata.at("label");
+  if (!label.isNull()) {
+    PipelineLabel parsed;
+    parsed.wBit = static_cast<int>(label.at("w_bit").asInt());
+    parsed.aBit = static_cast<int>(label.at("a_bit").asInt());
+    parsed.isSparse = label.at("is_sparse").asBool();
+    parsed.kvCache = label.at("kv_cache").asBool();
+    if (!label.at("fa_bit").isNull()) {
+      parsed.faBit = static_cast<int>(label.at("fa_bit").asInt());
+    } else if (!label.at("fa_quant").isNull() && label.at("fa_quant").asBool()) {
+      parsed.faBit = 8;
+    }
+    out.label = parsed;
+  }
+  return out;
+}
+
+// Processes the children of a `group` over one shared calibration forward (msmodelslim's
+// container). Unlike msmodelslim, distributed support needs every child to support it.
+class GroupProcessor final : public Processor {
+ public:
+  explicit GroupProcessor(std::vector<std::unique_ptr<Processor>> children) : children_(std::move(children)) {}
+
+  void preRun() override {
+    for (auto& child : children_) child->preRun();
+  }
+  void preprocess(LayerRequest& request) override {
+    for (auto& child : children_) child->preprocess(request);
+  }
+  void postprocess(LayerRequest& request) override {
+    for (auto& child : children_) child->postprocess(request);
+  }
+  void postRun() override {
+    for (auto& child : children_) child->postRun();
+  }
+  bool supportDistributed() const override {
+    return std::all_of(children_.begin(), children_.end(), [](const auto& c) { return c->supportDistributed(); });
+  }
+  bool isDataFree() const override {
+    return std::all_of(children_.begin(), children_.end(), [](const auto& c) { return c->isDataFree(); });
+  }
+
+ private:
+  std::vector<std::unique_ptr<Processor>> children_;
+};
+
+std::unique_ptr<Processor> buildStep(const ProcessStep& step, const ProcessorRegistry& registry,
+                                     const ProcessorContext& context) {
+  if (step.type == kGroupType) {
+    std::vector<std::unique_ptr<Processor>> children;
+    for (const auto& child : step.children) children.push_back(buildStep(child, registry, context));
+    return std::make_unique<GroupProcessor>(std::move(children));
+  }
+  return registry.create(step.type, step.config, step.path, context);
+}
+
+}  // namespace
+
+Pipeline loadPipeline(const std::filesystem::path& file, const ProcessorRegistry& registry) {
+  const ConfigNode document = ConfigNode::loadYamlFile(file);
+  if (!document.isMap()) {
+    fail(document, "document", detail::concat("expected a pipeline mapping (apiversion, metadata, spec), got ",
+                                              ConfigNode::kindName(document.kind())));
+  }
+  // Top-level keys outside the schema are allowed only as holders of YAML anchors, the way
+  // msmodelslim's practice files define reusable qconfig blocks.
+  ConfigNode known = ConfigNode::map({}, document.location());
+  for (const auto& [key, value] : document.entries()) {
+    if (documentSchema().find(key) != nullptr) {
+      known.set(key, value);
+    } else if (!value.hasAnchor()) {
+      fail(value, key, "unknown top-level field; expected apiversion, metadata, spec (other top-level keys "
+                       "may only define YAML anchors, e.g. 'w8a8: &w8a8 {...}')");
+    }
+  }
+  const ConfigNode validated = documentSchema().validate(known, "");
+  const ConfigNode& spec = validated.at("spec");
+
+  Pipeline pipeline;
+  pipeline.file = file;
+  pipeline.apiVersion = validated.at("apiversion").asString();
+  pipeline.metadata = parseMetadata(validated.at("metadata"));
+  pipeline.runner = spec.at("runner").asString();
+  pipeline.process = parseSteps(spec.at("process"), "spec.process", registry);
+  pipeline.save = parseSavers(spec.at("save"));
+  pipeline.dataset = spec.at("dataset").asString();
+
+  ConfigNode resolvedSpec = ConfigNode::map({}, spec.location());
+  resolvedSpec.set("runner", spec.at("runner"));
+  ConfigNode steps = ConfigNode::list();
+  for (const auto& step : pipeline.process) steps.push(resolvedStep(step));
+  resolvedSpec.set("process", std::move(steps));
+  ConfigNode savers = ConfigNode::list();
+  for (const auto& saver : pipeline.save) savers.push(saver.config);
+  resolvedSpec.set("save", std::move(savers));
+  resolvedSpec.set("dataset", spec.at("dataset"));
+  pipeline.resolved = ConfigNode::map({}, validated.location());
+  pipeline.resolved.set("apiversion", validated.at("apiversion"));
+  pipeline.resolved.set("metadata", validated.at("metadata"));
+  pipeline.resolved.set("spec", std::move(resolvedSpec));
+  return pipeline;
+}
+
+std::vector<std::unique_ptr<Processor>> buildProcessors(const Pipeline& pipeline, const ProcessorRegistry& registry,
+                                                        const ProcessorContext& context) {
+  std::vector<std::unique_ptr<Processor>> processors;
+  for (const auto& step : pipeline.process) processors.push_back(buildStep(step, registry, context));
+  return processors;
+}
+
+}  // namespace qpipe

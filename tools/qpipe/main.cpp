@@ -1,0 +1,54 @@
+// qpipe: the command-line front door. Every failure ends as one line on stderr and an exit
+// code from qpipe::ErrorCode (docs/cli.md).
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+#include <vector>
+
+#include "commands.h"
+#include "qpipe/error.h"
+#include "qpipe/log.h"
+
+int main(int argc, char** argv) {
+  using namespace qpipe;
+  CLI::App app{"qpipe: compress large language models with pipelines of processor plugins", "qpipe"};
+  app.require_subcommand(1);
+  app.fallthrough();
+  std::string logLevel = "info";
+  app.add_option("--log_level", logLevel, "Log verbosity: trace, debug, info, warn, error, off")
+      ->capture_default_str();
+
+  const std::vector<cli::Subcommand> subcommands{
+      cli::setupCheck(app),
+      cli::setupPlugins(app),
+      cli::setupVersion(app),
+  };
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "qpipe: usage error: " << e.what() << " (see 'qpipe --help')\n";
+    return static_cast<int>(ErrorCode::kUsage);
+  }
+
+  try {
+    log::setLevel(logLevel);
+    for (const auto& subcommand : subcommands) {
+      if (subcommand.app->parsed()) subcommand.run();
+    }
+  } catch (const Error& e) {
+    log::shutdown();
+    std::cerr << "qpipe: " << errorCodeName(e.code()) << ": " << e.what() << "\n";
+    return static_cast<int>(e.code());
+  } catch (const std::exception& e) {
+    log::shutdown();
+    std::cerr << "qpipe: " << errorCodeName(ErrorCode::kInternal) << ": " << e.what() << "\n";
+    return static_cast<int>(ErrorCode::kInternal);
+  }
+  log::shutdown();
+  return 0;
+}

@@ -1,0 +1,27 @@
+#include "plugin_options.h"
+
+#include <CLI/CLI.hpp>
+
+#include "qpipe/log.h"
+
+namespace qpipe::cli {
+
+void addPluginOptions(CLI::App& app, PluginOptions& options) {
+  app.add_option("--plugin_dir", options.pluginDir,
+                 "Folder of processor plugins, searched before QPIPE_PLUGIN_PATH and the built-in folder");
+}
+
+std::vector<PluginSearchDir> pluginSearchPath(const PluginOptions& options) {
+  std::optional<std::filesystem::path> dir;
+  if (options.pluginDir) dir = *options.pluginDir;
+  return PluginLoader::searchPath(dir, PluginLoader::builtinDir());
+}
+
+void loadPlugins(const PluginOptions& options, PluginLoader& loader) {
+  loader.loadDirectories(pluginSearchPath(options));
+  for (const auto& rejected : loader.rejected()) {
+    log::logger()->warn("plugin library ", rejected.path, " not loaded: ", rejected.reason);
+  }
+}
+
+}  // namespace qpipe::cli

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Sets up qpipe on a fresh Debian 12 machine and builds it into build/. Idempotent: a second
+# run checks each step and finishes in seconds.
+#
+#   tools/setup.sh            Debian packages, .venv with torch==2.11.0 (LibTorch), build
+#   QPIPE_BUILD_TYPE=Debug tools/setup.sh
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+torch_version=2.11.0
+venv="$root/.venv"
+build="$root/build"
+debian_packages=(cmake ninja-build g++ ccache python3-venv libyaml-cpp-dev nlohmann-json3-dev
+                 libspdlog-dev libfmt-dev libboost-dev libcli11-dev libgtest-dev)
+
+step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+
+# 1. Debian packages.
+missing=()
+for pkg in "${debian_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  step "installing Debian packages: ${missing[*]}"
+  sudo_cmd=()
+  if [[ $(id -u) -ne 0 ]]; then
+    command -v sudo >/dev/null || die "need root or sudo to install: ${missing[*]}"
+    sudo_cmd=(sudo)
+  fi
+  "${sudo_cmd[@]}" apt-get update -qq || die "apt-get update failed (no network or no package mirror?)"
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null \
+    || die "apt-get install failed for: ${missing[*]}"
+else
+  step "Debian packages present"
+fi
+
+# 2. Project virtualenv with the pinned torch wheel; LibTorch is taken from it.
+stamp="$venv/.qpipe-torch-$torch_version"
+if [[ ! -f $stamp ]]; then
+  command -v python3 >/dev/null || die "python3 is required"
+  if [[ ! -x $venv/bin/python ]]; then
+    step "creating virtualenv $venv"
+    python3 -m venv "$venv" || die "could not create $venv (is python3-venv installed?)"
+  fi
+  step "installing torch==$torch_version into $venv (LibTorch for the C++ build; a large download)"
+  "$venv/bin/python" -m pip install -q --upgrade pip || die "pip upgrade failed (no access to PyPI?)"
+  "$venv/bin/python" -m pip install -q "torch==$torch_version" || die "installing torch==$torch_version failed"
+  "$venv/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$torch_version') else 1)" \
+    || die "the virtualenv's torch is not $torch_version"
+  touch "$stamp"
+else
+  step "torch $torch_version present in $venv"
+fi
+torch_cmake=$(ls -d "$venv"/lib/python3*/site-packages/torch/share/cmake 2>/dev/null | head -n 1)
+[[ -n $torch_cmake ]] || die "LibTorch's CMake files are missing from $venv; delete $stamp and rerun"
+
+# 3. Configure (once) and build.
+[[ -d /usr/local/cuda ]] && export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+if [[ ! -f $build/CMakeCache.txt ]]; then
+  step "configuring $build"
+  cmake -S "$root" -B "$build" -G Ninja \
+    -DCMAKE_BUILD_TYPE="${QPIPE_BUILD_TYPE:-RelWithDebInfo}" \
+    -DCMAKE_PREFIX_PATH="$torch_cmake" >"$root/build.configure.log" 2>&1 \
+    || { tail -n 30 "$root/build.configure.log" >&2; die "CMake configure failed (full log: build.configure.log)"; }
+  mv "$root/build.configure.log" "$build/configure.log"
+fi
+step "building (ninja, $(nproc) jobs)"
+cmake --build "$build" -- -j"$(nproc)" || die "build failed"
+step "done: build/bin/qpipe, built-in plugins in build/lib/qpipe/plugins"
