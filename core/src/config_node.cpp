@@ -9,6 +9,7 @@
 #include <map>
 #include <optional>
 #include <regex>
+#include <set>
 #include <sstream>
 
 #include "qpipe/error.h"
@@ -191,14 +192,14 @@ class Builder : public YAML::EventHandler {
   void OnSequenceStart(const YAML::Mark& mark, const std::string&, YAML::anchor_t anchor,
                        YAML::EmitterStyle::value) override {
     rejectComplexKey(mark);
-    stack_.push_back({ConfigNode::list({}, where(mark)), anchor, std::nullopt, mark});
+    stack_.push_back({ConfigNode::list({}, where(mark)), anchor, std::nullopt, mark, {}});
   }
   void OnSequenceEnd() override { closeCollection(); }
 
   void OnMapStart(const YAML::Mark& mark, const std::string&, YAML::anchor_t anchor,
                   YAML::EmitterStyle::value) override {
     rejectComplexKey(mark);
-    stack_.push_back({ConfigNode::map({}, where(mark)), anchor, std::nullopt, mark});
+    stack_.push_back({ConfigNode::map({}, where(mark)), anchor, std::nullopt, mark, {}});
   }
   void OnMapEnd() override { closeCollection(); }
 
@@ -208,6 +209,7 @@ class Builder : public YAML::EventHandler {
     YAML::anchor_t anchor;
     std::optional<std::string> pendingKey;  // maps: the key whose value comes next
     YAML::Mark mark;
+    std::set<std::string> mergedKeys;  // maps: keys taken from `<<`, which own keys may override
   };
 
   SourceLocation where(const YAML::Mark& mark) const { return {file_, mark.line + 1, mark.column + 1}; }
@@ -246,16 +248,18 @@ class Builder : public YAML::EventHandler {
     std::string key = std::move(*parent.pendingKey);
     parent.pendingKey.reset();
     if (key == "<<") {
-      merge(parent.node, node, mark);
+      merge(parent, node, mark);
       return;
     }
-    QPIPE_REQUIRE(parent.node.find(key) == nullptr, ErrorCode::kConfig, where(keyMarks_[stack_.size()]).str(),
-                  ": duplicate key '", key, "'");
+    // A key the map sets itself overrides one that came in through `<<`, once.
+    const bool merged = parent.mergedKeys.erase(key) > 0;
+    QPIPE_REQUIRE(merged || parent.node.find(key) == nullptr, ErrorCode::kConfig,
+                  where(keyMarks_[stack_.size()]).str(), ": duplicate key '", key, "'");
     parent.node.set(std::move(key), std::move(node));
   }
 
   // YAML merge key: `<<: *base` or `<<: [*a, *b]` adds the entries the map does not set itself.
-  void merge(ConfigNode& target, const ConfigNode& source, const YAML::Mark& mark) {
+  void merge(Frame& target, const ConfigNode& source, const YAML::Mark& mark) {
     if (source.isList()) {
       for (const auto& item : source.items()) merge(target, item, mark);
       return;
@@ -263,7 +267,10 @@ class Builder : public YAML::EventHandler {
     QPIPE_REQUIRE(source.isMap(), ErrorCode::kConfig, where(mark).str(),
                   ": the merge key '<<' needs a mapping or a list of mappings");
     for (const auto& [name, value] : source.entries()) {
-      if (target.find(name) == nullptr) target.set(name, value);
+      if (target.node.find(name) == nullptr) {
+        target.node.set(name, value);
+        target.mergedKeys.insert(name);
+      }
     }
   }
 

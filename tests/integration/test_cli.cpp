@@ -1,1 +1,136 @@
+// Runs the real qpipe executable as a user would and checks exit codes and output.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kPipelines = std::string(QPIPE_SOURCE_DIR) + "/tests/fixtures/pipelines/";
+const std::string kFaults = std::string(QPIPE_TEST_PLUGIN_DIR) + "/faults";
+const std::string kExample = std::string(QPIPE_TEST_PLUGIN_DIR) + "/example";
+
+struct Result {
+  int exitCode;
+  std::string out;
+  std::string err;
+};
+
+std::string slurp(const fs::path& path) {
+  std::ifstream in(path);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+Result qpipe(const std::string& args) {
+  // ctest runs tests in parallel: each gets its own folder.
+  const fs::path dir = fs::temp_directory_path() /
+                       ("qpipe-cli-" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+  fs::create_directories(dir);
+  const std::string command = std::string("env -u QPIPE_PLUGIN_PATH ") + QPIPE_BINARY + " " + args + " >" +
+                              (dir / "out").string() + " 2>" + (dir / "err").string() + " </dev/null";
+  const int status = std::system(command.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir / "out"), slurp(dir / "err")};
+}
+
+// A user-facing failure is exactly one line on stderr.
+void expectOneLineError(const Result& r) {
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+TEST(Cli, VersionPrintsVersionAbiAndFingerprint) {
+  const Result r = qpipe("version");
+  EXPECT_EQ(r.exitCode, 0);
+  EXPECT_NE(r.out.find("qpipe 0.1.0"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("plugin ABI 1.0"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("|torch=2.11.0|"), std::string::npos) << r.out;
+}
+
+TEST(Cli, PluginsListsEveryBrokenFixtureWithItsReasonAndExitsZero) {
+  const Result r = qpipe("plugins --plugin_dir " + kFaults);
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  for (const char* expected : {
+           "Rejected libraries (5):",
+           "libfault_abi_major.so\n    plugin ABI 2.0 is not compatible",
+           "libfault_duplicate_b.so\n    processor type 'duplicate_type' is registered by plugin 'fault_duplicate_b'",
+           "libfault_fingerprint.so\n    build fingerprint 'gcc-4.8|cxx11abi=0|torch=1.13.1|qpipe=0.0.1' does not match",
+           "libfault_no_descriptor.so\n    no qpipe plugin descriptor",
+           "libfault_not_elf.so\n    not a shared library",
+           "Loaded plugins (3):",
+           "type: factory_throws",
+       }) {
+    EXPECT_NE(r.out.find(expected), std::string::npos) << "missing: " << expected << "\n" << r.out;
+  }
+  EXPECT_NE(r.out.find("1. " + kFaults + "  (--plugin_dir)"), std::string::npos) << r.out;
+}
+
+TEST(Cli, CheckAcceptsAValidPipelineAndPrintsItResolved) {
+  const Result r = qpipe("check --config_path " + kPipelines + "log_layers.yaml --plugin_dir " + kExample);
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.out.find("type: group"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("prefix: \"attn \""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("part_file_size: 2"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("valid (3 processors, 1 savers)"), std::string::npos) << r.err;
+}
+
+TEST(Cli, CheckRejectsUnknownTypeNamingFileLineTypeAndKnownTypes) {
+  const Result r = qpipe("check --config_path " + kPipelines + "unknown_type.yaml --plugin_dir " + kExample);
+  EXPECT_EQ(r.exitCode, 3);
+  expectOneLineError(r);
+  EXPECT_EQ(r.err.rfind("qpipe: configuration error: " + kPipelines + "unknown_type.yaml:6:13: spec.process[1].type: "
+                        "unknown processor type 'awq_magic'; known types: group, log_layers",
+                        0),
+            0u)
+      << r.err;
+}
+
+TEST(Cli, CheckReportsAThrowingFactoryAsAPluginError) {
+  const Result r = qpipe("check --config_path " + kPipelines + "factory_throws.yaml --plugin_dir " + kFaults +
+                         " --log_level error");
+  EXPECT_EQ(r.exitCode, 4);
+  expectOneLineError(r);
+  EXPECT_NE(r.err.find("processor 'factory_throws' (plugin 'fault_factory_throws') could not be created: cannot "
+                       "build: no device"),
+            std::string::npos)
+      << r.err;
+}
+
+TEST(Cli, UsageErrorsExitTwoWithOneLine) {
+  for (const char* args : {"check", "check --config_path x.yaml --log_level loud", "frobnicate",
+                           "plugins --plugin_dir /nonexistent/plugins", "check --config_path x.yaml --bogus"}) {
+    const Result r = qpipe(args);
+    EXPECT_EQ(r.exitCode, 2) << args << ": " << r.err;
+    expectOneLineError(r);
+    EXPECT_EQ(r.err.rfind("qpipe: usage error: ", 0), 0u) << r.err;
+  }
+}
+
+TEST(Cli, UnknownSubcommandIsNamed) {
+  const Result r = qpipe("frobnicate");
+  EXPECT_EQ(r.err, "qpipe: usage error: unknown subcommand 'frobnicate'; use one of: check, plugins, version "
+                   "(see 'qpipe --help')\n");
+}
+
+TEST(Cli, MissingPipelineFileIsAnIoError) {
+  const Result r = qpipe("check --config_path /nonexistent/p.yaml");
+  EXPECT_EQ(r.exitCode, 6);
+  expectOneLineError(r);
+  EXPECT_EQ(r.err, "qpipe: I/O error: cannot open '/nonexistent/p.yaml': no such file\n");
+}
+
+TEST(Cli, HelpExitsZeroAndListsSubcommands) {
+  const Result r = qpipe("--help");
+  EXPECT_EQ(r.exitCode, 0);
+  for (const char* sub : {"check", "plugins", "version", "--log_level"}) {
+    EXPECT_NE(r.out.find(sub), std::string::npos) << r.out;
+  }
+}
+
+}  // namespace

@@ -1,1 +1,92 @@
+#include "qpipe/config_node.h"
+
 #include <gtest/gtest.h>
+
+#include "test_helpers.h"
+
+namespace qpipe {
+namespace {
+
+using Kind = ConfigNode::Kind;
+
+TEST(ConfigNode, PlainScalarsResolveAsYamlCoreSchemaAndQuotedOnesStayStrings) {
+  const ConfigNode doc = ConfigNode::parseYaml(
+      "i: 42\nf: 1.5\ne: -3e2\nt: True\nn: false\nq: '8'\ns: hello\nz: ~\nempty:\n", "t.yaml");
+  EXPECT_EQ(doc.at("i").asInt(), 42);
+  EXPECT_DOUBLE_EQ(doc.at("f").asFloat(), 1.5);
+  EXPECT_DOUBLE_EQ(doc.at("e").asFloat(), -300.0);
+  EXPECT_TRUE(doc.at("t").asBool());
+  EXPECT_FALSE(doc.at("n").asBool());
+  EXPECT_EQ(doc.at("q").kind(), Kind::kString);
+  EXPECT_EQ(doc.at("q").asString(), "8");
+  EXPECT_EQ(doc.at("s").asString(), "hello");
+  EXPECT_TRUE(doc.at("z").isNull());
+  EXPECT_TRUE(doc.at("empty").isNull());
+  EXPECT_DOUBLE_EQ(doc.at("i").asFloat(), 42.0);  // ints read as numbers
+}
+
+TEST(ConfigNode, LocationsAreOneBasedLineAndColumn) {
+  const ConfigNode doc = ConfigNode::parseYaml("outer:\n  inner: [a, b]\n", "loc.yaml");
+  const ConfigNode& inner = doc.at("outer").at("inner");
+  EXPECT_EQ(inner.location().str(), "loc.yaml:2:10");
+  EXPECT_EQ(inner.items()[1].location().str(), "loc.yaml:2:14");
+}
+
+TEST(ConfigNode, AnchorsAliasesAndMergeKeysResolve) {
+  const ConfigNode doc = ConfigNode::parseYaml(
+      "base: &b {dtype: int8, scope: per_tensor}\n"
+      "copy: *b\n"
+      "merged:\n  <<: *b\n  scope: per_channel\n",
+      "a.yaml");
+  EXPECT_TRUE(doc.at("base").hasAnchor());
+  EXPECT_EQ(doc.at("copy").at("dtype").asString(), "int8");
+  EXPECT_EQ(doc.at("merged").at("dtype").asString(), "int8");
+  EXPECT_EQ(doc.at("merged").at("scope").asString(), "per_channel");  // the map's own key wins
+}
+
+TEST(ConfigNode, DuplicateKeysAreErrorsWithTheirLocation) {
+  const std::string message = test::errorOf(
+      [] { ConfigNode::parseYaml("a: 1\nb: 2\na: 3\n", "dup.yaml"); }, ErrorCode::kConfig);
+  EXPECT_EQ(message, "dup.yaml:3:1: duplicate key 'a'");
+}
+
+TEST(ConfigNode, SyntaxErrorsNameFileLineAndColumn) {
+  const std::string message =
+      test::errorOf([] { ConfigNode::parseYaml("a: [1, 2\nb: 3\n", "bad.yaml"); }, ErrorCode::kConfig);
+  EXPECT_EQ(message.rfind("bad.yaml:", 0), 0u) << message;
+  EXPECT_NE(message.find("YAML syntax error"), std::string::npos) << message;
+}
+
+TEST(ConfigNode, MoreThanOneDocumentIsRejected) {
+  const std::string message =
+      test::errorOf([] { ConfigNode::parseYaml("a: 1\n---\nb: 2\n", "two.yaml"); }, ErrorCode::kConfig);
+  EXPECT_EQ(message, "two.yaml: holds more than one YAML document; put the pipeline in one");
+}
+
+TEST(ConfigNode, WrongKindAccessNamesTheLocation) {
+  const ConfigNode doc = ConfigNode::parseYaml("a: text\n", "k.yaml");
+  const std::string message = test::errorOf([&] { doc.at("a").asInt(); }, ErrorCode::kConfig);
+  EXPECT_EQ(message, "k.yaml:1:4: expected an integer, got a string");
+  EXPECT_EQ(test::errorOf([&] { doc.at("b"); }, ErrorCode::kConfig), "k.yaml:1:1: missing field 'b'");
+}
+
+TEST(ConfigNode, ToYamlReadsBackToTheSameValues) {
+  const ConfigNode doc = ConfigNode::parseYaml(
+      "name: x\nquoted: '8'\nflag: true\nlist: [a, '1']\nnested:\n  - {k: 1.5}\n", "r.yaml");
+  const ConfigNode again = ConfigNode::parseYaml(doc.toYaml(), "again.yaml");
+  EXPECT_EQ(again.at("name").asString(), "x");
+  EXPECT_EQ(again.at("quoted").kind(), Kind::kString);
+  EXPECT_EQ(again.at("quoted").asString(), "8");
+  EXPECT_TRUE(again.at("flag").asBool());
+  EXPECT_EQ(again.at("list").asStringList(), (std::vector<std::string>{"a", "1"}));
+  EXPECT_DOUBLE_EQ(again.at("nested").items()[0].at("k").asFloat(), 1.5);
+}
+
+TEST(ConfigNode, MissingFileIsAnIoError) {
+  const std::string message =
+      test::errorOf([] { ConfigNode::loadYamlFile("/nonexistent/pipeline.yaml"); }, ErrorCode::kIo);
+  EXPECT_EQ(message, "cannot open '/nonexistent/pipeline.yaml': no such file");
+}
+
+}  // namespace
+}  // namespace qpipe

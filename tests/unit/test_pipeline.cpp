@@ -1,1 +1,194 @@
+#include "qpipe/pipeline.h"
+
 #include <gtest/gtest.h>
+
+#include "qpipe/log.h"
+#include "qpipe/plugin.h"
+#include "qpipe/plugin_loader.h"
+#include "qpipe/registry.h"
+#include "test_helpers.h"
+
+QPIPE_DECLARE_STATIC_PLUGIN(log_layers);
+
+namespace qpipe {
+namespace {
+
+const std::filesystem::path kPipelines = std::filesystem::path(QPIPE_SOURCE_DIR) / "tests/fixtures/pipelines";
+
+// Counts lifecycle calls; needs calibration data, unlike log_layers.
+class Recorder final : public Processor {
+ public:
+  explicit Recorder(std::vector<std::string>& calls) : calls_(calls) {}
+  void preRun() override { calls_.push_back("preRun"); }
+  void preprocess(LayerRequest& r) override { calls_.push_back("preprocess " + r.name); }
+  void postprocess(LayerRequest& r) override { calls_.push_back("postprocess " + r.name); }
+  void postRun() override { calls_.push_back("postRun"); }
+  bool supportDistributed() const override { return false; }
+
+ private:
+  std::vector<std::string>& calls_;
+};
+
+class PipelineTest : public ::testing::Test {
+ protected:
+  PipelineTest() : loader_(registry_) {
+    loader_.addStatic(qpipe_plugin_descriptor_log_layers());
+    Schema schema;
+    schema.includeExclude();
+    registry_.add({{nullptr,
+                    {.type = "recorder",
+                     .description = "test",
+                     .schema = schema,
+                     .factory = [this](const ConfigNode&, const ProcessorContext&) {
+                       return std::make_unique<Recorder>(calls_);
+                     }},
+                    "test",
+                    "test"}});
+  }
+
+  Pipeline load(const std::string& yaml) { return loadPipeline(test::writeTempFile("p.yaml", yaml), registry_); }
+  std::string loadError(const std::string& yaml) {
+    return test::errorOf([&] { load(yaml); }, ErrorCode::kConfig);
+  }
+
+  ProcessorRegistry registry_;
+  PluginLoader loader_;
+  std::vector<std::string> calls_;
+};
+
+TEST_F(PipelineTest, ValidPipelineResolvesAnchorsGroupsMetadataAndSavers) {
+  const Pipeline p = loadPipeline(kPipelines / "log_layers.yaml", registry_);
+  EXPECT_EQ(p.apiVersion, "modelslim_v1");
+  EXPECT_EQ(p.metadata.configId, "test-log-layers");
+  EXPECT_DOUBLE_EQ(p.metadata.score, 90);
+  ASSERT_TRUE(p.metadata.label.has_value());
+  EXPECT_EQ(p.metadata.label->wBit, 8);
+  EXPECT_EQ(p.metadata.label->aBit, 8);
+  EXPECT_EQ(p.metadata.verifiedModelTypes, (std::vector<std::string>{"Llama", "Qwen3"}));
+  EXPECT_EQ(p.runner, "auto");
+  ASSERT_EQ(p.process.size(), 2u);
+  EXPECT_EQ(p.process[0].type, "log_layers");
+  EXPECT_EQ(p.process[0].config.at("prefix").asString(), "attn ");  // from the merged anchor
+  EXPECT_EQ(p.process[0].config.at("include").asStringList(), std::vector<std::string>{"*self_attn*"});
+  EXPECT_EQ(p.process[1].type, "group");
+  ASSERT_EQ(p.process[1].children.size(), 2u);
+  EXPECT_EQ(p.process[1].children[0].config.at("prefix").asString(), "layer ");  // schema default
+  EXPECT_EQ(p.process[1].children[1].path, "spec.process[1].configs[1]");
+  ASSERT_EQ(p.save.size(), 1u);
+  EXPECT_EQ(p.save[0].type, "compressed_tensors");
+  EXPECT_DOUBLE_EQ(p.save[0].config.at("part_file_size").asFloat(), 2);
+
+  const std::string resolved = p.resolved.toYaml();
+  EXPECT_EQ(resolved.find("attention_only"), std::string::npos) << resolved;  // anchor holders dropped
+  EXPECT_NE(resolved.find("prefix: \"layer \""), std::string::npos) << resolved;
+}
+
+TEST_F(PipelineTest, UnknownTypeNamesFileLineTypeAndKnownTypes) {
+  const std::string message = test::errorOf(
+      [&] { loadPipeline(kPipelines / "unknown_type.yaml", registry_); }, ErrorCode::kConfig);
+  EXPECT_EQ(message, (kPipelines / "unknown_type.yaml").string() +
+                         ":6:13: spec.process[1].type: unknown processor type 'awq_magic'; known types: group, "
+                         "log_layers, recorder (plugins are searched in --plugin_dir, QPIPE_PLUGIN_PATH, then the "
+                         "built-in folder; `qpipe plugins` lists them)");
+}
+
+TEST_F(PipelineTest, ProcessorFieldErrorsCarryTheirPath) {
+  const std::string message = loadError(
+      "apiversion: modelslim_v1\nspec:\n  process:\n    - type: group\n      configs:\n"
+      "        - {type: log_layers, prefx: x}\n");
+  EXPECT_NE(message.find(":6:37: spec.process[0].configs[0].prefx: unknown field; did you mean 'prefix'?"),
+            std::string::npos)
+      << message;
+}
+
+TEST_F(PipelineTest, DocumentLevelErrors) {
+  EXPECT_NE(loadError("apiversion: v2\nspec: {process: [{type: log_layers}]}\n")
+                .find(":1:13: apiversion: 'v2' is not one of: modelslim_v1"),
+            std::string::npos);
+  EXPECT_NE(loadError("spec: {process: [{type: log_layers}]}\n")
+                .find(":1:1: document: missing required field 'apiversion'"),
+            std::string::npos);
+  EXPECT_NE(loadError("apiversion: modelslim_v1\nspce: {process: []}\n")
+                .find(":2:7: spce: unknown top-level field; expected apiversion, metadata, spec"),
+            std::string::npos);
+  EXPECT_NE(loadError("apiversion: modelslim_v1\nspec: {process: []}\n")
+                .find(":2:17: spec.process: the list of processors is empty"),
+            std::string::npos);
+  EXPECT_NE(loadError("apiversion: modelslim_v1\nspec: {process: {type: log_layers}}\n")
+                .find(":2:17: spec.process: expected a list of processors, got a mapping"),
+            std::string::npos);
+  EXPECT_NE(loadError("apiversion: modelslim_v1\nspec: {process: [{include: ['*']}]}\n")
+                .find(":2:18: spec.process[0]: missing required field 'type'"),
+            std::string::npos);
+  EXPECT_NE(loadError("[1, 2]\n").find(":1:1: document: expected a pipeline mapping"), std::string::npos);
+}
+
+TEST_F(PipelineTest, SaverErrors) {
+  const std::string head = "apiversion: modelslim_v1\nspec:\n  process: [{type: log_layers}]\n";
+  EXPECT_NE(loadError(head + "  save: [{type: gguf}]\n")
+                .find(":4:17: spec.save[0].type: unknown saver type 'gguf'; known types: compressed_tensors, "
+                      "ascendv1_saver"),
+            std::string::npos);
+  EXPECT_NE(loadError(head + "  save: [{type: ascendv1_saver, part_file_size: -1}]\n")
+                .find("spec.save[0].part_file_size: must be >= 0"),
+            std::string::npos);
+  EXPECT_NE(loadError(head + "  process: []\n").find(":4:3: duplicate key 'process'"), std::string::npos);
+}
+
+TEST_F(PipelineTest, GroupNeedsChildren) {
+  EXPECT_NE(loadError("apiversion: modelslim_v1\nspec: {process: [{type: group, configs: []}]}\n")
+                .find("spec.process[0].configs: the list of processors is empty"),
+            std::string::npos);
+  EXPECT_NE(loadError("apiversion: modelslim_v1\nspec: {process: [{type: group}]}\n")
+                .find("spec.process[0]: missing required field 'configs'"),
+            std::string::npos);
+}
+
+TEST_F(PipelineTest, GroupRunsChildrenInOrderOverOneForward) {
+  const Pipeline p = load(
+      "apiversion: modelslim_v1\nspec:\n  process:\n    - type: group\n      configs:\n"
+      "        - {type: recorder}\n        - {type: log_layers}\n");
+  std::vector<std::string> logged;
+  auto logger = std::make_shared<Logger>([&](LogLevel, std::string_view m) { logged.emplace_back(m); });
+  auto processors = buildProcessors(p, registry_, {.logger = logger});
+  ASSERT_EQ(processors.size(), 1u);
+  Processor& group = *processors[0];
+  EXPECT_FALSE(group.isDataFree());           // one child needs data
+  EXPECT_FALSE(group.supportDistributed());   // every child must support it
+
+  int forwards = 0;
+  LayerRequest request{.name = "model.layers.0", .inputs = {{}, {}}, .forward = [&](LayerRequest&) { ++forwards; }};
+  group.preRun();
+  group.preprocess(request);
+  group.process(request);
+  group.postprocess(request);
+  group.postRun();
+  EXPECT_EQ(forwards, 1);
+  EXPECT_EQ(calls_, (std::vector<std::string>{"preRun", "preprocess model.layers.0", "postprocess model.layers.0",
+                                              "postRun"}));
+  EXPECT_EQ(logged, (std::vector<std::string>{"layer model.layers.0: 2 calibration samples", "layer 1 layers logged"}));
+}
+
+TEST_F(PipelineTest, DataFreeProcessorsRunNoForwardAndUnmatchedPatternsWarn) {
+  const Pipeline p = load(
+      "apiversion: modelslim_v1\nspec:\n  process:\n"
+      "    - {type: log_layers, include: ['model.layers.*', 'vision.*'], exclude: ['*.7']}\n");
+  std::vector<std::pair<LogLevel, std::string>> logged;
+  auto logger = std::make_shared<Logger>([&](LogLevel l, std::string_view m) { logged.emplace_back(l, m); });
+  auto processors = buildProcessors(p, registry_, {.logger = logger});
+  Processor& processor = *processors[0];
+  EXPECT_TRUE(processor.isDataFree());
+  EXPECT_TRUE(processor.supportDistributed());
+  int forwards = 0;
+  LayerRequest request{.name = "model.layers.0", .forward = [&](LayerRequest&) { ++forwards; }};
+  processor.process(request);
+  processor.preprocess(request);
+  processor.postRun();
+  EXPECT_EQ(forwards, 0);
+  ASSERT_EQ(logged.size(), 4u);
+  EXPECT_EQ(logged[1], std::make_pair(LogLevel::kWarn, std::string("log_layers: include 'vision.*' matched no layer")));
+  EXPECT_EQ(logged[2], std::make_pair(LogLevel::kWarn, std::string("log_layers: exclude '*.7' matched no layer")));
+}
+
+}  // namespace
+}  // namespace qpipe

@@ -1,1 +1,183 @@
+#include "qpipe/plugin_loader.h"
+
 #include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "qpipe/config_node.h"
+#include "qpipe/log.h"
+#include "qpipe/plugin.h"
+#include "test_helpers.h"
+
+QPIPE_DECLARE_STATIC_PLUGIN(log_layers);
+
+namespace qpipe {
+namespace {
+
+namespace fs = std::filesystem;
+
+const fs::path kFaults = fs::path(QPIPE_TEST_PLUGIN_DIR) / "faults";
+const fs::path kExample = fs::path(QPIPE_TEST_PLUGIN_DIR) / "example";
+
+fs::path fault(const std::string& kind) { return kFaults / ("libfault_" + kind + ".so"); }
+
+std::string loadError(const fs::path& library) {
+  ProcessorRegistry registry;
+  PluginLoader loader(registry);
+  const std::string message = test::errorOf([&] { loader.loadLibrary(library); }, ErrorCode::kPlugin);
+  EXPECT_TRUE(registry.entries().empty());
+  return message;
+}
+
+std::string prefix(const fs::path& library) { return "plugin library '" + library.string() + "': "; }
+
+TEST(PluginLoader, LibraryWithoutDescriptorIsRejected) {
+  EXPECT_EQ(loadError(fault("no_descriptor")),
+            prefix(fault("no_descriptor")) +
+                "no qpipe plugin descriptor (symbol 'qpipe_plugin_descriptor_v1' is not exported); build the plugin "
+                "with qpipe_add_plugin() and QPIPE_PLUGIN(...)");
+}
+
+TEST(PluginLoader, AbiMajorMismatchIsRejectedBeforeAnyPluginCode) {
+  EXPECT_EQ(loadError(fault("abi_major")),
+            prefix(fault("abi_major")) + "plugin ABI 2.0 is not compatible with this qpipe (plugin ABI 1.0); rebuild "
+                                         "the plugin against qpipe " QPIPE_VERSION);
+}
+
+TEST(PluginLoader, FingerprintMismatchIsRejected) {
+  EXPECT_EQ(loadError(fault("fingerprint")),
+            prefix(fault("fingerprint")) + "build fingerprint 'gcc-4.8|cxx11abi=0|torch=1.13.1|qpipe=0.0.1' does not "
+                                           "match this qpipe's '" QPIPE_BUILD_FINGERPRINT
+                                           "'; rebuild the plugin with the same compiler, LibTorch and qpipe");
+}
+
+TEST(PluginLoader, FileThatIsNotASharedLibraryIsRejected) {
+  EXPECT_EQ(loadError(kFaults / "libfault_not_elf.so"),
+            prefix(kFaults / "libfault_not_elf.so") + "not a shared library (not an ELF file for this platform)");
+  EXPECT_EQ(loadError(kFaults / "missing.so"), prefix(kFaults / "missing.so") + "not a regular file");
+}
+
+TEST(PluginLoader, DuplicateTypeRejectsTheSecondPluginWhole) {
+  ProcessorRegistry registry;
+  PluginLoader loader(registry);
+  loader.loadLibrary(fault("duplicate_a"));
+  const std::string message = test::errorOf([&] { loader.loadLibrary(fault("duplicate_b")); }, ErrorCode::kPlugin);
+  EXPECT_EQ(message, prefix(fault("duplicate_b")) + "processor type 'duplicate_type' is registered by plugin "
+                                                    "'fault_duplicate_b' (" + fault("duplicate_b").string() +
+                         ") and already by plugin 'fault_duplicate_a' (" + fault("duplicate_a").string() + ")");
+  ASSERT_EQ(registry.entries().size(), 1u);
+  EXPECT_EQ(registry.entries()[0].plugin, "fault_duplicate_a");
+  EXPECT_EQ(loader.loaded().size(), 1u);
+}
+
+TEST(PluginLoader, ThrowingFactoryBecomesOneErrorNamingTheProcessor) {
+  ProcessorRegistry registry;
+  PluginLoader loader(registry);
+  loader.loadLibrary(fault("factory_throws"));
+  const ConfigNode config = ConfigNode::parseYaml("{}", "f.yaml");
+  const std::string message = test::errorOf(
+      [&] { registry.create("factory_throws", config, "spec.process[0]", {.logger = log::logger()}); },
+      ErrorCode::kPlugin);
+  EXPECT_EQ(message, "f.yaml:1:1: spec.process[0]: processor 'factory_throws' (plugin 'fault_factory_throws') could "
+                     "not be created: cannot build: no device");
+}
+
+TEST(PluginLoader, ThrowingProcessBecomesOneErrorNamingProcessorCallAndLayer) {
+  ProcessorRegistry registry;
+  PluginLoader loader(registry);
+  loader.loadLibrary(fault("process_throws"));
+  auto processor = registry.create("process_throws", ConfigNode::map(), "p", {.logger = log::logger()});
+  LayerRequest request{.name = "model.layers.3"};
+  processor->preprocess(request);  // the default implementations run fine
+  const std::string message = test::errorOf([&] { processor->process(request); }, ErrorCode::kPlugin);
+  EXPECT_EQ(message, "processor 'process_throws' (plugin 'fault_process_throws') failed in process(model.layers.3): "
+                     "calibration exploded");
+}
+
+TEST(PluginLoader, ProcessorsKeepTheirLibraryLoadedAfterLoaderAndRegistryAreGone) {
+  std::unique_ptr<Processor> processor;
+  std::vector<std::string> logged;
+  auto logger = std::make_shared<Logger>([&](LogLevel, std::string_view m) { logged.emplace_back(m); });
+  {
+    ProcessorRegistry registry;
+    PluginLoader loader(registry);
+    loader.loadLibrary(kExample / "liblog_layers.so");
+    processor = registry.create("log_layers", ConfigNode::map(), "p", {.logger = logger});
+  }
+  LayerRequest request{.name = "model.layers.0"};
+  processor->preprocess(request);  // code in the library: it must still be mapped
+  processor.reset();
+  EXPECT_EQ(logged, std::vector<std::string>{"layer model.layers.0: 0 calibration samples"});
+}
+
+TEST(PluginLoader, DirectoryScanLoadsGoodLibrariesAndRecordsEveryRejection) {
+  ProcessorRegistry registry;
+  PluginLoader loader(registry);
+  loader.loadDirectories({{kFaults, "--plugin_dir"}, {kExample, "built-in"}});
+  std::vector<std::string> loaded;
+  for (const auto& record : loader.loaded()) loaded.push_back(record.name);
+  EXPECT_EQ(loaded, (std::vector<std::string>{"fault_duplicate_a", "fault_factory_throws", "fault_process_throws",
+                                              "log_layers"}));
+  std::vector<std::string> rejected;
+  for (const auto& record : loader.rejected()) rejected.push_back(fs::path(record.path).filename().string());
+  EXPECT_EQ(rejected, (std::vector<std::string>{"libfault_abi_major.so", "libfault_duplicate_b.so",
+                                                "libfault_fingerprint.so", "libfault_no_descriptor.so",
+                                                "libfault_not_elf.so"}));
+  EXPECT_EQ(registry.types(), (std::vector<std::string>{"duplicate_type", "factory_throws", "group", "log_layers",
+                                                        "process_throws"}));
+}
+
+TEST(PluginLoader, EarlierSearchDirectoryShadowsASamePluginLater) {
+  const fs::path copy = fs::temp_directory_path() / "qpipe-test-shadow";
+  fs::create_directories(copy);
+  fs::copy_file(kExample / "liblog_layers.so", copy / "liblog_layers.so", fs::copy_options::overwrite_existing);
+  ProcessorRegistry registry;
+  PluginLoader loader(registry);
+  loader.loadDirectories({{copy, "--plugin_dir"}, {kExample, "built-in"}});
+  ASSERT_EQ(loader.loaded().size(), 1u);
+  EXPECT_EQ(loader.loaded()[0].origin, (copy / "liblog_layers.so").string());
+  ASSERT_EQ(loader.rejected().size(), 1u);
+  EXPECT_EQ(loader.rejected()[0].reason, "plugin 'log_layers' is already loaded from " +
+                                             (copy / "liblog_layers.so").string() +
+                                             ", which comes first in the search order; this copy is ignored");
+}
+
+TEST(PluginLoader, StaticallyLinkedPluginRegistersLikeALibrary) {
+  ProcessorRegistry registry;
+  PluginLoader loader(registry);
+  const PluginRecord record = loader.addStatic(qpipe_plugin_descriptor_log_layers());
+  EXPECT_EQ(record.name, "log_layers");
+  EXPECT_EQ(record.version, "1.0.0");
+  EXPECT_EQ(record.origin, "static:log_layers");
+  EXPECT_EQ(record.types, std::vector<std::string>{"log_layers"});
+  ASSERT_NE(registry.find("log_layers"), nullptr);
+}
+
+TEST(PluginLoader, SearchPathOrderIsPluginDirThenEnvironmentThenBuiltIn) {
+  const fs::path envDir = fs::temp_directory_path() / "qpipe-test-env-plugins";
+  fs::create_directories(envDir);
+  ::setenv("QPIPE_PLUGIN_PATH", (envDir.string() + "::/nonexistent/dir").c_str(), 1);
+  const auto dirs = PluginLoader::searchPath(kFaults, kExample);
+  ::unsetenv("QPIPE_PLUGIN_PATH");
+  ASSERT_EQ(dirs.size(), 3u);
+  EXPECT_EQ(dirs[0].dir, kFaults);
+  EXPECT_EQ(dirs[0].source, "--plugin_dir");
+  EXPECT_EQ(dirs[1].dir, envDir);
+  EXPECT_EQ(dirs[1].source, "QPIPE_PLUGIN_PATH");
+  EXPECT_EQ(dirs[2].dir, kExample);
+  EXPECT_EQ(dirs[2].source, "built-in");
+  EXPECT_EQ(test::errorOf([] { PluginLoader::searchPath(fs::path("/nonexistent/plugins"), {}); }, ErrorCode::kUsage),
+            "--plugin_dir '/nonexistent/plugins' is not a directory");
+}
+
+TEST(ProcessorRegistry, CoreTypesAreReserved) {
+  ProcessorRegistry registry;
+  ProcessorInfo info{.type = "group", .factory = [](const ConfigNode&, const ProcessorContext&) {
+                       return std::make_unique<Processor>();
+                     }};
+  EXPECT_EQ(test::errorOf([&] { registry.add({{nullptr, info, "mine", "static:mine"}}); }, ErrorCode::kPlugin),
+            "plugin 'mine' registers processor type 'group', which is reserved by qpipe's core");
+}
+
+}  // namespace
+}  // namespace qpipe

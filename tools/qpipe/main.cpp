@@ -3,11 +3,27 @@
 #include <CLI/CLI.hpp>
 
 #include <iostream>
+#include <string>
 #include <vector>
 
 #include "commands.h"
 #include "qpipe/error.h"
 #include "qpipe/log.h"
+
+namespace {
+
+// CLI11 reports an unknown subcommand as a missing one; name it instead.
+std::string usageMessage(CLI::App& app, const CLI::ParseError& e) {
+  const std::vector<std::string> extras = app.remaining();
+  if (!extras.empty() && !extras.front().starts_with("-") && app.get_subcommands().empty()) {
+    std::string names;
+    for (const CLI::App* sub : app.get_subcommands({})) names += (names.empty() ? "" : ", ") + sub->get_name();
+    return "unknown subcommand '" + extras.front() + "'; use one of: " + names;
+  }
+  return e.what();
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace qpipe;
@@ -31,7 +47,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::cerr << "qpipe: usage error: " << e.what() << " (see 'qpipe --help')\n";
+    std::cerr << "qpipe: usage error: " << usageMessage(app, e) << " (see 'qpipe --help')\n";
     return static_cast<int>(ErrorCode::kUsage);
   }
 
