@@ -322,6 +322,7 @@ void emitNode(YAML::Emitter& out, const ConfigNode& node) {
       break;
     }
     case ConfigNode::Kind::kMap:
+      if (node.entries().empty()) out << YAML::Flow;
       out << YAML::BeginMap;
       for (const auto& [key, value] : node.entries()) {
         out << YAML::Key << key << YAML::Value;

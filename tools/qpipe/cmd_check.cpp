@@ -34,7 +34,7 @@ void checkPipeline(const CheckOptions& options) {
   // Constructing every processor runs the plugins' own checks of their configuration.
   const auto processors = buildProcessors(pipeline, registry, {.logger = log::logger()});
 
-  std::cout << pipeline.resolved.toYaml();
+  std::cout << pipeline.resolved.toYaml() << std::flush;
   log::logger()->info(options.configPath, ": valid (", countProcessors(pipeline.process), " processors, ",
                       pipeline.save.size(), " savers)");
 }
