@@ -22,13 +22,20 @@ std::string SourceLocation::str() const {
   return detail::concat(file, ":", line, ":", column);
 }
 
-ConfigNode::ConfigNode(Value value, SourceLocation where)
-    : value_(std::move(value)), location_(std::move(where)) {}
+ConfigNode::ConfigNode(Value value, SourceLocation where) : value_(std::move(value)), location_(std::move(where)) {}
 
-ConfigNode ConfigNode::null(SourceLocation where) { return {std::monostate{}, std::move(where)}; }
-ConfigNode ConfigNode::boolean(bool value, SourceLocation where) { return {value, std::move(where)}; }
-ConfigNode ConfigNode::integer(int64_t value, SourceLocation where) { return {value, std::move(where)}; }
-ConfigNode ConfigNode::number(double value, SourceLocation where) { return {value, std::move(where)}; }
+ConfigNode ConfigNode::null(SourceLocation where) {
+  return {std::monostate{}, std::move(where)};
+}
+ConfigNode ConfigNode::boolean(bool value, SourceLocation where) {
+  return {value, std::move(where)};
+}
+ConfigNode ConfigNode::integer(int64_t value, SourceLocation where) {
+  return {value, std::move(where)};
+}
+ConfigNode ConfigNode::number(double value, SourceLocation where) {
+  return {value, std::move(where)};
+}
 ConfigNode ConfigNode::string(std::string value, SourceLocation where) {
   ConfigNode node{Value{std::in_place_type<std::string>, value}, std::move(where)};
   node.text_ = std::move(value);
@@ -47,24 +54,33 @@ ConfigNode ConfigNode::stringList(const std::vector<std::string>& items) {
   return list(std::move(nodes));
 }
 
-ConfigNode::Kind ConfigNode::kind() const { return static_cast<Kind>(value_.index()); }
+ConfigNode::Kind ConfigNode::kind() const {
+  return static_cast<Kind>(value_.index());
+}
 
 std::string_view ConfigNode::kindName(Kind kind) {
   switch (kind) {
-    case Kind::kNull: return "null";
-    case Kind::kBool: return "a boolean";
-    case Kind::kInt: return "an integer";
-    case Kind::kFloat: return "a number";
-    case Kind::kString: return "a string";
-    case Kind::kList: return "a list";
-    case Kind::kMap: return "a mapping";
+    case Kind::kNull:
+      return "null";
+    case Kind::kBool:
+      return "a boolean";
+    case Kind::kInt:
+      return "an integer";
+    case Kind::kFloat:
+      return "a number";
+    case Kind::kString:
+      return "a string";
+    case Kind::kList:
+      return "a list";
+    case Kind::kMap:
+      return "a mapping";
   }
   return "?";
 }
 
 void ConfigNode::wrongKind(Kind expected) const {
-  throw Error(ErrorCode::kConfig, detail::concat(location_.str(), ": expected ", kindName(expected),
-                                                 ", got ", kindName(kind())));
+  throw Error(ErrorCode::kConfig,
+              detail::concat(location_.str(), ": expected ", kindName(expected), ", got ", kindName(kind())));
 }
 
 bool ConfigNode::asBool() const {
@@ -185,8 +201,7 @@ class Builder : public YAML::EventHandler {
   void OnScalar(const YAML::Mark& mark, const std::string& tag, YAML::anchor_t anchor,
                 const std::string& value) override {
     const bool quoted = tag == "!" || tag == "tag:yaml.org,2002:str";
-    emit(quoted ? ConfigNode::string(value, where(mark)) : resolvePlainScalar(value, where(mark)), anchor,
-         mark);
+    emit(quoted ? ConfigNode::string(value, where(mark)) : resolvePlainScalar(value, where(mark)), anchor, mark);
   }
 
   void OnSequenceStart(const YAML::Mark& mark, const std::string&, YAML::anchor_t anchor,
@@ -253,8 +268,8 @@ class Builder : public YAML::EventHandler {
     }
     // A key the map sets itself overrides one that came in through `<<`, once.
     const bool merged = parent.mergedKeys.erase(key) > 0;
-    QPIPE_REQUIRE(merged || parent.node.find(key) == nullptr, ErrorCode::kConfig,
-                  where(keyMarks_[stack_.size()]).str(), ": duplicate key '", key, "'");
+    QPIPE_REQUIRE(merged || parent.node.find(key) == nullptr, ErrorCode::kConfig, where(keyMarks_[stack_.size()]).str(),
+                  ": duplicate key '", key, "'");
     parent.node.set(std::move(key), std::move(node));
   }
 
@@ -290,18 +305,26 @@ ConfigNode parseStream(std::istream& in, const std::string& fileName) {
     QPIPE_REQUIRE(!parser.HandleNextDocument(extra), ErrorCode::kConfig, fileName,
                   ": holds more than one YAML document; put the pipeline in one");
   } catch (const YAML::Exception& e) {
-    throw Error(ErrorCode::kConfig, detail::concat(fileName, ":", e.mark.line + 1, ":", e.mark.column + 1,
-                                                   ": YAML syntax error: ", e.msg));
+    throw Error(ErrorCode::kConfig,
+                detail::concat(fileName, ":", e.mark.line + 1, ":", e.mark.column + 1, ": YAML syntax error: ", e.msg));
   }
   return builder.takeRoot();
 }
 
 void emitNode(YAML::Emitter& out, const ConfigNode& node) {
   switch (node.kind()) {
-    case ConfigNode::Kind::kNull: out << YAML::Null; break;
-    case ConfigNode::Kind::kBool: out << node.asBool(); break;
-    case ConfigNode::Kind::kInt: out << node.asInt(); break;
-    case ConfigNode::Kind::kFloat: out << node.asFloat(); break;
+    case ConfigNode::Kind::kNull:
+      out << YAML::Null;
+      break;
+    case ConfigNode::Kind::kBool:
+      out << node.asBool();
+      break;
+    case ConfigNode::Kind::kInt:
+      out << node.asInt();
+      break;
+    case ConfigNode::Kind::kFloat:
+      out << node.asFloat();
+      break;
     case ConfigNode::Kind::kString: {
       // Quote strings that would read back as another kind.
       const std::string& text = node.asString();
@@ -337,8 +360,8 @@ void emitNode(YAML::Emitter& out, const ConfigNode& node) {
 
 ConfigNode ConfigNode::loadYamlFile(const std::filesystem::path& file) {
   std::ifstream in(file);
-  QPIPE_REQUIRE(in.good(), ErrorCode::kIo, "cannot open '", file.string(), "': ",
-                std::filesystem::exists(file) ? "permission denied or not a file" : "no such file");
+  QPIPE_REQUIRE(in.good(), ErrorCode::kIo, "cannot open '", file.string(),
+                "': ", std::filesystem::exists(file) ? "permission denied or not a file" : "no such file");
   return parseStream(in, file.string());
 }
 

@@ -6,21 +6,28 @@ Error::~Error() = default;
 
 std::string_view errorCodeName(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kInternal: return "internal error";
-    case ErrorCode::kUsage: return "usage error";
-    case ErrorCode::kConfig: return "configuration error";
-    case ErrorCode::kPlugin: return "plugin error";
-    case ErrorCode::kInput: return "input error";
-    case ErrorCode::kIo: return "I/O error";
-    case ErrorCode::kDistributed: return "distributed error";
+    case ErrorCode::kInternal:
+      return "internal error";
+    case ErrorCode::kUsage:
+      return "usage error";
+    case ErrorCode::kConfig:
+      return "configuration error";
+    case ErrorCode::kPlugin:
+      return "plugin error";
+    case ErrorCode::kInput:
+      return "input error";
+    case ErrorCode::kIo:
+      return "I/O error";
+    case ErrorCode::kDistributed:
+      return "distributed error";
   }
   return "error";
 }
 
 namespace detail {
 void failInternalCheck(const char* condition, const char* file, int line, const std::string& message) {
-  throw Error(ErrorCode::kInternal, concat(message.empty() ? "internal check failed" : message,
-                                           " [check '", condition, "' at ", file, ":", line, "]"));
+  throw Error(ErrorCode::kInternal, concat(message.empty() ? "internal check failed" : message, " [check '", condition,
+                                           "' at ", file, ":", line, "]"));
 }
 }  // namespace detail
 

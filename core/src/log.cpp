@@ -12,7 +12,9 @@ namespace qpipe::log {
 
 namespace {
 
-std::string pattern(const std::string& rankTag) { return "[%H:%M:%S.%e]" + rankTag + " [%^%l%$] %v"; }
+std::string pattern(const std::string& rankTag) {
+  return "[%H:%M:%S.%e]" + rankTag + " [%^%l%$] %v";
+}
 
 const std::shared_ptr<spdlog::logger>& backend() {
   static const std::shared_ptr<spdlog::logger> instance = [] {
@@ -27,12 +29,18 @@ const std::shared_ptr<spdlog::logger>& backend() {
 
 spdlog::level::level_enum toSpdlog(LogLevel level) {
   switch (level) {
-    case LogLevel::kTrace: return spdlog::level::trace;
-    case LogLevel::kDebug: return spdlog::level::debug;
-    case LogLevel::kInfo: return spdlog::level::info;
-    case LogLevel::kWarn: return spdlog::level::warn;
-    case LogLevel::kError: return spdlog::level::err;
-    case LogLevel::kOff: return spdlog::level::off;
+    case LogLevel::kTrace:
+      return spdlog::level::trace;
+    case LogLevel::kDebug:
+      return spdlog::level::debug;
+    case LogLevel::kInfo:
+      return spdlog::level::info;
+    case LogLevel::kWarn:
+      return spdlog::level::warn;
+    case LogLevel::kError:
+      return spdlog::level::err;
+    case LogLevel::kOff:
+      return spdlog::level::off;
   }
   return spdlog::level::info;
 }
@@ -57,15 +65,16 @@ LogLevel parseLevel(std::string_view level) {
   for (const auto& [name, value] : kLevels) {
     if (name == level) return value;
   }
-  throw Error(ErrorCode::kUsage, detail::concat("unknown log level '", level,
-                                                "'; use one of trace, debug, info, warn, error, off"));
+  throw Error(ErrorCode::kUsage,
+              detail::concat("unknown log level '", level, "'; use one of trace, debug, info, warn, error, off"));
 }
 
-void setLevel(std::string_view level) { logger()->setLevel(parseLevel(level)); }
+void setLevel(std::string_view level) {
+  logger()->setLevel(parseLevel(level));
+}
 
 void setRank(int rank, int worldSize) {
-  backend()->set_pattern(
-      pattern(worldSize > 1 ? detail::concat(" [rank ", rank, "/", worldSize, "]") : std::string()));
+  backend()->set_pattern(pattern(worldSize > 1 ? detail::concat(" [rank ", rank, "/", worldSize, "]") : std::string()));
 }
 
 void shutdown() {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "config_errors.h"
 #include "qpipe/error.h"
 #include "qpipe/registry.h"
 #include "qpipe/schema.h"
@@ -12,15 +13,8 @@ namespace {
 
 constexpr const char* kGroupType = "group";
 
-[[noreturn]] void fail(const ConfigNode& at, const std::string& path, const std::string& what) {
-  throw Error(ErrorCode::kConfig, detail::concat(at.location().str(), ": ", path, ": ", what));
-}
-
-std::string join(const std::vector<std::string>& items) {
-  std::string out;
-  for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
-  return out;
-}
+using detail::failAt;
+using detail::join;
 
 const Schema& documentSchema() {
   static const Schema kSchema = [] {
@@ -44,8 +38,12 @@ const Schema& documentSchema() {
         .optional("save", ValueType::kAny, ConfigNode::list(), "savers")
         .optional("dataset", ValueType::kString, ConfigNode::string(""), "calibration data file");
     Schema document;
-    document.add({.name = "apiversion", .type = ValueType::kString, .help = "schema version",
-                  .required = true, .allowed = {"modelslim_v1"}})
+    document
+        .add({.name = "apiversion",
+              .type = ValueType::kString,
+              .help = "schema version",
+              .required = true,
+              .allowed = {"modelslim_v1"}})
         .nested("metadata", std::move(metadata), false, "practice metadata")
         .nested("spec", std::move(spec), true, "what the pipeline does");
     return document;
@@ -57,8 +55,7 @@ const Schema& saverSchema() {
   static const Schema kSchema = [] {
     Schema schema;
     schema.required("type", ValueType::kString, "saver")
-        .optional("part_file_size", ValueType::kFloat, ConfigNode::number(4),
-                  "shard size in GB; 0 writes one file")
+        .optional("part_file_size", ValueType::kFloat, ConfigNode::number(4), "shard size in GB; 0 writes one file")
         .optional("ext", ValueType::kAny, ConfigNode::map(), "format-specific options");
     return schema;
   }();
@@ -82,12 +79,14 @@ const Schema& groupSchema() {
 std::vector<ProcessStep> parseSteps(const ConfigNode& list, const std::string& path, const ProcessorRegistry& registry);
 
 ProcessStep parseStep(const ConfigNode& node, const std::string& path, const ProcessorRegistry& registry) {
-  if (!node.isMap()) fail(node, path, detail::concat("expected a processor mapping with a 'type', got ",
-                                                     ConfigNode::kindName(node.kind())));
+  if (!node.isMap())
+    failAt(node, path,
+           detail::concat("expected a processor mapping with a 'type', got ", ConfigNode::kindName(node.kind())));
   const ConfigNode* typeNode = node.find("type");
-  if (typeNode == nullptr) fail(node, path, "missing required field 'type' (the processor to run)");
+  if (typeNode == nullptr) failAt(node, path, "missing required field 'type' (the processor to run)");
   if (typeNode->kind() != ConfigNode::Kind::kString) {
-    fail(*typeNode, path + ".type", detail::concat("expected a string, got ", ConfigNode::kindName(typeNode->kind())));
+    failAt(*typeNode, path + ".type",
+           detail::concat("expected a string, got ", ConfigNode::kindName(typeNode->kind())));
   }
   ProcessStep step;
   step.type = typeNode->asString();
@@ -107,18 +106,20 @@ ProcessStep parseStep(const ConfigNode& node, const std::string& path, const Pro
   }
   const ProcessorRegistry::Entry* entry = registry.find(step.type);
   if (entry == nullptr) {
-    fail(*typeNode, path + ".type", detail::concat("unknown processor type '", step.type, "'; known types: ",
-                                                   join(registry.types()),
-                                                   " (plugins are searched in --plugin_dir, QPIPE_PLUGIN_PATH, "
-                                                   "then the built-in folder; `qpipe plugins` lists them)"));
+    failAt(*typeNode, path + ".type",
+           detail::concat("unknown processor type '", step.type, "'; known types: ", join(registry.types()),
+                          " (plugins are searched in --plugin_dir, QPIPE_PLUGIN_PATH, "
+                          "then the built-in folder; `qpipe plugins` lists them)"));
   }
   step.config = entry->info.schema.validate(config, path);
   return step;
 }
 
-std::vector<ProcessStep> parseSteps(const ConfigNode& list, const std::string& path, const ProcessorRegistry& registry) {
-  if (!list.isList()) fail(list, path, detail::concat("expected a list of processors, got ", ConfigNode::kindName(list.kind())));
-  if (list.items().empty()) fail(list, path, "the list of processors is empty");
+std::vector<ProcessStep> parseSteps(const ConfigNode& list, const std::string& path,
+                                    const ProcessorRegistry& registry) {
+  if (!list.isList())
+    failAt(list, path, detail::concat("expected a list of processors, got ", ConfigNode::kindName(list.kind())));
+  if (list.items().empty()) failAt(list, path, "the list of processors is empty");
   std::vector<ProcessStep> steps;
   for (size_t i = 0; i < list.items().size(); ++i) {
     steps.push_back(parseStep(list.items()[i], detail::concat(path, "[", i, "]"), registry));
@@ -140,18 +141,19 @@ ConfigNode resolvedStep(const ProcessStep& step) {
 
 std::vector<SaveStep> parseSavers(const ConfigNode& list) {
   const std::string path = "spec.save";
-  if (!list.isList()) fail(list, path, detail::concat("expected a list of savers, got ", ConfigNode::kindName(list.kind())));
+  if (!list.isList())
+    failAt(list, path, detail::concat("expected a list of savers, got ", ConfigNode::kindName(list.kind())));
   std::vector<SaveStep> savers;
   for (size_t i = 0; i < list.items().size(); ++i) {
     const std::string itemPath = detail::concat(path, "[", i, "]");
     const ConfigNode validated = saverSchema().validate(list.items()[i], itemPath);
     const ConfigNode& type = validated.at("type");
     if (std::find(saverTypes().begin(), saverTypes().end(), type.asString()) == saverTypes().end()) {
-      fail(type, itemPath + ".type", detail::concat("unknown saver type '", type.asString(), "'; known types: ",
-                                                    join(saverTypes())));
+      failAt(type, itemPath + ".type",
+             detail::concat("unknown saver type '", type.asString(), "'; known types: ", join(saverTypes())));
     }
     const ConfigNode& size = validated.at("part_file_size");
-    if (size.asFloat() < 0) fail(size, itemPath + ".part_file_size", "must be >= 0 (GB; 0 writes one file)");
+    if (size.asFloat() < 0) failAt(size, itemPath + ".part_file_size", "must be >= 0 (GB; 0 writes one file)");
     savers.push_back({type.asString(), validated, list.items()[i].location()});
   }
   return savers;
@@ -223,8 +225,9 @@ std::unique_ptr<Processor> buildStep(const ProcessStep& step, const ProcessorReg
 Pipeline loadPipeline(const std::filesystem::path& file, const ProcessorRegistry& registry) {
   const ConfigNode document = ConfigNode::loadYamlFile(file);
   if (!document.isMap()) {
-    fail(document, "document", detail::concat("expected a pipeline mapping (apiversion, metadata, spec), got ",
-                                              ConfigNode::kindName(document.kind())));
+    failAt(document, "document",
+           detail::concat("expected a pipeline mapping (apiversion, metadata, spec), got ",
+                          ConfigNode::kindName(document.kind())));
   }
   // Top-level keys outside the schema are allowed only as holders of YAML anchors, the way
   // msmodelslim's practice files define reusable qconfig blocks.
@@ -233,8 +236,9 @@ Pipeline loadPipeline(const std::filesystem::path& file, const ProcessorRegistry
     if (documentSchema().find(key) != nullptr) {
       known.set(key, value);
     } else if (!value.hasAnchor()) {
-      fail(value, key, "unknown top-level field; expected apiversion, metadata, spec (other top-level keys "
-                       "may only define YAML anchors, e.g. 'w8a8: &w8a8 {...}')");
+      failAt(value, key,
+             "unknown top-level field; expected apiversion, metadata, spec (other top-level keys "
+             "may only define YAML anchors, e.g. 'w8a8: &w8a8 {...}')");
     }
   }
   const ConfigNode validated = documentSchema().validate(known, "");

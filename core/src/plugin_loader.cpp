@@ -24,7 +24,9 @@ std::mutex& loadMutex() {
   return mutex;
 }
 
-[[noreturn]] void reject(const std::string& reason) { throw Error(ErrorCode::kPlugin, reason); }
+[[noreturn]] void reject(const std::string& reason) {
+  throw Error(ErrorCode::kPlugin, reason);
+}
 
 bool looksLikeLibrary(const fs::path& path) {
   const std::string name = path.filename().string();
@@ -146,12 +148,11 @@ const PluginRecord& PluginLoader::load(const fs::path& path) {
 
 PluginRecord PluginLoader::addStatic(const QpipePluginDescriptor* descriptor) {
   QPIPE_REQUIRE(descriptor != nullptr, ErrorCode::kPlugin, "static plugin descriptor is null");
-  return registerDescriptor(*descriptor, detail::concat("static:", descriptor->name ? descriptor->name : "?"),
-                            nullptr);
+  return registerDescriptor(*descriptor, detail::concat("static:", descriptor->name ? descriptor->name : "?"), nullptr);
 }
 
-const PluginRecord& PluginLoader::registerDescriptor(const QpipePluginDescriptor& descriptor,
-                                                     const std::string& origin, std::shared_ptr<const void> owner) {
+const PluginRecord& PluginLoader::registerDescriptor(const QpipePluginDescriptor& descriptor, const std::string& origin,
+                                                     std::shared_ptr<const void> owner) {
   // Only the C-layout fields are read until the version and fingerprint checks pass.
   if (descriptor.abiMajor != QPIPE_PLUGIN_ABI_MAJOR || descriptor.abiMinor > QPIPE_PLUGIN_ABI_MINOR) {
     reject(detail::concat("plugin ABI ", descriptor.abiMajor, ".", descriptor.abiMinor,
@@ -182,8 +183,11 @@ const PluginRecord& PluginLoader::registerDescriptor(const QpipePluginDescriptor
     reject(detail::concat("plugin '", name, "' failed to register its processors: unknown exception"));
   }
 
-  PluginRecord record{name, descriptor.version ? descriptor.version : "", descriptor.description ? descriptor.description : "",
-                      origin, {}};
+  PluginRecord record{name,
+                      descriptor.version ? descriptor.version : "",
+                      descriptor.description ? descriptor.description : "",
+                      origin,
+                      {}};
   std::vector<ProcessorRegistry::Entry> entries;
   for (auto& info : registrar.processors()) {
     record.types.push_back(info.type);

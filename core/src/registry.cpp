@@ -15,11 +15,21 @@ class GuardedProcessor final : public Processor {
                    std::shared_ptr<const void> owner)
       : owner_(std::move(owner)), inner_(std::move(inner)), type_(std::move(type)), plugin_(std::move(plugin)) {}
 
-  void preRun() override { guard("preRun", "", [&] { inner_->preRun(); }); }
-  void preprocess(LayerRequest& r) override { guard("preprocess", r.name, [&] { inner_->preprocess(r); }); }
-  void process(LayerRequest& r) override { guard("process", r.name, [&] { inner_->process(r); }); }
-  void postprocess(LayerRequest& r) override { guard("postprocess", r.name, [&] { inner_->postprocess(r); }); }
-  void postRun() override { guard("postRun", "", [&] { inner_->postRun(); }); }
+  void preRun() override {
+    guard("preRun", "", [&] { inner_->preRun(); });
+  }
+  void preprocess(LayerRequest& r) override {
+    guard("preprocess", r.name, [&] { inner_->preprocess(r); });
+  }
+  void process(LayerRequest& r) override {
+    guard("process", r.name, [&] { inner_->process(r); });
+  }
+  void postprocess(LayerRequest& r) override {
+    guard("postprocess", r.name, [&] { inner_->postprocess(r); });
+  }
+  void postRun() override {
+    guard("postRun", "", [&] { inner_->postRun(); });
+  }
   bool supportDistributed() const override {
     return guard("supportDistributed", "", [&] { return inner_->supportDistributed(); });
   }
@@ -68,17 +78,17 @@ void ProcessorRegistry::add(std::vector<Entry> entries) {
   for (size_t i = 0; i < entries.size(); ++i) {
     const std::string& type = entries[i].info.type;
     const bool isCore = std::find(coreTypes().begin(), coreTypes().end(), type) != coreTypes().end();
-    QPIPE_REQUIRE(!isCore, ErrorCode::kPlugin, "plugin '", entries[i].plugin, "' registers processor type '",
-                  type, "', which is reserved by qpipe's core");
+    QPIPE_REQUIRE(!isCore, ErrorCode::kPlugin, "plugin '", entries[i].plugin, "' registers processor type '", type,
+                  "', which is reserved by qpipe's core");
     QPIPE_REQUIRE(!type.empty(), ErrorCode::kPlugin, "plugin '", entries[i].plugin,
                   "' registers a processor with an empty type");
     QPIPE_REQUIRE(static_cast<bool>(entries[i].info.factory), ErrorCode::kPlugin, "plugin '", entries[i].plugin,
                   "' registers processor type '", type, "' without a factory");
     if (const Entry* existing = find(type)) {
-      throw Error(ErrorCode::kPlugin, detail::concat("processor type '", type, "' is registered by plugin '",
-                                                     entries[i].plugin, "' (", entries[i].origin,
-                                                     ") and already by plugin '", existing->plugin, "' (",
-                                                     existing->origin, ")"));
+      throw Error(ErrorCode::kPlugin,
+                  detail::concat("processor type '", type, "' is registered by plugin '", entries[i].plugin, "' (",
+                                 entries[i].origin, ") and already by plugin '", existing->plugin, "' (",
+                                 existing->origin, ")"));
     }
     for (size_t j = 0; j < i; ++j) {
       QPIPE_REQUIRE(entries[j].info.type != type, ErrorCode::kPlugin, "plugin '", entries[i].plugin,
@@ -107,8 +117,8 @@ std::unique_ptr<Processor> ProcessorRegistry::create(std::string_view type, cons
   const Entry* entry = find(type);
   QPIPE_CHECK(entry != nullptr, "no factory for processor type '", type, "'");
   const ConfigNode validated = entry->info.schema.validate(config, path);
-  const std::string where = detail::concat(config.location().str(), ": ", path, ": processor '", type,
-                                           "' (plugin '", entry->plugin, "') could not be created: ");
+  const std::string where = detail::concat(config.location().str(), ": ", path, ": processor '", type, "' (plugin '",
+                                           entry->plugin, "') could not be created: ");
   std::unique_ptr<Processor> created;
   try {
     created = entry->info.factory(validated, context);

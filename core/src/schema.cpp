@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "config_errors.h"
 #include "qpipe/error.h"
 #include "qpipe/pattern.h"
 
@@ -9,22 +10,30 @@ namespace qpipe {
 
 std::string_view valueTypeName(ValueType type) {
   switch (type) {
-    case ValueType::kBool: return "a boolean";
-    case ValueType::kInt: return "an integer";
-    case ValueType::kFloat: return "a number";
-    case ValueType::kString: return "a string";
-    case ValueType::kStringList: return "a list of strings";
-    case ValueType::kPatternList: return "a list of module-name patterns";
-    case ValueType::kMap: return "a mapping";
-    case ValueType::kAny: return "any value";
+    case ValueType::kBool:
+      return "a boolean";
+    case ValueType::kInt:
+      return "an integer";
+    case ValueType::kFloat:
+      return "a number";
+    case ValueType::kString:
+      return "a string";
+    case ValueType::kStringList:
+      return "a list of strings";
+    case ValueType::kPatternList:
+      return "a list of module-name patterns";
+    case ValueType::kMap:
+      return "a mapping";
+    case ValueType::kAny:
+      return "any value";
   }
   return "?";
 }
 
 Schema& Schema::add(FieldSpec field) {
   QPIPE_CHECK(find(field.name) == nullptr, "schema declares field '", field.name, "' twice");
-  QPIPE_CHECK(field.allowed.empty() || field.type == ValueType::kString,
-              "allowed values on non-string field '", field.name, "'");
+  QPIPE_CHECK(field.allowed.empty() || field.type == ValueType::kString, "allowed values on non-string field '",
+              field.name, "'");
   fields_.push_back(std::move(field));
   return *this;
 }
@@ -37,10 +46,9 @@ Schema& Schema::optional(std::string name, ValueType type, ConfigNode defaultVal
   return add({.name = std::move(name), .type = type, .help = std::move(help), .defaultValue = std::move(defaultValue)});
 }
 
-Schema& Schema::choice(std::string name, std::vector<std::string> allowed, std::string defaultValue,
-                       std::string help) {
-  QPIPE_CHECK(std::find(allowed.begin(), allowed.end(), defaultValue) != allowed.end(),
-              "default of '", name, "' is not an allowed value");
+Schema& Schema::choice(std::string name, std::vector<std::string> allowed, std::string defaultValue, std::string help) {
+  QPIPE_CHECK(std::find(allowed.begin(), allowed.end(), defaultValue) != allowed.end(), "default of '", name,
+              "' is not an allowed value");
   return add({.name = std::move(name),
               .type = ValueType::kString,
               .help = std::move(help),
@@ -72,12 +80,6 @@ const FieldSpec* Schema::find(std::string_view name) const {
 
 namespace {
 
-std::string join(const std::vector<std::string>& items) {
-  std::string out;
-  for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
-  return out;
-}
-
 size_t editDistance(std::string_view a, std::string_view b) {
   std::vector<size_t> row(b.size() + 1);
   for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
@@ -97,9 +99,8 @@ std::string fieldPath(std::string_view path, std::string_view field) {
   return path.empty() ? std::string(field) : detail::concat(path, ".", field);
 }
 
-[[noreturn]] void fail(const ConfigNode& at, const std::string& path, const std::string& what) {
-  throw Error(ErrorCode::kConfig, detail::concat(at.location().str(), ": ", path, ": ", what));
-}
+using detail::failAt;
+using detail::join;
 
 bool isScalar(const ConfigNode& node) {
   return !node.isNull() && !node.isList() && !node.isMap();
@@ -108,34 +109,37 @@ bool isScalar(const ConfigNode& node) {
 // A plain scalar read where a string is expected keeps the text it was written as.
 ConfigNode asStringNode(const ConfigNode& node, const std::string& path, std::string_view expected) {
   if (node.kind() == ConfigNode::Kind::kString) return node;
-  if (!isScalar(node)) fail(node, path, detail::concat("expected ", expected, ", got ", ConfigNode::kindName(node.kind())));
+  if (!isScalar(node))
+    failAt(node, path, detail::concat("expected ", expected, ", got ", ConfigNode::kindName(node.kind())));
   return ConfigNode::string(node.sourceText(), node.location());
 }
 
 ConfigNode checkValue(const FieldSpec& field, const ConfigNode& value, const std::string& path) {
-  const auto got = [&] { return detail::concat("expected ", valueTypeName(field.type), ", got ",
-                                               ConfigNode::kindName(value.kind())); };
+  const auto got = [&] {
+    return detail::concat("expected ", valueTypeName(field.type), ", got ", ConfigNode::kindName(value.kind()));
+  };
   switch (field.type) {
     case ValueType::kBool:
-      if (value.kind() != ConfigNode::Kind::kBool) fail(value, path, got());
+      if (value.kind() != ConfigNode::Kind::kBool) failAt(value, path, got());
       return value;
     case ValueType::kInt:
-      if (value.kind() != ConfigNode::Kind::kInt) fail(value, path, got());
+      if (value.kind() != ConfigNode::Kind::kInt) failAt(value, path, got());
       return value;
     case ValueType::kFloat:
-      if (value.kind() != ConfigNode::Kind::kInt && value.kind() != ConfigNode::Kind::kFloat) fail(value, path, got());
+      if (value.kind() != ConfigNode::Kind::kInt && value.kind() != ConfigNode::Kind::kFloat)
+        failAt(value, path, got());
       return value;
     case ValueType::kString: {
       ConfigNode text = asStringNode(value, path, valueTypeName(field.type));
       if (!field.allowed.empty() &&
           std::find(field.allowed.begin(), field.allowed.end(), text.asString()) == field.allowed.end()) {
-        fail(value, path, detail::concat("'", text.asString(), "' is not one of: ", join(field.allowed)));
+        failAt(value, path, detail::concat("'", text.asString(), "' is not one of: ", join(field.allowed)));
       }
       return text;
     }
     case ValueType::kStringList:
     case ValueType::kPatternList: {
-      if (!value.isList()) fail(value, path, got());
+      if (!value.isList()) failAt(value, path, got());
       ConfigNode out = ConfigNode::list({}, value.location());
       for (size_t i = 0; i < value.items().size(); ++i) {
         const std::string itemPath = detail::concat(path, "[", i, "]");
@@ -144,7 +148,7 @@ ConfigNode checkValue(const FieldSpec& field, const ConfigNode& value, const std
           try {
             GlobPattern{item.asString()};
           } catch (const Error& e) {
-            fail(item, itemPath, e.what());
+            failAt(item, itemPath, e.what());
           }
         }
         out.push(std::move(item));
@@ -153,7 +157,7 @@ ConfigNode checkValue(const FieldSpec& field, const ConfigNode& value, const std
     }
     case ValueType::kMap:
       if (value.isNull() && field.nested) return field.nested->validate(ConfigNode::map({}, value.location()), path);
-      if (!value.isMap()) fail(value, path, got());
+      if (!value.isMap()) failAt(value, path, got());
       return field.nested ? field.nested->validate(value, path) : value;
     case ValueType::kAny:
       return value;
@@ -163,10 +167,24 @@ ConfigNode checkValue(const FieldSpec& field, const ConfigNode& value, const std
 
 }  // namespace
 
+namespace detail {
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
+  return out;
+}
+
+void failAt(const ConfigNode& at, std::string_view path, std::string_view what) {
+  throw Error(ErrorCode::kConfig, concat(at.location().str(), ": ", path, ": ", what));
+}
+
+}  // namespace detail
+
 ConfigNode Schema::validate(const ConfigNode& node, std::string_view path) const {
   const std::string where = path.empty() ? std::string("document") : std::string(path);
   if (node.isNull()) return validate(ConfigNode::map({}, node.location()), path);
-  if (!node.isMap()) fail(node, where, detail::concat("expected a mapping, got ", ConfigNode::kindName(node.kind())));
+  if (!node.isMap()) failAt(node, where, detail::concat("expected a mapping, got ", ConfigNode::kindName(node.kind())));
 
   for (const auto& [key, value] : node.entries()) {
     if (find(key) != nullptr) continue;
@@ -178,9 +196,10 @@ ConfigNode Schema::validate(const ConfigNode& node, std::string_view path) const
       const size_t distance = editDistance(key, field.name);
       if (distance < best) best = distance, closest = field.name;
     }
-    fail(value, fieldPath(path, key),
-         detail::concat("unknown field", closest.empty() ? "" : "; did you mean '" + closest + "'?",
-                        names.empty() ? std::string("; no fields are accepted here") : "; expected one of: " + join(names)));
+    failAt(value, fieldPath(path, key),
+           detail::concat(
+               "unknown field", closest.empty() ? "" : "; did you mean '" + closest + "'?",
+               names.empty() ? std::string("; no fields are accepted here") : "; expected one of: " + join(names)));
   }
 
   ConfigNode out = ConfigNode::map({}, node.location());
@@ -189,8 +208,9 @@ ConfigNode Schema::validate(const ConfigNode& node, std::string_view path) const
     if (const ConfigNode* value = node.find(field.name)) {
       out.set(field.name, checkValue(field, *value, childPath));
     } else if (field.required) {
-      fail(node, where, detail::concat("missing required field '", field.name, "' (", valueTypeName(field.type),
-                                       field.help.empty() ? "" : ": " + field.help, ")"));
+      failAt(node, where,
+             detail::concat("missing required field '", field.name, "' (", valueTypeName(field.type),
+                            field.help.empty() ? "" : ": " + field.help, ")"));
     } else if (field.defaultValue) {
       out.set(field.name, *field.defaultValue);
     } else if (field.type == ValueType::kMap && field.nested &&

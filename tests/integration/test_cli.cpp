@@ -60,7 +60,8 @@ TEST(Cli, PluginsListsEveryBrokenFixtureWithItsReasonAndExitsZero) {
            "Rejected libraries (5):",
            "libfault_abi_major.so\n    plugin ABI 2.0 is not compatible",
            "libfault_duplicate_b.so\n    processor type 'duplicate_type' is registered by plugin 'fault_duplicate_b'",
-           "libfault_fingerprint.so\n    build fingerprint 'gcc-4.8|cxx11abi=0|torch=1.13.1|qpipe=0.0.1' does not match",
+           "libfault_fingerprint.so\n    build fingerprint 'gcc-4.8|cxx11abi=0|torch=1.13.1|qpipe=0.0.1' does not "
+           "match",
            "libfault_no_descriptor.so\n    no qpipe plugin descriptor",
            "libfault_not_elf.so\n    not a shared library",
            "Loaded plugins (3):",
@@ -84,16 +85,17 @@ TEST(Cli, CheckRejectsUnknownTypeNamingFileLineTypeAndKnownTypes) {
   const Result r = qpipe("check --config_path " + kPipelines + "unknown_type.yaml --plugin_dir " + kExample);
   EXPECT_EQ(r.exitCode, 3);
   expectOneLineError(r);
-  EXPECT_EQ(r.err.rfind("qpipe: configuration error: " + kPipelines + "unknown_type.yaml:6:13: spec.process[1].type: "
-                        "unknown processor type 'awq_magic'; known types: group, log_layers",
+  EXPECT_EQ(r.err.rfind("qpipe: configuration error: " + kPipelines +
+                            "unknown_type.yaml:6:13: spec.process[1].type: "
+                            "unknown processor type 'awq_magic'; known types: group, log_layers",
                         0),
             0u)
       << r.err;
 }
 
 TEST(Cli, CheckReportsAThrowingFactoryAsAPluginError) {
-  const Result r = qpipe("check --config_path " + kPipelines + "factory_throws.yaml --plugin_dir " + kFaults +
-                         " --log_level error");
+  const Result r =
+      qpipe("check --config_path " + kPipelines + "factory_throws.yaml --plugin_dir " + kFaults + " --log_level error");
   EXPECT_EQ(r.exitCode, 4);
   expectOneLineError(r);
   EXPECT_NE(r.err.find("processor 'factory_throws' (plugin 'fault_factory_throws') could not be created: cannot "
@@ -114,8 +116,9 @@ TEST(Cli, UsageErrorsExitTwoWithOneLine) {
 
 TEST(Cli, UnknownSubcommandIsNamed) {
   const Result r = qpipe("frobnicate");
-  EXPECT_EQ(r.err, "qpipe: usage error: unknown subcommand 'frobnicate'; use one of: check, plugins, version "
-                   "(see 'qpipe --help')\n");
+  EXPECT_EQ(r.err,
+            "qpipe: usage error: unknown subcommand 'frobnicate'; use one of: check, plugins, version "
+            "(see 'qpipe --help')\n");
 }
 
 TEST(Cli, MissingPipelineFileIsAnIoError) {

@@ -1,7 +1,6 @@
-#include "qpipe/config_node.h"
-
 #include <gtest/gtest.h>
 
+#include "qpipe/config_node.h"
 #include "test_helpers.h"
 
 namespace qpipe {
@@ -10,8 +9,8 @@ namespace {
 using Kind = ConfigNode::Kind;
 
 TEST(ConfigNode, PlainScalarsResolveAsYamlCoreSchemaAndQuotedOnesStayStrings) {
-  const ConfigNode doc = ConfigNode::parseYaml(
-      "i: 42\nf: 1.5\ne: -3e2\nt: True\nn: false\nq: '8'\ns: hello\nz: ~\nempty:\n", "t.yaml");
+  const ConfigNode doc =
+      ConfigNode::parseYaml("i: 42\nf: 1.5\ne: -3e2\nt: True\nn: false\nq: '8'\ns: hello\nz: ~\nempty:\n", "t.yaml");
   EXPECT_EQ(doc.at("i").asInt(), 42);
   EXPECT_DOUBLE_EQ(doc.at("f").asFloat(), 1.5);
   EXPECT_DOUBLE_EQ(doc.at("e").asFloat(), -300.0);
@@ -45,8 +44,8 @@ TEST(ConfigNode, AnchorsAliasesAndMergeKeysResolve) {
 }
 
 TEST(ConfigNode, DuplicateKeysAreErrorsWithTheirLocation) {
-  const std::string message = test::errorOf(
-      [] { ConfigNode::parseYaml("a: 1\nb: 2\na: 3\n", "dup.yaml"); }, ErrorCode::kConfig);
+  const std::string message =
+      test::errorOf([] { ConfigNode::parseYaml("a: 1\nb: 2\na: 3\n", "dup.yaml"); }, ErrorCode::kConfig);
   EXPECT_EQ(message, "dup.yaml:3:1: duplicate key 'a'");
 }
 
@@ -71,8 +70,8 @@ TEST(ConfigNode, WrongKindAccessNamesTheLocation) {
 }
 
 TEST(ConfigNode, ToYamlReadsBackToTheSameValues) {
-  const ConfigNode doc = ConfigNode::parseYaml(
-      "name: x\nquoted: '8'\nflag: true\nlist: [a, '1']\nnested:\n  - {k: 1.5}\n", "r.yaml");
+  const ConfigNode doc =
+      ConfigNode::parseYaml("name: x\nquoted: '8'\nflag: true\nlist: [a, '1']\nnested:\n  - {k: 1.5}\n", "r.yaml");
   const ConfigNode again = ConfigNode::parseYaml(doc.toYaml(), "again.yaml");
   EXPECT_EQ(again.at("name").asString(), "x");
   EXPECT_EQ(again.at("quoted").kind(), Kind::kString);

@@ -1,7 +1,6 @@
-#include "qpipe/pattern.h"
-
 #include <gtest/gtest.h>
 
+#include "qpipe/pattern.h"
 #include "test_helpers.h"
 
 namespace qpipe {

@@ -1,8 +1,7 @@
-#include "qpipe/pipeline.h"
-
 #include <gtest/gtest.h>
 
 #include "qpipe/log.h"
+#include "qpipe/pipeline.h"
 #include "qpipe/plugin.h"
 #include "qpipe/plugin_loader.h"
 #include "qpipe/registry.h"
@@ -39,9 +38,8 @@ class PipelineTest : public ::testing::Test {
                     {.type = "recorder",
                      .description = "test",
                      .schema = schema,
-                     .factory = [this](const ConfigNode&, const ProcessorContext&) {
-                       return std::make_unique<Recorder>(calls_);
-                     }},
+                     .factory = [this](const ConfigNode&,
+                                       const ProcessorContext&) { return std::make_unique<Recorder>(calls_); }},
                     "test",
                     "test"}});
   }
@@ -84,8 +82,8 @@ TEST_F(PipelineTest, ValidPipelineResolvesAnchorsGroupsMetadataAndSavers) {
 }
 
 TEST_F(PipelineTest, UnknownTypeNamesFileLineTypeAndKnownTypes) {
-  const std::string message = test::errorOf(
-      [&] { loadPipeline(kPipelines / "unknown_type.yaml", registry_); }, ErrorCode::kConfig);
+  const std::string message =
+      test::errorOf([&] { loadPipeline(kPipelines / "unknown_type.yaml", registry_); }, ErrorCode::kConfig);
   EXPECT_EQ(message, (kPipelines / "unknown_type.yaml").string() +
                          ":6:13: spec.process[1].type: unknown processor type 'awq_magic'; known types: group, "
                          "log_layers, recorder (plugins are searched in --plugin_dir, QPIPE_PLUGIN_PATH, then the "
@@ -105,9 +103,9 @@ TEST_F(PipelineTest, DocumentLevelErrors) {
   EXPECT_NE(loadError("apiversion: v2\nspec: {process: [{type: log_layers}]}\n")
                 .find(":1:13: apiversion: 'v2' is not one of: modelslim_v1"),
             std::string::npos);
-  EXPECT_NE(loadError("spec: {process: [{type: log_layers}]}\n")
-                .find(":1:1: document: missing required field 'apiversion'"),
-            std::string::npos);
+  EXPECT_NE(
+      loadError("spec: {process: [{type: log_layers}]}\n").find(":1:1: document: missing required field 'apiversion'"),
+      std::string::npos);
   EXPECT_NE(loadError("apiversion: modelslim_v1\nspce: {process: []}\n")
                 .find(":2:7: spce: unknown top-level field; expected apiversion, metadata, spec"),
             std::string::npos);
@@ -153,8 +151,8 @@ TEST_F(PipelineTest, GroupRunsChildrenInOrderOverOneForward) {
   auto processors = buildProcessors(p, registry_, {.logger = logger});
   ASSERT_EQ(processors.size(), 1u);
   Processor& group = *processors[0];
-  EXPECT_FALSE(group.isDataFree());           // one child needs data
-  EXPECT_FALSE(group.supportDistributed());   // every child must support it
+  EXPECT_FALSE(group.isDataFree());          // one child needs data
+  EXPECT_FALSE(group.supportDistributed());  // every child must support it
 
   int forwards = 0;
   LayerRequest request{.name = "model.layers.0", .inputs = {{}, {}}, .forward = [&](LayerRequest&) { ++forwards; }};
@@ -164,8 +162,8 @@ TEST_F(PipelineTest, GroupRunsChildrenInOrderOverOneForward) {
   group.postprocess(request);
   group.postRun();
   EXPECT_EQ(forwards, 1);
-  EXPECT_EQ(calls_, (std::vector<std::string>{"preRun", "preprocess model.layers.0", "postprocess model.layers.0",
-                                              "postRun"}));
+  EXPECT_EQ(calls_,
+            (std::vector<std::string>{"preRun", "preprocess model.layers.0", "postprocess model.layers.0", "postRun"}));
   EXPECT_EQ(logged, (std::vector<std::string>{"layer model.layers.0: 2 calibration samples", "layer 1 layers logged"}));
 }
 

@@ -1,5 +1,3 @@
-#include "qpipe/plugin_loader.h"
-
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -7,6 +5,7 @@
 #include "qpipe/config_node.h"
 #include "qpipe/log.h"
 #include "qpipe/plugin.h"
+#include "qpipe/plugin_loader.h"
 #include "test_helpers.h"
 
 QPIPE_DECLARE_STATIC_PLUGIN(log_layers);
@@ -19,7 +18,9 @@ namespace fs = std::filesystem;
 const fs::path kFaults = fs::path(QPIPE_TEST_PLUGIN_DIR) / "faults";
 const fs::path kExample = fs::path(QPIPE_TEST_PLUGIN_DIR) / "example";
 
-fs::path fault(const std::string& kind) { return kFaults / ("libfault_" + kind + ".so"); }
+fs::path fault(const std::string& kind) {
+  return kFaults / ("libfault_" + kind + ".so");
+}
 
 std::string loadError(const fs::path& library) {
   ProcessorRegistry registry;
@@ -29,7 +30,9 @@ std::string loadError(const fs::path& library) {
   return message;
 }
 
-std::string prefix(const fs::path& library) { return "plugin library '" + library.string() + "': "; }
+std::string prefix(const fs::path& library) {
+  return "plugin library '" + library.string() + "': ";
+}
 
 TEST(PluginLoader, LibraryWithoutDescriptorIsRejected) {
   EXPECT_EQ(loadError(fault("no_descriptor")),
@@ -40,15 +43,17 @@ TEST(PluginLoader, LibraryWithoutDescriptorIsRejected) {
 
 TEST(PluginLoader, AbiMajorMismatchIsRejectedBeforeAnyPluginCode) {
   EXPECT_EQ(loadError(fault("abi_major")),
-            prefix(fault("abi_major")) + "plugin ABI 2.0 is not compatible with this qpipe (plugin ABI 1.0); rebuild "
-                                         "the plugin against qpipe " QPIPE_VERSION);
+            prefix(fault("abi_major")) +
+                "plugin ABI 2.0 is not compatible with this qpipe (plugin ABI 1.0); rebuild "
+                "the plugin against qpipe " QPIPE_VERSION);
 }
 
 TEST(PluginLoader, FingerprintMismatchIsRejected) {
   EXPECT_EQ(loadError(fault("fingerprint")),
-            prefix(fault("fingerprint")) + "build fingerprint 'gcc-4.8|cxx11abi=0|torch=1.13.1|qpipe=0.0.1' does not "
-                                           "match this qpipe's '" QPIPE_BUILD_FINGERPRINT
-                                           "'; rebuild the plugin with the same compiler, LibTorch and qpipe");
+            prefix(fault("fingerprint")) +
+                "build fingerprint 'gcc-4.8|cxx11abi=0|torch=1.13.1|qpipe=0.0.1' does not "
+                "match this qpipe's '" QPIPE_BUILD_FINGERPRINT
+                "'; rebuild the plugin with the same compiler, LibTorch and qpipe");
 }
 
 TEST(PluginLoader, FileThatIsNotASharedLibraryIsRejected) {
@@ -62,9 +67,11 @@ TEST(PluginLoader, DuplicateTypeRejectsTheSecondPluginWhole) {
   PluginLoader loader(registry);
   loader.loadLibrary(fault("duplicate_a"));
   const std::string message = test::errorOf([&] { loader.loadLibrary(fault("duplicate_b")); }, ErrorCode::kPlugin);
-  EXPECT_EQ(message, prefix(fault("duplicate_b")) + "processor type 'duplicate_type' is registered by plugin "
-                                                    "'fault_duplicate_b' (" + fault("duplicate_b").string() +
-                         ") and already by plugin 'fault_duplicate_a' (" + fault("duplicate_a").string() + ")");
+  EXPECT_EQ(message, prefix(fault("duplicate_b")) +
+                         "processor type 'duplicate_type' is registered by plugin "
+                         "'fault_duplicate_b' (" +
+                         fault("duplicate_b").string() + ") and already by plugin 'fault_duplicate_a' (" +
+                         fault("duplicate_a").string() + ")");
   ASSERT_EQ(registry.entries().size(), 1u);
   EXPECT_EQ(registry.entries()[0].plugin, "fault_duplicate_a");
   EXPECT_EQ(loader.loaded().size(), 1u);
@@ -75,11 +82,12 @@ TEST(PluginLoader, ThrowingFactoryBecomesOneErrorNamingTheProcessor) {
   PluginLoader loader(registry);
   loader.loadLibrary(fault("factory_throws"));
   const ConfigNode config = ConfigNode::parseYaml("{}", "f.yaml");
-  const std::string message = test::errorOf(
-      [&] { registry.create("factory_throws", config, "spec.process[0]", {.logger = log::logger()}); },
-      ErrorCode::kPlugin);
-  EXPECT_EQ(message, "f.yaml:1:1: spec.process[0]: processor 'factory_throws' (plugin 'fault_factory_throws') could "
-                     "not be created: cannot build: no device");
+  const std::string message =
+      test::errorOf([&] { registry.create("factory_throws", config, "spec.process[0]", {.logger = log::logger()}); },
+                    ErrorCode::kPlugin);
+  EXPECT_EQ(message,
+            "f.yaml:1:1: spec.process[0]: processor 'factory_throws' (plugin 'fault_factory_throws') could "
+            "not be created: cannot build: no device");
 }
 
 TEST(PluginLoader, ThrowingProcessBecomesOneErrorNamingProcessorCallAndLayer) {
@@ -90,8 +98,9 @@ TEST(PluginLoader, ThrowingProcessBecomesOneErrorNamingProcessorCallAndLayer) {
   LayerRequest request{.name = "model.layers.3"};
   processor->preprocess(request);  // the default implementations run fine
   const std::string message = test::errorOf([&] { processor->process(request); }, ErrorCode::kPlugin);
-  EXPECT_EQ(message, "processor 'process_throws' (plugin 'fault_process_throws') failed in process(model.layers.3): "
-                     "calibration exploded");
+  EXPECT_EQ(message,
+            "processor 'process_throws' (plugin 'fault_process_throws') failed in process(model.layers.3): "
+            "calibration exploded");
 }
 
 TEST(PluginLoader, ProcessorsKeepTheirLibraryLoadedAfterLoaderAndRegistryAreGone) {
@@ -120,11 +129,11 @@ TEST(PluginLoader, DirectoryScanLoadsGoodLibrariesAndRecordsEveryRejection) {
                                               "log_layers"}));
   std::vector<std::string> rejected;
   for (const auto& record : loader.rejected()) rejected.push_back(fs::path(record.path).filename().string());
-  EXPECT_EQ(rejected, (std::vector<std::string>{"libfault_abi_major.so", "libfault_duplicate_b.so",
-                                                "libfault_fingerprint.so", "libfault_no_descriptor.so",
-                                                "libfault_not_elf.so"}));
-  EXPECT_EQ(registry.types(), (std::vector<std::string>{"duplicate_type", "factory_throws", "group", "log_layers",
-                                                        "process_throws"}));
+  EXPECT_EQ(rejected,
+            (std::vector<std::string>{"libfault_abi_major.so", "libfault_duplicate_b.so", "libfault_fingerprint.so",
+                                      "libfault_no_descriptor.so", "libfault_not_elf.so"}));
+  EXPECT_EQ(registry.types(),
+            (std::vector<std::string>{"duplicate_type", "factory_throws", "group", "log_layers", "process_throws"}));
 }
 
 TEST(PluginLoader, EarlierSearchDirectoryShadowsASamePluginLater) {
@@ -175,7 +184,11 @@ TEST(ProcessorRegistry, CoreTypesAreReserved) {
   ProcessorInfo info{.type = "group", .factory = [](const ConfigNode&, const ProcessorContext&) {
                        return std::make_unique<Processor>();
                      }};
-  EXPECT_EQ(test::errorOf([&] { registry.add({{nullptr, info, "mine", "static:mine"}}); }, ErrorCode::kPlugin),
+  EXPECT_EQ(test::errorOf(
+                [&] {
+                  registry.add({{nullptr, info, "mine", "static:mine"}});
+                },
+                ErrorCode::kPlugin),
             "plugin 'mine' registers processor type 'group', which is reserved by qpipe's core");
 }
 

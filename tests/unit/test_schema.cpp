@@ -1,7 +1,6 @@
-#include "qpipe/schema.h"
-
 #include <gtest/gtest.h>
 
+#include "qpipe/schema.h"
 #include "test_helpers.h"
 
 namespace qpipe {
@@ -16,13 +15,15 @@ Schema qconfigSchema() {
   Schema qconfig;
   qconfig.nested("act", side, false, "activations").nested("weight", side, true, "weights");
   Schema schema;
-  schema.nested("qconfig", qconfig, true, "quantization").optional("group_size", ValueType::kInt,
-                                                                  ConfigNode::integer(128), "group")
+  schema.nested("qconfig", qconfig, true, "quantization")
+      .optional("group_size", ValueType::kInt, ConfigNode::integer(128), "group")
       .includeExclude();
   return schema;
 }
 
-ConfigNode parse(const std::string& text) { return ConfigNode::parseYaml(text, "s.yaml"); }
+ConfigNode parse(const std::string& text) {
+  return ConfigNode::parseYaml(text, "s.yaml");
+}
 
 TEST(Schema, FillsDefaultsAtEveryLevel) {
   const ConfigNode out = qconfigSchema().validate(parse("qconfig:\n  weight: {dtype: int8}\n"), "p");
@@ -38,15 +39,17 @@ TEST(Schema, DisallowedValueNamesFieldPathAndChoices) {
   const std::string message = test::errorOf(
       [] { qconfigSchema().validate(parse("qconfig:\n  weight:\n    dtype: int5\n"), "spec.process[0]"); },
       ErrorCode::kConfig);
-  EXPECT_EQ(message, "s.yaml:3:12: spec.process[0].qconfig.weight.dtype: 'int5' is not one of: int8, int4, "
-                     "fp8_e4m3, float");
+  EXPECT_EQ(message,
+            "s.yaml:3:12: spec.process[0].qconfig.weight.dtype: 'int5' is not one of: int8, int4, "
+            "fp8_e4m3, float");
 }
 
 TEST(Schema, UnknownFieldSuggestsTheNearestOne) {
   const std::string message = test::errorOf(
       [] { qconfigSchema().validate(parse("qconfig: {weight: {}}\ngroup_sise: 64\n"), "p"); }, ErrorCode::kConfig);
-  EXPECT_EQ(message, "s.yaml:2:13: p.group_sise: unknown field; did you mean 'group_size'?; expected one of: "
-                     "qconfig, group_size, include, exclude");
+  EXPECT_EQ(message,
+            "s.yaml:2:13: p.group_sise: unknown field; did you mean 'group_size'?; expected one of: "
+            "qconfig, group_size, include, exclude");
 }
 
 TEST(Schema, MissingRequiredFieldIsNamed) {
@@ -78,8 +81,8 @@ TEST(Schema, PatternListsRejectMalformedPatternsWithTheirLocation) {
 }
 
 TEST(Schema, NonMappingIsRejected) {
-  const std::string message = test::errorOf([] { qconfigSchema().validate(parse("[1, 2]\n"), "p"); },
-                                            ErrorCode::kConfig);
+  const std::string message =
+      test::errorOf([] { qconfigSchema().validate(parse("[1, 2]\n"), "p"); }, ErrorCode::kConfig);
   EXPECT_EQ(message, "s.yaml:1:1: p: expected a mapping, got a list");
 }
 

@@ -31,8 +31,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.fallthrough();
   std::string logLevel = "info";
-  app.add_option("--log_level", logLevel, "Log verbosity: trace, debug, info, warn, error, off")
-      ->capture_default_str();
+  app.add_option("--log_level", logLevel, "Log verbosity: trace, debug, info, warn, error, off")->capture_default_str();
 
   const std::vector<cli::Subcommand> subcommands{
       cli::setupCheck(app),

@@ -78,8 +78,8 @@ class ConfigNode {
   std::string toYaml() const;
 
  private:
-  using Value = std::variant<std::monostate, bool, int64_t, double, std::string,
-                             std::vector<ConfigNode>, std::vector<Entry>>;
+  using Value =
+      std::variant<std::monostate, bool, int64_t, double, std::string, std::vector<ConfigNode>, std::vector<Entry>>;
   ConfigNode(Value value, SourceLocation where);
   [[noreturn]] void wrongKind(Kind expected) const;
 

@@ -38,27 +38,25 @@ std::string concat(const Args&... args) {
   (os << ... << args);
   return os.str();
 }
-[[noreturn]] void failInternalCheck(const char* condition, const char* file, int line,
-                                    const std::string& message);
+[[noreturn]] void failInternalCheck(const char* condition, const char* file, int line, const std::string& message);
 }  // namespace detail
 
 }  // namespace qpipe
 
 // An invariant of qpipe itself; a failure is a bug, reported with the source location.
 // The message arguments are streamed, and only evaluated when the check fails.
-#define QPIPE_CHECK(cond, ...)                                                           \
-  do {                                                                                   \
-    if (!(cond)) [[unlikely]] {                                                          \
-      ::qpipe::detail::failInternalCheck(#cond, __FILE__, __LINE__,                      \
-                                         ::qpipe::detail::concat(__VA_ARGS__));          \
-    }                                                                                    \
+#define QPIPE_CHECK(cond, ...)                                                                             \
+  do {                                                                                                     \
+    if (!(cond)) [[unlikely]] {                                                                            \
+      ::qpipe::detail::failInternalCheck(#cond, __FILE__, __LINE__, ::qpipe::detail::concat(__VA_ARGS__)); \
+    }                                                                                                      \
   } while (false)
 
 // A condition on user input; a failure throws qpipe::Error(code) whose message is exactly
 // the streamed arguments: one line that names the input and what to fix.
-#define QPIPE_REQUIRE(cond, code, ...)                                                   \
-  do {                                                                                   \
-    if (!(cond)) [[unlikely]] {                                                          \
-      throw ::qpipe::Error((code), ::qpipe::detail::concat(__VA_ARGS__));                \
-    }                                                                                    \
+#define QPIPE_REQUIRE(cond, code, ...)                                    \
+  do {                                                                    \
+    if (!(cond)) [[unlikely]] {                                           \
+      throw ::qpipe::Error((code), ::qpipe::detail::concat(__VA_ARGS__)); \
+    }                                                                     \
   } while (false)

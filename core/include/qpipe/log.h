@@ -30,15 +30,25 @@ class Logger {
 
   // The arguments are streamed into one message, and only when the level is enabled.
   template <typename... Args>
-  void trace(const Args&... args) const { emit(LogLevel::kTrace, args...); }
+  void trace(const Args&... args) const {
+    emit(LogLevel::kTrace, args...);
+  }
   template <typename... Args>
-  void debug(const Args&... args) const { emit(LogLevel::kDebug, args...); }
+  void debug(const Args&... args) const {
+    emit(LogLevel::kDebug, args...);
+  }
   template <typename... Args>
-  void info(const Args&... args) const { emit(LogLevel::kInfo, args...); }
+  void info(const Args&... args) const {
+    emit(LogLevel::kInfo, args...);
+  }
   template <typename... Args>
-  void warn(const Args&... args) const { emit(LogLevel::kWarn, args...); }
+  void warn(const Args&... args) const {
+    emit(LogLevel::kWarn, args...);
+  }
   template <typename... Args>
-  void error(const Args&... args) const { emit(LogLevel::kError, args...); }
+  void error(const Args&... args) const {
+    emit(LogLevel::kError, args...);
+  }
 
  private:
   template <typename... Args>

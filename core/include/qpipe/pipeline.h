@@ -62,8 +62,7 @@ struct Pipeline {
 Pipeline loadPipeline(const std::filesystem::path& file, const ProcessorRegistry& registry);
 
 // Constructs the processors of spec.process in order (a group becomes one processor).
-std::vector<std::unique_ptr<Processor>> buildProcessors(const Pipeline& pipeline,
-                                                        const ProcessorRegistry& registry,
+std::vector<std::unique_ptr<Processor>> buildProcessors(const Pipeline& pipeline, const ProcessorRegistry& registry,
                                                         const ProcessorContext& context);
 
 }  // namespace qpipe

@@ -56,9 +56,8 @@ class PluginRegistrar {
 #endif
 
 #if defined(TORCH_VERSION_MAJOR)
-#define QPIPE_TORCH_ID                                                                     \
-  QPIPE_STRINGIFY(TORCH_VERSION_MAJOR) "." QPIPE_STRINGIFY(TORCH_VERSION_MINOR) "." QPIPE_STRINGIFY( \
-      TORCH_VERSION_PATCH)
+#define QPIPE_TORCH_ID \
+  QPIPE_STRINGIFY(TORCH_VERSION_MAJOR) "." QPIPE_STRINGIFY(TORCH_VERSION_MINOR) "." QPIPE_STRINGIFY(TORCH_VERSION_PATCH)
 #else
 #define QPIPE_TORCH_ID "unknown"
 #endif
@@ -66,9 +65,9 @@ class PluginRegistrar {
 // What must be equal between host and plugin for C++ objects to cross: compiler, C++ ABI,
 // LibTorch and qpipe versions. Expanded in the including translation unit, so a plugin carries
 // the values it was compiled with.
-#define QPIPE_BUILD_FINGERPRINT                                                            \
+#define QPIPE_BUILD_FINGERPRINT                                                                   \
   QPIPE_COMPILER_ID "|cxx11abi=" QPIPE_STRINGIFY(_GLIBCXX_USE_CXX11_ABI) "|torch=" QPIPE_TORCH_ID \
-                    "|qpipe=" QPIPE_VERSION
+                                                                         "|qpipe=" QPIPE_VERSION
 
 extern "C" {
 // Never changes shape within an ABI major version; fields are only appended.
@@ -102,14 +101,14 @@ static_assert(std::is_standard_layout_v<QpipePluginDescriptor>);
 #define QPIPE_DECLARE_STATIC_PLUGIN(name) \
   extern "C" const QpipePluginDescriptor* QPIPE_PLUGIN_CONCAT(qpipe_plugin_descriptor_, name)()
 
-#define QPIPE_PLUGIN(NAME, VERSION, DESCRIPTION, REGISTER_FN)                              \
-  extern "C" QPIPE_PLUGIN_EXPORT const QpipePluginDescriptor* QPIPE_PLUGIN_ENTRY() {        \
-    static const QpipePluginDescriptor descriptor{QPIPE_PLUGIN_ABI_MAJOR,                  \
-                                                  QPIPE_PLUGIN_ABI_MINOR,                  \
-                                                  QPIPE_BUILD_FINGERPRINT,                 \
-                                                  NAME,                                    \
-                                                  VERSION,                                 \
-                                                  DESCRIPTION,                             \
-                                                  &REGISTER_FN};                           \
-    return &descriptor;                                                                    \
+#define QPIPE_PLUGIN(NAME, VERSION, DESCRIPTION, REGISTER_FN)                        \
+  extern "C" QPIPE_PLUGIN_EXPORT const QpipePluginDescriptor* QPIPE_PLUGIN_ENTRY() { \
+    static const QpipePluginDescriptor descriptor{QPIPE_PLUGIN_ABI_MAJOR,            \
+                                                  QPIPE_PLUGIN_ABI_MINOR,            \
+                                                  QPIPE_BUILD_FINGERPRINT,           \
+                                                  NAME,                              \
+                                                  VERSION,                           \
+                                                  DESCRIPTION,                       \
+                                                  &REGISTER_FN};                     \
+    return &descriptor;                                                              \
   }

@@ -63,8 +63,7 @@ class PluginLoader {
  private:
   // Throws Error(kPlugin) whose message is the reason alone.
   const PluginRecord& load(const std::filesystem::path& path);
-  const PluginRecord& registerDescriptor(const QpipePluginDescriptor& descriptor,
-                                         const std::string& origin,
+  const PluginRecord& registerDescriptor(const QpipePluginDescriptor& descriptor, const std::string& origin,
                                          std::shared_ptr<const void> owner);
 
   ProcessorRegistry& registry_;

@@ -61,7 +61,6 @@ class Processor {
 };
 
 // Builds a processor from its validated configuration (defaults filled in, `type` removed).
-using ProcessorFactory =
-    std::function<std::unique_ptr<Processor>(const ConfigNode& config, const ProcessorContext&)>;
+using ProcessorFactory = std::function<std::unique_ptr<Processor>(const ConfigNode& config, const ProcessorContext&)>;
 
 }  // namespace qpipe

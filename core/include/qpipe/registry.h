@@ -42,8 +42,8 @@ class ProcessorRegistry {
   // Validates `config` (a process step without its `type`, `path` naming it in errors)
   // against the type's schema, then calls the factory. The result guards every call into
   // plugin code and keeps the library loaded.
-  std::unique_ptr<Processor> create(std::string_view type, const ConfigNode& config,
-                                    std::string_view path, const ProcessorContext& context) const;
+  std::unique_ptr<Processor> create(std::string_view type, const ConfigNode& config, std::string_view path,
+                                    const ProcessorContext& context) const;
 
  private:
   std::vector<Entry> entries_;
@@ -52,7 +52,7 @@ class ProcessorRegistry {
 // Wraps a processor so that an exception from any lifecycle call becomes qpipe::Error(kPlugin)
 // naming the processor, its plugin, the call and the layer; the message is copied at once so
 // nothing thrown by plugin code outlives the call.
-std::unique_ptr<Processor> guardProcessor(std::unique_ptr<Processor> inner, std::string type,
-                                          std::string plugin, std::shared_ptr<const void> owner);
+std::unique_ptr<Processor> guardProcessor(std::unique_ptr<Processor> inner, std::string type, std::string plugin,
+                                          std::shared_ptr<const void> owner);
 
 }  // namespace qpipe

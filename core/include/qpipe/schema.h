@@ -37,8 +37,7 @@ class Schema {
   Schema& add(FieldSpec field);
   Schema& required(std::string name, ValueType type, std::string help);
   Schema& optional(std::string name, ValueType type, ConfigNode defaultValue, std::string help);
-  Schema& choice(std::string name, std::vector<std::string> allowed, std::string defaultValue,
-                 std::string help);
+  Schema& choice(std::string name, std::vector<std::string> allowed, std::string defaultValue, std::string help);
   Schema& nested(std::string name, Schema schema, bool required, std::string help);
   // `include` (default ["*"]) and `exclude` (default []) module-name glob lists.
   Schema& includeExclude();
