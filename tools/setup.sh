@@ -48,7 +48,7 @@ if [[ ! -f $stamp ]]; then
   step "installing torch==$torch_version into $venv (LibTorch for the C++ build; a large download)"
   "$venv/bin/python" -m pip install -q --upgrade pip || die "pip upgrade failed (no access to PyPI?)"
   "$venv/bin/python" -m pip install -q "torch==$torch_version" || die "installing torch==$torch_version failed"
-  "$venv/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$torch_version') else 1)" \
+  "$venv/bin/python" -W ignore -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$torch_version') else 1)" \
     || die "the virtualenv's torch is not $torch_version"
   touch "$stamp"
 else
