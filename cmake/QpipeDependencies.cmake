@@ -14,6 +14,7 @@ endif()
 message(STATUS "qpipe: LibTorch ${Torch_VERSION}, CUDA path ${QPIPE_HAS_CUDA}")
 
 find_package(yaml-cpp REQUIRED)
+find_package(nlohmann_json 3.10 REQUIRED)
 find_package(spdlog REQUIRED)
 find_package(CLI11 CONFIG REQUIRED)
 find_package(Boost 1.74 REQUIRED)

@@ -3,8 +3,17 @@
 # run checks each step and finishes in seconds.
 #
 #   tools/setup.sh            Debian packages, .venv with torch==2.11.0 (LibTorch), build
+#   tools/setup.sh --test     the same, plus .venv-test: the Python oracles the tests compare with
 #   QPIPE_BUILD_TYPE=Debug tools/setup.sh
 set -euo pipefail
+
+with_test_env=0
+for arg in "$@"; do
+  case $arg in
+    --test) with_test_env=1 ;;
+    *) echo "usage: tools/setup.sh [--test]" >&2; exit 2 ;;
+  esac
+done
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -57,7 +66,27 @@ fi
 torch_cmake=$(ls -d "$venv"/lib/python3*/site-packages/torch/share/cmake 2>/dev/null | head -n 1)
 [[ -n $torch_cmake ]] || die "LibTorch's CMake files are missing from $venv; delete $stamp and rerun"
 
-# 3. Configure (once) and build.
+# 3. (--test) The oracle virtualenv. It sees .venv's torch through a .pth file, and a constraint
+# pins torch, so installing the oracles can never move the torch that LibTorch comes from.
+test_venv="$root/.venv-test"
+test_packages=(transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 gguf==0.19.0 numpy)
+test_stamp="$test_venv/.qpipe-$(echo "${test_packages[*]}" | md5sum | cut -c1-12)"
+if ((with_test_env)) && [[ ! -f $test_stamp ]]; then
+  step "creating the test virtualenv $test_venv: ${test_packages[*]}"
+  [[ -x $test_venv/bin/python ]] || python3 -m venv "$test_venv" || die "could not create $test_venv"
+  site=$("$test_venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  main_site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "$main_site" >"$site/qpipe-main-venv.pth"
+  echo "torch==$torch_version" >"$test_venv/constraints.txt"
+  "$test_venv/bin/python" -m pip install -q --upgrade pip || die "pip upgrade failed (no access to PyPI?)"
+  "$test_venv/bin/python" -m pip install -q -c "$test_venv/constraints.txt" "${test_packages[@]}" \
+    || die "installing the test oracles failed: ${test_packages[*]}"
+  touch "$test_stamp"
+elif ((with_test_env)); then
+  step "test virtualenv present in $test_venv"
+fi
+
+# 4. Configure (once) and build.
 [[ -d /usr/local/cuda ]] && export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 if [[ ! -f $build/CMakeCache.txt ]]; then
   step "configuring $build"

@@ -1,0 +1,107 @@
+// safetensors, both ways (https://github.com/huggingface/safetensors, format "pt").
+//
+// Reading maps each file once and hands out zero-copy tensors that keep the mapping alive.
+// Every file is validated when opened: header length and size limit, JSON shape, dtype names,
+// offsets contiguous, in order of the data and non-overlapping, byte size = dtype size × shape,
+// nothing trailing. A violation is Error(kInput) naming the file, the tensor and the rule.
+//
+// Writing streams one tensor at a time into size-limited shards plus the index, each file
+// under a temporary name until it is complete.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace qpipe::safetensors {
+
+// "F32", "BF16", "F8_E4M3", … <-> at::ScalarType; unknown names are Error(kInput).
+at::ScalarType scalarType(std::string_view dtype);
+std::string dtypeName(at::ScalarType type);
+
+struct TensorInfo {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;  // byte offsets into the data section
+  uint64_t end = 0;
+};
+
+class File {
+ public:
+  static std::shared_ptr<const File> open(const std::filesystem::path& path);
+  ~File();
+
+  const std::filesystem::path& path() const { return path_; }
+  const std::vector<TensorInfo>& tensors() const { return tensors_; }  // in header order
+  const TensorInfo* find(std::string_view name) const;
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+
+  // A read-only view of the mapped bytes; it keeps this file mapped. Writing to it is a bug
+  // (the mapping is read-only: the process would fault). Error(kInput) if the name is absent.
+  at::Tensor tensor(std::string_view name) const;
+
+ private:
+  File() = default;
+  std::filesystem::path path_;
+  std::vector<TensorInfo> tensors_;
+  std::map<std::string, std::string> metadata_;
+  const uint8_t* data_ = nullptr;  // start of the data section
+  void* mapping_ = nullptr;
+  size_t mappingSize_ = 0;
+};
+
+// A checkpoint: one .safetensors file, or a folder with model.safetensors or a sharded
+// model.safetensors.index.json. Files are opened once, on first use.
+class Checkpoint {
+ public:
+  static Checkpoint open(const std::filesystem::path& fileOrDir);
+
+  std::vector<std::string> names() const;  // sorted
+  bool contains(std::string_view name) const;
+  const TensorInfo& info(std::string_view name) const;
+  at::Tensor tensor(std::string_view name) const;
+  uint64_t totalBytes() const;
+
+ private:
+  struct Shard {
+    std::filesystem::path path;
+    std::shared_ptr<const File> file;
+  };
+  std::vector<Shard> shards_;
+  std::map<std::string, size_t, std::less<>> index_;  // tensor name -> shard
+};
+
+struct WriterOptions {
+  std::string filePrefix = "model";
+  uint64_t maxShardBytes = 0;  // 0: one file
+  std::map<std::string, std::string> metadata;  // "format": "pt" is always added
+};
+
+class Writer {
+ public:
+  Writer(std::filesystem::path dir, WriterOptions options = {});
+  ~Writer();
+  Writer(const Writer&) = delete;
+  Writer& operator=(const Writer&) = delete;
+
+  // Writes `tensor` (any device, contiguous or not) to the current shard now; the caller may
+  // free it afterwards. Names must be unique.
+  void add(const std::string& name, const at::Tensor& tensor);
+
+  // Completes the last shard, names the shards (prefix.safetensors, or
+  // prefix-0000i-of-0000N.safetensors with prefix.safetensors.index.json) and returns the
+  // files written. Nothing of this writer has its final name before finish().
+  std::vector<std::filesystem::path> finish();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace qpipe::safetensors
