@@ -18,3 +18,8 @@ find_package(nlohmann_json 3.10 REQUIRED)
 find_package(spdlog REQUIRED)
 find_package(CLI11 CONFIG REQUIRED)
 find_package(Boost 1.74 REQUIRED)
+
+# The tokenizer's pre-tokenizer regexes (Unicode classes, look-ahead) and NFC normalisation.
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
+pkg_check_modules(UTF8PROC REQUIRED IMPORTED_TARGET libutf8proc)
