@@ -32,7 +32,7 @@ struct TensorInfo {
   uint64_t end = 0;
 };
 
-class File {
+class File : public std::enable_shared_from_this<File> {
  public:
   static std::shared_ptr<const File> open(const std::filesystem::path& path);
   ~File();
@@ -42,8 +42,8 @@ class File {
   const TensorInfo* find(std::string_view name) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
-  // A read-only view of the mapped bytes; it keeps this file mapped. Writing to it is a bug
-  // (the mapping is read-only: the process would fault). Error(kInput) if the name is absent.
+  // A zero-copy view of the mapped bytes that keeps this file mapped. The mapping is private
+  // copy-on-write: writing to the tensor never changes the file. Error(kInput) if absent.
   at::Tensor tensor(std::string_view name) const;
 
  private:
@@ -57,7 +57,8 @@ class File {
 };
 
 // A checkpoint: one .safetensors file, or a folder with model.safetensors or a sharded
-// model.safetensors.index.json. Files are opened once, on first use.
+// model.safetensors.index.json. Every shard is mapped and validated when the checkpoint is
+// opened; mapping costs no memory until a tensor's pages are read.
 class Checkpoint {
  public:
   static Checkpoint open(const std::filesystem::path& fileOrDir);
