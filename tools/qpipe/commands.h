@@ -18,5 +18,6 @@ struct Subcommand {
 Subcommand setupVersion(CLI::App& parent);
 Subcommand setupPlugins(CLI::App& parent);
 Subcommand setupCheck(CLI::App& parent);
+Subcommand setupConvert(CLI::App& parent);
 
 }  // namespace qpipe::cli

@@ -35,6 +35,7 @@ int main(int argc, char** argv) {
 
   const std::vector<cli::Subcommand> subcommands{
       cli::setupCheck(app),
+      cli::setupConvert(app),
       cli::setupPlugins(app),
       cli::setupVersion(app),
   };
