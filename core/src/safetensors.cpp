@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <fcntl.h>
+#include <nlohmann/json.hpp>
 #include <sys/mman.h>
 #include <sys/sendfile.h>
 #include <sys/stat.h>
@@ -16,7 +17,6 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <nlohmann/json.hpp>
 #include <set>
 
 #include "qpipe/error.h"
@@ -105,7 +105,8 @@ TensorInfo parseEntry(const fs::path& file, const std::string& name, const Json&
   if (info.end < info.begin) bad("data_offsets " + entry["data_offsets"].dump() + " end before they begin");
   uint64_t bytes = at::elementSize(scalarType(info.dtype));
   for (int64_t dim : info.shape) {
-    if (dim != 0 && bytes > UINT64_MAX / static_cast<uint64_t>(dim)) bad("shape " + shapeText(info.shape) + " is too large");
+    if (dim != 0 && bytes > UINT64_MAX / static_cast<uint64_t>(dim))
+      bad("shape " + shapeText(info.shape) + " is too large");
     bytes *= static_cast<uint64_t>(dim);
   }
   if (bytes != info.end - info.begin) {
@@ -166,7 +167,8 @@ std::shared_ptr<const File> File::open(const fs::path& path) {
   }
   Json header;
   try {
-    header = Json::parse(reinterpret_cast<const char*>(bytes + 8), reinterpret_cast<const char*>(bytes + 8 + headerSize));
+    header =
+        Json::parse(reinterpret_cast<const char*>(bytes + 8), reinterpret_cast<const char*>(bytes + 8 + headerSize));
   } catch (const Json::exception& e) {
     invalid(path, detail::concat("header is not valid JSON (", e.what(), ")"));
   }
@@ -237,7 +239,8 @@ at::Tensor File::tensor(std::string_view name) const {
     return at::from_blob(data, info->shape, options).clone();
   }
   auto keepAlive = shared_from_this();
-  return at::from_blob(data, info->shape, [keepAlive](void*) {}, options);
+  return at::from_blob(
+      data, info->shape, [keepAlive](void*) {}, options);
 }
 
 Checkpoint Checkpoint::open(const fs::path& fileOrDir) {
@@ -289,7 +292,9 @@ std::vector<std::string> Checkpoint::names() const {
   return out;
 }
 
-bool Checkpoint::contains(std::string_view name) const { return index_.find(name) != index_.end(); }
+bool Checkpoint::contains(std::string_view name) const {
+  return index_.find(name) != index_.end();
+}
 
 const TensorInfo& Checkpoint::info(std::string_view name) const {
   const auto it = index_.find(name);
@@ -390,8 +395,10 @@ void writeAtomically(const fs::path& finalPath, const std::string& header, const
   }
   if (!dataPath.empty()) {
     Fd in(::open(dataPath.c_str(), O_RDONLY | O_CLOEXEC));
-    Fd out(::open(temporary.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC));
-    QPIPE_REQUIRE(in.get() >= 0 && out.get() >= 0, ErrorCode::kIo, "cannot reopen '", temporary.string(), "'");
+    // sendfile refuses O_APPEND descriptors: seek to the end instead.
+    Fd out(::open(temporary.c_str(), O_WRONLY | O_CLOEXEC));
+    QPIPE_REQUIRE(in.get() >= 0 && out.get() >= 0 && ::lseek(out.get(), 0, SEEK_END) >= 0, ErrorCode::kIo,
+                  "cannot reopen '", temporary.string(), "'");
     struct stat st {};
     ::fstat(in.get(), &st);
     off_t remaining = st.st_size;

@@ -80,7 +80,7 @@ class Checkpoint {
 
 struct WriterOptions {
   std::string filePrefix = "model";
-  uint64_t maxShardBytes = 0;  // 0: one file
+  uint64_t maxShardBytes = 0;                   // 0: one file
   std::map<std::string, std::string> metadata;  // "format": "pt" is always added
 };
 

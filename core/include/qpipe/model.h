@@ -1,0 +1,122 @@
+// Causal language models in LibTorch, loaded from HF checkpoints (config.json + safetensors):
+// Llama (incl. SmolLM2 and Llama-3 rope scaling), Qwen2 (qkv bias), Qwen3 (q/k norm) and
+// Qwen3-MoE. Module names equal HF's, so include/exclude patterns and saved keys line up.
+//
+// Decoder layers are materialised on demand from the mapped checkpoint and can be released, so
+// a model never has to be whole in memory. Weights whose dtype is the compute dtype stay
+// zero-copy views of the mapped files.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "qpipe/module.h"
+#include "qpipe/safetensors.h"
+
+namespace qpipe {
+
+struct RopeConfig {
+  double theta = 10000.0;
+  std::string type = "default";  // default | llama3
+  double factor = 1.0;           // llama3 scaling
+  double lowFreqFactor = 1.0;
+  double highFreqFactor = 4.0;
+  int64_t originalMaxPositions = 8192;
+};
+
+struct ModelConfig {
+  std::string modelType;  // llama | qwen2 | qwen3 | qwen3_moe
+  int64_t vocabSize = 0;
+  int64_t hiddenSize = 0;
+  int64_t intermediateSize = 0;
+  int64_t numLayers = 0;
+  int64_t numHeads = 0;
+  int64_t numKvHeads = 0;
+  int64_t headDim = 0;
+  double rmsNormEps = 1e-6;
+  RopeConfig rope;
+  bool tieWordEmbeddings = false;
+  bool attentionBias = false;  // q/k/v projections (always true for qwen2)
+  bool mlpBias = false;
+  bool qkNorm = false;  // qwen3, qwen3_moe
+  // Mixture of experts (qwen3_moe)
+  int64_t numExperts = 0;
+  int64_t expertsPerToken = 0;
+  int64_t moeIntermediateSize = 0;
+  bool normTopkProb = false;
+  int64_t decoderSparseStep = 1;
+  std::vector<int64_t> mlpOnlyLayers;
+  at::ScalarType checkpointDtype = at::kFloat;
+
+  // Reads config.json (both the rope_theta/rope_scaling and the rope_parameters forms).
+  // Unsupported model types and missing fields are Error(kInput) naming the file and field.
+  static ModelConfig fromFile(const std::filesystem::path& configJson);
+  bool isMoeLayer(int64_t layer) const;
+};
+
+// cos and sin of rotary position embedding, [batch, seq, headDim], in the compute dtype.
+struct Rotary {
+  at::Tensor cos;
+  at::Tensor sin;
+};
+
+class DecoderLayer : public Module {
+ public:
+  DecoderLayer() : Module("DecoderLayer") {}
+  // hidden [batch, seq, hidden]; mask: additive [batch, 1, seq, seq], or undefined for causal.
+  virtual at::Tensor forward(const at::Tensor& hidden, const Rotary& rotary, const at::Tensor& mask) = 0;
+  using Module::forward;
+};
+
+struct ModelOptions {
+  at::ScalarType dtype = at::kFloat;  // compute dtype
+  at::Device device = at::kCPU;
+};
+
+class CausalLM {
+ public:
+  // Maps the checkpoint and builds the non-layer parts (embeddings, final norm, lm_head).
+  static std::unique_ptr<CausalLM> open(const std::filesystem::path& modelDir, ModelOptions options = {});
+
+  const ModelConfig& config() const { return config_; }
+  const ModelOptions& options() const { return options_; }
+  // The root module: children "model" (embed_tokens, layers, norm) and "lm_head".
+  Module& root() { return *root_; }
+  std::string layerName(int64_t index) const { return "model.layers." + std::to_string(index); }
+
+  // Loads decoder layer `index` from the checkpoint if it is not loaded, and returns it.
+  DecoderLayer& layer(int64_t index);
+  bool isLoaded(int64_t index) const;
+  // Frees the layer's tensors; layer(index) loads it again.
+  void releaseLayer(int64_t index);
+
+  at::Tensor embed(const at::Tensor& ids);
+  Rotary rotary(const at::Tensor& positions);  // positions [batch, seq] int64
+  // Additive causal mask honouring `attentionMask` [batch, seq] (1 = token, 0 = padding);
+  // undefined when there is no padding (attention then uses the causal fast path).
+  at::Tensor causalMask(const at::Tensor& attentionMask, int64_t seq);
+  at::Tensor head(const at::Tensor& hidden);  // final norm + lm_head
+
+  // Full forward: logits [batch, seq, vocab] in the compute dtype. Layers are loaded as needed
+  // and kept loaded.
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& attentionMask = {});
+
+ private:
+  CausalLM() = default;
+  at::Tensor weight(const std::string& name);
+
+  ModelConfig config_;
+  ModelOptions options_;
+  std::filesystem::path dir_;
+  safetensors::Checkpoint checkpoint_;
+  std::shared_ptr<Module> root_;
+  Module* layers_ = nullptr;
+  at::Tensor invFreq_;
+};
+
+}  // namespace qpipe

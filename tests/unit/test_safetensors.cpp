@@ -1,0 +1,162 @@
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "qpipe/safetensors.h"
+#include "test_helpers.h"
+
+namespace qpipe::safetensors {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A raw file: 8-byte little-endian header length, the header text, then `dataBytes` bytes.
+fs::path rawFile(const std::string& name, const std::string& header, size_t dataBytes, int64_t lengthDelta = 0) {
+  std::string bytes(8, '\0');
+  const uint64_t length = header.size() + lengthDelta;
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((length >> (8 * i)) & 0xff);
+  bytes += header;
+  bytes.append(dataBytes, '\x01');
+  return test::writeTempFile(name, bytes);
+}
+
+std::string openError(const fs::path& path) {
+  return test::errorOf([&] { File::open(path); }, ErrorCode::kInput);
+}
+
+TEST(Safetensors, EveryDtypeRoundTripsByteForByte) {
+  const fs::path dir = test::writeTempFile("x", "").parent_path() / "roundtrip";
+  fs::remove_all(dir);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  const at::Tensor base = at::randn({3, 5}, at::kFloat) * 100;
+  for (auto type : {at::kDouble, at::kFloat, at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, at::kLong,
+                    at::kInt, at::kShort, at::kChar, at::kByte, at::kBool}) {
+    tensors.emplace_back(dtypeName(type), base.to(type));
+  }
+  tensors.emplace_back("scalar", at::scalar_tensor(7.5));
+  tensors.emplace_back("empty", at::empty({0, 4}));
+  tensors.emplace_back("strided", at::arange(24, at::kFloat).view({4, 6}).t());  // not contiguous
+  Writer writer(dir, {.metadata = {{"producer", "qpipe-test"}}});
+  for (const auto& [name, tensor] : tensors) writer.add(name, tensor);
+  EXPECT_EQ(writer.finish(), std::vector<fs::path>{dir / "model.safetensors"});
+
+  const auto file = File::open(dir / "model.safetensors");
+  EXPECT_EQ(file->metadata().at("format"), "pt");
+  EXPECT_EQ(file->metadata().at("producer"), "qpipe-test");
+  for (const auto& [name, tensor] : tensors) {
+    const at::Tensor read = file->tensor(name);
+    ASSERT_EQ(read.scalar_type(), tensor.scalar_type()) << name;
+    ASSERT_EQ(read.sizes(), tensor.sizes()) << name;
+    const at::Tensor expected = tensor.contiguous();
+    EXPECT_EQ(std::memcmp(read.data_ptr(), expected.data_ptr(), expected.nbytes()), 0) << name;
+  }
+}
+
+TEST(Safetensors, ShardsByTheSizeLimitWithAnIndexAndReadsBack) {
+  const fs::path dir = test::writeTempFile("x", "").parent_path() / "sharded";
+  fs::remove_all(dir);
+  Writer writer(dir, {.maxShardBytes = 100});
+  for (int i = 0; i < 5; ++i) writer.add("t" + std::to_string(i), at::full({16}, i, at::kFloat));  // 64 bytes each
+  const auto files = writer.finish();
+  ASSERT_EQ(files.size(), 6u);
+  EXPECT_EQ(files[0].filename(), "model-00001-of-00005.safetensors");
+  EXPECT_EQ(files[5].filename(), "model.safetensors.index.json");
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    EXPECT_EQ(entry.path().string().find(".tmp"), std::string::npos) << entry.path();
+  }
+  const Checkpoint checkpoint = Checkpoint::open(dir);
+  EXPECT_EQ(checkpoint.names(), (std::vector<std::string>{"t0", "t1", "t2", "t3", "t4"}));
+  EXPECT_EQ(checkpoint.totalBytes(), 5u * 64u);
+  EXPECT_TRUE(at::equal(checkpoint.tensor("t3"), at::full({16}, 3, at::kFloat)));
+}
+
+TEST(Safetensors, AnUnfinishedWriterLeavesNothing) {
+  const fs::path dir = test::writeTempFile("x", "").parent_path() / "unfinished";
+  fs::remove_all(dir);
+  {
+    Writer writer(dir);
+    writer.add("a", at::ones({4}));
+  }
+  EXPECT_TRUE(fs::is_empty(dir));
+}
+
+TEST(Safetensors, TensorsKeepTheMappingAliveAndWritesStayPrivate) {
+  const fs::path dir = test::writeTempFile("x", "").parent_path() / "alive";
+  fs::remove_all(dir);
+  Writer writer(dir);
+  writer.add("w", at::arange(8, at::kFloat));
+  writer.finish();
+  at::Tensor view;
+  {
+    const auto file = File::open(dir / "model.safetensors");
+    view = file->tensor("w");
+  }
+  view.add_(1);  // copy-on-write: the file is untouched
+  EXPECT_TRUE(at::equal(view, at::arange(8, at::kFloat) + 1));
+  EXPECT_TRUE(at::equal(File::open(dir / "model.safetensors")->tensor("w"), at::arange(8, at::kFloat)));
+}
+
+TEST(Safetensors, TruncatedFileIsRejected) {
+  const fs::path path =
+      rawFile("truncated.safetensors", R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 10);
+  EXPECT_EQ(openError(path), path.string() +
+                                 ": tensor 'a': data_offsets [0, 16] run past the end of the data (10 "
+                                 "bytes; file truncated?)");
+  const fs::path tiny = test::writeTempFile("tiny.safetensors", "abc");
+  EXPECT_EQ(openError(tiny), tiny.string() + ": file is 3 bytes, too short for the 8-byte header length");
+}
+
+TEST(Safetensors, CorruptedHeaderIsRejected) {
+  const fs::path notJson = rawFile("corrupt.safetensors", R"({"a":{"dtype":"F32",)", 0);
+  EXPECT_EQ(openError(notJson).rfind(notJson.string() + ": header is not valid JSON (", 0), 0u);
+  const fs::path longHeader = rawFile("long.safetensors", "{}", 0, 1000);
+  EXPECT_EQ(openError(longHeader),
+            longHeader.string() + ": header length 1002 runs past the end of the file (10 bytes)");
+  const fs::path huge = rawFile("huge.safetensors", "{}", 0, 200'000'000);
+  EXPECT_EQ(openError(huge), huge.string() + ": header length 200000002 exceeds the limit of 100000000 bytes");
+  const fs::path dtype =
+      rawFile("dtype.safetensors", R"({"a":{"dtype":"F128","shape":[1],"data_offsets":[0,16]}})", 16);
+  EXPECT_EQ(openError(dtype), dtype.string() + ": tensor 'a': unknown dtype 'F128'");
+  const fs::path size = rawFile("size.safetensors", R"({"a":{"dtype":"F32","shape":[2,3],"data_offsets":[0,20]}})", 20);
+  EXPECT_EQ(openError(size),
+            size.string() + ": tensor 'a': F32 [2, 3] needs 24 bytes, but data_offsets [0, 20] span 20");
+  const fs::path extra =
+      rawFile("extra.safetensors", R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1}})", 4);
+  EXPECT_EQ(openError(extra), extra.string() + ": tensor 'a': unexpected header field 'x'");
+}
+
+TEST(Safetensors, OverlappingGappedAndTrailingDataAreRejected) {
+  const fs::path overlap = rawFile(
+      "overlap.safetensors",
+      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+      12);
+  EXPECT_EQ(openError(overlap),
+            overlap.string() + ": tensor 'b': data_offsets [4, 12] overlap tensor 'a' (which ends at 8)");
+  const fs::path gap = rawFile(
+      "gap.safetensors",
+      R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+      12);
+  EXPECT_EQ(openError(gap), gap.string() + ": tensor 'b': data_offsets [8, 12] leave a gap of 4 bytes before it");
+  const fs::path trailing =
+      rawFile("trailing.safetensors", R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 9);
+  EXPECT_EQ(openError(trailing), trailing.string() + ": 5 bytes after the last tensor belong to no tensor");
+}
+
+TEST(Safetensors, CheckpointErrorsNameTheFolderAndTensor) {
+  const fs::path dir = test::writeTempFile("x", "").parent_path() / "bad-index";
+  fs::remove_all(dir);
+  Writer writer(dir);
+  writer.add("a", at::ones({2}));
+  writer.finish();
+  std::ofstream(dir / "model.safetensors.index.json")
+      << R"({"weight_map": {"a": "model.safetensors", "b": "model.safetensors"}})";
+  EXPECT_EQ(test::errorOf([&] { Checkpoint::open(dir); }, ErrorCode::kInput),
+            (dir / "model.safetensors.index.json").string() +
+                ": lists tensor 'b' in model.safetensors, which does not hold it");
+  const fs::path empty = dir / "empty";
+  fs::create_directories(empty);
+  EXPECT_EQ(test::errorOf([&] { Checkpoint::open(empty); }, ErrorCode::kInput),
+            empty.string() + ": no model.safetensors or model.safetensors.index.json");
+}
+
+}  // namespace
+}  // namespace qpipe::safetensors
