@@ -210,6 +210,9 @@ def check(model_dir, expected_path):
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     expected = load_file(expected_path)
+    # The converted weights in their saved dtype: the expected values rounded the same way.
+    dtype = getattr(torch, json.loads((Path(model_dir) / "config.json").read_text())["torch_dtype"])
+    expected = {name: tensor.to(dtype).to(torch.float32) for name, tensor in expected.items()}
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     state = model.state_dict()
     tied = "lm_head.weight" not in expected
@@ -219,7 +222,7 @@ def check(model_dir, expected_path):
         assert torch.equal(state[name], tensor), f"{name}: values differ"
     if tied:
         assert torch.equal(state["lm_head.weight"], expected["model.embed_tokens.weight"]), "lm_head is not tied"
-    print(f"weights: {len(expected)} tensors equal")
+    print(f"weights: {len(expected)} tensors equal ({dtype})")
     cfg = model.config
     print(f"config: layers={cfg.num_hidden_layers} heads={cfg.num_attention_heads} kv={cfg.num_key_value_heads} "
           f"head_dim={cfg.head_dim} eps={cfg.rms_norm_eps} theta={cfg.rope_parameters['rope_theta']} "

@@ -1,0 +1,169 @@
+// `qpipe convert gguf` as a user runs it: gguf-py writes a tiny random Llama GGUF (with the weights
+// it must become), qpipe converts it, and transformers and tokenizers load the result. The real
+// SmolLM2-135M-Instruct GGUF is converted and greedy-decoded when tools/setup.sh has fetched it.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "qpipe/gguf.h"
+#include "test_helpers.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using qpipe::test::runOracle;
+
+struct Result {
+  int exitCode;
+  std::string out;
+  std::string err;
+};
+
+fs::path testDir() {
+  const fs::path dir =
+      fs::temp_directory_path() /
+      ("qpipe-convert-" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+  fs::create_directories(dir);
+  return dir;
+}
+
+std::string slurp(const fs::path& path) {
+  std::ifstream in(path);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+Result qpipe(const std::string& args) {
+  const fs::path dir = testDir();
+  const std::string command = std::string(QPIPE_BINARY) + " " + args + " >" + (dir / "out").string() + " 2>" +
+                              (dir / "err").string() + " </dev/null";
+  const int status = std::system(command.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir / "out"), slurp(dir / "err")};
+}
+
+// A tiny Llama GGUF from the oracle and the HF weights it must convert to.
+struct Fixture {
+  fs::path gguf;
+  fs::path expected;
+};
+
+Fixture tinyLlama(const std::string& options = "") {
+  const fs::path dir = testDir();
+  Fixture f{dir / "tiny.gguf", dir / "expected.safetensors"};
+  const std::string out =
+      runOracle("gguf_oracle.py", "llama " + f.gguf.string() + " " + f.expected.string() + " " + options);
+  EXPECT_NE(out.find("wrote "), std::string::npos) << out;
+  return f;
+}
+
+// Nothing but the finished folder may be left next to it: no partial folder of a run.
+void expectNoPartial(const fs::path& parent) {
+  for (const auto& entry : fs::directory_iterator(parent)) {
+    EXPECT_EQ(entry.path().filename().string().find(".partial-"), std::string::npos) << entry.path();
+  }
+}
+
+TEST(ConvertGguf, TinyLlamaLoadsInTransformersWithTheOraclesWeightsAndTokenizer) {
+  const Fixture f = tinyLlama();
+  const fs::path out = testDir() / "hf";
+  fs::remove_all(out);
+  const Result r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string());
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find(f.gguf.string() + ": converted to " + out.string() + " (21 tensors, 113472 parameters, float32"),
+            std::string::npos)
+      << r.err;
+  for (const char* name :
+       {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}) {
+    EXPECT_TRUE(fs::exists(out / name)) << name;
+  }
+  expectNoPartial(testDir());
+
+  const std::string check = runOracle("gguf_oracle.py", "check " + out.string() + " " + f.expected.string());
+  for (const char* line : {
+           "weights: 21 tensors equal (torch.float32)\n",
+           "config: layers=2 heads=4 kv=2 head_dim=16 eps=1e-05 theta=500000.0 tied=False bos=1 eos=2\n",
+           "forward: logits (1, 4, 308) finite\n",
+           "tokenizer: 4 texts encode as the reference and round-trip\n",
+           "special: bos=<|im_start|> eos=<|im_end|> pad=<|im_end|> unk=<|endoftext|>\n",
+       }) {
+    EXPECT_NE(check.find(line), std::string::npos) << "missing: " << line << check;
+  }
+}
+
+TEST(ConvertGguf, TiedEmbeddingsInBfloat16) {
+  const Fixture f = tinyLlama("--tied");
+  const fs::path out = testDir() / "hf";
+  fs::remove_all(out);
+  const Result r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string() + " --dtype bfloat16");
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  const std::string check = runOracle("gguf_oracle.py", "check " + out.string() + " " + f.expected.string());
+  EXPECT_NE(check.find("weights: 20 tensors equal (torch.bfloat16)\n"), std::string::npos) << check;
+  EXPECT_NE(check.find(" tied=True "), std::string::npos) << check;
+}
+
+TEST(ConvertGguf, UnsupportedPreTokenizerIsOneLineAndWritesNothing) {
+  const Fixture f = tinyLlama("--pre qwen2");
+  const fs::path out = testDir() / "hf";
+  fs::remove_all(out);
+  const Result r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string());
+  EXPECT_EQ(r.exitCode, 5);
+  EXPECT_EQ(r.err, "qpipe: input error: " + f.gguf.string() +
+                       ": metadata 'tokenizer.ggml.pre' is 'qwen2' (supported pre-tokenizers: gpt-2, smollm, "
+                       "starcoder)\n");
+  EXPECT_FALSE(fs::exists(out));
+  expectNoPartial(testDir());
+}
+
+TEST(ConvertGguf, TruncatedFileAndExistingOutputAreOneLineErrors) {
+  const Fixture f = tinyLlama();
+  const auto file = qpipe::gguf::File::open(f.gguf);
+  const qpipe::gguf::TensorInfo& first = file->tensors().front();
+  const uint64_t end = file->dataOffset() + first.offset + first.bytes;
+  const fs::path cut = testDir() / "cut.gguf";
+  fs::copy_file(f.gguf, cut, fs::copy_options::overwrite_existing);
+  fs::resize_file(cut, end - 1);
+  const fs::path out = testDir() / "hf";
+  fs::remove_all(out);
+
+  Result r = qpipe("convert gguf --input " + cut.string() + " --output " + out.string());
+  EXPECT_EQ(r.exitCode, 5);
+  EXPECT_EQ(r.err, "qpipe: input error: " + cut.string() + ": tensor '" + first.name +
+                       "': data runs past the end of the file (bytes " + std::to_string(end - first.bytes) + " to " +
+                       std::to_string(end) + ", file size " + std::to_string(end - 1) + ")\n");
+  EXPECT_FALSE(fs::exists(out));
+
+  fs::create_directories(out);
+  r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string());
+  EXPECT_EQ(r.exitCode, 6);
+  EXPECT_EQ(r.err, "qpipe: I/O error: " + out.string() + ": already exists (remove it, or pass --overwrite)\n");
+  r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string() + " --overwrite");
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+
+  r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string() + " --dtype int8");
+  EXPECT_EQ(r.exitCode, 2);
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+// The real model, when tools/setup.sh has put its GGUF in .cache (about 20 s).
+TEST(ConvertGguf, SmolLM2GreedyDecodes) {
+  const fs::path gguf = fs::path(QPIPE_SOURCE_DIR) / ".cache/gguf/SmolLM2-135M-Instruct.Q4_1.gguf";
+  if (!fs::exists(gguf)) GTEST_SKIP() << gguf << " is missing: run tools/setup.sh";
+  const fs::path out = testDir() / "smollm2";
+  fs::remove_all(out);
+  const Result r = qpipe("convert gguf --input " + gguf.string() + " --output " + out.string());
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find("(272 tensors, 134515008 parameters, float32"), std::string::npos) << r.err;
+  const std::string text = runOracle("gguf_oracle.py", "generate " + out.string() + " 'The capital of France is'");
+  EXPECT_NE(text.find("\"ids\": [504, 3575, 282, 4649, 314]"), std::string::npos) << text;
+  EXPECT_NE(text.find("The capital of France is Paris."), std::string::npos) << text;
+  fs::remove_all(out);
+}
+
+}  // namespace
