@@ -167,7 +167,8 @@ void splitPiece(std::string_view piece, const std::vector<Range>& matches, Split
       case SplitBehavior::kIsolated:
         break;
       case SplitBehavior::kContiguous:
-        extend = part.isMatch && previousMatch;
+        // Neighbours of the same kind join; without invert only matches can be neighbours.
+        extend = !kept.empty() && part.isMatch == previousMatch;
         break;
       case SplitBehavior::kMergedWithPrevious:
         extend = part.isMatch && !previousMatch && !kept.empty();
@@ -286,6 +287,7 @@ void applyPreTokenizer(const PreTokenizerStep& step, const std::vector<std::stri
 
 struct AddedToken {
   std::string content;
+  std::string text;  // what decode and idToToken give: the content, normalized when `normalized` is set
   int64_t id;
   bool special, singleWord, lstrip, rstrip, normalized;
 };
@@ -487,14 +489,12 @@ void Tokenizer::Impl::parseAddedTokens(const Json& node) {
                   ".content is not valid UTF-8");
     addedTokens.push_back(std::move(token));
   }
-  for (const auto& token : addedTokens) {
+  for (auto& token : addedTokens) {
     addedById[token.id] = &token;
     addedByContent[token.content] = token.id;
-    if (token.normalized) {
-      normalizedMatcher.add(&token, normalize(token.content, normalizers));
-    } else {
-      rawMatcher.add(&token, token.content);
-    }
+    // HF keeps a normalized token in its normalized form, which is then what it matches and decodes.
+    token.text = token.normalized ? normalize(token.content, normalizers) : token.content;
+    (token.normalized ? normalizedMatcher : rawMatcher).add(&token, token.text);
   }
 }
 
@@ -651,7 +651,7 @@ std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skipSpecialT
     std::string_view token;
     if (const auto added = impl_->addedById.find(id); added != impl_->addedById.end()) {
       if (skipSpecialTokens && added->second->special) continue;
-      token = added->second->content;
+      token = added->second->text;
     } else if (const auto it = impl_->modelTokens.find(id); it != impl_->modelTokens.end()) {
       token = it->second;
     } else {
@@ -679,7 +679,7 @@ std::optional<int64_t> Tokenizer::tokenToId(std::string_view token) const {
 }
 
 std::optional<std::string> Tokenizer::idToToken(int64_t id) const {
-  if (const auto added = impl_->addedById.find(id); added != impl_->addedById.end()) return added->second->content;
+  if (const auto added = impl_->addedById.find(id); added != impl_->addedById.end()) return added->second->text;
   if (const auto it = impl_->modelTokens.find(id); it != impl_->modelTokens.end()) return std::string(it->second);
   return std::nullopt;
 }

@@ -16,7 +16,7 @@ char32_t nextCodePoint(std::string_view text, size_t& pos) {
     return lead;
   }
   const int length = lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : 2;
-  char32_t cp = lead & (0x7F >> (length + 1));
+  char32_t cp = lead & (0xFF >> (length + 1));
   for (int k = 1; k < length; ++k) cp = (cp << 6) | (static_cast<unsigned char>(text[pos + k]) & 0x3F);
   pos += length;
   return cp;
