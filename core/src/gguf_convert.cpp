@@ -3,7 +3,6 @@
 // Hugging Face tokenizers' serialisation of a byte-level BPE tokenizer.
 #include "qpipe/gguf_convert.h"
 
-#include <ATen/ops/empty.h>
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
@@ -13,7 +12,6 @@
 #include <map>
 #include <optional>
 #include <regex>
-#include <unordered_map>
 
 #include "qpipe/error.h"
 #include "qpipe/gguf.h"
@@ -87,9 +85,9 @@ Hyper readHyper(const File& file) {
   QPIPE_REQUIRE(ropeDim == h.headDim, ErrorCode::kInput, name, ": metadata 'llama.rope.dimension_count' is ", ropeDim,
                 " but the head dimension is ", h.headDim, " (partial rotary is not Llama)");
   h.contextLength = file.get<int64_t>("llama.context_length");
-  h.rmsEps = cleanNumber(file, "llama.attention.layer_norm_rms_epsilon", 0);
   QPIPE_REQUIRE(file.find("llama.attention.layer_norm_rms_epsilon") != nullptr, ErrorCode::kInput, name,
                 ": metadata 'llama.attention.layer_norm_rms_epsilon' is missing");
+  h.rmsEps = cleanNumber(file, "llama.attention.layer_norm_rms_epsilon", 0);
   h.ropeTheta = cleanNumber(file, "llama.rope.freq_base", 10000.0);
 
   const auto scaling = file.getOptional<std::string>("llama.rope.scaling.type").value_or("none");
