@@ -34,8 +34,10 @@ Result qpipe(const std::string& args) {
   const fs::path dir = fs::temp_directory_path() /
                        ("qpipe-cli-" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
   fs::create_directories(dir);
-  const std::string command = std::string("env -u QPIPE_PLUGIN_PATH ") + QPIPE_BINARY + " " + args + " >" +
-                              (dir / "out").string() + " 2>" + (dir / "err").string() + " </dev/null";
+  // Appended piecewise: GCC 12 warns falsely (-Warray-bounds) on one long concatenation.
+  std::string command = "env -u QPIPE_PLUGIN_PATH ";
+  command += QPIPE_BINARY;
+  command += " " + args + " >" + (dir / "out").string() + " 2>" + (dir / "err").string() + " </dev/null";
   const int status = std::system(command.c_str());
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir / "out"), slurp(dir / "err")};
 }

@@ -1,0 +1,91 @@
+// The real model, converted by tools/setup.sh into .cache/models/smollm2-135m, against
+// transformers and tokenizers: tokenizer ids, greedy decoding and `qpipe eval`'s perplexity.
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "qpipe/dataset.h"
+#include "qpipe/model.h"
+#include "qpipe/tokenizer.h"
+#include "test_helpers.h"
+
+namespace qpipe {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+const fs::path kModel = fs::path(QPIPE_SOURCE_DIR) / ".cache/models/smollm2-135m";
+const fs::path kData = fs::path(QPIPE_SOURCE_DIR) / "data";
+
+class SmolLM2 : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(fs::exists(kModel / "config.json")) << kModel << " is missing: run tools/setup.sh";
+  }
+};
+
+TEST_F(SmolLM2, TokenizerMatchesHuggingFaceOnRealLines) {
+  std::vector<std::string> lines;
+  for (const char* file : {"eval.jsonl", "calib.jsonl"}) {
+    for (const auto& sample : loadDataset(kData / file)) {
+      std::string text = sample.text;
+      for (size_t start = 0; start < text.size();) {  // every line, and every paragraph whole
+        const size_t end = std::min(text.find('\n', start), text.size());
+        if (end > start) lines.push_back(text.substr(start, end - start));
+        start = end + 1;
+      }
+      lines.push_back(text);
+    }
+  }
+  ASSERT_GE(lines.size(), 1000u);
+  const fs::path linesFile = test::writeTempFile("lines.json", Json(lines).dump());
+  const fs::path expectedFile = linesFile.parent_path() / "expected.json";
+  test::runOracle("smollm2_oracle.py",
+                  "encode " + kModel.string() + " " + linesFile.string() + " " + expectedFile.string());
+  const Json expected = Json::parse(std::ifstream(expectedFile));
+  const Tokenizer tokenizer = Tokenizer::fromFile(kModel / "tokenizer.json");
+  size_t mismatches = 0;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    if (tokenizer.encode(lines[i]) != expected[i].get<std::vector<int64_t>>()) {
+      if (++mismatches <= 5) ADD_FAILURE() << "line " << i << " differs: " << lines[i];
+    }
+  }
+  EXPECT_EQ(mismatches, 0u) << "of " << lines.size() << " lines";
+}
+
+TEST_F(SmolLM2, GreedyDecodingMatchesTransformersAndReadsWell) {
+  c10::InferenceMode inference;
+  const std::string prompt = "The capital of France is";
+  const int newTokens = 8;
+  const Json expected = Json::parse(test::runOracle(
+      "smollm2_oracle.py", "greedy " + kModel.string() + " '" + prompt + "' " + std::to_string(newTokens)));
+  const Tokenizer tokenizer = Tokenizer::fromFile(kModel / "tokenizer.json");
+  auto model = CausalLM::open(kModel);
+  std::vector<int64_t> ids = tokenizer.encode(prompt);
+  for (int step = 0; step < newTokens; ++step) {
+    const at::Tensor logits = model->forward(at::tensor(ids, at::kLong).unsqueeze(0));
+    ids.push_back(logits[0][-1].argmax().item<int64_t>());
+  }
+  EXPECT_EQ(ids, expected.get<std::vector<int64_t>>());
+  const std::string text = tokenizer.decode(ids);
+  EXPECT_NE(text.find("Paris"), std::string::npos) << text;
+}
+
+TEST_F(SmolLM2, EvalPerplexityMatchesTransformersWithinATenthOfAPercent) {
+  const fs::path json = test::writeTempFile("eval.json", "");
+  const std::string data = (kData / "eval.jsonl").string();
+  const std::string command = std::string(QPIPE_BINARY) + " eval --model_path " + kModel.string() + " --data " + data +
+                              " --seq_len 256 --max_samples 24 --output_json " + json.string() + " > /dev/null 2>&1";
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  const Json ours = Json::parse(std::ifstream(json));
+  const Json reference =
+      Json::parse(test::runOracle("smollm2_oracle.py", "ppl " + kModel.string() + " " + data + " 256 24"));
+  EXPECT_EQ(ours["tokens"], reference["tokens"]);
+  const double relative = std::abs(ours["perplexity"].get<double>() / reference["ppl"].get<double>() - 1);
+  EXPECT_LT(relative, 1e-3) << "qpipe " << ours["perplexity"] << " vs transformers " << reference["ppl"];
+}
+
+}  // namespace
+}  // namespace qpipe
