@@ -12,12 +12,16 @@ if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
   set(QPIPE_HAS_CUDA ON)
 endif()
 message(STATUS "qpipe: LibTorch ${Torch_VERSION}, CUDA path ${QPIPE_HAS_CUDA}")
-# The torch wheel's libtorch.so exports its own std::filesystem (from the toolchain it was built
-# with), and calls resolved to it crash. Linking libstdc++ ahead of LibTorch puts it first in the
-# dynamic linker's search order, so std:: symbols bind to the system's library.
+# qpipe links LibTorch's CPU library only. Its CUDA backend (libtorch_cuda, ~365 MB resident
+# once loaded) is opened at run time when a CUDA device is asked for (core/src/device.cpp), so
+# CPU runs do not pay for it.
+#
+# The torch wheel's libraries export their own std::filesystem (from the toolchain they were
+# built with), and calls resolved to it crash. Linking libstdc++ ahead of LibTorch puts it first
+# in the dynamic linker's search order, so std:: symbols bind to the system's library.
 add_library(qpipe_torch INTERFACE)
 target_link_libraries(qpipe_torch INTERFACE "-Wl,--push-state,--no-as-needed" stdc++ "-Wl,--pop-state"
-                      ${TORCH_LIBRARIES})
+                      torch_cpu_library)
 
 find_package(yaml-cpp REQUIRED)
 find_package(nlohmann_json 3.10 REQUIRED)

@@ -62,10 +62,17 @@ PerplexityResult computePerplexity(const std::vector<int64_t>& ids, const Perple
     QPIPE_REQUIRE(*low >= 0 && *high < vocab, ErrorCode::kInput, "perplexity: token id ", *low < 0 ? *low : *high,
                   " is outside the model's ", vocab, " logits; do the tokenizer and the model match?");
 
-    // Position t predicts token t + 1: the last position has nothing to score.
-    const at::Tensor logProbs = at::log_softmax(logits.slice(1, 0, seqLen - 1).to(at::kFloat), -1);
+    // Position t predicts token t + 1: the last position has nothing to score. NLL = logsumexp -
+    // logit of the target, in chunks of positions so that no second logits-sized tensor exists.
     const at::Tensor targets = batch.slice(1, 1).to(logits.device()).unsqueeze(-1);
-    const at::Tensor nll = logProbs.gather(-1, targets).squeeze(-1).neg();
+    constexpr int64_t kChunk = 64;
+    std::vector<at::Tensor> chunks;
+    for (int64_t start = 0; start < seqLen - 1; start += kChunk) {
+      const int64_t end = std::min(start + kChunk, seqLen - 1);
+      const at::Tensor scores = logits.slice(1, start, end).to(at::kFloat);
+      chunks.push_back(at::logsumexp(scores, -1) - scores.gather(-1, targets.slice(1, start, end)).squeeze(-1));
+    }
+    const at::Tensor nll = at::cat(chunks, 1);
     // Per-window sums in double, added window by window: the total does not depend on batching.
     const at::Tensor windowNll = nll.to(at::kDouble).sum(1).cpu();
     const auto* sums = windowNll.const_data_ptr<double>();

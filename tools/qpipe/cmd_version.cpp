@@ -1,9 +1,9 @@
-#include <ATen/Context.h>
 #include <CLI/CLI.hpp>
 
 #include <iostream>
 
 #include "commands.h"
+#include "qpipe/device.h"
 #include "qpipe/plugin.h"
 
 namespace qpipe::cli {
@@ -14,7 +14,7 @@ Subcommand setupVersion(CLI::App& parent) {
             std::cout << "qpipe " << QPIPE_VERSION << "\n"
                       << "plugin ABI " << QPIPE_PLUGIN_ABI_MAJOR << "." << QPIPE_PLUGIN_ABI_MINOR << "\n"
                       << "build fingerprint " << QPIPE_BUILD_FINGERPRINT << "\n"
-                      << "CUDA " << (at::hasCUDA() ? "available" : "not available") << "\n";
+                      << "CUDA " << (cudaAvailable() ? "available" : "not available") << "\n";
           }};
 }
 
