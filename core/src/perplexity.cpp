@@ -62,15 +62,15 @@ PerplexityResult computePerplexity(const std::vector<int64_t>& ids, const Perple
     QPIPE_REQUIRE(*low >= 0 && *high < vocab, ErrorCode::kInput, "perplexity: token id ", *low < 0 ? *low : *high,
                   " is outside the model's ", vocab, " logits; do the tokenizer and the model match?");
 
-    // Position t predicts token t + 1: the last position has nothing to score. NLL = logsumexp -
-    // logit of the target, in chunks of positions so that no second logits-sized tensor exists.
+    // Position t predicts token t + 1: the last position has nothing to score. log_softmax runs
+    // over chunks of positions so that no second logits-sized tensor exists.
     const at::Tensor targets = batch.slice(1, 1).to(logits.device()).unsqueeze(-1);
     constexpr int64_t kChunk = 64;
     std::vector<at::Tensor> chunks;
     for (int64_t start = 0; start < seqLen - 1; start += kChunk) {
       const int64_t end = std::min(start + kChunk, seqLen - 1);
       const at::Tensor scores = logits.slice(1, start, end).to(at::kFloat);
-      chunks.push_back(at::logsumexp(scores, -1) - scores.gather(-1, targets.slice(1, start, end)).squeeze(-1));
+      chunks.push_back(at::log_softmax(scores, -1).gather(-1, targets.slice(1, start, end)).squeeze(-1).neg());
     }
     const at::Tensor nll = at::cat(chunks, 1);
     // Per-window sums in double, added window by window: the total does not depend on batching.

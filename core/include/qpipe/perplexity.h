@@ -6,8 +6,8 @@
 //   2. the ids are cut into non-overlapping windows of seqLen tokens; the last partial window is
 //      dropped, and only the first maxWindows windows are kept when maxWindows > 0;
 //   3. in each window, every token after the first is scored: its negative log-likelihood is
-//      -log_softmax(logits of the previous position)[token], computed in fp32 (as logsumexp minus
-//      the target logit, a chunk of positions at a time);
+//      -log_softmax(logits of the previous position)[token], computed in fp32 (a chunk of
+//      positions at a time);
 //   4. PPL = exp(total NLL / tokens scored), the total accumulated in double, window by window.
 //
 // The forward is a callback, so this file depends on no model: it receives windows
