@@ -1,12 +1,11 @@
 // Runs the real qpipe executable as a user would and checks exit codes and output.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <string>
+
+#include "test_helpers.h"
 
 namespace {
 
@@ -16,39 +15,19 @@ const std::string kPipelines = std::string(QPIPE_SOURCE_DIR) + "/tests/fixtures/
 const std::string kFaults = std::string(QPIPE_TEST_PLUGIN_DIR) + "/faults";
 const std::string kExample = std::string(QPIPE_TEST_PLUGIN_DIR) + "/example";
 
-struct Result {
-  int exitCode;
-  std::string out;
-  std::string err;
-};
+using qpipe::test::CommandResult;
 
-std::string slurp(const fs::path& path) {
-  std::ifstream in(path);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
-
-Result qpipe(const std::string& args) {
-  // ctest runs tests in parallel: each gets its own folder.
-  const fs::path dir = fs::temp_directory_path() /
-                       ("qpipe-cli-" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-  fs::create_directories(dir);
-  // Appended piecewise: GCC 12 warns falsely (-Warray-bounds) on one long concatenation.
-  std::string command = "env -u QPIPE_PLUGIN_PATH ";
-  command += QPIPE_BINARY;
-  command += " " + args + " >" + (dir / "out").string() + " 2>" + (dir / "err").string() + " </dev/null";
-  const int status = std::system(command.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir / "out"), slurp(dir / "err")};
+CommandResult qpipe(const std::string& args) {
+  return qpipe::test::runQpipe(args);
 }
 
 // A user-facing failure is exactly one line on stderr.
-void expectOneLineError(const Result& r) {
+void expectOneLineError(const CommandResult& r) {
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }
 
 TEST(Cli, VersionPrintsVersionAbiAndFingerprint) {
-  const Result r = qpipe("version");
+  const CommandResult r = qpipe("version");
   EXPECT_EQ(r.exitCode, 0);
   EXPECT_NE(r.out.find("qpipe 0.1.0"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("plugin ABI 1.0"), std::string::npos) << r.out;
@@ -56,7 +35,7 @@ TEST(Cli, VersionPrintsVersionAbiAndFingerprint) {
 }
 
 TEST(Cli, PluginsListsEveryBrokenFixtureWithItsReasonAndExitsZero) {
-  const Result r = qpipe("plugins --plugin_dir " + kFaults);
+  const CommandResult r = qpipe("plugins --plugin_dir " + kFaults);
   EXPECT_EQ(r.exitCode, 0) << r.err;
   for (const char* expected : {
            "Rejected libraries (5):",
@@ -75,7 +54,7 @@ TEST(Cli, PluginsListsEveryBrokenFixtureWithItsReasonAndExitsZero) {
 }
 
 TEST(Cli, CheckAcceptsAValidPipelineAndPrintsItResolved) {
-  const Result r = qpipe("check --config_path " + kPipelines + "log_layers.yaml --plugin_dir " + kExample);
+  const CommandResult r = qpipe("check --config_path " + kPipelines + "log_layers.yaml --plugin_dir " + kExample);
   EXPECT_EQ(r.exitCode, 0) << r.err;
   EXPECT_NE(r.out.find("type: group"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("prefix: \"attn \""), std::string::npos) << r.out;
@@ -84,7 +63,7 @@ TEST(Cli, CheckAcceptsAValidPipelineAndPrintsItResolved) {
 }
 
 TEST(Cli, CheckRejectsUnknownTypeNamingFileLineTypeAndKnownTypes) {
-  const Result r = qpipe("check --config_path " + kPipelines + "unknown_type.yaml --plugin_dir " + kExample);
+  const CommandResult r = qpipe("check --config_path " + kPipelines + "unknown_type.yaml --plugin_dir " + kExample);
   EXPECT_EQ(r.exitCode, 3);
   expectOneLineError(r);
   EXPECT_EQ(r.err.rfind("qpipe: configuration error: " + kPipelines +
@@ -96,7 +75,7 @@ TEST(Cli, CheckRejectsUnknownTypeNamingFileLineTypeAndKnownTypes) {
 }
 
 TEST(Cli, CheckReportsAThrowingFactoryAsAPluginError) {
-  const Result r =
+  const CommandResult r =
       qpipe("check --config_path " + kPipelines + "factory_throws.yaml --plugin_dir " + kFaults + " --log_level error");
   EXPECT_EQ(r.exitCode, 4);
   expectOneLineError(r);
@@ -109,7 +88,7 @@ TEST(Cli, CheckReportsAThrowingFactoryAsAPluginError) {
 TEST(Cli, UsageErrorsExitTwoWithOneLine) {
   for (const char* args : {"check", "check --config_path x.yaml --log_level loud", "frobnicate",
                            "plugins --plugin_dir /nonexistent/plugins", "check --config_path x.yaml --bogus"}) {
-    const Result r = qpipe(args);
+    const CommandResult r = qpipe(args);
     EXPECT_EQ(r.exitCode, 2) << args << ": " << r.err;
     expectOneLineError(r);
     EXPECT_EQ(r.err.rfind("qpipe: usage error: ", 0), 0u) << r.err;
@@ -117,21 +96,21 @@ TEST(Cli, UsageErrorsExitTwoWithOneLine) {
 }
 
 TEST(Cli, UnknownSubcommandIsNamed) {
-  const Result r = qpipe("frobnicate");
+  const CommandResult r = qpipe("frobnicate");
   EXPECT_EQ(r.err,
             "qpipe: usage error: unknown subcommand 'frobnicate'; use one of: check, convert, eval, plugins, version "
             "(see 'qpipe --help')\n");
 }
 
 TEST(Cli, MissingPipelineFileIsAnIoError) {
-  const Result r = qpipe("check --config_path /nonexistent/p.yaml");
+  const CommandResult r = qpipe("check --config_path /nonexistent/p.yaml");
   EXPECT_EQ(r.exitCode, 6);
   expectOneLineError(r);
   EXPECT_EQ(r.err, "qpipe: I/O error: cannot open '/nonexistent/p.yaml': no such file\n");
 }
 
 TEST(Cli, HelpExitsZeroAndListsSubcommands) {
-  const Result r = qpipe("--help");
+  const CommandResult r = qpipe("--help");
   EXPECT_EQ(r.exitCode, 0);
   for (const char* sub : {"check", "plugins", "version", "--log_level"}) {
     EXPECT_NE(r.out.find(sub), std::string::npos) << r.out;

@@ -2,12 +2,10 @@
 // it must become), qpipe converts it, and transformers and tokenizers load the result. The real
 // SmolLM2-135M-Instruct GGUF is converted and greedy-decoded when tools/setup.sh has fetched it.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <string>
 
 #include "qpipe/gguf.h"
@@ -18,33 +16,11 @@ namespace {
 namespace fs = std::filesystem;
 using qpipe::test::runOracle;
 
-struct Result {
-  int exitCode;
-  std::string out;
-  std::string err;
-};
+using qpipe::test::CommandResult;
+using qpipe::test::testDir;
 
-fs::path testDir() {
-  const fs::path dir =
-      fs::temp_directory_path() /
-      ("qpipe-convert-" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-  fs::create_directories(dir);
-  return dir;
-}
-
-std::string slurp(const fs::path& path) {
-  std::ifstream in(path);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
-
-Result qpipe(const std::string& args) {
-  const fs::path dir = testDir();
-  const std::string command = std::string(QPIPE_BINARY) + " " + args + " >" + (dir / "out").string() + " 2>" +
-                              (dir / "err").string() + " </dev/null";
-  const int status = std::system(command.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir / "out"), slurp(dir / "err")};
+CommandResult qpipe(const std::string& args) {
+  return qpipe::test::runQpipe(args);
 }
 
 // A tiny Llama GGUF from the oracle and the HF weights it must convert to.
@@ -73,7 +49,7 @@ TEST(ConvertGguf, TinyLlamaLoadsInTransformersWithTheOraclesWeightsAndTokenizer)
   const Fixture f = tinyLlama();
   const fs::path out = testDir() / "hf";
   fs::remove_all(out);
-  const Result r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string());
+  const CommandResult r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string());
   ASSERT_EQ(r.exitCode, 0) << r.err;
   EXPECT_NE(r.err.find(f.gguf.string() + ": converted to " + out.string() + " (21 tensors, 113472 parameters, float32"),
             std::string::npos)
@@ -100,7 +76,8 @@ TEST(ConvertGguf, TiedEmbeddingsInBfloat16) {
   const Fixture f = tinyLlama("--tied");
   const fs::path out = testDir() / "hf";
   fs::remove_all(out);
-  const Result r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string() + " --dtype bfloat16");
+  const CommandResult r =
+      qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string() + " --dtype bfloat16");
   ASSERT_EQ(r.exitCode, 0) << r.err;
   const std::string check = runOracle("gguf_oracle.py", "check " + out.string() + " " + f.expected.string());
   EXPECT_NE(check.find("weights: 20 tensors equal (torch.bfloat16)\n"), std::string::npos) << check;
@@ -111,7 +88,7 @@ TEST(ConvertGguf, UnsupportedPreTokenizerIsOneLineAndWritesNothing) {
   const Fixture f = tinyLlama("--pre qwen2");
   const fs::path out = testDir() / "hf";
   fs::remove_all(out);
-  const Result r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string());
+  const CommandResult r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string());
   EXPECT_EQ(r.exitCode, 5);
   EXPECT_EQ(r.err, "qpipe: input error: " + f.gguf.string() +
                        ": metadata 'tokenizer.ggml.pre' is 'qwen2' (supported pre-tokenizers: gpt-2, smollm, "
@@ -131,7 +108,7 @@ TEST(ConvertGguf, TruncatedFileAndExistingOutputAreOneLineErrors) {
   const fs::path out = testDir() / "hf";
   fs::remove_all(out);
 
-  Result r = qpipe("convert gguf --input " + cut.string() + " --output " + out.string());
+  CommandResult r = qpipe("convert gguf --input " + cut.string() + " --output " + out.string());
   EXPECT_EQ(r.exitCode, 5);
   EXPECT_EQ(r.err, "qpipe: input error: " + cut.string() + ": tensor '" + first.name +
                        "': data runs past the end of the file (bytes " + std::to_string(end - first.bytes) + " to " +
@@ -157,7 +134,7 @@ TEST(ConvertGguf, SmolLM2GreedyDecodes) {
   ASSERT_TRUE(fs::exists(gguf)) << gguf << " is missing: run tools/setup.sh";
   const fs::path out = testDir() / "smollm2";
   fs::remove_all(out);
-  const Result r = qpipe("convert gguf --input " + gguf.string() + " --output " + out.string());
+  const CommandResult r = qpipe("convert gguf --input " + gguf.string() + " --output " + out.string());
   ASSERT_EQ(r.exitCode, 0) << r.err;
   EXPECT_NE(r.err.find("(272 tensors, 134515008 parameters, float32"), std::string::npos) << r.err;
   const std::string text = runOracle("gguf_oracle.py", "generate " + out.string() + " 'The capital of France is'");

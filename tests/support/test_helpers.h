@@ -2,10 +2,11 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <cstdlib>
 #include <functional>
 #include <iterator>
 #include <string>
@@ -26,14 +27,43 @@ inline std::string errorOf(const std::function<void()>& body, ErrorCode code) {
   return {};
 }
 
-// A file under the test's temporary directory, holding `text`.
-inline std::filesystem::path writeTempFile(const std::string& name, const std::string& text) {
+// The whole text of a file ("" when it does not exist).
+inline std::string slurp(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// The folder of the running test under the system's temporary folder (ctest runs tests in
+// parallel: each has its own).
+inline std::filesystem::path testDir() {
   const auto dir = std::filesystem::temp_directory_path() /
                    ("qpipe-test-" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
   std::filesystem::create_directories(dir);
-  const auto path = dir / name;
+  return dir;
+}
+
+// A file under the test's temporary directory, holding `text`.
+inline std::filesystem::path writeTempFile(const std::string& name, const std::string& text) {
+  const auto path = testDir() / name;
   std::ofstream(path) << text;
   return path;
+}
+
+struct CommandResult {
+  int exitCode;
+  std::string out;
+  std::string err;
+};
+
+// Runs the built `qpipe` with `args` as a user would (no stdin, QPIPE_PLUGIN_PATH unset).
+inline CommandResult runQpipe(const std::string& args) {
+  const std::filesystem::path dir = testDir();
+  // Appended piecewise: GCC 12 warns falsely (-Warray-bounds) on one long concatenation.
+  std::string command = "env -u QPIPE_PLUGIN_PATH ";
+  command += QPIPE_BINARY;
+  command += " " + args + " >" + (dir / "out").string() + " 2>" + (dir / "err").string() + " </dev/null";
+  const int status = std::system(command.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir / "out"), slurp(dir / "err")};
 }
 
 // Runs `tests/oracle/<script>` with the oracle Python (.venv-test) and returns its stdout.
@@ -49,8 +79,7 @@ inline std::string runOracle(const std::string& script, const std::string& args)
                               "/tests/oracle/" + script + " " + args + " > " + out.string();
   const int status = std::system(command.c_str());
   EXPECT_EQ(status, 0) << "oracle failed: " << command;
-  std::ifstream in(out);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  return slurp(out);
 }
 
 }  // namespace qpipe::test
