@@ -7,6 +7,7 @@
 
 #include "qpipe/dataset.h"
 #include "qpipe/model.h"
+#include "qpipe/safetensors.h"
 #include "qpipe/tokenizer.h"
 #include "test_helpers.h"
 
@@ -53,6 +54,29 @@ TEST_F(SmolLM2, TokenizerMatchesHuggingFaceOnRealLines) {
     }
   }
   EXPECT_EQ(mismatches, 0u) << "of " << lines.size() << " lines";
+}
+
+TEST_F(SmolLM2, LogitsMatchTransformers) {
+  c10::InferenceMode inference;
+  const Tokenizer tokenizer = Tokenizer::fromFile(kModel / "tokenizer.json");
+  const std::string text = loadDataset(kData / "eval.jsonl", {.maxSamples = 1})[0].text;
+  std::vector<int64_t> prefix = tokenizer.encode(text);
+  prefix.resize(std::min<size_t>(prefix.size(), 96));
+  const at::Tensor ids = at::tensor(prefix, at::kLong).unsqueeze(0);
+  const fs::path dir = test::testDir();
+  const auto save = [&](const std::string& name, const at::Tensor& t) {
+    safetensors::Writer writer(dir, {.filePrefix = name});
+    writer.add(name, t);
+    writer.finish();
+    return (dir / (name + ".safetensors")).string();
+  };
+  const std::string idsFile = save("ids", ids), maskFile = save("mask", at::ones_like(ids));
+  test::runOracle("model_oracle.py", "logits " + kModel.string() + " " + idsFile + " " + maskFile + " " +
+                                         (dir / "ref.safetensors").string());
+  const at::Tensor reference = safetensors::File::open(dir / "ref.safetensors")->tensor("logits");
+  const at::Tensor ours = CausalLM::open(kModel)->forward(ids);
+  const double relative = (ours - reference).abs().max().item<double>() / reference.abs().max().item<double>();
+  EXPECT_LE(relative, 1e-4);
 }
 
 TEST_F(SmolLM2, GreedyDecodingMatchesTransformersAndReadsWell) {

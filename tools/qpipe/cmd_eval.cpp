@@ -1,8 +1,7 @@
 #include <CLI/CLI.hpp>
 #include <c10/core/InferenceMode.h>
-#include <nlohmann/json.hpp>
-
 #include <malloc.h>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <fstream>
@@ -37,13 +36,13 @@ void evaluate(const EvalOptions& options) {
   const std::filesystem::path model = options.modelPath;
   QPIPE_REQUIRE(std::filesystem::is_directory(model), ErrorCode::kInput, "--model_path '", options.modelPath,
                 "' is not a folder");
+  auto lm = CausalLM::open(model);  // first: a broken checkpoint fails before any tokenizing
   std::vector<std::string> texts;
   for (auto& sample : loadDataset(options.data, {.maxSamples = options.maxSamples})) texts.push_back(sample.text);
   const Tokenizer tokenizer = Tokenizer::fromFile(model / "tokenizer.json");
   const std::vector<int64_t> ids = tokenizer.encode(joinEvalTexts(texts), /*addSpecialTokens=*/false);
   logger->info(options.data, ": ", texts.size(), " texts, ", ids.size(), " tokens");
 
-  auto lm = CausalLM::open(model);
   const int64_t windows = perplexityWindows(static_cast<int64_t>(ids.size()), options.seqLen, 0);
   ProgressBar bar("eval", windows, "windows");
   PerplexityOptions ppl{.seqLen = options.seqLen, .batchSize = options.batchSize};

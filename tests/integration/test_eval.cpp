@@ -1,0 +1,58 @@
+// `qpipe eval` on broken checkpoints: one line naming the file and the rule, exit code 5.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "test_helpers.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using qpipe::test::CommandResult;
+
+// A model folder whose model.safetensors holds `header` (length-prefixed) and `dataBytes` bytes.
+fs::path brokenModel(const std::string& name, const std::string& header, size_t dataBytes, uint64_t declared = 0) {
+  const fs::path dir = qpipe::test::testDir() / name;
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"model_type": "llama", "vocab_size": 8, "hidden_size": 4,
+    "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1})";
+  std::string bytes(8, '\0');
+  const uint64_t length = declared ? declared : header.size();
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((length >> (8 * i)) & 0xff);
+  bytes += header + std::string(dataBytes, '\0');
+  std::ofstream(dir / "model.safetensors", std::ios::binary) << bytes;
+  return dir;
+}
+
+CommandResult eval(const fs::path& model) {
+  return qpipe::test::runQpipe("eval --model_path " + model.string() + " --data " + QPIPE_SOURCE_DIR +
+                               "/data/eval.jsonl");
+}
+
+void expectInputError(const CommandResult& r, const fs::path& model, const std::string& rule) {
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(r.err, "qpipe: input error: " + (model / "model.safetensors").string() + ": " + rule + "\n");
+}
+
+TEST(EvalCheckpointErrors, TruncatedFile) {
+  const fs::path model =
+      brokenModel("truncated", R"({"model.norm.weight":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 6);
+  expectInputError(eval(model), model,
+                   "tensor 'model.norm.weight': data_offsets [0, 16] run past the end of the data (6 bytes; file "
+                   "truncated?)");
+}
+
+TEST(EvalCheckpointErrors, CorruptedHeader) {
+  const fs::path model = brokenModel("corrupted", "{\"model.norm.weight\": [", 0, 4000);
+  expectInputError(eval(model), model, "header length 4000 runs past the end of the file (31 bytes)");
+}
+
+TEST(EvalCheckpointErrors, OverlappingOffsets) {
+  const fs::path model = brokenModel(
+      "overlap",
+      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+      12);
+  expectInputError(eval(model), model, "tensor 'b': data_offsets [4, 12] overlap tensor 'a' (which ends at 8)");
+}
+
+}  // namespace
