@@ -7,53 +7,20 @@
 #include "qpipe/module.h"
 #include "qpipe/safetensors.h"
 #include "test_helpers.h"
+#include "tiny_model.h"
 
 namespace qpipe {
 namespace {
 
 namespace fs = std::filesystem;
 
-constexpr int64_t kHidden = 16, kInter = 24, kVocab = 32, kLayers = 2;
-
-// A tiny random Llama checkpoint written with qpipe's own writer (the oracle tests cover
-// numerical agreement with transformers; these tests cover the tree).
-fs::path tinyLlama(const std::string& name, const std::vector<std::string>& skip = {}) {
-  const fs::path dir = test::writeTempFile("x", "").parent_path() / name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  std::ofstream(dir / "config.json") << R"({"model_type": "llama", "vocab_size": 32, "hidden_size": 16,
-    "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": true, "torch_dtype": "float32"})";
-  at::manual_seed(3);
-  safetensors::Writer writer(dir);
-  const auto add = [&](const std::string& tensor, std::vector<int64_t> shape) {
-    if (std::find(skip.begin(), skip.end(), tensor) == skip.end()) writer.add(tensor, at::randn(shape) * 0.2);
-  };
-  add("model.embed_tokens.weight", {kVocab, kHidden});
-  add("model.norm.weight", {kHidden});
-  for (int64_t i = 0; i < kLayers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    add(p + "input_layernorm.weight", {kHidden});
-    add(p + "post_attention_layernorm.weight", {kHidden});
-    add(p + "self_attn.q_proj.weight", {kHidden, kHidden});
-    add(p + "self_attn.k_proj.weight", {kHidden / 2, kHidden});
-    add(p + "self_attn.v_proj.weight", {kHidden / 2, kHidden});
-    add(p + "self_attn.o_proj.weight", {kHidden, kHidden});
-    add(p + "mlp.gate_proj.weight", {kInter, kHidden});
-    add(p + "mlp.up_proj.weight", {kInter, kHidden});
-    add(p + "mlp.down_proj.weight", {kHidden, kInter});
-  }
-  writer.finish();
-  return dir;
-}
-
 const at::Tensor& sampleIds() {
-  static const at::Tensor ids = at::arange(10, at::kLong).remainder(kVocab).unsqueeze(0);
+  static const at::Tensor ids = at::arange(10, at::kLong).remainder(test::kTinyVocab).unsqueeze(0);
   return ids;
 }
 
 TEST(ModuleTree, LayersLoadOnDemandUnderHuggingFaceNames) {
-  auto model = CausalLM::open(tinyLlama("names"));
+  auto model = CausalLM::open(test::tinyLlama("names"));
   EXPECT_FALSE(model->isLoaded(0));
   model->layer(1);
   EXPECT_TRUE(model->isLoaded(1));
@@ -72,7 +39,7 @@ TEST(ModuleTree, LayersLoadOnDemandUnderHuggingFaceNames) {
 }
 
 TEST(ModuleTree, ReleasedLayersReloadAndGiveTheSameOutput) {
-  auto model = CausalLM::open(tinyLlama("release"));
+  auto model = CausalLM::open(test::tinyLlama("release"));
   const at::Tensor before = model->forward(sampleIds());
   model->releaseLayer(0);
   EXPECT_FALSE(model->isLoaded(0));
@@ -80,13 +47,13 @@ TEST(ModuleTree, ReleasedLayersReloadAndGiveTheSameOutput) {
 }
 
 TEST(ModuleTree, TiedHeadSharesTheEmbeddingWeight) {
-  auto model = CausalLM::open(tinyLlama("tied"));
+  auto model = CausalLM::open(test::tinyLlama("tied"));
   EXPECT_EQ(model->root().getSubmodule("lm_head").parameter("weight").data_ptr(),
             model->root().getSubmodule("model.embed_tokens").parameter("weight").data_ptr());
 }
 
 TEST(ModuleTree, ReplaceTakesEffectInTheNextForward) {
-  auto model = CausalLM::open(tinyLlama("replace"));
+  auto model = CausalLM::open(test::tinyLlama("replace"));
   const at::Tensor before = model->forward(sampleIds());
   Module& layer = model->layer(0);
   auto& original = static_cast<Linear&>(layer.getSubmodule("mlp.down_proj"));
@@ -99,7 +66,7 @@ TEST(ModuleTree, ReplaceTakesEffectInTheNextForward) {
 }
 
 TEST(ModuleTree, HooksObserveAndRewriteTensors) {
-  auto model = CausalLM::open(tinyLlama("hooks"));
+  auto model = CausalLM::open(test::tinyLlama("hooks"));
   const at::Tensor before = model->forward(sampleIds());
   Module& k = model->layer(0).getSubmodule("self_attn.k_hook");
   std::vector<int64_t> seen;
@@ -128,10 +95,10 @@ TEST(ModuleTree, ToChangesFloatingPointTensorsOnly) {
 }
 
 TEST(ModuleTree, ErrorsNameTheModuleOrTensor) {
-  auto model = CausalLM::open(tinyLlama("errors"));
+  auto model = CausalLM::open(test::tinyLlama("errors"));
   EXPECT_EQ(test::errorOf([&] { model->root().getSubmodule("model.layers.7.mlp"); }, ErrorCode::kInput),
             "no module 'model.layers.7.mlp' (no child '7' in Layers)");
-  const fs::path missing = tinyLlama("missing", {"model.layers.1.mlp.up_proj.weight"});
+  const fs::path missing = test::tinyLlama("missing", {"model.layers.1.mlp.up_proj.weight"});
   auto broken = CausalLM::open(missing);
   EXPECT_EQ(test::errorOf([&] { broken->layer(1); }, ErrorCode::kInput),
             "checkpoint " + missing.string() + ": missing tensor 'model.layers.1.mlp.up_proj.weight'");

@@ -1,0 +1,64 @@
+// The layer-wise runner (DESIGN.md §3.5): msmodelslim's lock-step generated schedule over the
+// decoder layers, with only one layer materialised at a time.
+//
+//   preRun() on every processor
+//   for each decoder layer i:
+//     load layer i from the checkpoint
+//     for each processor: preprocess → process (the calibration forward over this rank's samples,
+//                         unless the processor is data-free) → postprocess
+//     sink(i, layer)       (the saver writes the layer)
+//     release layer i
+//   postRun() on every processor
+//
+// The next layer's inputs are the outputs of the last calibration forward of the layer, so the
+// error of quantized activations propagates as in msmodelslim. When no processor needs data,
+// no forward runs at all.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "qpipe/model.h"
+#include "qpipe/processor.h"
+
+namespace qpipe {
+
+// The samples rank `rank` of `worldSize` calibrates on: sample i goes to rank i mod worldSize,
+// so none is duplicated or dropped and uneven counts are allowed.
+template <typename T>
+std::vector<T> rankShare(const std::vector<T>& samples, int rank, int worldSize) {
+  std::vector<T> share;
+  for (size_t i = static_cast<size_t>(rank); i < samples.size(); i += static_cast<size_t>(worldSize)) {
+    share.push_back(samples[i]);
+  }
+  return share;
+}
+
+struct RunnerOptions {
+  int rank = 0;
+  int worldSize = 1;
+};
+
+// Called once per layer after the last postprocess, before the layer is released.
+using LayerSink = std::function<void(int64_t index, const std::string& name, Module& layer)>;
+
+class LayerWiseRunner {
+ public:
+  LayerWiseRunner(CausalLM& model, std::vector<std::unique_ptr<Processor>>& processors, RunnerOptions options = {});
+
+  // `samples` are this rank's token ids, each [1, seq] int64 (lengths may differ). A layer's
+  // request carries one input per sample: {hidden [1, seq, hidden], cos, sin}.
+  void run(const std::vector<at::Tensor>& samples, const LayerSink& sink);
+
+ private:
+  CausalLM& model_;
+  std::vector<std::unique_ptr<Processor>>& processors_;
+  RunnerOptions options_;
+};
+
+}  // namespace qpipe
