@@ -24,7 +24,9 @@ const Schema& documentSchema() {
         .optional("is_sparse", ValueType::kBool, ConfigNode::boolean(false), "sparse weights")
         .optional("kv_cache", ValueType::kBool, ConfigNode::boolean(false), "KV cache quantized to int8 (c8)")
         .add({.name = "fa_bit", .type = ValueType::kInt, .help = "attention (FA3) bits"})
-        .add({.name = "fa_quant", .type = ValueType::kBool, .help = "attention quantized (8 bits)"});
+        .add({.name = "fa_quant", .type = ValueType::kBool, .help = "attention quantized (8 bits)"})
+        .optional("fp8", ValueType::kBool, ConfigNode::boolean(false),
+                  "weights (and activations) in fp8_e4m3 rather than int: --quant_type w8a8_fp8");
     Schema metadata;
     metadata.optional("config_id", ValueType::kString, ConfigNode::string(""), "name of this practice")
         .optional("score", ValueType::kFloat, ConfigNode::number(100), "preference among matching practices")
@@ -171,6 +173,7 @@ PipelineMetadata parseMetadata(const ConfigNode& metadata) {
     parsed.aBit = static_cast<int>(label.at("a_bit").asInt());
     parsed.isSparse = label.at("is_sparse").asBool();
     parsed.kvCache = label.at("kv_cache").asBool();
+    parsed.fp8 = label.at("fp8").asBool();
     if (!label.at("fa_bit").isNull()) {
       parsed.faBit = static_cast<int>(label.at("fa_bit").asInt());
     } else if (!label.at("fa_quant").isNull() && label.at("fa_quant").asBool()) {
@@ -220,9 +223,8 @@ std::unique_ptr<Processor> buildStep(const ProcessStep& step, const ProcessorReg
   return registry.create(step.type, step.config, step.path, context);
 }
 
-}  // namespace
-
-Pipeline loadPipeline(const std::filesystem::path& file, const ProcessorRegistry& registry) {
+// Reads `file` and checks it against the document schema; processor steps are checked later.
+ConfigNode validateDocument(const std::filesystem::path& file) {
   const ConfigNode document = ConfigNode::loadYamlFile(file);
   if (!document.isMap()) {
     failAt(document, "document",
@@ -241,7 +243,17 @@ Pipeline loadPipeline(const std::filesystem::path& file, const ProcessorRegistry
              "may only define YAML anchors, e.g. 'w8a8: &w8a8 {...}')");
     }
   }
-  const ConfigNode validated = documentSchema().validate(known, "");
+  return documentSchema().validate(known, "");
+}
+
+}  // namespace
+
+PipelineMetadata readPipelineMetadata(const std::filesystem::path& file) {
+  return parseMetadata(validateDocument(file).at("metadata"));
+}
+
+Pipeline loadPipeline(const std::filesystem::path& file, const ProcessorRegistry& registry) {
+  const ConfigNode validated = validateDocument(file);
   const ConfigNode& spec = validated.at("spec");
 
   Pipeline pipeline;

@@ -36,7 +36,8 @@ struct PipelineLabel {
   int aBit = 0;
   bool isSparse = false;
   bool kvCache = false;
-  int faBit = 0;  // 0: attention not quantized
+  int faBit = 0;     // 0: attention not quantized
+  bool fp8 = false;  // fp8_e4m3 rather than int (qpipe's extension; the _fp8 suffix of --quant_type)
 };
 
 struct PipelineMetadata {
@@ -60,6 +61,9 @@ struct Pipeline {
 // Reads and validates `file`. Every error is Error(kConfig) with file:line:col, the field
 // path and what was expected; an unknown processor type lists the known ones.
 Pipeline loadPipeline(const std::filesystem::path& file, const ProcessorRegistry& registry);
+
+// Reads only apiversion and metadata (no plugins needed), e.g. to match --quant_type.
+PipelineMetadata readPipelineMetadata(const std::filesystem::path& file);
 
 // Constructs the processors of spec.process in order (a group becomes one processor).
 std::vector<std::unique_ptr<Processor>> buildProcessors(const Pipeline& pipeline, const ProcessorRegistry& registry,
