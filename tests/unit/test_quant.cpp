@@ -1,0 +1,271 @@
+// Quantization primitives against hand-computed cases (arithmetic in the comments) and, for FP8,
+// against LibTorch's own cast over every bf16 bit pattern.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "qpipe/quant.h"
+#include "test_helpers.h"
+
+namespace qpipe::quant {
+namespace {
+
+at::Tensor floats(std::vector<float> values, at::IntArrayRef shape) {
+  return at::tensor(values, at::kFloat).reshape(shape);
+}
+
+template <typename T>
+std::vector<T> valuesOf(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  return {c.data_ptr<T>(), c.data_ptr<T>() + c.numel()};
+}
+
+std::vector<uint8_t> bytesOf(const at::Tensor& fp8) {
+  return valuesOf<uint8_t>(fp8.view(at::kByte));
+}
+
+QScheme scheme(QDtype dtype, QScope scope, bool symmetric = true, int64_t groupSize = 0) {
+  return {dtype, scope, symmetric, groupSize};
+}
+
+TEST(QuantScheme, ParsesAndPrintsMsmodelslimNames) {
+  for (const char* name : {"int8", "int4", "fp8_e4m3", "float"}) {
+    EXPECT_EQ(qdtypeName(parseQDtype(name, "w")), name);
+  }
+  for (const char* name : {"per_tensor", "per_channel", "per_group", "per_token", "per_head"}) {
+    EXPECT_EQ(qscopeName(parseQScope(name, "w")), name);
+  }
+  EXPECT_EQ(scheme(QDtype::kInt8, QScope::kPerToken).name(), "int8_per_token_sym");
+  EXPECT_EQ(scheme(QDtype::kInt4, QScope::kPerGroup, false, 128).name(), "int4_per_group_asym");
+}
+
+TEST(QuantScheme, RejectsUnknownNamesAndInvalidCombinations) {
+  EXPECT_EQ(test::errorOf([] { parseQDtype("int3", "p.yaml:4:12 qconfig.weight.dtype"); }, ErrorCode::kConfig),
+            "p.yaml:4:12 qconfig.weight.dtype: unknown dtype 'int3'; expected one of int8, int4, fp8_e4m3, float");
+  EXPECT_EQ(test::errorOf([] { parseQScope("per_row", "p.yaml:5:12 qconfig.weight.scope"); }, ErrorCode::kConfig),
+            "p.yaml:5:12 qconfig.weight.scope: unknown scope 'per_row'; expected one of per_tensor, per_channel, "
+            "per_group, per_token, per_head");
+  EXPECT_EQ(
+      test::errorOf([] { scheme(QDtype::kFp8E4m3, QScope::kPerTensor, false).validate("act"); }, ErrorCode::kConfig),
+      "act: fp8_e4m3 is symmetric only; set symmetric: true");
+  EXPECT_EQ(test::errorOf([] { scheme(QDtype::kInt4, QScope::kPerGroup).validate("weight"); }, ErrorCode::kConfig),
+            "weight: per_group needs group_size > 0, got 0");
+  EXPECT_EQ(test::errorOf([] { scheme(QDtype::kInt4, QScope::kPerChannel, true, 64).validate("weight"); },
+                          ErrorCode::kConfig),
+            "weight: group_size 64 only applies to per_group, not per_channel");
+  EXPECT_EQ(test::errorOf(
+                [] {
+                  computeQParams(at::zeros({4, 100}), scheme(QDtype::kInt4, QScope::kPerGroup, true, 64));
+                },
+                ErrorCode::kConfig),
+            "per_group with group_size 64 needs a weight [out, in] with in a multiple of 64, got shape [4, 100]");
+  EXPECT_EQ(test::errorOf(
+                [] {
+                  computeQParams(at::zeros({2, 3}), scheme(QDtype::kInt8, QScope::kPerHead));
+                },
+                ErrorCode::kConfig),
+            "per_head needs [batch, heads, seq, head_dim], got shape [2, 3]");
+  scheme(QDtype::kInt4, QScope::kPerGroup, false, 128).validate("weight");
+}
+
+TEST(QuantInt8, SymmetricPerTensor) {
+  const QScheme s = scheme(QDtype::kInt8, QScope::kPerTensor);
+  const at::Tensor x = floats({-254, 3, 5, 100, 1}, {5});
+  const QParams p = computeQParams(x, s);
+  // absmax 254 / 127 = 2.
+  EXPECT_EQ(p.scale.sizes(), at::IntArrayRef({1}));
+  EXPECT_EQ(p.scale.item<float>(), 2.0f);
+  EXPECT_EQ(p.zeroPoint.item<int32_t>(), 0);
+  // x/2 = -127, 1.5, 2.5, 50, 0.5; half-to-even: -127, 2, 2, 50, 0.
+  const at::Tensor q = quantize(x, p, s);
+  EXPECT_EQ(q.scalar_type(), at::kChar);
+  EXPECT_EQ(valuesOf<int8_t>(q), (std::vector<int8_t>{-127, 2, 2, 50, 0}));
+  EXPECT_EQ(valuesOf<float>(dequantize(q, p, s)), (std::vector<float>{-254, 4, 4, 100, 0}));
+}
+
+TEST(QuantInt8, AsymmetricPerTensor) {
+  const QScheme s = scheme(QDtype::kInt8, QScope::kPerTensor, false);
+  const at::Tensor x = floats({-127.5, 382.5, 0, 1, 3}, {5});
+  const QParams p = computeQParams(x, s);
+  // scale = 382.5/255 - (-127.5)/255 = 1.5 + 0.5 = 2; zp = round(127.5/2) - 128 = 64 - 128 = -64.
+  EXPECT_EQ(p.scale.item<float>(), 2.0f);
+  EXPECT_EQ(p.zeroPoint.item<int32_t>(), -64);
+  // x/2 - 64 = -127.75, 127.25, -64, -63.5, -62.5 → -128, 127, -64, -64 (even), -62 (even).
+  const at::Tensor q = quantize(x, p, s);
+  EXPECT_EQ(valuesOf<int8_t>(q), (std::vector<int8_t>{-128, 127, -64, -64, -62}));
+  // (q + 64) * 2.
+  EXPECT_EQ(valuesOf<float>(dequantize(q, p, s)), (std::vector<float>{-128, 382, 0, 0, 4}));
+}
+
+TEST(QuantInt8, RangeAlwaysContainsZeroAndScaleHasEpsFloor) {
+  // All-positive data: min widens to 0. sym: 10/127; asym: 10/255 and zp = 0 - 128.
+  const at::Tensor x = floats({2, 10}, {2});
+  EXPECT_EQ(computeQParams(x, scheme(QDtype::kInt8, QScope::kPerTensor)).scale.item<float>(), 10.0f / 127.0f);
+  const QParams asym = computeQParams(x, scheme(QDtype::kInt8, QScope::kPerTensor, false));
+  EXPECT_EQ(asym.scale.item<float>(), 10.0f / 255.0f);
+  EXPECT_EQ(asym.zeroPoint.item<int32_t>(), -128);
+  // All zeros: scale = fp32 eps = 2^-23.
+  EXPECT_EQ(computeQParams(at::zeros({3}), scheme(QDtype::kInt8, QScope::kPerTensor)).scale.item<float>(),
+            1.0f / 8388608.0f);
+}
+
+TEST(QuantInt4, SymmetricPerChannel) {
+  const QScheme s = scheme(QDtype::kInt4, QScope::kPerChannel);
+  const at::Tensor w = floats({7, -3.5, 1, -14, 2, 3}, {2, 3});
+  const QParams p = computeQParams(w, s);
+  // Row absmax 7 and 14, / 7 → scales 1 and 2, shape [2, 1].
+  EXPECT_EQ(p.scale.sizes(), at::IntArrayRef({2, 1}));
+  EXPECT_EQ(valuesOf<float>(p.scale), (std::vector<float>{1, 2}));
+  // Row 0: 7, -3.5 → -4 (even), 1. Row 1: -7, 1, 1.5 → 2 (even).
+  EXPECT_EQ(valuesOf<int8_t>(quantize(w, p, s)), (std::vector<int8_t>{7, -4, 1, -7, 1, 2}));
+}
+
+TEST(QuantInt4, ClampsToMinusEightSeven) {
+  const QScheme s = scheme(QDtype::kInt4, QScope::kPerTensor);
+  const QParams p{at::ones({1}), at::zeros({1}, at::kInt)};
+  EXPECT_EQ(valuesOf<int8_t>(quantize(floats({-9, -8.4, 7.4, 100}, {4}), p, s)), (std::vector<int8_t>{-8, -8, 7, 7}));
+}
+
+TEST(QuantInt4, AsymmetricPerGroup) {
+  const QScheme s = scheme(QDtype::kInt4, QScope::kPerGroup, false, 2);
+  const at::Tensor w = floats({-7.5, 0, 1, 30}, {1, 4});
+  const QParams p = computeQParams(w, s);
+  // Group {-7.5, 0}: scale = 0/15 + 7.5/15 = 0.5, zp = round(7.5/0.5) - 8 = 7.
+  // Group {1, 30}: min widens to 0, scale = 30/15 = 2, zp = round(0) - 8 = -8.
+  EXPECT_EQ(p.scale.sizes(), at::IntArrayRef({1, 2}));
+  EXPECT_EQ(valuesOf<float>(p.scale), (std::vector<float>{0.5, 2}));
+  EXPECT_EQ(valuesOf<int32_t>(p.zeroPoint), (std::vector<int32_t>{7, -8}));
+  // -15 + 7 = -8; 0 + 7 = 7; 0.5 - 8 = -7.5 → -8 (even); 15 - 8 = 7.
+  const at::Tensor q = quantize(w, p, s);
+  EXPECT_EQ(valuesOf<int8_t>(q), (std::vector<int8_t>{-8, 7, -8, 7}));
+  // (-8-7)*0.5 = -7.5, 0, (-8+8)*2 = 0, (7+8)*2 = 30.
+  EXPECT_EQ(valuesOf<float>(dequantize(q, p, s)), (std::vector<float>{-7.5, 0, 0, 30}));
+}
+
+TEST(QuantShapes, PerTokenAndPerHead) {
+  // per_token over [2, 3, 4] → [2, 3, 1]: token absmax 127·(1..6) → scales 1..6.
+  at::Tensor x = at::zeros({2, 3, 4});
+  for (int t = 0; t < 6; ++t) x.view({6, 4})[t][t % 4] = -127.0f * (t + 1);
+  const QParams token = computeQParams(x, scheme(QDtype::kInt8, QScope::kPerToken));
+  EXPECT_EQ(token.scale.sizes(), at::IntArrayRef({2, 3, 1}));
+  EXPECT_EQ(valuesOf<float>(token.scale), (std::vector<float>{1, 2, 3, 4, 5, 6}));
+  // per_head over [1, 2, 3, 2] → [1, 2, 1, 1]: head 0 absmax 448 → 1, head 1 absmax 896 → 2.
+  at::Tensor kv = at::zeros({1, 2, 3, 2});
+  kv[0][0][1][1] = 448.0f;
+  kv[0][1][2][0] = -896.0f;
+  const QParams head = computeQParams(kv, scheme(QDtype::kFp8E4m3, QScope::kPerHead));
+  EXPECT_EQ(head.scale.sizes(), at::IntArrayRef({1, 2, 1, 1}));
+  EXPECT_EQ(valuesOf<float>(head.scale), (std::vector<float>{1, 2}));
+}
+
+TEST(QuantFp8, PerTensorHandComputed) {
+  const QScheme s = scheme(QDtype::kFp8E4m3, QScope::kPerTensor);
+  // absmax 896 / 448 = 2. x/2 = -448, 1.0625, 1.1875, 2^-9, 2^-10, 3·2^-10.
+  const at::Tensor x = floats({-896, 2.125, 2.375, 1.0f / 256, 1.0f / 512, 3.0f / 512}, {6});
+  const QParams p = computeQParams(x, s);
+  EXPECT_EQ(p.scale.item<float>(), 2.0f);
+  // -448 = S.1111.110 = 0xFE. 1.0625 is halfway 1.0 (0x38) / 1.125 (0x39): even → 0x38.
+  // 1.1875 is halfway 1.125 (0x39) / 1.25 (0x3A): even → 0x3A. 2^-9 is the smallest subnormal
+  // 0x01; 2^-10 is halfway 0 / 0x01 → 0x00; 3·2^-10 halfway 0x01 / 0x02 → 0x02.
+  const at::Tensor q = quantize(x, p, s);
+  EXPECT_EQ(q.scalar_type(), at::kFloat8_e4m3fn);
+  EXPECT_EQ(bytesOf(q), (std::vector<uint8_t>{0xFE, 0x38, 0x3A, 0x01, 0x00, 0x02}));
+  EXPECT_EQ(valuesOf<float>(dequantize(q, p, s)), (std::vector<float>{-896, 2, 2.5, 1.0f / 256, 0, 1.0f / 128}));
+  // The scale floor: all zeros → 1e-12 / 448.
+  EXPECT_EQ(computeQParams(at::zeros({2}), s).scale.item<float>(), 1e-12f / 448.0f);
+}
+
+// Every bf16 bit pattern through toFp8E4m3 against LibTorch's cast of the clamped value.
+TEST(QuantFp8, AllBf16PatternsMatchLibTorchCast) {
+  std::vector<uint16_t> patterns(65536);
+  for (uint32_t i = 0; i < patterns.size(); ++i) patterns[i] = static_cast<uint16_t>(i);
+  const at::Tensor bf16 = at::from_blob(patterns.data(), {65536}, at::kShort).view(at::kBFloat16).clone();
+  const at::Tensor x = bf16.to(at::kFloat);
+  const std::vector<uint8_t> ours = bytesOf(toFp8E4m3(bf16));
+  const std::vector<uint8_t> viaQuantize =
+      bytesOf(quantize(bf16, {at::ones({1}), at::zeros({1}, at::kInt)}, scheme(QDtype::kFp8E4m3, QScope::kPerTensor)));
+  const std::vector<uint8_t> torch = bytesOf(x.clamp(-448, 448).to(at::kFloat8_e4m3fn));
+  const std::vector<float> values = valuesOf<float>(x);
+  int finite = 0;
+  for (uint32_t i = 0; i < patterns.size(); ++i) {
+    const uint8_t sign = (patterns[i] & 0x8000) ? 0x80 : 0x00;
+    ASSERT_EQ(ours[i], viaQuantize[i]) << "pattern " << i;
+    if (std::isfinite(values[i])) {
+      ++finite;
+      ASSERT_EQ(ours[i], torch[i]) << "bf16 pattern 0x" << std::hex << i << " value " << values[i];
+    } else if (std::isinf(values[i])) {
+      ASSERT_EQ(ours[i], sign | 0x7E) << "inf saturates to ±448, pattern 0x" << std::hex << i;
+    } else {
+      ASSERT_EQ(ours[i], sign | 0x7F) << "NaN stays NaN with its sign, pattern 0x" << std::hex << i;
+    }
+  }
+  // 2·(255 exponents · 128 mantissas) finite patterns.
+  EXPECT_EQ(finite, 65280);
+}
+
+TEST(QuantFloat, OffIsIdentity) {
+  const QScheme s = scheme(QDtype::kFloat, QScope::kPerTensor);
+  const at::Tensor x = floats({1.3f, -2.7f}, {2}).to(at::kBFloat16);
+  const QParams p = computeQParams(x, s);
+  EXPECT_TRUE(at::equal(fakeQuantize(x, p, s), x));
+}
+
+TEST(QuantFake, KeepsInputDtype) {
+  const QScheme s = scheme(QDtype::kInt8, QScope::kPerTensor);
+  const at::Tensor x = floats({-254, 3}, {2}).to(at::kBFloat16);
+  const at::Tensor y = fakeQuantize(x, computeQParams(x, s), s);
+  EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+  // 3/2 = 1.5 → 2 → 4.
+  EXPECT_EQ(valuesOf<float>(y.to(at::kFloat)), (std::vector<float>{-254, 4}));
+}
+
+TEST(QuantPack, Int4HandComputed) {
+  // u = q + 8 = 0, 1, 8, 15, 9, 10, 11, 12 | 13. Word 0, element k in bits 4k..4k+3 (element 0
+  // least significant): nibbles from the top C B A 9 F 8 1 0 → 0xCBA9F810; word 1 = 0xD, the
+  // rest padded with u = 0.
+  const at::Tensor q = at::tensor(std::vector<int8_t>{-8, -7, 0, 7, 1, 2, 3, 4, 5}, at::kChar).reshape({1, 9});
+  const at::Tensor packed = packInt4(q);
+  EXPECT_EQ(packed.scalar_type(), at::kInt);
+  EXPECT_EQ(packed.sizes(), at::IntArrayRef({1, 2}));
+  EXPECT_EQ(valuesOf<int32_t>(packed), (std::vector<int32_t>{static_cast<int32_t>(0xCBA9F810u), 0xD}));
+  EXPECT_TRUE(at::equal(unpackInt4(packed, 9), q));
+}
+
+TEST(QuantPack, Int4AlongDimZeroForZeroPoints) {
+  // Zero points [out = 3, groups = 2] pack along out: column 0 u = 8, 9, 10 → 0xA98;
+  // column 1 u = 7, 0, 15 → 0xF07.
+  const at::Tensor zp = at::tensor(std::vector<int8_t>{0, -1, 1, -8, 2, 7}, at::kChar).reshape({3, 2});
+  const at::Tensor packed = packInt4(zp, 0);
+  EXPECT_EQ(packed.sizes(), at::IntArrayRef({1, 2}));
+  EXPECT_EQ(valuesOf<int32_t>(packed), (std::vector<int32_t>{0xA98, 0xF07}));
+  EXPECT_TRUE(at::equal(unpackInt4(packed, 3, 0), zp));
+}
+
+TEST(QuantPack, Int4RoundTripsRandom) {
+  const at::Tensor q = at::randint(-8, 8, {5, 37}, at::kChar);
+  EXPECT_EQ(packInt4(q).sizes(), at::IntArrayRef({5, 5}));
+  EXPECT_TRUE(at::equal(unpackInt4(packInt4(q), 37), q));
+}
+
+TEST(QuantSsz, HandComputedTwoChannels) {
+  const QScheme s = scheme(QDtype::kInt4, QScope::kPerChannel);
+  const at::Tensor w = floats({0.9, 2, 3, 7, 1, 2, -7, 0}, {2, 4});
+  // Row 0: minmax scale 7/7 = 1, q = 1 2 3 7, mse = 0.1²/4 = 0.0025. Iteration 1:
+  // s = Σwq/Σq² = (0.9 + 4 + 9 + 49)/(1 + 4 + 9 + 49) = 62.9/63; q unchanged (w/s ≈ 0.90, 2.003,
+  // 3.005, 7.011); mse ≈ 0.00246 < 0.0025 → kept. Iteration 2 repeats it: no gain.
+  // Row 1: minmax is exact (scale 1, mse 0) and the least-squares scale is 54/54 = 1.
+  const QParams p = sszSearch(w, s);
+  EXPECT_EQ(p.scale.sizes(), at::IntArrayRef({2, 1}));
+  EXPECT_NEAR(p.scale[0].item<float>(), 62.9 / 63, 1e-6);
+  EXPECT_EQ(p.scale[1].item<float>(), 1.0f);
+  // Zero iterations: the minmax scales.
+  EXPECT_EQ(valuesOf<float>(sszSearch(w, s, 0).scale), (std::vector<float>{1, 1}));
+  EXPECT_EQ(test::errorOf([&] { sszSearch(w, scheme(QDtype::kInt4, QScope::kPerChannel, false)); }, ErrorCode::kConfig),
+            "ssz supports int8/int4 per_channel symmetric weights only, got int4_per_channel_asym");
+}
+
+}  // namespace
+}  // namespace qpipe::quant
