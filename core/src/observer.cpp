@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "qpipe/error.h"
+#include "qpipe/log.h"
 
 namespace qpipe::quant {
 
@@ -78,43 +79,70 @@ QParams MinMaxObserver::qparams() const {
 
 namespace {
 
-// Mass of a histogram over [from, to] moved onto the bins of [onto0, onto1] ⊇ [from, to]: each bin
-// splits into kUpsampleRate equal parts, each landing in the target bin holding its centre (the
-// upsampling torch's HistogramObserver uses when the range grows).
-at::Tensor rebin(const at::Tensor& histogram, double from0, double from1, double onto0, double onto1) {
-  if (from0 == onto0 && from1 == onto1) return histogram;
-  constexpr int64_t kBins = HistogramObserver::kBins;
-  constexpr int64_t kRate = HistogramObserver::kUpsampleRate;
-  const auto options = histogram.options();
-  const double width = (from1 - from0) / kBins;
-  const at::Tensor centres = from0 + (at::arange(kBins * kRate, options) + 0.5) * (width / kRate);
-  const at::Tensor index = ((centres - onto0) * (kBins / (onto1 - onto0))).floor().clamp(0, kBins - 1).to(at::kLong);
-  return at::zeros({kBins}, options).index_add_(0, index, histogram.repeat_interleave(kRate) / kRate);
+constexpr int64_t kBins = HistogramObserver::kBins;
+
+// The bin of each value of `values` (float64) in a kBins histogram over [min, max]; a zero-width
+// range (a constant batch) puts everything in bin 0.
+at::Tensor binOf(const at::Tensor& values, double min, double max) {
+  if (!(max > min)) return at::zeros_like(values, values.options().dtype(at::kLong));
+  return ((values - min) * (kBins / (max - min))).floor().clamp(0, kBins - 1).to(at::kLong);
 }
 
-at::Tensor binCounts(const at::Tensor& x, double min, double max) {
-  constexpr int64_t kBins = HistogramObserver::kBins;
-  const at::Tensor values = x.to(at::kDouble);
-  // A constant batch has a zero-width range: everything lands in bin 0.
-  const at::Tensor index = max > min
-                               ? ((values - min) * (kBins / (max - min))).floor().clamp(0, kBins - 1).to(at::kLong)
-                               : at::zeros_like(values, values.options().dtype(at::kLong));
-  return at::bincount(index, {}, kBins).to(at::kDouble);
+at::Tensor binExtreme(const at::Tensor& index, const at::Tensor& values, bool lowest) {
+  const double empty = lowest ? std::numeric_limits<double>::infinity() : -std::numeric_limits<double>::infinity();
+  return at::full({kBins}, empty, values.options()).scatter_reduce_(0, index, values, lowest ? "amin" : "amax");
+}
+
+// `state` moved onto the bins of [min, max] ⊇ its range. Counts: each bin splits into
+// kUpsampleRate equal parts, each landing in the bin holding its midpoint (msmodelslim
+// _upscale_histogram, after torch's HistogramObserver). Per-bin extremes are real values, so they
+// move exactly to the bin that holds them.
+HistogramObserver::State rebin(const HistogramObserver::State& state, double min, double max) {
+  if (state.min == min && state.max == max) return state;
+  constexpr int64_t kRate = HistogramObserver::kUpsampleRate;
+  const auto options = state.histogram.options();
+  const double width = (state.max - state.min) / kBins;
+  const at::Tensor midpoints = state.min + (at::arange(kBins * kRate, options) + 0.5) * (width / kRate);
+  HistogramObserver::State out{
+      at::zeros({kBins}, options)
+          .index_add_(0, binOf(midpoints, min, max), state.histogram.repeat_interleave(kRate) / kRate),
+      {},
+      {},
+      min,
+      max};
+  // Empty bins hold ±inf, which the reductions ignore; any in-range index will do for them.
+  const auto move = [&](const at::Tensor& extremes, bool lowest) {
+    const at::Tensor where = at::where(at::isfinite(extremes), extremes, at::full_like(extremes, min));
+    return binExtreme(binOf(where, min, max), extremes, lowest);
+  };
+  out.binMin = move(state.binMin, true);
+  out.binMax = move(state.binMax, false);
+  return out;
 }
 
 }  // namespace
 
 HistogramObserver::HistogramObserver(QScheme scheme) : scheme_(scheme) {
-  QPIPE_REQUIRE((scheme.dtype == QDtype::kInt8 || scheme.dtype == QDtype::kInt4) && scheme.scope == QScope::kPerTensor,
-                ErrorCode::kConfig, "histogram observer supports int8/int4 per_tensor only, got ", scheme.name());
+  QPIPE_REQUIRE(scheme.dtype == QDtype::kInt8 && scheme.scope == QScope::kPerTensor, ErrorCode::kConfig,
+                "histogram observer supports int8 per_tensor only, got ", scheme.name());
 }
 
 void HistogramObserver::update(const at::Tensor& x) {
-  const at::Tensor values = x.detach().to(at::kFloat).flatten().cpu();
+  at::Tensor values = x.detach().to(at::kDouble).flatten().cpu();
+  // msmodelslim drops NaN and inf with a warning: they have no place in a histogram.
+  const at::Tensor finite = at::isfinite(values);
+  if (!finite.all().item<bool>()) {
+    log::logger()->warn("histogram observer: ignoring ", values.numel() - finite.sum().item<int64_t>(),
+                        " NaN or infinite values");
+    values = values.masked_select(finite);
+  }
   if (values.numel() == 0) return;
-  const double min = values.min().item<float>();
-  const double max = values.max().item<float>();
-  merge({binCounts(values, min, max), min, max});
+  // The range is kept in fp32 values, as the statistics of the rest of the quantization core.
+  const double min = static_cast<float>(values.min().item<double>());
+  const double max = static_cast<float>(values.max().item<double>());
+  const at::Tensor index = binOf(values, min, max);
+  merge({at::bincount(index, {}, kBins).to(at::kDouble), binExtreme(index, values, true),
+         binExtreme(index, values, false), min, max});
 }
 
 void HistogramObserver::merge(const State& other) {
@@ -125,18 +153,18 @@ void HistogramObserver::merge(const State& other) {
   }
   const double min = std::min(state_.min, other.min);
   const double max = std::max(state_.max, other.max);
-  state_.histogram = rebin(state_.histogram, state_.min, state_.max, min, max) +
-                     rebin(other.histogram, other.min, other.max, min, max);
-  state_.min = min;
-  state_.max = max;
+  const State a = rebin(state_, min, max);
+  const State b = rebin(other, min, max);
+  state_ = {a.histogram + b.histogram, at::minimum(a.binMin, b.binMin), at::maximum(a.binMax, b.binMax), min, max};
 }
 
-// torch's _compute_quantization_error: the l2 error of mapping bins [startBin, endBin] onto
-// 2^bits uniform destination bins, integrating x² over each source bin's uniform density.
+// torch's _compute_quantization_error (msmodelslim _compute_l2_error): the l2 error of mapping
+// bins [startBin, endBin] onto 256 uniform destination bins (torch's default quint8, which
+// msmodelslim keeps), integrating x² over each source bin's uniform density.
 double HistogramObserver::quantizationError(int64_t startBin, int64_t endBin) const {
-  const int64_t dstBins = int64_t{1} << (scheme_.dtype == QDtype::kInt4 ? 4 : 8);
+  constexpr int64_t kDstBins = 256;
   const double binWidth = (state_.max - state_.min) / kBins;
-  const double dstWidth = binWidth * static_cast<double>(endBin - startBin + 1) / static_cast<double>(dstBins);
+  const double dstWidth = binWidth * static_cast<double>(endBin - startBin + 1) / kDstBins;
   if (dstWidth == 0.0) return 0.0;
   const auto normOf = [](double deltaBegin, double deltaEnd, double density) {
     return density * (deltaEnd * deltaEnd * deltaEnd - deltaBegin * deltaBegin * deltaBegin) / 3;
@@ -148,8 +176,8 @@ double HistogramObserver::quantizationError(int64_t startBin, int64_t endBin) co
   for (int64_t bin = 0; bin < kBins; ++bin) {
     const double begin = static_cast<double>(bin - startBin) * binWidth;
     const double end = begin + binWidth;
-    const double dstOfBegin = std::clamp(std::floor(begin / dstWidth), 0.0, static_cast<double>(dstBins - 1));
-    const double dstOfEnd = std::clamp(std::floor(end / dstWidth), 0.0, static_cast<double>(dstBins - 1));
+    const double dstOfBegin = std::clamp(std::floor(begin / dstWidth), 0.0, static_cast<double>(kDstBins - 1));
+    const double dstOfEnd = std::clamp(std::floor(end / dstWidth), 0.0, static_cast<double>(kDstBins - 1));
     const double density = counts[bin] / binWidth;
     norm += normOf(begin - (dstOfBegin + 0.5) * dstWidth, half, density);
     norm += (dstOfEnd - dstOfBegin - 1) * normOf(-half, half, density);
@@ -158,8 +186,11 @@ double HistogramObserver::quantizationError(int64_t startBin, int64_t endBin) co
   return norm;
 }
 
-// torch's _non_linear_param_search: shrink the cumulative-quantile window [alpha, beta] by 1e-5
-// on the side that drops more bins, until the l2 error stops decreasing.
+// torch's _non_linear_param_search with msmodelslim's start (the error of the full range, so a
+// window is only taken when it beats no clipping): shrink the cumulative-quantile window
+// [alpha, beta] by 1e-5 on the side that drops more bins, until the l2 error stops decreasing.
+// msmodelslim's copy swaps the two moves (the window jumps to [right, end]), which in practice
+// stops at once with the full range; the torch rule is what its comments describe.
 std::pair<double, double> HistogramObserver::clipRange() const {
   QPIPE_CHECK(!empty(), "histogram observer: qparams requested before any batch");
   const at::Tensor cumulative = state_.histogram.cumsum(0).contiguous();
@@ -170,7 +201,7 @@ std::pair<double, double> HistogramObserver::clipRange() const {
   double beta = 1;
   int64_t startBin = 0;
   int64_t endBin = kBins - 1;
-  double normMin = std::numeric_limits<double>::infinity();
+  double normMin = quantizationError(startBin, endBin);
   while (alpha < beta) {
     const double nextAlpha = alpha + kStep;
     const double nextBeta = beta - kStep;
@@ -198,10 +229,16 @@ std::pair<double, double> HistogramObserver::clipRange() const {
     startBin = nextStart;
     endBin = nextEnd;
   }
+  // msmodelslim then tightens the window to the real data inside it; the per-bin extremes give
+  // that over everything observed.
+  const double lo = state_.binMin.slice(0, startBin, endBin + 1).min().item<double>();
+  const double hi = state_.binMax.slice(0, startBin, endBin + 1).max().item<double>();
   const double binWidth = (state_.max - state_.min) / kBins;
-  // Bin edges can overshoot the data by rounding; the window never extends past the data.
-  return {std::max(state_.min + binWidth * static_cast<double>(startBin), state_.min),
-          std::min(state_.min + binWidth * static_cast<double>(endBin + 1), state_.max)};
+  if (lo > hi) {
+    return {state_.min + binWidth * static_cast<double>(startBin),
+            state_.min + binWidth * static_cast<double>(endBin + 1)};
+  }
+  return {lo, hi};
 }
 
 QParams HistogramObserver::qparams() const {

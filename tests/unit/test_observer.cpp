@@ -119,42 +119,48 @@ TEST(HistogramObserver, RejectsUnsupportedSchemes) {
                   HistogramObserver({QDtype::kFp8E4m3, QScope::kPerTensor, true, 0});
                 },
                 ErrorCode::kConfig),
-            "histogram observer supports int8/int4 per_tensor only, got fp8_e4m3_per_tensor_sym");
+            "histogram observer supports int8 per_tensor only, got fp8_e4m3_per_tensor_sym");
 }
 
-// The expected windows are torch 2.11's HistogramObserver._non_linear_param_search on the same
-// data (the reference msmodelslim's observer derives from), pinned here.
-TEST(HistogramObserver, SearchMatchesTorchOnUniformData) {
-  // The first move always drops one bin (any error beats the initial +inf), later ones only add
-  // error: the window is [-3, -3 + 8·2047/2048] = [-3, 4.99609375].
+// The expected windows come from torch 2.11's HistogramObserver (histogram and l2 error) driven
+// by msmodelslim's search (starting from the full-range error) and tightening (the data's own
+// min/max inside the window), computed in Python and pinned here.
+TEST(HistogramObserver, KeepsTheFullRangeOfUniformData) {
+  // Evenly spread data: every clip adds more error than it saves.
   HistogramObserver observer(kInt8Tensor);
   observer.update(at::linspace(-3, 5, 20480));
   const auto [lo, hi] = observer.clipRange();
   EXPECT_EQ(lo, -3.0);
-  EXPECT_EQ(hi, 4.99609375);
-  // Symmetric int8 from the window: max(3, 4.99609375)/127.
-  EXPECT_EQ(observer.qparams().scale.item<float>(), 4.99609375f / 127.0f);
+  EXPECT_EQ(hi, 5.0);
+  // Symmetric int8 from the window: max(3, 5)/127.
+  EXPECT_EQ(observer.qparams().scale.item<float>(), 5.0f / 127.0f);
 }
 
-TEST(HistogramObserver, SearchMatchesTorchOnASingleOutlier) {
-  // torch keeps the outlier: in fp32, 0.99999 · 100001 rounds to 100000, so only the last bin
-  // is dropped: [-1, -1 + 1001·2047/2048].
+TEST(HistogramObserver, TightensPastASingleOutlier) {
+  // The search drops only the last bin (in fp32, 0.99999 · 100001 rounds to 100000, so the
+  // cumulative-quantile bound cannot pass the outlier's count): window [-1, -1 + 1001·2047/2048]
+  // = [-1, 999.51]; the data inside it spans [-1, 1]. Asymmetric int8: scale 1/255 + 1/255,
+  // where fp32 1/255 = 0.0039215689 lies above the real 1/255, so 1/scale = 127.4999… and
+  // zp = round(127.4999…) - 128 = -1.
   HistogramObserver observer(kInt8TensorAsym);
   observer.update(at::cat({at::linspace(-1, 1, 100000), floats({1000}, {1})}));
   const auto [lo, hi] = observer.clipRange();
   EXPECT_EQ(lo, -1.0);
-  EXPECT_NEAR(hi, 999.51123046875, 1e-4);
+  EXPECT_EQ(hi, 1.0);
+  const QParams p = observer.qparams();
+  EXPECT_EQ(p.scale.item<float>(), 1.0f / 255.0f + 1.0f / 255.0f);
+  EXPECT_EQ(p.zeroPoint.item<int32_t>(), -1);
 }
 
-TEST(HistogramObserver, SearchMatchesTorchOnHeavyTails) {
-  // Quantiles of a clipped Cauchy-like distribution, 20,000 points; torch: (-47.89984893798828,
-  // 46.824241638183594) — the upper end moves in by 23 bins.
+TEST(HistogramObserver, ClipsHeavyTails) {
+  // Quantiles of a Cauchy-like distribution, 20,000 points in [-47.9, 47.9]: the window ends 23
+  // bins early at 46.82, and the largest value inside it is 46.517730712890625.
   const at::Tensor u = (at::arange(20000, at::kFloat) + 0.5) / 20000;
   HistogramObserver observer(kInt8TensorAsym);
   observer.update(at::tan((u - 0.5) * 3.1));
   const auto [lo, hi] = observer.clipRange();
-  EXPECT_NEAR(lo, -47.89984893798828, 1e-4);
-  EXPECT_NEAR(hi, 46.824241638183594, 1e-4);
+  EXPECT_EQ(lo, -47.89984893798828);
+  EXPECT_EQ(hi, 46.517730712890625);
 }
 
 TEST(HistogramObserver, RangeGrowthKeepsMassAndMergingSplitsEqualsOnePass) {
@@ -176,6 +182,8 @@ TEST(HistogramObserver, RangeGrowthKeepsMassAndMergingSplitsEqualsOnePass) {
     HistogramObserver merged(kInt8Tensor);
     for (const HistogramObserver& part : parts) merged.merge(part.state());
     EXPECT_TRUE(at::equal(merged.state().histogram, single.state().histogram));
+    EXPECT_TRUE(at::equal(merged.state().binMin, single.state().binMin));
+    EXPECT_TRUE(at::equal(merged.state().binMax, single.state().binMax));
     EXPECT_EQ(merged.clipRange(), single.clipRange());
   }
   // A batch that widens the range rebins what was seen: no mass is lost.
@@ -185,6 +193,9 @@ TEST(HistogramObserver, RangeGrowthKeepsMassAndMergingSplitsEqualsOnePass) {
   EXPECT_EQ(growing.state().min, -10.0);
   EXPECT_EQ(growing.state().max, 30.0);
   EXPECT_DOUBLE_EQ(at::sum(growing.state().histogram).item<double>(), 6.0);
+  // The extremes moved exactly: 0, 1, 1, 2 land in bins floor((v + 10)·2048/40) = 512, 563, 614.
+  EXPECT_EQ(growing.state().binMin[563].item<double>(), 1.0);
+  EXPECT_EQ(growing.state().binMax[614].item<double>(), 2.0);
 }
 
 }  // namespace

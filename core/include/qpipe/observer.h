@@ -10,7 +10,8 @@
 //   of per-batch min/max and the batch count; merging gives the single-pass answer up to the
 //   float64 rounding of the sums (summation order), far below fp32 resolution.
 // - HistogramObserver: the state is a 2048-bin histogram over [min, max] of everything seen;
-//   merging rebins both onto the union range, so it is exact when the ranges agree.
+//   merging rebins both onto the union range, so it is exact when the ranges agree (per-bin
+//   extremes, used to tighten the clip window, merge exactly in any case).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -61,7 +62,7 @@ class MinMaxObserver {
 
 // Reference: msmodelslim core/observer/histogram.py, derived from
 // torch.ao.quantization.HistogramObserver (_non_linear_param_search, _compute_quantization_error).
-// int8/int4 per_tensor; search method l2_norm.
+// int8 per_tensor (as msmodelslim registers it); search method l2_norm.
 class HistogramObserver {
  public:
   static constexpr int64_t kBins = 2048;
@@ -69,7 +70,9 @@ class HistogramObserver {
 
   struct State {
     at::Tensor histogram;  // float64 [kBins] over [min, max]; undefined before the first batch
-    double min = 0;        // the data's min and max (fp32 values)
+    at::Tensor binMin;     // float64 [kBins]: the least and greatest value seen in each bin
+    at::Tensor binMax;     // (±inf when empty), to tighten the clip window to real data
+    double min = 0;        // the range of everything seen
     double max = 0;
   };
 
