@@ -122,7 +122,15 @@ HistogramObserver::State rebin(const HistogramObserver::State& state, double min
 
 }  // namespace
 
-HistogramObserver::HistogramObserver(QScheme scheme) : scheme_(scheme) {
+HistogramObserver::Search HistogramObserver::parseSearch(std::string_view name, std::string_view where) {
+  if (name == "l2_norm") return Search::kL2Norm;
+  if (name == "kl_divergence") return Search::kKlDivergence;
+  QPIPE_REQUIRE(false, ErrorCode::kConfig, where, ": unknown search_method '", name,
+                "'; expected one of l2_norm, kl_divergence");
+  return Search::kL2Norm;
+}
+
+HistogramObserver::HistogramObserver(QScheme scheme, Search search) : scheme_(scheme), search_(search) {
   QPIPE_REQUIRE(scheme.dtype == QDtype::kInt8 && scheme.scope == QScope::kPerTensor, ErrorCode::kConfig,
                 "histogram observer supports int8 per_tensor only, got ", scheme.name());
 }
@@ -161,7 +169,7 @@ void HistogramObserver::merge(const State& other) {
 // torch's _compute_quantization_error (msmodelslim _compute_l2_error): the l2 error of mapping
 // bins [startBin, endBin] onto 256 uniform destination bins (torch's default quint8, which
 // msmodelslim keeps), integrating x² over each source bin's uniform density.
-double HistogramObserver::quantizationError(int64_t startBin, int64_t endBin) const {
+double HistogramObserver::l2Error(int64_t startBin, int64_t endBin) const {
   constexpr int64_t kDstBins = 256;
   const double binWidth = (state_.max - state_.min) / kBins;
   const double dstWidth = binWidth * static_cast<double>(endBin - startBin + 1) / kDstBins;
@@ -184,6 +192,36 @@ double HistogramObserver::quantizationError(int64_t startBin, int64_t endBin) co
     norm += normOf(-half, end - (dstOfEnd * dstWidth + half), density);
   }
   return norm;
+}
+
+// msmodelslim _compute_kl_error: KL(p || q) where p is the histogram and q spreads the mass that
+// fake quantization with the window's own qparams sends to each bin evenly over the source bins
+// that land there. Bin midpoints stand for their bin's values; bins outside the window go to the
+// window's ends. With exact arithmetic q equals p on evenly filled data and the search cannot tell
+// windows apart, so msmodelslim's precisions are kept: p in fp32, summed per bin after rounding to
+// fp16 (its bincount weights), q and the divergence in fp32.
+double HistogramObserver::klError(int64_t startBin, int64_t endBin) const {
+  const double eps = std::numeric_limits<float>::epsilon();  // of msmodelslim's fp32 histogram
+  const double binWidth = (state_.max - state_.min) / kBins;
+  const auto options = state_.histogram.options();
+  const at::Tensor p = (state_.histogram / state_.histogram.sum()).to(at::kFloat);
+  const at::Tensor midpoints = (at::arange(kBins, options) + 0.5) * binWidth + state_.min;
+  const double lo = static_cast<double>(startBin) * binWidth + state_.min;
+  const double hi = static_cast<double>(endBin + 1) * binWidth + state_.min;
+  const QParams params = computeQParams(at::full({1}, lo, at::kFloat), at::full({1}, hi, at::kFloat), scheme_);
+  at::Tensor fake = fakeQuantize(midpoints.to(at::kFloat), params, scheme_).to(at::kDouble);
+  fake.slice(0, 0, startBin).fill_(lo);
+  fake.slice(0, endBin).fill_(hi);
+  const at::Tensor target =
+      ((fake - lo) / binWidth).floor().add(static_cast<double>(startBin)).clamp(startBin, endBin).to(at::kLong);
+  const at::Tensor mass = at::zeros({kBins}, options).index_add_(0, target, p.to(at::kHalf).to(at::kDouble));
+  const at::Tensor sources = at::bincount(target, {}, kBins).to(at::kDouble);
+  const at::Tensor q = (mass / sources.clamp_min(eps)).index_select(0, target).to(at::kFloat);
+  return (p * at::log(p.clamp_min(eps) / q.clamp_min(eps))).sum().item<double>();
+}
+
+double HistogramObserver::quantizationError(int64_t startBin, int64_t endBin) const {
+  return search_ == Search::kL2Norm ? l2Error(startBin, endBin) : klError(startBin, endBin);
 }
 
 // torch's _non_linear_param_search with msmodelslim's start (the error of the full range, so a

@@ -163,6 +163,25 @@ TEST(HistogramObserver, ClipsHeavyTails) {
   EXPECT_EQ(hi, 46.517730712890625);
 }
 
+TEST(HistogramObserver, KlDivergenceSearch) {
+  // Normal quantiles, 20,000 points in [-2.868, 2.865]: the KL search drops the last bin and the
+  // largest value left is 2.6807315349578857 (pinned from msmodelslim's _compute_kl_error
+  // replayed in Python). The full-range cases above keep their full range under KL too.
+  const at::Tensor u = (at::arange(20000, at::kFloat) + 0.5) / 20000;
+  HistogramObserver normal(kInt8TensorAsym, HistogramObserver::Search::kKlDivergence);
+  normal.update(at::erfinv(u * 2 - 1));
+  const auto [lo, hi] = normal.clipRange();
+  EXPECT_EQ(lo, -2.867733955383301);
+  EXPECT_EQ(hi, 2.6807315349578857);
+  HistogramObserver uniform(kInt8Tensor, HistogramObserver::Search::kKlDivergence);
+  uniform.update(at::linspace(-3, 5, 20480));
+  EXPECT_EQ(uniform.clipRange(), std::make_pair(-3.0, 5.0));
+  EXPECT_EQ(test::errorOf([] { HistogramObserver::parseSearch("mse", "p.yaml:3:5 qconfig.act.ext.search_method"); },
+                          ErrorCode::kConfig),
+            "p.yaml:3:5 qconfig.act.ext.search_method: unknown search_method 'mse'; expected one of l2_norm, "
+            "kl_divergence");
+}
+
 TEST(HistogramObserver, RangeGrowthKeepsMassAndMergingSplitsEqualsOnePass) {
   at::manual_seed(11);
   // Every batch spans the same [-4, 4] (both ends pinned), so the histograms share their bins

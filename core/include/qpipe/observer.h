@@ -62,7 +62,7 @@ class MinMaxObserver {
 
 // Reference: msmodelslim core/observer/histogram.py, derived from
 // torch.ao.quantization.HistogramObserver (_non_linear_param_search, _compute_quantization_error).
-// int8 per_tensor (as msmodelslim registers it); search method l2_norm.
+// int8 per_tensor (as msmodelslim registers it).
 class HistogramObserver {
  public:
   static constexpr int64_t kBins = 2048;
@@ -76,7 +76,11 @@ class HistogramObserver {
     double max = 0;
   };
 
-  explicit HistogramObserver(QScheme scheme);
+  // msmodelslim `search_method`: l2_norm (default) or kl_divergence.
+  enum class Search { kL2Norm, kKlDivergence };
+  static Search parseSearch(std::string_view name, std::string_view where);
+
+  explicit HistogramObserver(QScheme scheme, Search search = Search::kL2Norm);
 
   void update(const at::Tensor& x);
   void merge(const State& other);
@@ -90,8 +94,11 @@ class HistogramObserver {
 
  private:
   double quantizationError(int64_t startBin, int64_t endBin) const;
+  double l2Error(int64_t startBin, int64_t endBin) const;
+  double klError(int64_t startBin, int64_t endBin) const;
 
   QScheme scheme_;
+  Search search_;
   State state_;
 };
 
