@@ -136,7 +136,8 @@ HistogramObserver::HistogramObserver(QScheme scheme, Search search) : scheme_(sc
 }
 
 void HistogramObserver::update(const at::Tensor& x) {
-  at::Tensor values = x.detach().to(at::kDouble).flatten().cpu();
+  // Binned where the batch lives; only the kBins-sized results come to the host.
+  at::Tensor values = x.detach().to(at::kDouble).flatten();
   // msmodelslim drops NaN and inf with a warning: they have no place in a histogram.
   const at::Tensor finite = at::isfinite(values);
   if (!finite.all().item<bool>()) {
@@ -145,12 +146,13 @@ void HistogramObserver::update(const at::Tensor& x) {
     values = values.masked_select(finite);
   }
   if (values.numel() == 0) return;
+  const auto [lo, hi] = at::aminmax(values);
   // The range is kept in fp32 values, as the statistics of the rest of the quantization core.
-  const double min = static_cast<float>(values.min().item<double>());
-  const double max = static_cast<float>(values.max().item<double>());
+  const double min = static_cast<float>(lo.item<double>());
+  const double max = static_cast<float>(hi.item<double>());
   const at::Tensor index = binOf(values, min, max);
-  merge({at::bincount(index, {}, kBins).to(at::kDouble), binExtreme(index, values, true),
-         binExtreme(index, values, false), min, max});
+  merge({at::bincount(index, {}, kBins).to(at::kDouble).cpu(), binExtreme(index, values, true).cpu(),
+         binExtreme(index, values, false).cpu(), min, max});
 }
 
 void HistogramObserver::merge(const State& other) {

@@ -49,9 +49,18 @@ bool isInt(QDtype dtype) {
   return dtype == QDtype::kInt8 || dtype == QDtype::kInt4;
 }
 
-// per_group scales are [out, in/group]; repeat them so they broadcast over [out, in].
-at::Tensor expandForInput(const at::Tensor& t, const QScheme& scheme) {
-  return scheme.scope == QScope::kPerGroup ? t.repeat_interleave(scheme.groupSize, 1) : t;
+// per_group works on a [out, in/group, group] view, so the [out, in/group] parameters broadcast
+// (unsqueezed) without copies.
+at::Tensor grouped(const at::Tensor& x, const QScheme& scheme) {
+  if (scheme.scope != QScope::kPerGroup) return x;
+  QPIPE_REQUIRE(x.dim() == 2 && scheme.groupSize > 0 && x.size(1) % scheme.groupSize == 0, ErrorCode::kConfig,
+                "per_group with group_size ", scheme.groupSize, " needs a weight [out, in] with in a multiple of ",
+                scheme.groupSize, ", got shape ", shapeOf(x));
+  return x.reshape({x.size(0), x.size(1) / scheme.groupSize, scheme.groupSize});
+}
+
+at::Tensor groupedParam(const at::Tensor& t, const QScheme& scheme) {
+  return scheme.scope == QScope::kPerGroup ? t.unsqueeze(-1) : t;
 }
 
 }  // namespace
@@ -127,10 +136,7 @@ std::pair<at::Tensor, at::Tensor> minMax(const at::Tensor& x, const QScheme& sch
       return {xf.amin(dims, true), xf.amax(dims, true)};
     }
     case QScope::kPerGroup: {
-      QPIPE_REQUIRE(x.dim() == 2 && scheme.groupSize > 0 && x.size(1) % scheme.groupSize == 0, ErrorCode::kConfig,
-                    "per_group with group_size ", scheme.groupSize, " needs a weight [out, in] with in a multiple of ",
-                    scheme.groupSize, ", got shape ", shapeOf(x));
-      const at::Tensor groups = xf.reshape({x.size(0), x.size(1) / scheme.groupSize, scheme.groupSize});
+      const at::Tensor groups = grouped(xf, scheme);
       return {groups.amin(-1), groups.amax(-1)};
     }
     case QScope::kPerToken:
@@ -187,24 +193,23 @@ at::Tensor toFp8E4m3(const at::Tensor& x) {
   const at::Tensor subnormal = at::round(absValue * 512.0f).to(at::kInt);
   at::Tensor code = at::where(absValue < 0.015625f, subnormal, normal);
   code = at::where(absBits > 0x7F800000, at::full_like(code, 0x7F), code);
-  return at::bitwise_or(code, sign).to(at::kByte).view(at::kFloat8_e4m3fn).view(x.sizes());
+  return at::bitwise_or(code, sign).to(at::kByte).view(at::kFloat8_e4m3fn);
 }
 
 at::Tensor quantize(const at::Tensor& x, const QParams& params, const QScheme& scheme) {
   if (scheme.dtype == QDtype::kFloat) return x;
-  const at::Tensor scale = expandForInput(params.scale, scheme);
-  const at::Tensor scaled = x.to(at::kFloat) / scale;
-  if (scheme.dtype == QDtype::kFp8E4m3) return toFp8E4m3(scaled);
-  const at::Tensor zeroPoint = expandForInput(params.zeroPoint, scheme).to(at::kFloat);
-  return at::round(scaled + zeroPoint).clamp(qmin(scheme.dtype), qmax(scheme.dtype)).to(at::kChar);
+  const at::Tensor scaled = grouped(x.to(at::kFloat), scheme) / groupedParam(params.scale, scheme);
+  if (scheme.dtype == QDtype::kFp8E4m3) return toFp8E4m3(scaled).reshape(x.sizes());
+  const at::Tensor zeroPoint = groupedParam(params.zeroPoint, scheme).to(at::kFloat);
+  return at::round(scaled + zeroPoint).clamp(qmin(scheme.dtype), qmax(scheme.dtype)).to(at::kChar).reshape(x.sizes());
 }
 
 at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme& scheme) {
   if (scheme.dtype == QDtype::kFloat) return q.to(at::kFloat);
-  const at::Tensor scale = expandForInput(params.scale, scheme);
-  if (scheme.dtype == QDtype::kFp8E4m3) return q.to(at::kFloat) * scale;
-  const at::Tensor zeroPoint = expandForInput(params.zeroPoint, scheme).to(at::kFloat);
-  return (q.to(at::kFloat) - zeroPoint) * scale;
+  const at::Tensor values = grouped(q.to(at::kFloat), scheme);
+  const at::Tensor scale = groupedParam(params.scale, scheme);
+  if (scheme.dtype == QDtype::kFp8E4m3) return (values * scale).reshape(q.sizes());
+  return ((values - groupedParam(params.zeroPoint, scheme).to(at::kFloat)) * scale).reshape(q.sizes());
 }
 
 at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QScheme& scheme) {
