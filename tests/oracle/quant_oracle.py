@@ -1,9 +1,13 @@
 """msmodelslim's quantization formulas (reference/msmodelslim.md §c.0,
 msmodelslim/ir/api/impl/{int,fp}_quantization.py) in plain torch, as the oracle for qpipe::quant.
 
-Prints one line per case: NAME DTYPE SCOPE SYM GROUP NDIM DIMS... X SCALE ZP Q, where X is the
-fp32 input, SCALE fp32, ZP int32 and Q int8 (or float8_e4m3fn) as raw little-endian hex.
+  (no argument)  one line per case: NAME DTYPE SCOPE SYM GROUP NDIM DIMS... X SCALE ZP Q, where X is
+                 the fp32 input, SCALE fp32, ZP int32 and Q int8 (or float8_e4m3fn), raw hex
+  ssz            one line per case: NAME BITS ROWS COLS W SCALE, the SSZ weight scale search
+                 (msmodelslim core/quantizer/impl/ssz.py, symmetric), W and SCALE fp32 raw hex
 """
+import sys
+
 import torch
 
 
@@ -77,5 +81,36 @@ def main():
     case("kv8_head", "int8", "per_head", True, 0, kv)
 
 
+def ssz(name, bits, w, iterations=50):
+    qmax = 2 ** (bits - 1) - 1
+    wt = w.t()  # msmodelslim works on W.T, reducing over dim 0
+    scale = torch.clamp(wt.abs().amax(dim=0, keepdim=True) / qmax, min=torch.finfo(torch.float32).eps)
+    quant = lambda s: torch.clamp(torch.round(wt / s), -qmax - 1, qmax)
+    q = quant(scale)
+    best_scale = scale
+    best_mse = torch.mean((wt - q * scale) ** 2, dim=0, keepdim=True)
+    for _ in range(iterations):
+        scale = torch.sum(wt * q, dim=0, keepdim=True) / torch.sum(q * q, dim=0, keepdim=True).clamp(min=1e-30)
+        q = quant(scale)
+        mse = torch.mean((wt - q * scale) ** 2, dim=0, keepdim=True)
+        mask1 = (best_mse - mse) / best_mse.clamp(min=1e-4) < 1e-10
+        mask2 = torch.abs(best_mse - mse) < 1e-10
+        if torch.sum(torch.logical_and(~mask1, ~mask2)) == 0:
+            break
+        better = mse < best_mse
+        best_mse = torch.where(better, mse, best_mse)
+        best_scale = torch.where(better, scale, best_scale)
+    print(name, bits, w.shape[0], w.shape[1], hexof(w), hexof(best_scale.flatten()))
+
+
+def main_ssz():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 96, generator=g)
+    w[0, 0] = 9.0
+    w[5] = 0.0
+    ssz("ssz_int4", 4, w)
+    ssz("ssz_int8", 8, w * 0.02)
+
+
 if __name__ == "__main__":
-    main()
+    main_ssz() if sys.argv[1:] == ["ssz"] else main()

@@ -54,5 +54,30 @@ TEST(QuantOracle, MatchesMsmodelslimFormulasByteForByte) {
   EXPECT_EQ(cases, 12);
 }
 
+TEST(QuantOracle, SszMatchesMsmodelslimLoop) {
+  std::istringstream lines(test::runOracle("quant_oracle.py", "ssz"));
+  std::string line;
+  int cases = 0;
+  while (std::getline(lines, line)) {
+    std::istringstream in(line);
+    std::string name, wHex, scaleHex;
+    int bits = 0;
+    int64_t rows = 0;
+    int64_t cols = 0;
+    in >> name >> bits >> rows >> cols >> wHex >> scaleHex;
+    SCOPED_TRACE(name);
+    std::vector<uint8_t> wBytes = fromHex(wHex);
+    std::vector<uint8_t> scaleBytes = fromHex(scaleHex);
+    const at::Tensor w = at::from_blob(wBytes.data(), {rows, cols}, at::kFloat).clone();
+    const at::Tensor expected = at::from_blob(scaleBytes.data(), {rows, 1}, at::kFloat).clone();
+    const QParams params = sszSearch(w, {bits == 4 ? QDtype::kInt4 : QDtype::kInt8, QScope::kPerChannel, true, 0});
+    // The reductions run over the other axis of the same data (W.T in msmodelslim): equal up to
+    // fp32 summation order.
+    EXPECT_TRUE(at::allclose(params.scale, expected, 1e-5, 0)) << (params.scale - expected).abs().max();
+    ++cases;
+  }
+  EXPECT_EQ(cases, 2);
+}
+
 }  // namespace
 }  // namespace qpipe::quant
