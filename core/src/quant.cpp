@@ -125,26 +125,30 @@ std::string QScheme::name() const {
 }
 
 std::pair<at::Tensor, at::Tensor> minMax(const at::Tensor& x, const QScheme& scheme) {
-  const at::Tensor xf = x.to(at::kFloat);
+  // Reduced in the input's dtype (min and max select values exactly) and only then widened to
+  // fp32: no fp32 copy of a large activation.
+  const auto reduce = [](const at::Tensor& t, at::IntArrayRef dims, bool keepdim) -> std::pair<at::Tensor, at::Tensor> {
+    return {t.amin(dims, keepdim).to(at::kFloat), t.amax(dims, keepdim).to(at::kFloat)};
+  };
   switch (scheme.scope) {
-    case QScope::kPerTensor:
-      return {xf.amin().reshape({1}), xf.amax().reshape({1})};
+    case QScope::kPerTensor: {
+      const auto [min, max] = reduce(x, {}, false);
+      return {min.reshape({1}), max.reshape({1})};
+    }
     case QScope::kPerChannel: {
       QPIPE_REQUIRE(x.dim() >= 2, ErrorCode::kConfig, "per_channel needs a weight [out, in], got shape ", shapeOf(x));
       std::vector<int64_t> dims;
       for (int64_t d = 1; d < x.dim(); ++d) dims.push_back(d);
-      return {xf.amin(dims, true), xf.amax(dims, true)};
+      return reduce(x, dims, true);
     }
-    case QScope::kPerGroup: {
-      const at::Tensor groups = grouped(xf, scheme);
-      return {groups.amin(-1), groups.amax(-1)};
-    }
+    case QScope::kPerGroup:
+      return reduce(grouped(x, scheme), {-1}, false);
     case QScope::kPerToken:
-      return {xf.amin(-1, true), xf.amax(-1, true)};
+      return reduce(x, {-1}, true);
     case QScope::kPerHead:
       QPIPE_REQUIRE(x.dim() == 4, ErrorCode::kConfig, "per_head needs [batch, heads, seq, head_dim], got shape ",
                     shapeOf(x));
-      return {xf.amin({0, 2, 3}, true), xf.amax({0, 2, 3}, true)};
+      return reduce(x, {0, 2, 3}, true);
   }
   QPIPE_CHECK(false, "unknown QScope ", static_cast<int>(scheme.scope));
   return {};
