@@ -70,7 +70,8 @@ torch_cmake=$(ls -d "$venv"/lib/python3*/site-packages/torch/share/cmake 2>/dev/
 # 3. (--test) The oracle virtualenv. It sees .venv's torch through a .pth file, and a constraint
 # pins torch, so installing the oracles can never move the torch that LibTorch comes from.
 test_venv="$root/.venv-test"
-test_packages=(transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 gguf==0.19.0 numpy)
+test_packages=(transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 gguf==0.19.0 compressed-tensors==0.20.0
+               numpy)
 test_stamp="$test_venv/.qpipe-$(echo "${test_packages[*]}" | md5sum | cut -c1-12)"
 if ((with_test_env)) && [[ ! -f $test_stamp ]]; then
   step "creating the test virtualenv $test_venv: ${test_packages[*]}"
