@@ -1,0 +1,62 @@
+// Deployed quantized modules: what `linear_quant` leaves in a layer after calibration, what the
+// savers write, and what a quantized checkpoint loads back into for `qpipe eval`.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <optional>
+
+#include "qpipe/module.h"
+#include "qpipe/quant.h"
+
+namespace qpipe {
+
+// How a module's input is quantized at inference: static (per_tensor, calibrated params) or
+// dynamic (per_token: params computed from each input as it arrives).
+struct ActivationQuant {
+  quant::QScheme scheme;
+  quant::QParams params;  // static only; undefined when dynamic
+
+  bool isDynamic() const { return scheme.scope == quant::QScope::kPerToken; }
+  // Fake-quantizes `x` in its own dtype.
+  at::Tensor apply(const at::Tensor& x) const;
+};
+
+// typeName "QuantLinear". Its parameters carry compressed-tensors' names:
+//   weight             kChar (int8, or int4 values in [-8, 7], unpacked) or kFloat8_e4m3fn
+//   weight_scale       fp32, the weight scope's shape (quant.h)
+//   weight_zero_point  int32, same shape; asymmetric weights only
+//   input_scale        fp32 [1]; static activations only
+//   input_zero_point   int32 [1]; static asymmetric activations only
+//   bias               compute dtype; when the layer has one
+// forward: y = actQuant(x) · dequantize(weight)ᵀ + b in the compute dtype. The dequantized weight
+// is cached on first use (it is not a parameter, so savers never see it).
+class QuantLinear : public Module {
+ public:
+  QuantLinear(at::Tensor qweight, quant::QParams weightParams, quant::QScheme weightScheme,
+              std::optional<ActivationQuant> input, at::Tensor bias, at::ScalarType computeDtype);
+  // Quantizes the float weight of `linear` with `weightParams`.
+  static std::shared_ptr<QuantLinear> fromLinear(Linear& linear, const quant::QParams& weightParams,
+                                                 const quant::QScheme& weightScheme,
+                                                 std::optional<ActivationQuant> input);
+
+  at::Tensor forward(const at::Tensor& input) override;
+
+  const quant::QScheme& weightScheme() const { return weightScheme_; }
+  const std::optional<ActivationQuant>& inputQuant() const { return input_; }
+  quant::QParams weightParams();
+  at::ScalarType computeDtype() const { return computeDtype_; }
+  // Undefined when the layer has no bias.
+  at::Tensor bias();
+  // The weight as the forward uses it: dequantized, in the compute dtype.
+  at::Tensor dequantizedWeight();
+
+ private:
+  quant::QScheme weightScheme_;
+  std::optional<ActivationQuant> input_;
+  at::ScalarType computeDtype_;
+  at::Tensor dequantized_;
+};
+
+}  // namespace qpipe
