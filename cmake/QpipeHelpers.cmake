@@ -20,6 +20,7 @@ function(qpipe_add_plugin name)
   endif()
   if(NOT ARG_OUTPUT_DIR)
     set(ARG_OUTPUT_DIR "${QPIPE_PLUGIN_OUTPUT_DIR}")
+    set_property(GLOBAL APPEND PROPERTY QPIPE_BUILTIN_PLUGINS ${name})
   endif()
 
   add_library(${name} MODULE ${ARG_SOURCES})

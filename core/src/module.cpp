@@ -76,18 +76,24 @@ Module& Module::getSubmodule(std::string_view path) {
   return *current;
 }
 
-std::shared_ptr<Module> Module::replace(std::string_view path, std::shared_ptr<Module> replacement) {
-  QPIPE_CHECK(replacement != nullptr, "replacing '", path, "' with null");
+std::shared_ptr<Module>& Module::slot(std::string_view path) {
   const size_t dot = path.rfind('.');
   Module& parent = dot == std::string_view::npos ? *this : getSubmodule(path.substr(0, dot));
   const std::string_view name = dot == std::string_view::npos ? path : path.substr(dot + 1);
   for (auto& [childName, child] : parent.children_) {
-    if (childName == name) {
-      std::swap(child, replacement);
-      return replacement;
-    }
+    if (childName == name) return child;
   }
-  throw Error(ErrorCode::kInput, detail::concat("no module '", path, "' to replace"));
+  throw Error(ErrorCode::kInput, detail::concat("no module '", path, "'"));
+}
+
+std::shared_ptr<Module> Module::sharedSubmodule(std::string_view path) {
+  return slot(path);
+}
+
+std::shared_ptr<Module> Module::replace(std::string_view path, std::shared_ptr<Module> replacement) {
+  QPIPE_CHECK(replacement != nullptr, "replacing '", path, "' with null");
+  std::swap(slot(path), replacement);
+  return replacement;
 }
 
 std::vector<std::pair<std::string, Module*>> Module::namedModules(const std::string& prefix) {

@@ -205,7 +205,11 @@ ConfigNode Schema::validate(const ConfigNode& node, std::string_view path) const
   ConfigNode out = ConfigNode::map({}, node.location());
   for (const auto& field : fields_) {
     const std::string childPath = fieldPath(path, field.name);
-    if (const ConfigNode* value = node.find(field.name)) {
+    const ConfigNode* value = node.find(field.name);
+    // An explicit null (`key:` or `key: ~`) on an optional field reads as the field left out, so
+    // validating an already validated node changes nothing.
+    if (value != nullptr && value->isNull() && !field.required) value = nullptr;
+    if (value != nullptr) {
       out.set(field.name, checkValue(field, *value, childPath));
     } else if (field.required) {
       failAt(node, where,

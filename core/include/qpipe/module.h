@@ -50,6 +50,8 @@ class Module {
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const { return children_; }
   // Dotted path below this module ("" is this module); Error(kInput) naming the path if absent.
   Module& getSubmodule(std::string_view path);
+  // The owning pointer of the module at `path` (non-empty), to keep it alive across replace().
+  std::shared_ptr<Module> sharedSubmodule(std::string_view path);
   // Puts `replacement` where `path` is; the old module is returned (and dropped by the caller).
   std::shared_ptr<Module> replace(std::string_view path, std::shared_ptr<Module> replacement);
   // This module and every descendant, depth first, with full names under `prefix`.
@@ -73,6 +75,9 @@ class Module {
     PreHook pre;
     PostHook post;
   };
+  // The slot holding the module at `path`; Error(kInput) naming the path if absent.
+  std::shared_ptr<Module>& slot(std::string_view path);
+
   std::string typeName_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   std::vector<std::pair<std::string, at::Tensor>> parameters_;

@@ -39,9 +39,14 @@ std::vector<T> rankShare(const std::vector<T>& samples, int rank, int worldSize)
   return share;
 }
 
+struct QuantReport;
+
 struct RunnerOptions {
   int rank = 0;
   int worldSize = 1;
+  // When set, filled per layer (qpipe/report.h); the first sample is the probe. Costs two
+  // forwards of one sample per layer, and one per layer even when every processor is data-free.
+  QuantReport* report = nullptr;
 };
 
 // Called once per layer after the last postprocess, before the layer is released.
@@ -52,7 +57,8 @@ class LayerWiseRunner {
   LayerWiseRunner(CausalLM& model, std::vector<std::unique_ptr<Processor>>& processors, RunnerOptions options = {});
 
   // `samples` are this rank's token ids, each [1, seq] int64 (lengths may differ). A layer's
-  // request carries one input per sample: {hidden [1, seq, hidden], cos, sin}.
+  // request carries one input per sample: {hidden [1, seq, hidden], cos, sin}; when every
+  // processor is data-free, requests carry none and no calibration forward runs.
   void run(const std::vector<at::Tensor>& samples, const LayerSink& sink);
 
  private:

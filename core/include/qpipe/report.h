@@ -1,0 +1,43 @@
+// The quantization report (DESIGN.md §3.7): per decoder layer, the time each processor took and,
+// per module a processor replaced, the relative output error of the new module against the
+// original on a probe sample (the first calibration sample of this rank, carried through the
+// quantized layers as inference would see it).
+//
+// Relative error is relative MSE: mean((y_new - y_ref)²) / mean(y_ref²) over the module's (or the
+// layer's) output, with y_ref the original module's output for the same input.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace qpipe {
+
+class Module;
+
+struct ModuleReport {
+  std::string name;    // HF name, e.g. "model.layers.3.mlp.down_proj"
+  std::string scheme;  // e.g. "w int8_per_channel_sym, a int8_per_token_sym dynamic"
+  double relativeMse = 0;
+};
+
+struct LayerReport {
+  std::string name;
+  double seconds = 0;                   // load to release, probe included
+  std::vector<double> processorSeconds;  // preprocess + process + postprocess, per processor
+  double relativeMse = -1;              // the whole layer's output; -1 without a probe
+  std::vector<ModuleReport> modules;
+};
+
+struct QuantReport {
+  std::vector<LayerReport> layers;
+  double totalSeconds = 0;
+
+  // What a replaced module is, for ModuleReport::scheme (its type name unless it is quantized).
+  static std::string describe(Module& module);
+  std::string toJson() const;
+  // A short table for stdout: the layers, the worst modules, totals.
+  std::string summary(size_t worstModules = 5) const;
+};
+
+}  // namespace qpipe

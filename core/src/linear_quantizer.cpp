@@ -1,0 +1,60 @@
+#include "qpipe/linear_quantizer.h"
+
+#include <ATen/ATen.h>
+
+#include "qpipe/error.h"
+
+namespace qpipe {
+
+using quant::QMethod;
+
+LinearQuantizer::LinearQuantizer(std::shared_ptr<Linear> linear, const quant::LinearQConfig& config)
+    : Module("LinearQuantizer"), linear_(std::move(linear)), config_(config) {
+  const at::Tensor& weight = linear_->weight();
+  weightParams_ = config_.weight.method == QMethod::kSsz
+                      ? quant::sszSearch(weight, config_.weight.scheme, config_.weight.sszSteps)
+                      : quant::computeQParams(weight, config_.weight.scheme);
+  const quant::QConfig& act = config_.act;
+  if (act.enabled() && !act.isDynamic()) {
+    if (act.method == QMethod::kHistogram) {
+      histogram_.emplace(act.scheme, act.search);
+    } else {
+      minMax_.emplace(act.scheme, act.aggregation);
+    }
+  }
+}
+
+at::Tensor LinearQuantizer::forward(const at::Tensor& input) {
+  if (!fakeWeight_.defined()) fakeWeight_ = quant::fakeQuantize(linear_->weight(), weightParams_, config_.weight.scheme);
+  at::Tensor x = input;
+  if (minMax_) {
+    minMax_->update(x);
+    x = quant::fakeQuantize(x, minMax_->qparams(), config_.act.scheme);
+  } else if (histogram_) {
+    histogram_->update(x);
+  } else if (config_.act.enabled()) {
+    x = quant::fakeQuantize(x, quant::computeQParams(x, config_.act.scheme), config_.act.scheme);
+  }
+  return at::linear(x, fakeWeight_, linear_->bias());
+}
+
+bool LinearQuantizer::calibrated() const {
+  return (!minMax_ || !minMax_->empty()) && (!histogram_ || !histogram_->empty());
+}
+
+std::optional<ActivationQuant> LinearQuantizer::activationQuant() const {
+  const quant::QConfig& act = config_.act;
+  if (!act.enabled()) return std::nullopt;
+  if (minMax_) return ActivationQuant{act.scheme, minMax_->qparams()};
+  if (histogram_) return ActivationQuant{act.scheme, histogram_->qparams()};
+  return ActivationQuant{act.scheme, {}};
+}
+
+std::shared_ptr<QuantLinear> LinearQuantizer::deploy(const std::string& name) const {
+  QPIPE_REQUIRE(calibrated(), ErrorCode::kInput, name,
+                ": no calibration data reached this module, so its static activation scale is unknown; "
+                "add calibration samples or exclude it");
+  return QuantLinear::fromLinear(*linear_, weightParams_, config_.weight.scheme, activationQuant());
+}
+
+}  // namespace qpipe

@@ -1,0 +1,98 @@
+// linear_quant: msmodelslim's LinearQuantProcessor (processor/quant/linear.py). Every Linear of a
+// layer that matches include/exclude is quantized with one `qconfig`:
+//   preprocess   Linear → LinearQuantizer (observes and fake-quantizes during the forward)
+//   process      the calibration forward (skipped when the qconfig is data-free)
+//   postprocess  LinearQuantizer → QuantLinear, what savers write and inference runs
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "qpipe/config_node.h"
+#include "qpipe/linear_quantizer.h"
+#include "qpipe/log.h"
+#include "qpipe/pattern.h"
+#include "qpipe/plugin.h"
+#include "qpipe/qconfig.h"
+#include "qpipe/schema.h"
+
+namespace {
+
+class LinearQuant final : public qpipe::Processor {
+ public:
+  LinearQuant(const qpipe::ConfigNode& config, const qpipe::ProcessorContext& context)
+      : logger_(context.logger),
+        qconfig_(qpipe::quant::parseLinearQConfig(config.at("qconfig"), "qconfig")),
+        filter_(config.at("include").asStringList(), config.at("exclude").asStringList()) {}
+
+  void preprocess(qpipe::LayerRequest& request) override {
+    pending_.clear();
+    for (auto& [path, linear] : matchingLinears(request)) {
+      if (isDataFree()) {
+        pending_.emplace_back(path, nullptr);
+        continue;
+      }
+      auto quantizer = std::make_shared<qpipe::LinearQuantizer>(linear, qconfig_);
+      request.module->replace(path, quantizer);
+      pending_.emplace_back(path, std::move(quantizer));
+    }
+  }
+
+  void postprocess(qpipe::LayerRequest& request) override {
+    for (auto& [path, quantizer] : pending_) {
+      const std::string name = request.name + "." + path;
+      if (quantizer == nullptr) {
+        auto linear = std::dynamic_pointer_cast<qpipe::Linear>(request.module->sharedSubmodule(path));
+        quantizer = std::make_shared<qpipe::LinearQuantizer>(std::move(linear), qconfig_);
+      }
+      request.module->replace(path, quantizer->deploy(name));
+      ++quantized_;
+    }
+    pending_.clear();
+  }
+
+  void postRun() override {
+    for (const auto& pattern : filter_.unmatchedPatterns()) {
+      logger_->warn("linear_quant: ", pattern, " matched no Linear module");
+    }
+    logger_->info("linear_quant: ", quantized_, " Linear modules quantized (", qconfig_.describe(), ")");
+  }
+
+  bool isDataFree() const override { return qconfig_.isDataFree(); }
+  // Static activation observers are not yet synchronised across ranks.
+  bool supportDistributed() const override { return isDataFree(); }
+
+ private:
+  // The Linear modules of the layer that the patterns select, by path below the layer.
+  std::vector<std::pair<std::string, std::shared_ptr<qpipe::Linear>>> matchingLinears(qpipe::LayerRequest& request) {
+    std::vector<std::pair<std::string, std::shared_ptr<qpipe::Linear>>> out;
+    for (auto& [name, module] : request.module->namedModules(request.name)) {
+      if (module->typeName() != "Linear" || !filter_.matches(name)) continue;
+      const std::string path = name.substr(request.name.size() + 1);
+      out.emplace_back(path, std::dynamic_pointer_cast<qpipe::Linear>(request.module->sharedSubmodule(path)));
+    }
+    return out;
+  }
+
+  std::shared_ptr<qpipe::Logger> logger_;
+  qpipe::quant::LinearQConfig qconfig_;
+  qpipe::ModuleFilter filter_;
+  std::vector<std::pair<std::string, std::shared_ptr<qpipe::LinearQuantizer>>> pending_;
+  int64_t quantized_ = 0;
+};
+
+void registerProcessors(qpipe::PluginRegistrar& registrar) {
+  qpipe::Schema schema;
+  schema.nested("qconfig", qpipe::quant::linearQConfigSchema(), true, "act and weight quantization").includeExclude();
+  registrar.addProcessor({
+      .type = "linear_quant",
+      .description = "quantizes Linear weights and input activations (int8, int4, fp8_e4m3)",
+      .schema = std::move(schema),
+      .factory = [](const qpipe::ConfigNode& config,
+                    const qpipe::ProcessorContext& context) { return std::make_unique<LinearQuant>(config, context); },
+  });
+}
+
+}  // namespace
+
+QPIPE_PLUGIN("linear_quant", "1.0.0", "msmodelslim's linear_quant: W8A8, W8A16, W4A16, W4A8, FP8", registerProcessors)
