@@ -17,6 +17,7 @@ struct Subcommand {
 
 Subcommand setupVersion(CLI::App& parent);
 Subcommand setupPlugins(CLI::App& parent);
+Subcommand setupQuant(CLI::App& parent);
 Subcommand setupCheck(CLI::App& parent);
 Subcommand setupConvert(CLI::App& parent);
 Subcommand setupEval(CLI::App& parent);

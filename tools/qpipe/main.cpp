@@ -38,6 +38,7 @@ int main(int argc, char** argv) {
       cli::setupConvert(app),
       cli::setupEval(app),
       cli::setupPlugins(app),
+      cli::setupQuant(app),
       cli::setupVersion(app),
   };
 
