@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "qpipe/error.h"
+#include "quantized_checkpoint.h"
 
 namespace qpipe {
 
@@ -17,18 +18,20 @@ at::Tensor rotateHalf(const at::Tensor& x) {
   return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
 }
 
-// Takes the weights of one layer from the checkpoint by HF name.
-using WeightFn = std::function<at::Tensor(const std::string& name)>;
+// Takes the tensors and modules of one layer from the checkpoint by HF name.
+struct LayerSource {
+  std::function<at::Tensor(const std::string& name)> weight;
+  std::function<bool(const std::string& name)> has;
+  // A projection: Linear, or QuantLinear where the checkpoint is quantized.
+  std::function<std::shared_ptr<Module>(const std::string& module, bool bias)> linear;
+};
 
 class Mlp : public Module {
  public:
-  Mlp(const WeightFn& w, const std::string& prefix, bool bias) : Module("MLP") {
-    const auto linear = [&](const std::string& name) {
-      return std::make_shared<Linear>(w(prefix + name + ".weight"), bias ? w(prefix + name + ".bias") : at::Tensor());
-    };
-    gate_ = addChild("gate_proj", linear("gate_proj"));
-    up_ = addChild("up_proj", linear("up_proj"));
-    down_ = addChild("down_proj", linear("down_proj"));
+  Mlp(const LayerSource& w, const std::string& prefix, bool bias) : Module("MLP") {
+    gate_ = addChild("gate_proj", w.linear(prefix + "gate_proj", bias));
+    up_ = addChild("up_proj", w.linear(prefix + "up_proj", bias));
+    down_ = addChild("down_proj", w.linear(prefix + "down_proj", bias));
   }
   Mlp(at::Tensor gate, at::Tensor up, at::Tensor down) : Module("MLP") {
     gate_ = addChild("gate_proj", std::make_shared<Linear>(std::move(gate)));
@@ -44,16 +47,15 @@ class Mlp : public Module {
 // Qwen3-MoE sparse block: softmax router in fp32, top-k experts, optionally renormalised.
 class SparseMoe : public Module {
  public:
-  SparseMoe(const WeightFn& w, const std::function<bool(const std::string&)>& has, const std::string& prefix,
-            const ModelConfig& c)
+  SparseMoe(const LayerSource& w, const std::string& prefix, const ModelConfig& c)
       : Module("SparseMoeBlock"), topK_(c.expertsPerToken), normTopk_(c.normTopkProb) {
-    gate_ = addChild("gate", std::make_shared<Linear>(w(prefix + "gate.weight")));
+    gate_ = addChild("gate", w.linear(prefix + "gate", false));
     auto experts = std::make_shared<Module>("Experts");
     const std::string fused = prefix + "experts.gate_up_proj";
     // Checkpoints saved with fused experts ([E, 2I, H] and [E, H, I]) are sliced per expert so
     // every expert is an ordinary MLP with HF's per-expert names.
-    const at::Tensor gateUp = has(fused) ? w(fused) : at::Tensor();
-    const at::Tensor down = has(fused) ? w(prefix + "experts.down_proj") : at::Tensor();
+    const at::Tensor gateUp = w.has(fused) ? w.weight(fused) : at::Tensor();
+    const at::Tensor down = w.has(fused) ? w.weight(prefix + "experts.down_proj") : at::Tensor();
     for (int64_t e = 0; e < c.numExperts; ++e) {
       const std::string name = std::to_string(e);
       if (gateUp.defined()) {
@@ -94,18 +96,15 @@ class SparseMoe : public Module {
 
 class Attention : public Module {
  public:
-  Attention(const WeightFn& w, const std::string& prefix, const ModelConfig& c)
+  Attention(const LayerSource& w, const std::string& prefix, const ModelConfig& c)
       : Module("Attention"), heads_(c.numHeads), kvHeads_(c.numKvHeads), headDim_(c.headDim) {
-    const auto linear = [&](const std::string& name, bool bias) {
-      return std::make_shared<Linear>(w(prefix + name + ".weight"), bias ? w(prefix + name + ".bias") : at::Tensor());
-    };
-    q_ = addChild("q_proj", linear("q_proj", c.attentionBias));
-    k_ = addChild("k_proj", linear("k_proj", c.attentionBias));
-    v_ = addChild("v_proj", linear("v_proj", c.attentionBias));
-    o_ = addChild("o_proj", linear("o_proj", c.modelType == "llama" && c.attentionBias));
+    q_ = addChild("q_proj", w.linear(prefix + "q_proj", c.attentionBias));
+    k_ = addChild("k_proj", w.linear(prefix + "k_proj", c.attentionBias));
+    v_ = addChild("v_proj", w.linear(prefix + "v_proj", c.attentionBias));
+    o_ = addChild("o_proj", w.linear(prefix + "o_proj", c.modelType == "llama" && c.attentionBias));
     if (c.qkNorm) {
-      qNorm_ = addChild("q_norm", std::make_shared<RMSNorm>(w(prefix + "q_norm.weight"), c.rmsNormEps));
-      kNorm_ = addChild("k_norm", std::make_shared<RMSNorm>(w(prefix + "k_norm.weight"), c.rmsNormEps));
+      qNorm_ = addChild("q_norm", std::make_shared<RMSNorm>(w.weight(prefix + "q_norm.weight"), c.rmsNormEps));
+      kNorm_ = addChild("k_norm", std::make_shared<RMSNorm>(w.weight(prefix + "k_norm.weight"), c.rmsNormEps));
     }
     qHook_ = addChild("q_hook", std::make_shared<HookPoint>());
     kHook_ = addChild("k_hook", std::make_shared<HookPoint>());
@@ -141,15 +140,14 @@ class Attention : public Module {
 
 class LlamaLayer final : public DecoderLayer {
  public:
-  LlamaLayer(const WeightFn& w, const std::function<bool(const std::string&)>& has, const std::string& prefix,
-             int64_t index, const ModelConfig& c) {
-    inputNorm_ =
-        addChild("input_layernorm", std::make_shared<RMSNorm>(w(prefix + "input_layernorm.weight"), c.rmsNormEps));
+  LlamaLayer(const LayerSource& w, const std::string& prefix, int64_t index, const ModelConfig& c) {
+    inputNorm_ = addChild("input_layernorm",
+                          std::make_shared<RMSNorm>(w.weight(prefix + "input_layernorm.weight"), c.rmsNormEps));
     attention_ = addChild("self_attn", std::make_shared<Attention>(w, prefix + "self_attn.", c));
     postNorm_ = addChild("post_attention_layernorm",
-                         std::make_shared<RMSNorm>(w(prefix + "post_attention_layernorm.weight"), c.rmsNormEps));
+                         std::make_shared<RMSNorm>(w.weight(prefix + "post_attention_layernorm.weight"), c.rmsNormEps));
     if (c.isMoeLayer(index)) {
-      mlp_ = addChild("mlp", std::make_shared<SparseMoe>(w, has, prefix + "mlp.", c));
+      mlp_ = addChild("mlp", std::make_shared<SparseMoe>(w, prefix + "mlp.", c));
     } else {
       mlp_ = addChild("mlp", std::make_shared<Mlp>(w, prefix + "mlp.", c.mlpBias));
     }
@@ -183,7 +181,8 @@ std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, 
   QPIPE_REQUIRE(std::filesystem::is_directory(modelDir), ErrorCode::kInput, "model folder '", modelDir.string(),
                 "' does not exist");
   lm->config_ = ModelConfig::fromFile(modelDir / "config.json");
-  lm->checkpoint_ = safetensors::Checkpoint::open(modelDir);
+  lm->quantized_ = detail::QuantizedCheckpoint::detect(modelDir);
+  lm->checkpoint_ = safetensors::Checkpoint::open(modelDir, lm->quantized_ ? lm->quantized_->weightsPrefix() : "model");
   const ModelConfig& c = lm->config_;
 
   auto model = std::make_shared<Module>("Model");
@@ -195,11 +194,12 @@ std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, 
   model->addChild("norm", std::make_shared<RMSNorm>(lm->weight("model.norm.weight"), c.rmsNormEps));
   lm->root_ = std::make_shared<Module>("CausalLM");
   lm->root_->addChild("model", model);
-  const bool tied = !lm->checkpoint_.contains("lm_head.weight");
+  const bool tied = !lm->checkpoint_.contains("lm_head.weight") && !lm->checkpoint_.contains("lm_head.weight_packed");
   QPIPE_REQUIRE(!tied || c.tieWordEmbeddings, ErrorCode::kInput, "checkpoint ", modelDir.string(),
                 ": no 'lm_head.weight' and tie_word_embeddings is false");
-  lm->root_->addChild("lm_head", std::make_shared<Linear>(tied ? model->getSubmodule("embed_tokens").parameter("weight")
-                                                               : lm->weight("lm_head.weight")));
+  lm->root_->addChild("lm_head", tied
+                                     ? std::make_shared<Linear>(model->getSubmodule("embed_tokens").parameter("weight"))
+                                     : lm->linear("lm_head", false));
 
   // Inverse RoPE frequencies, with Llama-3's wavelength-dependent scaling when configured.
   at::Tensor invFreq =
@@ -229,13 +229,27 @@ at::Tensor CausalLM::weight(const std::string& name) {
   return t.to(options_.device);
 }
 
+std::shared_ptr<Module> CausalLM::linear(const std::string& name, bool bias) {
+  if (quantized_) {
+    const auto stored = [this](const std::string& tensor) {
+      QPIPE_REQUIRE(checkpoint_.contains(tensor), ErrorCode::kInput, "checkpoint ", dir_.string(), ": missing tensor '",
+                    tensor, "'");
+      return checkpoint_.tensor(tensor).to(options_.device);
+    };
+    const auto has = [this](const std::string& tensor) { return checkpoint_.contains(tensor); };
+    if (auto quantized = quantized_->linear(name, bias, stored, has, options_.dtype)) return quantized;
+  }
+  return std::make_shared<Linear>(weight(name + ".weight"), bias ? weight(name + ".bias") : at::Tensor());
+}
+
 DecoderLayer& CausalLM::layer(int64_t index) {
   QPIPE_CHECK(index >= 0 && index < config_.numLayers, "layer ", index, " out of range");
   if (!isLoaded(index)) {
-    const std::string prefix = layerName(index) + ".";
-    const WeightFn w = [this](const std::string& name) { return weight(name); };
-    const auto has = [this](const std::string& name) { return checkpoint_.contains(name); };
-    layers_->replace(std::to_string(index), std::make_shared<LlamaLayer>(w, has, prefix, index, config_));
+    const LayerSource source{[this](const std::string& name) { return weight(name); },
+                             [this](const std::string& name) { return checkpoint_.contains(name); },
+                             [this](const std::string& name, bool bias) { return linear(name, bias); }};
+    layers_->replace(std::to_string(index),
+                     std::make_shared<LlamaLayer>(source, layerName(index) + ".", index, config_));
   }
   return static_cast<DecoderLayer&>(layers_->child(static_cast<size_t>(index)));
 }

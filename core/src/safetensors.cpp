@@ -244,6 +244,10 @@ at::Tensor File::tensor(std::string_view name) const {
 }
 
 Checkpoint Checkpoint::open(const fs::path& fileOrDir) {
+  return open(fileOrDir, "model");
+}
+
+Checkpoint Checkpoint::open(const fs::path& fileOrDir, const std::string& filePrefix) {
   Checkpoint checkpoint;
   const auto addShard = [&](const fs::path& path) {
     checkpoint.shards_.push_back({path, File::open(path)});
@@ -253,7 +257,7 @@ Checkpoint Checkpoint::open(const fs::path& fileOrDir) {
     addShard(fileOrDir);
   } else {
     QPIPE_REQUIRE(fs::is_directory(fileOrDir), ErrorCode::kIo, "'", fileOrDir.string(), "': no such file or folder");
-    const fs::path index = fileOrDir / "model.safetensors.index.json";
+    const fs::path index = fileOrDir / (filePrefix + ".safetensors.index.json");
     if (fs::exists(index)) {
       std::ifstream in(index);
       Json json;
@@ -278,9 +282,10 @@ Checkpoint Checkpoint::open(const fs::path& fileOrDir) {
       }
       return checkpoint;
     }
-    QPIPE_REQUIRE(fs::exists(fileOrDir / "model.safetensors"), ErrorCode::kInput, fileOrDir.string(),
-                  ": no model.safetensors or model.safetensors.index.json");
-    addShard(fileOrDir / "model.safetensors");
+    const std::string single = filePrefix + ".safetensors";
+    QPIPE_REQUIRE(fs::exists(fileOrDir / single), ErrorCode::kInput, fileOrDir.string(), ": no ", single, " or ",
+                  filePrefix, ".safetensors.index.json");
+    addShard(fileOrDir / single);
   }
   for (const auto& info : checkpoint.shards_[0].file->tensors()) checkpoint.index_[info.name] = 0;
   return checkpoint;

@@ -20,6 +20,10 @@
 
 namespace qpipe {
 
+namespace detail {
+class QuantizedCheckpoint;
+}
+
 struct RopeConfig {
   double theta = 10000.0;
   std::string type = "default";  // default | llama3
@@ -81,6 +85,8 @@ struct ModelOptions {
 class CausalLM {
  public:
   // Maps the checkpoint and builds the non-layer parts (embeddings, final norm, lm_head).
+  // A quantized checkpoint (compressed-tensors quantization_config, or msmodelslim's
+  // quant_model_description.json; docs/formats.md) loads its quantized linears as QuantLinear.
   static std::unique_ptr<CausalLM> open(const std::filesystem::path& modelDir, ModelOptions options = {});
 
   const ModelConfig& config() const { return config_; }
@@ -111,11 +117,14 @@ class CausalLM {
  private:
   CausalLM() = default;
   at::Tensor weight(const std::string& name);
+  // Module `name`: a QuantLinear where the checkpoint quantized it, else a Linear.
+  std::shared_ptr<Module> linear(const std::string& name, bool bias);
 
   ModelConfig config_;
   ModelOptions options_;
   std::filesystem::path dir_;
   safetensors::Checkpoint checkpoint_;
+  std::shared_ptr<const detail::QuantizedCheckpoint> quantized_;  // null for a float checkpoint
   std::shared_ptr<Module> root_;
   Module* layers_ = nullptr;
   at::Tensor invFreq_;

@@ -62,6 +62,9 @@ class File : public std::enable_shared_from_this<File> {
 class Checkpoint {
  public:
   static Checkpoint open(const std::filesystem::path& fileOrDir);
+  // A folder whose files are named `<filePrefix>.safetensors` or indexed by
+  // `<filePrefix>.safetensors.index.json` (msmodelslim's ascendv1: "quant_model_weights").
+  static Checkpoint open(const std::filesystem::path& fileOrDir, const std::string& filePrefix);
 
   std::vector<std::string> names() const;  // sorted
   bool contains(std::string_view name) const;

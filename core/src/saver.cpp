@@ -1,0 +1,169 @@
+#include "qpipe/saver.h"
+
+#include <ATen/ATen.h>
+
+#include <fstream>
+
+#include "qpipe/error.h"
+#include "qpipe/log.h"
+#include "quantized_checkpoint.h"
+#include "saver_internal.h"
+
+namespace qpipe {
+
+namespace fs = std::filesystem;
+
+std::unique_ptr<CheckpointSaver> CheckpointSaver::create(const SaverOptions& options, CausalLM& model,
+                                                         const fs::path& saveDir) {
+  QPIPE_REQUIRE(options.format == "compressed_tensors" || options.format == "ascendv1_saver", ErrorCode::kConfig,
+                "save format '", options.format, "' is unknown; expected compressed_tensors or ascendv1_saver");
+  QPIPE_REQUIRE(options.partFileSizeGb >= 0, ErrorCode::kConfig, "part_file_size ", options.partFileSizeGb,
+                " is negative; give the shard size in GB, or 0 for one file");
+  if (options.format == "compressed_tensors") return detail::makeCompressedTensorsSaver(options, model, saveDir);
+  return detail::makeAscendV1Saver(options, model, saveDir);
+}
+
+namespace detail {
+
+namespace {
+
+// msmodelslim counts part_file_size in GiB (save/utils/safetensors.py ONE_GB_FILE_BYTES).
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+// Side files of a model folder that travel with the weights (msmodelslim's copy_files rule:
+// *.json, *.py, *.txt, *.jinja but no index; plus sentencepiece / tiktoken vocabularies).
+bool isSideFile(const fs::path& file) {
+  const std::string name = file.filename().string();
+  const std::string ext = file.extension().string();
+  const bool wanted =
+      ext == ".json" || ext == ".py" || ext == ".txt" || ext == ".jinja" || ext == ".model" || ext == ".tiktoken";
+  const bool weightsIndex = name.size() >= 10 && name.compare(name.size() - 10, 10, "index.json") == 0;
+  return wanted && !weightsIndex && name != "config.json" && name != kAscendDescription;
+}
+
+}  // namespace
+
+SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::path& saveDir,
+                     const std::string& weightsPrefix)
+    : model_(model), start_(std::chrono::steady_clock::now()) {
+  final_ = fs::absolute(saveDir).lexically_normal();
+  if (final_.filename().empty()) final_ = final_.parent_path();  // "out/" names "out"
+  std::error_code ec;
+  if (fs::exists(final_)) {
+    QPIPE_REQUIRE(fs::is_directory(final_), ErrorCode::kInput, "save path '", final_.string(),
+                  "' exists and is not a folder; choose another --save_path");
+    QPIPE_REQUIRE(fs::is_empty(final_), ErrorCode::kInput, "save folder '", final_.string(),
+                  "' exists and is not empty; choose another --save_path or remove it");
+  }
+  // Hidden, beside the destination (same file system, so the final rename is atomic).
+  temporary_ = final_.parent_path() / ("." + final_.filename().string() + ".qpipe-partial");
+  if (fs::exists(temporary_)) {
+    log::logger()->warn("removing '", temporary_.string(), "', left by an interrupted save");
+    fs::remove_all(temporary_, ec);
+    QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot remove '", temporary_.string(), "': ", ec.message());
+  }
+  fs::create_directories(temporary_, ec);
+  QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot create folder '", temporary_.string(), "': ", ec.message());
+  writer_.emplace(temporary_, safetensors::WriterOptions{
+                                  .filePrefix = weightsPrefix,
+                                  .maxShardBytes = static_cast<uint64_t>(options.partFileSizeGb * kGiB),
+                              });
+}
+
+SaverBase::~SaverBase() {
+  if (finished_) return;
+  writer_.reset();
+  std::error_code ignored;
+  fs::remove_all(temporary_, ignored);
+}
+
+void SaverBase::add(const std::string& name, const at::Tensor& tensor) {
+  writer_->add(name, tensor);
+  bytesWritten_ += tensor.nbytes();
+}
+
+void SaverBase::writeFloat(const std::string& name, const at::Tensor& tensor) {
+  const at::ScalarType dtype = model_.config().checkpointDtype;
+  add(name, at::isFloatingType(tensor.scalar_type()) ? tensor.to(dtype) : tensor);
+}
+
+void SaverBase::writeModule(const std::string& prefix, Module& module, const std::string& skipPrefix) {
+  const auto skipped = [&](const std::string& name) { return !skipPrefix.empty() && name.rfind(skipPrefix, 0) == 0; };
+  std::set<std::string> quantized;
+  for (auto& [name, child] : module.namedModules(prefix)) {
+    if (skipped(name + ".")) continue;
+    if (auto* linear = dynamic_cast<QuantLinear*>(child)) {
+      writeQuantLinear(name, *linear);
+      quantized.insert(name);
+    } else if (dynamic_cast<Linear*>(child) != nullptr) {
+      noteFloatLinear(name);
+    }
+  }
+  const bool dropTiedHead = model_.config().tieWordEmbeddings && skipsTiedHead();
+  for (auto& [name, tensor] : module.namedParameters(prefix)) {
+    const size_t dot = name.rfind('.');
+    if (skipped(name) || quantized.count(dot == std::string::npos ? "" : name.substr(0, dot))) continue;
+    if (dropTiedHead && name == "lm_head.weight") continue;
+    writeFloat(name, *tensor);
+  }
+}
+
+void SaverBase::writeLayer(int64_t index, const std::string& name, Module& layer) {
+  QPIPE_CHECK(!finished_, "writeLayer after finish");
+  QPIPE_CHECK(layersWritten_.insert(index).second, "layer ", index, " written twice");
+  writeModule(name, layer, "");
+}
+
+void SaverBase::addFile(const std::string& fileName, const std::string& content) {
+  QPIPE_CHECK(!finished_, "addFile after finish");
+  QPIPE_CHECK(!fileName.empty() && fileName.find('/') == std::string::npos && fileName != "." && fileName != "..",
+              "addFile takes a plain file name, got '", fileName, "'");
+  std::ofstream out(temporary_ / fileName, std::ios::binary | std::ios::trunc);
+  out << content;
+  QPIPE_REQUIRE(out.good(), ErrorCode::kIo, "cannot write '", (temporary_ / fileName).string(), "'");
+}
+
+nlohmann::ordered_json SaverBase::sourceConfig() const {
+  const fs::path path = model_.directory() / "config.json";
+  std::ifstream in(path);
+  QPIPE_REQUIRE(in.good(), ErrorCode::kIo, "cannot read '", path.string(), "'");
+  return nlohmann::ordered_json::parse(in);
+}
+
+void SaverBase::writeJson(const fs::path& path, const nlohmann::ordered_json& json) {
+  std::ofstream out(path, std::ios::trunc);
+  out << json.dump(2) << "\n";
+  QPIPE_REQUIRE(out.good(), ErrorCode::kIo, "cannot write '", path.string(), "'");
+}
+
+void SaverBase::copySideFiles() const {
+  for (const auto& entry : fs::directory_iterator(model_.directory())) {
+    if (!entry.is_regular_file() || !isSideFile(entry.path())) continue;
+    std::error_code ec;
+    fs::copy_file(entry.path(), temporary_ / entry.path().filename(), fs::copy_options::overwrite_existing, ec);
+    QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot copy '", entry.path().string(), "': ", ec.message());
+  }
+}
+
+void SaverBase::finish() {
+  QPIPE_CHECK(!finished_, "finish called twice");
+  const int64_t layers = model_.config().numLayers;
+  for (int64_t i = 0; i < layers; ++i) QPIPE_CHECK(layersWritten_.count(i), "finish before layer ", i, " was written");
+  // The decoder layers were written (and released) one by one; the rest of the model now.
+  writeModule("", model_.root(), "model.layers.");
+  const size_t files = writer_->finish().size();
+  copySideFiles();
+  writeMetadata(temporary_);
+  std::error_code ec;
+  // rename(2) replaces an empty destination folder, and fails on a non-empty one.
+  fs::rename(temporary_, final_, ec);
+  QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot rename '", temporary_.string(), "' to '", final_.string(),
+                "': ", ec.message());
+  finished_ = true;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  log::logger()->info("saved ", final_.string(), ": ", bytesWritten_ / 1e6, " MB of tensors (", files,
+                      files == 1 ? " file" : " files with the index", ") in ", seconds, " s");
+}
+
+}  // namespace detail
+}  // namespace qpipe
