@@ -25,7 +25,8 @@ LinearQuantizer::LinearQuantizer(std::shared_ptr<Linear> linear, const quant::Li
 }
 
 at::Tensor LinearQuantizer::forward(const at::Tensor& input) {
-  if (!fakeWeight_.defined()) fakeWeight_ = quant::fakeQuantize(linear_->weight(), weightParams_, config_.weight.scheme);
+  if (!fakeWeight_.defined())
+    fakeWeight_ = quant::fakeQuantize(linear_->weight(), weightParams_, config_.weight.scheme);
   at::Tensor x = input;
   if (minMax_) {
     minMax_->update(x);

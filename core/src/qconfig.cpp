@@ -13,7 +13,8 @@ using detail::failAt;
 
 Schema sideSchema(bool isAct) {
   Schema ext;
-  ext.add({.name = "aggregation_type", .help = "act minmax: max (running extremes) or mean", .allowed = {"max", "mean"}})
+  ext.add(
+         {.name = "aggregation_type", .help = "act minmax: max (running extremes) or mean", .allowed = {"max", "mean"}})
       .add({.name = "search_method",
             .help = "act histogram: l2_norm or kl_divergence",
             .allowed = {"l2_norm", "kl_divergence"}})
@@ -95,8 +96,10 @@ QConfig readAct(const Side& side) {
   if (act.scheme.scope != QScope::kPerTensor && act.scheme.scope != QScope::kPerToken) {
     side.fail("scope", "linear activations are per_tensor (static, calibrated) or per_token (dynamic)");
   }
-  if (act.method == QMethod::kSsz) side.fail("method", "ssz searches weight scales; activations take minmax or histogram");
-  if (act.method == QMethod::kHistogram && (act.scheme.scope != QScope::kPerTensor || act.scheme.dtype != QDtype::kInt8)) {
+  if (act.method == QMethod::kSsz)
+    side.fail("method", "ssz searches weight scales; activations take minmax or histogram");
+  if (act.method == QMethod::kHistogram &&
+      (act.scheme.scope != QScope::kPerTensor || act.scheme.dtype != QDtype::kInt8)) {
     side.fail("method", "histogram calibrates int8 per_tensor activations only");
   }
   rejectExt(side, "step", "applies to weight ssz only");
@@ -121,7 +124,8 @@ QConfig readWeight(const Side& side) {
   if (scope == QScope::kPerToken || scope == QScope::kPerHead) {
     side.fail("scope", "weights are per_tensor, per_channel or per_group");
   }
-  if (weight.method == QMethod::kHistogram) side.fail("method", "histogram calibrates activations; weights take minmax or ssz");
+  if (weight.method == QMethod::kHistogram)
+    side.fail("method", "histogram calibrates activations; weights take minmax or ssz");
   if (weight.method == QMethod::kSsz &&
       (scope != QScope::kPerChannel || !weight.scheme.symmetric || weight.scheme.dtype == QDtype::kFp8E4m3)) {
     side.fail("method", "ssz searches int8/int4 per_channel symmetric weights only");

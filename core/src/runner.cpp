@@ -51,10 +51,11 @@ class Probe {
     std::vector<std::pair<Module*, Module::HookHandle>> hooks;
     for (auto& [name, module] : layer.namedModules(prefix)) {
       if (module->typeName() != "Linear") continue;
-      hooks.emplace_back(module, module->addForwardHook([this, name](Module&, const at::Tensor& x, const at::Tensor& y) {
-        io_[name] = {x, y};
-        return at::Tensor();
-      }));
+      hooks.emplace_back(module,
+                         module->addForwardHook([this, name](Module&, const at::Tensor& x, const at::Tensor& y) {
+                           io_[name] = {x, y};
+                           return at::Tensor();
+                         }));
     }
     floatOutput_ = forwardLayer(layer, input_);
     for (auto& [module, handle] : hooks) module->removeHook(handle);

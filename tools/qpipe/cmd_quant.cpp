@@ -1,5 +1,5 @@
-#include <CLI/CLI.hpp>
 #include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
 #include <c10/core/InferenceMode.h>
 #include <nlohmann/json.hpp>
 
@@ -95,8 +95,8 @@ std::vector<at::Tensor> calibrationSamples(const fs::path& data, const Tokenizer
 }
 
 SaverOptions saverOptions(const Pipeline& pipeline) {
-  QPIPE_REQUIRE(pipeline.save.size() <= 1, ErrorCode::kConfig, pipeline.file.string(),
-                ": spec.save lists ", pipeline.save.size(), " savers; one per run is supported");
+  QPIPE_REQUIRE(pipeline.save.size() <= 1, ErrorCode::kConfig, pipeline.file.string(), ": spec.save lists ",
+                pipeline.save.size(), " savers; one per run is supported");
   if (pipeline.save.empty()) return {};
   const SaveStep& step = pipeline.save.front();
   return {.format = step.type, .partFileSizeGb = step.config.at("part_file_size").asFloat()};
@@ -135,7 +135,8 @@ void quantize(const QuantOptions& options) {
 
   QuantReport report;
   LayerWiseRunner runner(*model, processors, {.report = &report});
-  runner.run(samples, [&](int64_t index, const std::string& name, Module& layer) { saver->writeLayer(index, name, layer); });
+  runner.run(samples,
+             [&](int64_t index, const std::string& name, Module& layer) { saver->writeLayer(index, name, layer); });
   saver->addFile("quant_report.json", report.toJson());
   saver->finish();
 

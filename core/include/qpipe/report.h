@@ -23,9 +23,9 @@ struct ModuleReport {
 
 struct LayerReport {
   std::string name;
-  double seconds = 0;                   // load to release, probe included
+  double seconds = 0;                    // load to release, probe included
   std::vector<double> processorSeconds;  // preprocess + process + postprocess, per processor
-  double relativeMse = -1;              // the whole layer's output; -1 without a probe
+  double relativeMse = -1;               // the whole layer's output; -1 without a probe
   std::vector<ModuleReport> modules;
 };
 

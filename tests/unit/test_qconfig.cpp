@@ -1,0 +1,117 @@
+// qconfig blocks: the msmodelslim spelling, defaults, and every combination linear_quant refuses,
+// each with file:line:col and the field.
+#include <gtest/gtest.h>
+
+#include "qpipe/config_node.h"
+#include "qpipe/qconfig.h"
+#include "qpipe/schema.h"
+#include "test_helpers.h"
+
+namespace qpipe::quant {
+namespace {
+
+LinearQConfig parse(const std::string& yaml) {
+  const ConfigNode node = ConfigNode::parseYaml(yaml, "q.yaml");
+  return parseLinearQConfig(linearQConfigSchema().validate(node, "qconfig"), "qconfig");
+}
+
+std::string parseError(const std::string& yaml) {
+  return test::errorOf([&] { parse(yaml); }, ErrorCode::kConfig);
+}
+
+TEST(QConfig, ActDefaultsToFloatAndWeightToInt8PerChannel) {
+  const LinearQConfig config = parse("weight: {}\n");
+  EXPECT_FALSE(config.act.enabled());
+  EXPECT_TRUE(config.isDataFree());
+  EXPECT_EQ(config.weight.scheme.dtype, QDtype::kInt8);
+  EXPECT_EQ(config.weight.scheme.scope, QScope::kPerChannel);
+  EXPECT_TRUE(config.weight.scheme.symmetric);
+  EXPECT_EQ(config.describe(), "w int8 per_channel sym minmax, a float");
+}
+
+TEST(QConfig, DynamicW8A8IsDataFreeAndStaticIsNot) {
+  const LinearQConfig dynamic = parse(
+      "act: {dtype: int8, scope: per_token, symmetric: True, method: minmax}\n"
+      "weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}\n");
+  EXPECT_TRUE(dynamic.isDataFree());
+  EXPECT_EQ(dynamic.describe(), "w int8 per_channel sym minmax, a int8 per_token sym dynamic");
+  const LinearQConfig staticAct = parse(
+      "act: {dtype: int8, scope: per_tensor, symmetric: False, method: minmax, ext: {aggregation_type: mean}}\n"
+      "weight: {dtype: int8, scope: per_channel}\n");
+  EXPECT_FALSE(staticAct.isDataFree());
+  EXPECT_EQ(staticAct.act.aggregation, Aggregation::kMean);
+  EXPECT_FALSE(staticAct.act.scheme.symmetric);
+}
+
+TEST(QConfig, ExtOptions) {
+  EXPECT_EQ(parse("weight: {dtype: int4, scope: per_group}\n").weight.scheme.groupSize, 128);
+  EXPECT_EQ(parse("weight: {dtype: int4, scope: per_group, ext: {group_size: 32}}\n").weight.scheme.groupSize, 32);
+  EXPECT_EQ(parse("weight: {dtype: int4, method: ssz, ext: {step: 10}}\n").weight.sszSteps, 10);
+  EXPECT_EQ(parse("weight: {dtype: int4, method: ssz}\n").weight.sszSteps, 50);
+  const LinearQConfig histogram =
+      parse("act: {dtype: int8, method: histogram, ext: {search_method: kl_divergence}}\nweight: {}\n");
+  EXPECT_EQ(histogram.act.method, QMethod::kHistogram);
+  EXPECT_EQ(histogram.act.search, HistogramObserver::Search::kKlDivergence);
+}
+
+TEST(QConfig, Fp8PairsWithFp8OrFloatActivations) {
+  const LinearQConfig fp8 = parse("act: {dtype: fp8_e4m3, scope: per_token}\nweight: {dtype: fp8_e4m3}\n");
+  EXPECT_EQ(fp8.describe(), "w fp8_e4m3 per_channel sym minmax, a fp8_e4m3 per_token sym dynamic");
+  EXPECT_EQ(parseError("act: {dtype: int8, scope: per_token}\nweight: {dtype: fp8_e4m3}\n"),
+            "q.yaml:1:14: qconfig.act.dtype: fp8_e4m3 weights run with fp8_e4m3 or float activations, and int "
+            "weights with int8 or float");
+}
+
+TEST(QConfig, UnknownDtypeNamesFileLineAndField) {
+  EXPECT_EQ(parseError("weight:\n  dtype: int5\n"),
+            "q.yaml:2:10: qconfig.weight.dtype: 'int5' is not one of: int8, int4, fp8_e4m3, float");
+}
+
+TEST(QConfig, RefusedCombinations) {
+  EXPECT_EQ(parseError("act: {dtype: int4, scope: per_token}\nweight: {}\n"),
+            "q.yaml:1:14: qconfig.act.dtype: int4 activations (W4A4) are not supported; use int8 or fp8_e4m3");
+  EXPECT_EQ(parseError("act: {dtype: int8, scope: per_channel}\nweight: {}\n"),
+            "q.yaml:1:27: qconfig.act.scope: linear activations are per_tensor (static, calibrated) or per_token "
+            "(dynamic)");
+  EXPECT_EQ(parseError("act: {dtype: int8, scope: per_token, method: histogram}\nweight: {}\n"),
+            "q.yaml:1:46: qconfig.act.method: histogram calibrates int8 per_tensor activations only");
+  EXPECT_EQ(parseError("act: {dtype: int8, method: ssz}\nweight: {}\n"),
+            "q.yaml:1:28: qconfig.act.method: ssz searches weight scales; activations take minmax or histogram");
+  EXPECT_EQ(parseError("weight: {dtype: int8, method: none}\n"),
+            "q.yaml:1:31: qconfig.weight.method: 'none' quantizes nothing; use minmax, or dtype: float to leave this "
+            "side unquantized");
+  EXPECT_EQ(parseError("weight: {dtype: float}\n"),
+            "q.yaml:1:17: qconfig.weight.dtype: float leaves the weight unquantized; use int8, int4 or fp8_e4m3");
+  EXPECT_EQ(parseError("weight: {scope: per_token}\n"),
+            "q.yaml:1:17: qconfig.weight.scope: weights are per_tensor, per_channel or per_group");
+  EXPECT_EQ(parseError("weight: {dtype: int4, scope: per_group, method: ssz}\n"),
+            "q.yaml:1:49: qconfig.weight.method: ssz searches int8/int4 per_channel symmetric weights only");
+  EXPECT_EQ(parseError("weight: {dtype: fp8_e4m3, symmetric: False}\n"),
+            "q.yaml:1:38: qconfig.weight.symmetric: fp8_e4m3 is symmetric only; set symmetric: True");
+  EXPECT_EQ(parseError("weight: {dtype: fp8_e4m3, scope: per_group}\n"),
+            "q.yaml:1:34: qconfig.weight.scope: per_group applies to int8/int4 weights; fp8_e4m3 takes per_tensor "
+            "or per_channel");
+  EXPECT_EQ(parseError("weight: {method: histogram}\n"),
+            "q.yaml:1:18: qconfig.weight.method: histogram calibrates activations; weights take minmax or ssz");
+}
+
+TEST(QConfig, ExtKeysOnlyWhereTheyApply) {
+  EXPECT_EQ(parseError("weight: {ext: {step: 10}}\n"),
+            "q.yaml:1:22: qconfig.weight.ext.step: applies to method ssz only");
+  EXPECT_EQ(parseError("weight: {scope: per_channel, ext: {group_size: 64}}\n"),
+            "q.yaml:1:48: qconfig.weight.ext.group_size: applies to scope per_group only");
+  EXPECT_EQ(parseError("weight: {dtype: int4, scope: per_group, ext: {group_size: 0}}\n"),
+            "q.yaml:1:59: qconfig.weight.ext.group_size: must be >= 1");
+  EXPECT_EQ(parseError("act: {dtype: int8, scope: per_token, ext: {aggregation_type: mean}}\nweight: {}\n"),
+            "q.yaml:1:62: qconfig.act.ext.aggregation_type: applies to static minmax activations only");
+  EXPECT_EQ(parseError("act: {ext: {step: 3}}\nweight: {}\n"),
+            "q.yaml:1:19: qconfig.act.ext.step: has no effect when dtype is float");
+  EXPECT_EQ(parseError("weight: {ext: {setp: 3}}\n"),
+            "q.yaml:1:22: qconfig.weight.ext.setp: unknown field; did you mean 'step'?; expected one of: "
+            "aggregation_type, search_method, step, group_size");
+  EXPECT_EQ(parseError("act: {dtype: int8}\n"),
+            "q.yaml:1:1: qconfig: missing required field 'weight' (a mapping: weight)");
+}
+
+}  // namespace
+}  // namespace qpipe::quant
