@@ -1,0 +1,157 @@
+// qpipe's compressed_tensors checkpoints loaded by the Python stack vLLM and transformers use:
+// compressed-tensors decompresses them inside transformers, the safetensors library sees the
+// names, dtypes and shapes of formats_and_peers.md §A1.5, and transformers' logits match qpipe's
+// quantized forward. Asymmetric int4 goes through compressed-tensors' decompressor without
+// transformers, whose loader (5.23 with compressed-tensors 0.20) expects the zero points unpacked.
+// The model is quantized here as linear_quant deploys it: every projection replaced by
+// QuantLinear::fromLinear, static activation ranges from a calibration forward.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <iostream>
+#include <map>
+#include <optional>
+
+#include "qpipe/model.h"
+#include "qpipe/quant_linear.h"
+#include "qpipe/saver.h"
+#include "test_helpers.h"
+
+namespace qpipe {
+namespace {
+
+namespace fs = std::filesystem;
+using quant::QDtype;
+using quant::QScheme;
+using quant::QScope;
+
+struct Case {
+  QScheme weight;
+  std::optional<QScheme> input;
+  bool compareLogits = true;
+};
+
+constexpr int64_t kVocab = 97;
+
+// Per-tensor min/max of each projection's input over a calibration forward of the float model.
+std::map<std::string, std::pair<at::Tensor, at::Tensor>> calibrate(CausalLM& lm) {
+  std::map<std::string, std::pair<at::Tensor, at::Tensor>> ranges;
+  std::vector<std::pair<Module*, Module::HookHandle>> hooks;
+  for (int64_t i = 0; i < lm.config().numLayers; ++i) {
+    for (auto& [name, module] : lm.layer(i).namedModules(lm.layerName(i))) {
+      if (dynamic_cast<Linear*>(module) == nullptr) continue;
+      hooks.emplace_back(module, module->addForwardPreHook([&ranges, name = name](Module&, const at::Tensor& x) {
+        auto& [lo, hi] = ranges[name];
+        lo = lo.defined() ? at::minimum(lo, x.min().reshape({1})) : x.min().reshape({1});
+        hi = hi.defined() ? at::maximum(hi, x.max().reshape({1})) : x.max().reshape({1});
+        return at::Tensor();
+      }));
+    }
+  }
+  at::manual_seed(17);
+  lm.forward(at::randint(0, kVocab, {4, 24}, at::kLong));
+  for (auto& [module, handle] : hooks) module->removeHook(handle);
+  return ranges;
+}
+
+void quantize(CausalLM& lm, const Case& c) {
+  const auto ranges = c.input && c.input->scope == QScope::kPerTensor ? calibrate(lm) : decltype(calibrate(lm)){};
+  for (int64_t i = 0; i < lm.config().numLayers; ++i) {
+    DecoderLayer& layer = lm.layer(i);
+    std::vector<std::pair<std::string, Linear*>> linears;
+    for (auto& [name, module] : layer.namedModules()) {
+      if (auto* linear = dynamic_cast<Linear*>(module)) linears.emplace_back(name, linear);
+    }
+    for (auto& [name, linear] : linears) {
+      std::optional<ActivationQuant> input;
+      if (c.input && c.input->scope == QScope::kPerToken) input = ActivationQuant{*c.input, {}};
+      if (c.input && c.input->scope == QScope::kPerTensor) {
+        const auto& [lo, hi] = ranges.at(lm.layerName(i) + "." + name);
+        input = ActivationQuant{*c.input, quant::computeQParams(lo, hi, *c.input)};
+      }
+      layer.replace(
+          name, QuantLinear::fromLinear(*linear, quant::computeQParams(linear->weight(), c.weight), c.weight, input));
+    }
+  }
+}
+
+void runCase(const std::string& name, const Case& c) {
+  const fs::path dir = test::testDir();
+  const fs::path src = dir / "src", out = dir / "out";
+  fs::remove_all(src);
+  fs::remove_all(out);
+  test::runOracle("quantized_checkpoint_oracle.py", "make " + src.string());
+  auto lm = CausalLM::open(src);
+  quantize(*lm, c);
+  at::manual_seed(29);
+  const at::Tensor ids = at::randint(0, kVocab, {2, 19}, at::kLong);
+  const at::Tensor ours = lm->forward(ids);
+  {
+    safetensors::Writer writer(dir, {.filePrefix = "ids"});
+    writer.add("ids", ids);
+    writer.finish();
+  }
+  auto saver = CheckpointSaver::create({}, *lm, out);
+  for (int64_t i = 0; i < lm->config().numLayers; ++i) saver->writeLayer(i, lm->layerName(i), lm->layer(i));
+  saver->finish();
+  test::runOracle("quantized_checkpoint_oracle.py", "check " + src.string() + " " + out.string() + " " +
+                                                        (dir / "ids.safetensors").string() + " " +
+                                                        (dir / "reference.safetensors").string());
+  const auto reference = safetensors::File::open(dir / "reference.safetensors");
+
+  double worstWeight = 0;
+  for (int64_t i = 0; i < lm->config().numLayers; ++i) {
+    for (auto& [module, child] : lm->layer(i).namedModules(lm->layerName(i))) {
+      auto* linear = dynamic_cast<QuantLinear*>(child);
+      if (linear == nullptr) continue;
+      const at::Tensor theirs = reference->tensor(module + ".weight");
+      worstWeight = std::max(worstWeight, (theirs - linear->dequantizedWeight()).abs().max().item<double>());
+    }
+  }
+  EXPECT_EQ(worstWeight, 0.0) << name << ": decompressed weights differ";
+  const at::Tensor logits = reference->tensor("logits");
+  const double relative = (logits - ours).abs().max().item<double>() / logits.abs().max().item<double>();
+  std::cout << name << ": max|diff|/max|ref| of logits " << relative << ", of weights " << worstWeight << "\n";
+  if (c.compareLogits) {
+    EXPECT_LE(relative, 1e-3) << name;
+  }
+}
+
+TEST(QuantizedCheckpointOracle, W8A8Int8Static) {
+  runCase("w8a8 int8 static", {{.dtype = QDtype::kInt8, .scope = QScope::kPerChannel},
+                               QScheme{.dtype = QDtype::kInt8, .scope = QScope::kPerTensor}});
+}
+
+// compressed-tensors scales dynamic int8 by absmax/127.5, qpipe (like vLLM's kernel) by
+// absmax/127: only the loaded weights are compared.
+TEST(QuantizedCheckpointOracle, W8A8Int8DynamicWeights) {
+  runCase("w8a8 int8 dynamic", {{.dtype = QDtype::kInt8, .scope = QScope::kPerChannel},
+                                QScheme{.dtype = QDtype::kInt8, .scope = QScope::kPerToken},
+                                /*compareLogits=*/false});
+}
+
+TEST(QuantizedCheckpointOracle, Fp8Static) {
+  runCase("fp8 static", {{.dtype = QDtype::kFp8E4m3, .scope = QScope::kPerTensor},
+                         QScheme{.dtype = QDtype::kFp8E4m3, .scope = QScope::kPerTensor}});
+}
+
+TEST(QuantizedCheckpointOracle, Fp8Dynamic) {
+  runCase("fp8 dynamic", {{.dtype = QDtype::kFp8E4m3, .scope = QScope::kPerChannel},
+                          QScheme{.dtype = QDtype::kFp8E4m3, .scope = QScope::kPerToken}});
+}
+
+TEST(QuantizedCheckpointOracle, W4A16Group32Symmetric) {
+  runCase("w4a16 g32 sym", {{.dtype = QDtype::kInt4, .scope = QScope::kPerGroup, .groupSize = 32}, std::nullopt});
+}
+
+TEST(QuantizedCheckpointOracle, W4A16Group128Symmetric) {
+  runCase("w4a16 g128 sym", {{.dtype = QDtype::kInt4, .scope = QScope::kPerGroup, .groupSize = 128}, std::nullopt});
+}
+
+TEST(QuantizedCheckpointOracle, W4A16Group128Asymmetric) {
+  runCase("w4a16 g128 asym",
+          {{.dtype = QDtype::kInt4, .scope = QScope::kPerGroup, .symmetric = false, .groupSize = 128}, std::nullopt});
+}
+
+}  // namespace
+}  // namespace qpipe
