@@ -1,0 +1,132 @@
+"""llm-compressor's side of tools/bench/vs_llmcompressor.sh, and the helpers the script needs.
+
+    python vs_llmcompressor.py quantize MODEL OUT RECIPE IDS_JSON   (in .venv-bench)
+        RECIPE: w8a8_dynamic | w8a8_static. Loads MODEL (its own dtype), runs llm-compressor's
+        oneshot with a QuantizationModifier of the scheme on the token ids of IDS_JSON
+        ([[id, ...], ...], one list per calibration sample, fed as they are: no shuffling,
+        truncation or padding), saves compressed-tensors into OUT and prints one JSON line of
+        timings {"load_s", "oneshot_s", "save_s"}.
+    python vs_llmcompressor.py ids MODEL DATA SAMPLES SEQ_LEN IDS_JSON   (any venv with tokenizers)
+        The calibration samples as qpipe builds them (see calibration_ids).
+    python vs_llmcompressor.py compare A B
+        Tensor names, dtypes and shapes of two safetensors folders; exits 1 if they differ.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def calibration_ids(model, data, samples, seq_len):
+    """qpipe quant's calibration windows (tools/qpipe/cmd_quant.cpp, calibrationSamples): every
+    text of DATA joined with "\\n\\n", encoded once with the model's tokenizer.json without special
+    tokens, cut into consecutive windows of SEQ_LEN tokens; the first SAMPLES windows."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+    texts = []
+    with open(data, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                texts.append(json.loads(line)["text"])
+    ids = tokenizer.encode("\n\n".join(texts), add_special_tokens=False).ids
+    count = min(samples, len(ids) // seq_len)
+    return [ids[i * seq_len:(i + 1) * seq_len] for i in range(count)]
+
+
+def recipe(name):
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    if name == "w8a8_dynamic":
+        # compressed-tensors' W8A8 preset: int8 per-channel symmetric weights (minmax), int8
+        # per-token symmetric dynamic activations.
+        return QuantizationModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])
+    if name == "w8a8_static":
+        # qpipe's configs/default/w8a8_static.yaml (msmodelslim's default_w8a8): per-tensor
+        # asymmetric static int8 activations from the min/max over all calibration tokens
+        # (static_minmax: llm-compressor's default "minmax" is a moving average instead).
+        return QuantizationModifier(
+            ignore=["lm_head"],
+            config_groups={
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                                "dynamic": False, "observer": "minmax"},
+                    "input_activations": {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "tensor",
+                                          "dynamic": False, "observer": "static_minmax"},
+                }
+            },
+        )
+    raise SystemExit(f"unknown recipe {name}")
+
+
+def quantize(model_dir, out, recipe_name, ids_json):
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = json.loads(Path(ids_json).read_text())
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    loaded = time.perf_counter()
+    dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
+    with torch.inference_mode(False):
+        oneshot(model=model, dataset=dataset, recipe=recipe(recipe_name), num_calibration_samples=len(ids),
+                max_seq_length=max(len(x) for x in ids), shuffle_calibration_samples=False, batch_size=1)
+    quantized = time.perf_counter()
+    model.save_pretrained(out, save_compressed=True)
+    tokenizer.save_pretrained(out)
+    saved = time.perf_counter()
+    print(json.dumps({"load_s": loaded - start, "oneshot_s": quantized - loaded, "save_s": saved - quantized}))
+
+
+def tensors(folder):
+    from safetensors import safe_open
+
+    found = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                s = st.get_slice(name)
+                found[name] = (s.get_dtype(), tuple(s.get_shape()))
+    return found
+
+
+def compare(a, b):
+    ta, tb = tensors(a), tensors(b)
+    only_a, only_b = sorted(set(ta) - set(tb)), sorted(set(tb) - set(ta))
+    differ = sorted(n for n in set(ta) & set(tb) if ta[n] != tb[n])
+    print(f"tensors: {len(ta)} in {a}, {len(tb)} in {b}; {len(set(ta) & set(tb))} shared")
+    for title, names in (("only in " + str(a), only_a), ("only in " + str(b), only_b)):
+        for n in names[:12]:
+            print(f"  {title}: {n} {(ta.get(n) or tb.get(n))}")
+        if len(names) > 12:
+            print(f"  {title}: ... {len(names) - 12} more")
+    for n in differ[:12]:
+        print(f"  differs: {n}: {ta[n]} vs {tb[n]}")
+    same = not only_a and not only_b and not differ
+    print("same names, dtypes and shapes" if same else "DIFFERENT")
+    return 0 if same else 1
+
+
+def main():
+    command, args = sys.argv[1], sys.argv[2:]
+    if command == "quantize":
+        quantize(*args)
+    elif command == "ids":
+        model, data, samples, seq_len, out = args
+        ids = calibration_ids(model, data, int(samples), int(seq_len))
+        Path(out).write_text(json.dumps(ids))
+        lengths = [len(x) for x in ids]
+        print(f"{len(ids)} samples, {sum(lengths)} tokens, lengths {min(lengths)}..{max(lengths)}")
+    elif command == "compare":
+        sys.exit(compare(*args))
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# qpipe quant against llm-compressor's oneshot, same model, scheme and calibration token ids, on
+# this machine's CPU in the same run. Prints a table; needs tools/setup.sh --test (built qpipe,
+# SmolLM2, .venv-test). Creates .venv-bench (llm-compressor; it sees .venv's torch 2.11.0, the one
+# LibTorch comes from, through a .pth file, so both sides run the same ATen kernels).
+#   tools/bench/vs_llmcompressor.sh [MODEL_DIR] [SAMPLES] [SEQ_LEN]
+# Environment: QPIPE (default build/bin/qpipe), RECIPES (default "dynamic static").
+#   dynamic  W8A8: int8 per-channel symmetric weights (minmax), dynamic per-token int8
+#            activations, lm_head kept; data-free on both sides
+#   static   the same weights, per-tensor asymmetric static int8 activations from the min/max
+#            over every calibration token (configs/default/w8a8_static.yaml, msmodelslim's
+#            default_w8a8): a calibration forward per layer on both sides
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+model=$(realpath "${1:-$root/.cache/models/smollm2-135m}")
+samples=${2:-128}
+seq=${3:-512}
+qpipe=${QPIPE:-$root/build/bin/qpipe}
+recipes=${RECIPES:-dynamic static}
+data=$root/data/calib.jsonl
+work=$root/.cache/bench/vs_llmcompressor
+bench_py=$root/tools/bench/vs_llmcompressor.py
+
+# 1. The llm-compressor virtualenv (pinned; torch is .venv's 2.11.0, never moved by pip).
+venv=$root/.venv-bench
+packages=(llmcompressor==0.14.0.1 compressed-tensors==0.19.0 transformers==5.17.0 datasets==5.2.0
+          accelerate==1.15.0 auto-round==0.15.1)
+stamp=$venv/.qpipe-$(echo "${packages[*]}" | md5sum | cut -c1-12)
+if [[ ! -f $stamp ]]; then
+  echo "[bench] creating $venv: ${packages[*]}" >&2
+  [[ -x $venv/bin/python ]] || python3 -m venv "$venv"
+  site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  "$root/.venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" >"$site/qpipe-main-venv.pth"
+  echo "torch==2.11.0" >"$venv/constraints.txt"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -c "$venv/constraints.txt" "${packages[@]}"
+  touch "$stamp"
+fi
+[[ -x $qpipe ]] || { echo "no $qpipe; build qpipe first (tools/setup.sh) or set QPIPE" >&2; exit 1; }
+
+mkdir -p "$work"
+ids=$work/ids-$samples-$seq.json
+echo "[bench] calibration: $("$root/.venv-test/bin/python" "$bench_py" ids "$model" "$data" "$samples" "$seq" "$ids")" >&2
+
+# The static practice: int8 per-channel weights, per-tensor asymmetric int8 activations (minmax).
+static_config=${STATIC_CONFIG:-$root/configs/default/w8a8_static.yaml}
+
+# Runs a command under /usr/bin/time; prints "wall_s max_rss_kib".
+timed() {
+  local log=$1
+  shift
+  /usr/bin/time -f "%e %M" -o "$work/time.txt" "$@" >"$log" 2>&1 || {
+    tail -n 20 "$log" >&2
+    echo "[bench] failed: $* (log: $log)" >&2
+    exit 1
+  }
+  cat "$work/time.txt"
+}
+
+rows=()
+for recipe in $recipes; do
+  qpipe_args=(--quant_type w8a8)
+  if [[ $recipe == static ]]; then
+    qpipe_args=(--config_path "$static_config")
+  fi
+
+  out_l=$work/llmc-$recipe
+  rm -rf "$out_l"
+  read -r wall_l rss_l < <(timed "$work/llmc-$recipe.log" env PYTHONWARNINGS=ignore "$venv/bin/python" "$bench_py" \
+    quantize "$model" "$out_l" "w8a8_$recipe" "$ids")
+  timings=$(grep '^{"load_s"' "$work/llmc-$recipe.log")
+  oneshot_l=$(echo "$timings" | python3 -c 'import json,sys; print("%.2f" % json.load(sys.stdin)["oneshot_s"])')
+  save_l=$(echo "$timings" | python3 -c 'import json,sys; print("%.2f" % json.load(sys.stdin)["save_s"])')
+
+  out_q=$work/qpipe-$recipe
+  rm -rf "$out_q"
+  read -r wall_q rss_q < <(timed "$work/qpipe-$recipe.log" "$qpipe" quant --model_path "$model" --save_path "$out_q" \
+    "${qpipe_args[@]}" --calib_data "$data" --calib_samples "$samples" --seq_len "$seq" --device cpu --log_level info)
+
+  echo "[bench] $recipe: llm-compressor output vs qpipe output" >&2
+  "$root/.venv-test/bin/python" "$bench_py" compare "$out_l" "$out_q" >&2 || echo "[bench] $recipe: outputs differ" >&2
+
+  rows+=("$(printf '| %s | llm-compressor 0.14.0.1 | %s | %s | %.1f | %d | 1.00 |' "$recipe" "$oneshot_l" "$save_l" \
+    "$wall_l" $((rss_l / 1024)))")
+  rows+=("$(printf '| %s | qpipe | – | – | %.1f | %d | %.2f |' "$recipe" "$wall_q" $((rss_q / 1024)) \
+    "$(echo "$wall_l / $wall_q" | bc -l)")")
+done
+
+echo
+echo "$(basename "$model"), $samples samples x <= $seq tokens, $(nproc) cores, $(date -I)"
+echo
+printf '| recipe | tool | quantize call s | save s | process wall s | peak RSS MiB | speed-up (process) |\n'
+printf '| --- | --- | ---: | ---: | ---: | ---: | ---: |\n'
+printf '%s\n' "${rows[@]}"
