@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "qpipe/config_node.h"
+#include "qpipe/error.h"
 #include "qpipe/linear_quantizer.h"
 #include "qpipe/log.h"
 #include "qpipe/pattern.h"
@@ -69,9 +70,19 @@ class LinearQuant final : public qpipe::Processor {
     for (auto& [name, module] : request.module->namedModules(request.name)) {
       if (module->typeName() != "Linear" || !filter_.matches(name)) continue;
       const std::string path = name.substr(request.name.size() + 1);
+      checkGroups(name, static_cast<qpipe::Linear&>(*module));
       out.emplace_back(path, std::dynamic_pointer_cast<qpipe::Linear>(request.module->sharedSubmodule(path)));
     }
     return out;
+  }
+
+  // Named here, where the module is known, rather than deep in the quantization math.
+  void checkGroups(const std::string& name, qpipe::Linear& linear) const {
+    const int64_t group = qconfig_.weight.scheme.groupSize;
+    if (group == 0 || linear.inFeatures() % group == 0) return;
+    throw qpipe::Error(qpipe::ErrorCode::kConfig,
+                       qpipe::detail::concat(name, ": in_features ", linear.inFeatures(), " is not a multiple of group_size ",
+                                             group, "; choose a group_size that divides it or exclude the module"));
   }
 
   std::shared_ptr<qpipe::Logger> logger_;

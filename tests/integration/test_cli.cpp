@@ -45,8 +45,9 @@ TEST(Cli, PluginsListsEveryBrokenFixtureWithItsReasonAndExitsZero) {
            "match",
            "libfault_no_descriptor.so\n    no qpipe plugin descriptor",
            "libfault_not_elf.so\n    not a shared library",
-           "Loaded plugins (3):",
+           "Loaded plugins (4):",  // the three fault fixtures that load, and the built-in linear_quant
            "type: factory_throws",
+           "type: linear_quant",
        }) {
     EXPECT_NE(r.out.find(expected), std::string::npos) << "missing: " << expected << "\n" << r.out;
   }
@@ -68,7 +69,7 @@ TEST(Cli, CheckRejectsUnknownTypeNamingFileLineTypeAndKnownTypes) {
   expectOneLineError(r);
   EXPECT_EQ(r.err.rfind("qpipe: configuration error: " + kPipelines +
                             "unknown_type.yaml:6:13: spec.process[1].type: "
-                            "unknown processor type 'awq_magic'; known types: group, log_layers",
+                            "unknown processor type 'awq_magic'; known types: group, linear_quant, log_layers",
                         0),
             0u)
       << r.err;
@@ -98,7 +99,7 @@ TEST(Cli, UsageErrorsExitTwoWithOneLine) {
 TEST(Cli, UnknownSubcommandIsNamed) {
   const CommandResult r = qpipe("frobnicate");
   EXPECT_EQ(r.err,
-            "qpipe: usage error: unknown subcommand 'frobnicate'; use one of: check, convert, eval, plugins, version "
+            "qpipe: usage error: unknown subcommand 'frobnicate'; use one of: check, convert, eval, plugins, quant, version "
             "(see 'qpipe --help')\n");
 }
 
