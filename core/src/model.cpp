@@ -186,7 +186,10 @@ std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, 
   const ModelConfig& c = lm->config_;
 
   auto model = std::make_shared<Module>("Model");
-  model->addChild("embed_tokens", std::make_shared<Embedding>(lm->weight("model.embed_tokens.weight")));
+  // The embedding and a float lm_head keep the checkpoint's dtype, mapped, until used: embed()
+  // converts only the rows it looks up and head() converts lm_head on first use, so a run that
+  // never calls the head (qpipe quant) never holds a converted copy of either.
+  model->addChild("embed_tokens", std::make_shared<Embedding>(lm->stored("model.embed_tokens.weight")));
   auto layers = std::make_shared<Module>("Layers");
   for (int64_t i = 0; i < c.numLayers; ++i) layers->addChild(std::to_string(i), std::make_shared<UnloadedLayer>());
   lm->layers_ = layers.get();
@@ -197,9 +200,13 @@ std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, 
   const bool tied = !lm->checkpoint_.contains("lm_head.weight") && !lm->checkpoint_.contains("lm_head.weight_packed");
   QPIPE_REQUIRE(!tied || c.tieWordEmbeddings, ErrorCode::kInput, "checkpoint ", modelDir.string(),
                 ": no 'lm_head.weight' and tie_word_embeddings is false");
+  const bool floatHead = !tied && lm->checkpoint_.contains("lm_head.weight") &&
+                         at::isFloatingType(lm->checkpoint_.tensor("lm_head.weight").scalar_type()) &&
+                         !(lm->quantized_ && lm->checkpoint_.contains("lm_head.weight_scale"));
   lm->root_->addChild("lm_head", tied
                                      ? std::make_shared<Linear>(model->getSubmodule("embed_tokens").parameter("weight"))
-                                     : lm->linear("lm_head", false));
+                                 : floatHead ? std::make_shared<Linear>(lm->stored("lm_head.weight"))
+                                             : lm->linear("lm_head", false));
 
   // Inverse RoPE frequencies, with Llama-3's wavelength-dependent scaling when configured.
   at::Tensor invFreq =
@@ -220,10 +227,14 @@ std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, 
   return lm;
 }
 
-at::Tensor CausalLM::weight(const std::string& name) {
+at::Tensor CausalLM::stored(const std::string& name) {
   QPIPE_REQUIRE(checkpoint_.contains(name), ErrorCode::kInput, "checkpoint ", dir_.string(), ": missing tensor '", name,
                 "'");
-  at::Tensor t = checkpoint_.tensor(name);
+  return checkpoint_.tensor(name);
+}
+
+at::Tensor CausalLM::weight(const std::string& name) {
+  at::Tensor t = stored(name);
   if (t.scalar_type() != options_.dtype && at::isFloatingType(t.scalar_type()))
     return t.to(options_.device, options_.dtype);
   return t.to(options_.device);
@@ -260,10 +271,18 @@ bool CausalLM::isLoaded(int64_t index) const {
 
 void CausalLM::releaseLayer(int64_t index) {
   layers_->replace(std::to_string(index), std::make_shared<UnloadedLayer>());
+  // The layer's mapped pages would otherwise stay resident, and RSS would grow to the whole
+  // checkpoint over a run.
+  const std::string prefix = layerName(index) + ".";
+  for (const std::string& name : checkpoint_.names()) {
+    if (name.starts_with(prefix)) checkpoint_.dropPages(name);
+  }
 }
 
 at::Tensor CausalLM::embed(const at::Tensor& ids) {
-  return root_->getSubmodule("model.embed_tokens")(ids);
+  Module& embedding = root_->getSubmodule("model.embed_tokens");
+  const at::Tensor& table = embedding.parameter("weight");
+  return embedding(ids.to(table.device())).to(options_.device, options_.dtype);
 }
 
 Rotary CausalLM::rotary(const at::Tensor& positions) {
@@ -284,7 +303,13 @@ at::Tensor CausalLM::causalMask(const at::Tensor& attentionMask, int64_t seq) {
 }
 
 at::Tensor CausalLM::head(const at::Tensor& hidden) {
-  return root_->getSubmodule("lm_head")(root_->getSubmodule("model.norm")(hidden));
+  Module& lmHead = root_->getSubmodule("lm_head");
+  if (auto* linear = dynamic_cast<Linear*>(&lmHead);
+      linear != nullptr &&
+      (linear->weight().scalar_type() != options_.dtype || linear->weight().device() != options_.device)) {
+    linear->weight() = linear->weight().to(options_.device, options_.dtype);
+  }
+  return lmHead(root_->getSubmodule("model.norm")(hidden));
 }
 
 at::Tensor CausalLM::forward(const at::Tensor& ids, const at::Tensor& attentionMask) {

@@ -119,10 +119,13 @@ std::unique_ptr<Processor> ProcessorRegistry::create(std::string_view type, cons
   const ConfigNode validated = entry->info.schema.validate(config, path);
   const std::string where = detail::concat(config.location().str(), ": ", path, ": processor '", type, "' (plugin '",
                                            entry->plugin, "') could not be created: ");
+  ProcessorContext scoped = context;
+  scoped.configPath = path;
   std::unique_ptr<Processor> created;
   try {
-    created = entry->info.factory(validated, context);
+    created = entry->info.factory(validated, scoped);
   } catch (const Error& e) {
+    if (e.code() == ErrorCode::kConfig) throw;  // already names the file, line and field
     throw Error(e.code() == ErrorCode::kInternal ? ErrorCode::kPlugin : e.code(), where + e.what());
   } catch (const std::exception& e) {
     throw Error(ErrorCode::kPlugin, where + e.what());

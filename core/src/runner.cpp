@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
+#include <malloc.h>
 
 #include <algorithm>
 #include <chrono>
@@ -139,6 +140,8 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       for (size_t s = 0; s < inputs.size(); ++s) inputs[s][0] = request.outputs[s][0];
     }
     model_.releaseLayer(index);
+    // glibc keeps freed heap otherwise, and the layer's buffers would pile up over the run.
+    ::malloc_trim(0);
     report.seconds = secondsSince(layerStart);
     if (options_.report != nullptr) options_.report->layers.push_back(std::move(report));
     bar.update(index + 1);

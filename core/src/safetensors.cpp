@@ -243,6 +243,16 @@ at::Tensor File::tensor(std::string_view name) const {
       data, info->shape, [keepAlive](void*) {}, options);
 }
 
+void File::dropPages(std::string_view name) const {
+  const TensorInfo* info = find(name);
+  QPIPE_REQUIRE(info != nullptr, ErrorCode::kInput, path_.string(), ": no tensor '", name, "'");
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  // Whole pages only: a page shared with a neighbouring tensor may still be in use.
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data_ + info->begin) + page - 1) / page * page;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(data_ + info->end) / page * page;
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
 Checkpoint Checkpoint::open(const fs::path& fileOrDir) {
   return open(fileOrDir, "model");
 }
@@ -311,6 +321,11 @@ const TensorInfo& Checkpoint::info(std::string_view name) const {
 at::Tensor Checkpoint::tensor(std::string_view name) const {
   const TensorInfo& meta = info(name);
   return shards_[index_.find(name)->second].file->tensor(meta.name);
+}
+
+void Checkpoint::dropPages(std::string_view name) const {
+  const TensorInfo& meta = info(name);
+  shards_[index_.find(name)->second].file->dropPages(meta.name);
 }
 
 uint64_t Checkpoint::totalBytes() const {

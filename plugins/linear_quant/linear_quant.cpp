@@ -23,7 +23,8 @@ class LinearQuant final : public qpipe::Processor {
  public:
   LinearQuant(const qpipe::ConfigNode& config, const qpipe::ProcessorContext& context)
       : logger_(context.logger),
-        qconfig_(qpipe::quant::parseLinearQConfig(config.at("qconfig"), "qconfig")),
+        qconfig_(qpipe::quant::parseLinearQConfig(
+            config.at("qconfig"), context.configPath.empty() ? "qconfig" : context.configPath + ".qconfig")),
         filter_(config.at("include").asStringList(), config.at("exclude").asStringList()) {}
 
   void preprocess(qpipe::LayerRequest& request) override {
@@ -80,9 +81,10 @@ class LinearQuant final : public qpipe::Processor {
   void checkGroups(const std::string& name, qpipe::Linear& linear) const {
     const int64_t group = qconfig_.weight.scheme.groupSize;
     if (group == 0 || linear.inFeatures() % group == 0) return;
-    throw qpipe::Error(qpipe::ErrorCode::kConfig,
-                       qpipe::detail::concat(name, ": in_features ", linear.inFeatures(), " is not a multiple of group_size ",
-                                             group, "; choose a group_size that divides it or exclude the module"));
+    throw qpipe::Error(
+        qpipe::ErrorCode::kConfig,
+        qpipe::detail::concat(name, ": in_features ", linear.inFeatures(), " is not a multiple of group_size ", group,
+                              "; choose a group_size that divides it or exclude the module"));
   }
 
   std::shared_ptr<qpipe::Logger> logger_;

@@ -39,6 +39,9 @@ struct ProcessorContext {
   std::shared_ptr<Logger> logger;
   int rank = 0;
   int worldSize = 1;
+  // Where the step sits in the pipeline ("spec.process[2]"), for the field paths of the
+  // configuration errors a factory throws (Error(kConfig) passes through unwrapped).
+  std::string configPath;
 };
 
 class Processor {

@@ -45,6 +45,10 @@ class File : public std::enable_shared_from_this<File> {
   // A zero-copy view of the mapped bytes that keeps this file mapped. The mapping is private
   // copy-on-write: writing to the tensor never changes the file. Error(kInput) if absent.
   at::Tensor tensor(std::string_view name) const;
+  // Drops the resident pages that lie wholly inside the tensor's bytes from this process
+  // (madvise MADV_DONTNEED): they no longer count in RSS and are read again from the file if
+  // touched. For tensors nothing uses any more; writes made through a view are lost.
+  void dropPages(std::string_view name) const;
 
  private:
   File() = default;
@@ -70,6 +74,7 @@ class Checkpoint {
   bool contains(std::string_view name) const;
   const TensorInfo& info(std::string_view name) const;
   at::Tensor tensor(std::string_view name) const;
+  void dropPages(std::string_view name) const;  // File::dropPages of the shard holding it
   uint64_t totalBytes() const;
 
  private:
