@@ -95,6 +95,25 @@ TEST(Safetensors, TensorsKeepTheMappingAliveAndWritesStayPrivate) {
   EXPECT_TRUE(at::equal(File::open(dir / "model.safetensors")->tensor("w"), at::arange(8, at::kFloat)));
 }
 
+TEST(Safetensors, DroppedPagesAreReadAgainFromTheFile) {
+  const fs::path dir = test::writeTempFile("x", "").parent_path() / "dropped";
+  fs::remove_all(dir);
+  Writer writer(dir);
+  writer.add("small", at::arange(3, at::kFloat));
+  writer.add("big", at::arange(1 << 16, at::kFloat));  // 256 KiB: many whole pages
+  writer.add("after", at::arange(5, at::kFloat));
+  writer.finish();
+  const auto checkpoint = Checkpoint::open(dir);
+  const at::Tensor big = checkpoint.tensor("big");
+  const at::Tensor after = checkpoint.tensor("after");
+  EXPECT_EQ(big.sum().item<double>(), 65535.0 * 65536 / 2);  // every page resident now
+  for (const char* name : {"small", "big", "after"}) checkpoint.dropPages(name);
+  EXPECT_TRUE(at::equal(big, at::arange(1 << 16, at::kFloat)));  // refaulted from the file
+  EXPECT_TRUE(at::equal(after, at::arange(5, at::kFloat)));
+  EXPECT_NE(test::errorOf([&] { checkpoint.dropPages("missing"); }, ErrorCode::kInput).find("'missing'"),
+            std::string::npos);
+}
+
 TEST(Safetensors, TruncatedFileIsRejected) {
   const fs::path path =
       rawFile("truncated.safetensors", R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 10);
