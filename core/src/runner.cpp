@@ -105,7 +105,9 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     for (const at::Tensor& ids : samples) inputs.push_back(embedSample(model_, ids));
   }
   std::optional<Probe> probe;
-  if (options_.report != nullptr && !samples.empty()) probe.emplace(embedSample(model_, samples.front()));
+  if (options_.report != nullptr && !samples.empty()) {
+    probe.emplace(embedSample(model_, samples.front().slice(1, 0, options_.probeTokens)));
+  }
 
   const int64_t layers = model_.config().numLayers;
   ProgressBar bar("layers", layers, "layers");

@@ -1,7 +1,7 @@
 // The quantization report (DESIGN.md §3.7): per decoder layer, the time each processor took and,
 // per module a processor replaced, the relative output error of the new module against the
-// original on a probe sample (the first calibration sample of this rank, carried through the
-// quantized layers as inference would see it).
+// original on a probe (the first 128 tokens of this rank's first calibration sample, carried
+// through the quantized layers as inference would see them).
 //
 // Relative error is relative MSE: mean((y_new - y_ref)²) / mean(y_ref²) over the module's (or the
 // layer's) output, with y_ref the original module's output for the same input.

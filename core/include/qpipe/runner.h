@@ -44,9 +44,10 @@ struct QuantReport;
 struct RunnerOptions {
   int rank = 0;
   int worldSize = 1;
-  // When set, filled per layer (qpipe/report.h); the first sample is the probe. Costs two
-  // forwards of one sample per layer, and one per layer even when every processor is data-free.
+  // When set, filled per layer (qpipe/report.h). The probe is the first `probeTokens` tokens of
+  // the first sample; it costs about three forwards of those tokens per layer, calibration or not.
   QuantReport* report = nullptr;
+  int64_t probeTokens = 128;
 };
 
 // Called once per layer after the last postprocess, before the layer is released.
