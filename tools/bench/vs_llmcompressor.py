@@ -109,7 +109,34 @@ def compare(a, b):
         print(f"  differs: {n}: {ta[n]} vs {tb[n]}")
     same = not only_a and not only_b and not differ
     print("same names, dtypes and shapes" if same else "DIFFERENT")
+    values(a, b, sorted(n for n in set(ta) & set(tb) if ta[n] == tb[n]))
     return 0 if same else 1
+
+
+def values(a, b, names):
+    """How far the two tools' numbers are apart, per kind of tensor (weight, weight_scale, ...)."""
+    import torch
+    from safetensors import safe_open
+
+    def opener(folder):
+        handles = {}
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            h = safe_open(str(f), "pt")
+            for n in h.keys():
+                handles[n] = h
+        return handles
+
+    ha, hb = opener(a), opener(b)
+    kinds = {}
+    for n in names:
+        x, y = ha[n].get_tensor(n), hb[n].get_tensor(n)
+        kind = n.rsplit(".", 1)[-1] if ".layers." in n else n
+        equal, total, worst = kinds.get(kind, (0, 0, 0.0))
+        diff = (x.double() - y.double()).abs()
+        scale = y.double().abs().max().item() or 1.0
+        kinds[kind] = (equal + int(diff.eq(0).sum()), total + x.numel(), max(worst, diff.max().item() / scale))
+    for kind, (equal, total, worst) in sorted(kinds.items()):
+        print(f"  {kind}: {equal / total:.4%} of {total:,} values equal, max |diff| / max |value| {worst:.2e}")
 
 
 def main():

@@ -45,16 +45,16 @@ echo "[bench] calibration: $("$root/.venv-test/bin/python" "$bench_py" ids "$mod
 # The static practice: int8 per-channel weights, per-tensor asymmetric int8 activations (minmax).
 static_config=${STATIC_CONFIG:-$root/configs/default/w8a8_static.yaml}
 
-# Runs a command under /usr/bin/time; prints "wall_s max_rss_kib".
+# Runs a command under /usr/bin/time; prints "wall_s max_rss_kib cpu_s" (cpu: user + system).
 timed() {
   local log=$1
   shift
-  /usr/bin/time -f "%e %M" -o "$work/time.txt" "$@" >"$log" 2>&1 || {
+  /usr/bin/time -f "%e %M %U %S" -o "$work/time.txt" "$@" >"$log" 2>&1 || {
     tail -n 20 "$log" >&2
     echo "[bench] failed: $* (log: $log)" >&2
     exit 1
   }
-  cat "$work/time.txt"
+  awk '{printf "%s %s %.1f\n", $1, $2, $3 + $4}' "$work/time.txt"
 }
 
 rows=()
@@ -66,29 +66,37 @@ for recipe in $recipes; do
 
   out_l=$work/llmc-$recipe
   rm -rf "$out_l"
-  read -r wall_l rss_l < <(timed "$work/llmc-$recipe.log" env PYTHONWARNINGS=ignore "$venv/bin/python" "$bench_py" \
+  read -r wall_l rss_l cpu_l < <(timed "$work/llmc-$recipe.log" env PYTHONWARNINGS=ignore "$venv/bin/python" "$bench_py" \
     quantize "$model" "$out_l" "w8a8_$recipe" "$ids")
   timings=$(grep '^{"load_s"' "$work/llmc-$recipe.log")
   oneshot_l=$(echo "$timings" | python3 -c 'import json,sys; print("%.2f" % json.load(sys.stdin)["oneshot_s"])')
   save_l=$(echo "$timings" | python3 -c 'import json,sys; print("%.2f" % json.load(sys.stdin)["save_s"])')
+  load_l=$(echo "$timings" | python3 -c 'import json,sys; print("%.2f" % json.load(sys.stdin)["load_s"])')
 
   out_q=$work/qpipe-$recipe
   rm -rf "$out_q"
-  read -r wall_q rss_q < <(timed "$work/qpipe-$recipe.log" "$qpipe" quant --model_path "$model" --save_path "$out_q" \
+  read -r wall_q rss_q cpu_q < <(timed "$work/qpipe-$recipe.log" "$qpipe" quant --model_path "$model" --save_path "$out_q" \
     "${qpipe_args[@]}" --calib_data "$data" --calib_samples "$samples" --seq_len "$seq" --device cpu --log_level info)
 
+  runner_q=$(python3 -c 'import json,sys; print("%.2f" % json.load(open(sys.argv[1]))["total_seconds"])' \
+    "$out_q/quant_report.json")
+  processors_q=$(python3 -c 'import json,sys; r = json.load(open(sys.argv[1]))
+print("%.2f" % sum(sum(l["processor_seconds"]) for l in r["layers"]))' "$out_q/quant_report.json")
+  total_q=$(sed -n 's/^saved .* in \([0-9.]*\) s (report.*/\1/p' "$work/qpipe-$recipe.log")
   echo "[bench] $recipe: llm-compressor output vs qpipe output" >&2
   "$root/.venv-test/bin/python" "$bench_py" compare "$out_l" "$out_q" >&2 || echo "[bench] $recipe: outputs differ" >&2
 
-  rows+=("$(printf '| %s | llm-compressor 0.14.0.1 | %s | %s | %.1f | %d | 1.00 |' "$recipe" "$oneshot_l" "$save_l" \
-    "$wall_l" $((rss_l / 1024)))")
-  rows+=("$(printf '| %s | qpipe | – | – | %.1f | %d | %.2f |' "$recipe" "$wall_q" $((rss_q / 1024)) \
-    "$(echo "$wall_l / $wall_q" | bc -l)")")
+  quant_l=$(echo "$load_l + $oneshot_l + $save_l" | bc -l)
+  rows+=("$(printf '| %s | llm-compressor 0.14.0.1 | %.2f | load %s, oneshot %s, save %s | %.1f | %s | %d | | |' \
+    "$recipe" "$quant_l" "$load_l" "$oneshot_l" "$save_l" "$wall_l" "$cpu_l" $((rss_l / 1024)))")
+  rows+=("$(printf '| %s | qpipe | %.2f | runner %s (processors %s) | %.1f | %s | %d | %.2f | %.2f |' "$recipe" \
+    "$total_q" "$runner_q" "$processors_q" "$wall_q" "$cpu_q" $((rss_q / 1024)) \
+    "$(echo "$quant_l / $total_q" | bc -l)" "$(echo "$wall_l / $wall_q" | bc -l)")")
 done
 
 echo
-echo "$(basename "$model"), $samples samples x <= $seq tokens, $(nproc) cores, $(date -I)"
+echo "$(basename "$model"), $samples samples x $seq tokens, $(nproc) cores, $(date -I), load average $(cut -d' ' -f1-3 /proc/loadavg)"
 echo
-printf '| recipe | tool | quantize call s | save s | process wall s | peak RSS MiB | speed-up (process) |\n'
-printf '| --- | --- | ---: | ---: | ---: | ---: | ---: |\n'
+printf '| recipe | tool | load + quantize + save s | of which | process wall s | process CPU s | peak RSS MiB | speed-up, quantize + save | speed-up, process |\n'
+printf '| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |\n'
 printf '%s\n' "${rows[@]}"
