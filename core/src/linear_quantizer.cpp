@@ -8,12 +8,13 @@ namespace qpipe {
 
 using quant::QMethod;
 
-LinearQuantizer::LinearQuantizer(std::shared_ptr<Linear> linear, const quant::LinearQConfig& config)
-    : Module("LinearQuantizer"), linear_(std::move(linear)), config_(config) {
-  const at::Tensor& weight = linear_->weight();
+LinearQuantizer::LinearQuantizer(Linear& linear, const quant::LinearQConfig& config)
+    : Module("LinearQuantizer"), config_(config), bias_(linear.bias()), dtype_(linear.weight().scalar_type()) {
+  const at::Tensor& weight = linear.weight();
   weightParams_ = config_.weight.method == QMethod::kSsz
                       ? quant::sszSearch(weight, config_.weight.scheme, config_.weight.sszSteps)
                       : quant::computeQParams(weight, config_.weight.scheme);
+  qweight_ = quant::quantize(weight, weightParams_, config_.weight.scheme);
   const quant::QConfig& act = config_.act;
   if (act.enabled() && !act.isDynamic()) {
     if (act.method == QMethod::kHistogram) {
@@ -25,8 +26,9 @@ LinearQuantizer::LinearQuantizer(std::shared_ptr<Linear> linear, const quant::Li
 }
 
 at::Tensor LinearQuantizer::forward(const at::Tensor& input) {
-  if (!fakeWeight_.defined())
-    fakeWeight_ = quant::fakeQuantize(linear_->weight(), weightParams_, config_.weight.scheme);
+  if (!fakeWeight_.defined()) {
+    fakeWeight_ = quant::dequantize(qweight_, weightParams_, config_.weight.scheme).to(dtype_);
+  }
   at::Tensor x = input;
   if (minMax_) {
     minMax_->update(x);
@@ -36,7 +38,7 @@ at::Tensor LinearQuantizer::forward(const at::Tensor& input) {
   } else if (config_.act.enabled()) {
     x = quant::fakeQuantize(x, quant::computeQParams(x, config_.act.scheme), config_.act.scheme);
   }
-  return at::linear(x, fakeWeight_, linear_->bias());
+  return at::linear(x, fakeWeight_, bias_);
 }
 
 bool LinearQuantizer::calibrated() const {
@@ -55,7 +57,8 @@ std::shared_ptr<QuantLinear> LinearQuantizer::deploy(const std::string& name) co
   QPIPE_REQUIRE(calibrated(), ErrorCode::kInput, name,
                 ": no calibration data reached this module, so its static activation scale is unknown; "
                 "add calibration samples or exclude it");
-  return QuantLinear::fromLinear(*linear_, weightParams_, config_.weight.scheme, activationQuant());
+  return std::make_shared<QuantLinear>(qweight_, weightParams_, config_.weight.scheme, activationQuant(), bias_,
+                                       dtype_);
 }
 
 }  // namespace qpipe

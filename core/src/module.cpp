@@ -86,10 +86,6 @@ std::shared_ptr<Module>& Module::slot(std::string_view path) {
   throw Error(ErrorCode::kInput, detail::concat("no module '", path, "'"));
 }
 
-std::shared_ptr<Module> Module::sharedSubmodule(std::string_view path) {
-  return slot(path);
-}
-
 std::shared_ptr<Module> Module::replace(std::string_view path, std::shared_ptr<Module> replacement) {
   QPIPE_CHECK(replacement != nullptr, "replacing '", path, "' with null");
   std::swap(slot(path), replacement);

@@ -34,7 +34,8 @@ class LinearQuant final : public qpipe::Processor {
         pending_.emplace_back(path, nullptr);
         continue;
       }
-      auto quantizer = std::make_shared<qpipe::LinearQuantizer>(linear, qconfig_);
+      // Replacing drops the float Linear: the quantizer keeps what it needs.
+      auto quantizer = std::make_shared<qpipe::LinearQuantizer>(*linear, qconfig_);
       request.module->replace(path, quantizer);
       pending_.emplace_back(path, std::move(quantizer));
     }
@@ -44,8 +45,8 @@ class LinearQuant final : public qpipe::Processor {
     for (auto& [path, quantizer] : pending_) {
       const std::string name = request.name + "." + path;
       if (quantizer == nullptr) {
-        auto linear = std::dynamic_pointer_cast<qpipe::Linear>(request.module->sharedSubmodule(path));
-        quantizer = std::make_shared<qpipe::LinearQuantizer>(std::move(linear), qconfig_);
+        auto& linear = static_cast<qpipe::Linear&>(request.module->getSubmodule(path));
+        quantizer = std::make_shared<qpipe::LinearQuantizer>(linear, qconfig_);
       }
       request.module->replace(path, quantizer->deploy(name));
       ++quantized_;
@@ -66,13 +67,13 @@ class LinearQuant final : public qpipe::Processor {
 
  private:
   // The Linear modules of the layer that the patterns select, by path below the layer.
-  std::vector<std::pair<std::string, std::shared_ptr<qpipe::Linear>>> matchingLinears(qpipe::LayerRequest& request) {
-    std::vector<std::pair<std::string, std::shared_ptr<qpipe::Linear>>> out;
+  std::vector<std::pair<std::string, qpipe::Linear*>> matchingLinears(qpipe::LayerRequest& request) {
+    std::vector<std::pair<std::string, qpipe::Linear*>> out;
     for (auto& [name, module] : request.module->namedModules(request.name)) {
       if (module->typeName() != "Linear" || !filter_.matches(name)) continue;
-      const std::string path = name.substr(request.name.size() + 1);
-      checkGroups(name, static_cast<qpipe::Linear&>(*module));
-      out.emplace_back(path, std::dynamic_pointer_cast<qpipe::Linear>(request.module->sharedSubmodule(path)));
+      auto* linear = static_cast<qpipe::Linear*>(module);
+      checkGroups(name, *linear);
+      out.emplace_back(name.substr(request.name.size() + 1), linear);
     }
     return out;
   }

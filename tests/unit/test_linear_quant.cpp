@@ -38,8 +38,8 @@ std::shared_ptr<Linear> handLinear() {
 }
 
 TEST(LinearQuantizer, StaticW8A8ByHand) {
-  LinearQuantizer quantizer(handLinear(), qconfig("act: {dtype: int8, scope: per_tensor, symmetric: False}\n"
-                                                  "weight: {dtype: int8, scope: per_channel}\n"));
+  LinearQuantizer quantizer(*handLinear(), qconfig("act: {dtype: int8, scope: per_tensor, symmetric: False}\n"
+                                                   "weight: {dtype: int8, scope: per_channel}\n"));
   const at::Tensor fakeW = at::tensor({32.f * 4 / 127, -64.f * 4 / 127, 16.f * 4 / 127, 4.f, 16.f * 2 / 127,
                                        32.f * 2 / 127, -64.f * 2 / 127, 2.f})
                                .reshape({2, 4});
@@ -61,7 +61,7 @@ TEST(LinearQuantizer, StaticW8A8ByHand) {
 }
 
 TEST(LinearQuantizer, DynamicActivationsAreQuantizedPerToken) {
-  LinearQuantizer quantizer(handLinear(), qconfig("act: {dtype: int8, scope: per_token}\nweight: {}\n"));
+  LinearQuantizer quantizer(*handLinear(), qconfig("act: {dtype: int8, scope: per_token}\nweight: {}\n"));
   // Token absmax 2 and 127: scales 2/127 and 1; both tokens are exact on their int8 grid.
   const at::Tensor x = at::tensor({0.f, 2.f, -2.f, 0.f, 127.f, -3.f, 5.f, 0.f}).reshape({1, 2, 4});
   const at::Tensor fakeW = quant::fakeQuantize(
@@ -76,7 +76,7 @@ TEST(LinearQuantizer, DynamicActivationsAreQuantizedPerToken) {
 }
 
 TEST(LinearQuantizer, StaticActivationsWithoutDataAreAnError) {
-  LinearQuantizer quantizer(handLinear(), qconfig("act: {dtype: int8}\nweight: {}\n"));
+  LinearQuantizer quantizer(*handLinear(), qconfig("act: {dtype: int8}\nweight: {}\n"));
   EXPECT_FALSE(quantizer.calibrated());
   EXPECT_EQ(test::errorOf([&] { quantizer.deploy("model.layers.0.mlp.experts.7.up_proj"); }, ErrorCode::kInput),
             "model.layers.0.mlp.experts.7.up_proj: no calibration data reached this module, so its static "

@@ -2,7 +2,8 @@
 // forward = linear(actQuant(x), fakeQuant(W), b), observing x on the way, so the layer's outputs
 // carry the quantization error into the next layer as they will at inference.
 //
-// - Weights are data-free: minmax or ssz parameters are computed once, at construction.
+// - Weights are data-free: minmax or ssz parameters and the quantized weight are computed once,
+//   at construction; the float weight is not kept (the forward uses the dequantized one).
 // - Static activations (per_tensor minmax): each forward updates the running observer and
 //   fake-quantizes x with the parameters seen so far, as msmodelslim does.
 // - Histogram activations: the forward observes x and passes it on unquantized (the l2/KL
@@ -24,7 +25,7 @@ namespace qpipe {
 
 class LinearQuantizer : public Module {
  public:
-  LinearQuantizer(std::shared_ptr<Linear> linear, const quant::LinearQConfig& config);
+  LinearQuantizer(Linear& linear, const quant::LinearQConfig& config);
 
   at::Tensor forward(const at::Tensor& input) override;
 
@@ -40,10 +41,12 @@ class LinearQuantizer : public Module {
  private:
   std::optional<ActivationQuant> activationQuant() const;
 
-  std::shared_ptr<Linear> linear_;
   quant::LinearQConfig config_;
   quant::QParams weightParams_;
-  at::Tensor fakeWeight_;  // dequantize(quantize(W)) in W's dtype, for the calibration forward
+  at::Tensor qweight_;     // quantize(W)
+  at::Tensor bias_;        // undefined when the layer has none
+  at::ScalarType dtype_;   // W's dtype, the compute dtype
+  at::Tensor fakeWeight_;  // dequantize(qweight_) in W's dtype, made by the first forward
   std::optional<quant::MinMaxObserver> minMax_;
   std::optional<quant::HistogramObserver> histogram_;
 };

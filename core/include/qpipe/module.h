@@ -50,8 +50,6 @@ class Module {
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const { return children_; }
   // Dotted path below this module ("" is this module); Error(kInput) naming the path if absent.
   Module& getSubmodule(std::string_view path);
-  // The owning pointer of the module at `path` (non-empty), to keep it alive across replace().
-  std::shared_ptr<Module> sharedSubmodule(std::string_view path);
   // Puts `replacement` where `path` is; the old module is returned (and dropped by the caller).
   std::shared_ptr<Module> replace(std::string_view path, std::shared_ptr<Module> replacement);
   // This module and every descendant, depth first, with full names under `prefix`.
