@@ -15,6 +15,7 @@
 #include "qpipe/model.h"
 #include "qpipe/quant_linear.h"
 #include "qpipe/saver.h"
+#include "replace_linears.h"
 #include "test_helpers.h"
 
 namespace qpipe {
@@ -56,23 +57,15 @@ std::map<std::string, std::pair<at::Tensor, at::Tensor>> calibrate(CausalLM& lm)
 
 void quantize(CausalLM& lm, const Case& c) {
   const auto ranges = c.input && c.input->scope == QScope::kPerTensor ? calibrate(lm) : decltype(calibrate(lm)){};
-  for (int64_t i = 0; i < lm.config().numLayers; ++i) {
-    DecoderLayer& layer = lm.layer(i);
-    std::vector<std::pair<std::string, Linear*>> linears;
-    for (auto& [name, module] : layer.namedModules()) {
-      if (auto* linear = dynamic_cast<Linear*>(module)) linears.emplace_back(name, linear);
+  test::replaceLinears(lm, [&](const std::string& name, Linear& linear) {
+    std::optional<ActivationQuant> input;
+    if (c.input && c.input->scope == QScope::kPerToken) input = ActivationQuant{*c.input, {}};
+    if (c.input && c.input->scope == QScope::kPerTensor) {
+      const auto& [lo, hi] = ranges.at(name);
+      input = ActivationQuant{*c.input, quant::computeQParams(lo, hi, *c.input)};
     }
-    for (auto& [name, linear] : linears) {
-      std::optional<ActivationQuant> input;
-      if (c.input && c.input->scope == QScope::kPerToken) input = ActivationQuant{*c.input, {}};
-      if (c.input && c.input->scope == QScope::kPerTensor) {
-        const auto& [lo, hi] = ranges.at(lm.layerName(i) + "." + name);
-        input = ActivationQuant{*c.input, quant::computeQParams(lo, hi, *c.input)};
-      }
-      layer.replace(
-          name, QuantLinear::fromLinear(*linear, quant::computeQParams(linear->weight(), c.weight), c.weight, input));
-    }
-  }
+    return QuantLinear::fromLinear(linear, quant::computeQParams(linear.weight(), c.weight), c.weight, input);
+  });
 }
 
 void runCase(const std::string& name, const Case& c) {

@@ -10,6 +10,7 @@
 #include "qpipe/model.h"
 #include "qpipe/quant_linear.h"
 #include "qpipe/saver.h"
+#include "replace_linears.h"
 #include "test_helpers.h"
 #include "tiny_model.h"
 
@@ -32,23 +33,15 @@ ActivationQuant activation(const QScheme& scheme) {
   return {scheme, quant::computeQParams(at::tensor({-1.5f}), at::tensor({2.5f}), scheme)};
 }
 
-// Replaces every Linear of every layer for which `specFor` names a spec, as linear_quant does.
+// Replaces every Linear for which `specFor` names a spec, as linear_quant does.
 void quantize(CausalLM& lm, const std::function<std::optional<Spec>(const std::string&)>& specFor) {
-  for (int64_t i = 0; i < lm.config().numLayers; ++i) {
-    DecoderLayer& layer = lm.layer(i);
-    std::vector<std::pair<std::string, Linear*>> linears;
-    for (auto& [name, module] : layer.namedModules()) {
-      if (auto* linear = dynamic_cast<Linear*>(module)) linears.emplace_back(name, linear);
-    }
-    for (auto& [name, linear] : linears) {
-      const auto spec = specFor(lm.layerName(i) + "." + name);
-      if (!spec) continue;
-      std::optional<ActivationQuant> input;
-      if (spec->input) input = activation(*spec->input);
-      layer.replace(name, QuantLinear::fromLinear(*linear, quant::computeQParams(linear->weight(), spec->weight),
-                                                  spec->weight, input));
-    }
-  }
+  test::replaceLinears(lm, [&](const std::string& name, Linear& linear) -> std::shared_ptr<Module> {
+    const auto spec = specFor(name);
+    if (!spec) return nullptr;
+    std::optional<ActivationQuant> input;
+    if (spec->input) input = activation(*spec->input);
+    return QuantLinear::fromLinear(linear, quant::computeQParams(linear.weight(), spec->weight), spec->weight, input);
+  });
 }
 
 at::Tensor ids() {

@@ -1,13 +1,11 @@
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <c10/core/InferenceMode.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <memory>
 
@@ -54,18 +52,10 @@ fs::path resourceDir(const std::string& name) {
   return fs::path(QPIPE_SOURCE_DIR) / name;
 }
 
-std::string readModelType(const fs::path& modelDir) {
-  const fs::path config = modelDir / "config.json";
-  std::ifstream in(config);
-  QPIPE_REQUIRE(in.good(), ErrorCode::kInput, "--model_path '", modelDir.string(), "' has no config.json");
-  const nlohmann::json json = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  QPIPE_REQUIRE(json.is_object() && json.contains("model_type") && json["model_type"].is_string(), ErrorCode::kInput,
-                config.string(), ": no string field 'model_type'");
-  return json["model_type"].get<std::string>();
-}
-
-fs::path resolvePipeline(const QuantOptions& options, const std::string& modelType) {
+fs::path resolvePipeline(const QuantOptions& options, const fs::path& modelDir) {
   if (!options.configPath.empty()) return options.configPath;
+  const std::string modelType =
+      options.modelType.empty() ? ModelConfig::fromFile(modelDir / "config.json").modelType : options.modelType;
   const PracticeMatch match = findPractice(resourceDir("configs"), modelType, parseQuantType(options.quantType));
   log::logger()->info("--quant_type ", options.quantType, ": practice ", match.file.string(), " (",
                       match.metadata.configId, ", score ", match.metadata.score, ")");
@@ -118,8 +108,7 @@ void quantize(const QuantOptions& options) {
   ProcessorRegistry registry;
   PluginLoader loader(registry);
   loadPlugins(options.plugins, loader);
-  const std::string modelType = options.modelType.empty() ? readModelType(modelDir) : options.modelType;
-  const Pipeline pipeline = loadPipeline(resolvePipeline(options, modelType), registry);
+  const Pipeline pipeline = loadPipeline(resolvePipeline(options, modelDir), registry);
   auto processors = buildProcessors(pipeline, registry, {.logger = logger});
   const SaverOptions saving = saverOptions(pipeline);
   const fs::path calibData = !options.calibData.empty()  ? fs::path(options.calibData)
