@@ -1,0 +1,36 @@
+// Collective helpers for processors (seeds/003 "dist ops"), over dist::world(). With one rank
+// every call returns its input unchanged, so processors call them unconditionally.
+//
+// Results that depend on the order of floating-point reduction (sum, mean, concatenation) are
+// made independent of the number of ranks by gathering and reducing in global sample order:
+// with samples dealt round-robin (sample i on rank i mod W), the local item j of rank r is
+// global item r + j·W.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+#include "qpipe/dist/process_group.h"
+
+namespace qpipe::dist {
+
+enum class SyncOp { kMin, kMax, kSum, kMean, kProd };
+
+// In place on every rank. kMin/kMax/kProd are exact in any order; kSum/kMean are an all-reduce
+// (use gatherInSampleOrder when the result must not depend on the world size).
+void syncBaseOperation(at::Tensor& tensor, SyncOp op);
+
+// Every rank's tensor in rank order. `variableShapes`: ranks may hold different shapes (the
+// shapes are gathered first). `onCpu`: the result is on the CPU whatever the input's device.
+std::vector<at::Tensor> syncGatherTensors(const at::Tensor& tensor, bool variableShapes = false, bool onCpu = false);
+
+// Every rank's list flattened in rank order (rank 0's items, then rank 1's, ...). Lists may be
+// empty and of different lengths; tensors may differ in shape but not in dtype.
+std::vector<at::Tensor> syncGatherTensorLists(const std::vector<at::Tensor>& tensors);
+
+// Every rank's per-sample items put back in global sample order (the inverse of the
+// round-robin deal), so a reduction over the result is the one a single rank would compute.
+std::vector<at::Tensor> gatherInSampleOrder(const std::vector<at::Tensor>& localItems);
+
+}  // namespace qpipe::dist
