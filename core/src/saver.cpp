@@ -23,6 +23,13 @@ std::unique_ptr<CheckpointSaver> CheckpointSaver::create(const SaverOptions& opt
   return detail::makeAscendV1Saver(options, model, saveDir);
 }
 
+fs::path CheckpointSaver::partialDir(const fs::path& saveDir) {
+  fs::path target = fs::absolute(saveDir).lexically_normal();
+  if (target.filename().empty()) target = target.parent_path();  // "out/" names "out"
+  // Hidden, beside the destination (same file system, so the final rename is atomic).
+  return target.parent_path() / ("." + target.filename().string() + ".qpipe-partial");
+}
+
 namespace detail {
 
 namespace {
@@ -55,8 +62,7 @@ SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::pat
     QPIPE_REQUIRE(fs::is_empty(final_), ErrorCode::kInput, "save folder '", final_.string(),
                   "' exists and is not empty; choose another --save_path or remove it");
   }
-  // Hidden, beside the destination (same file system, so the final rename is atomic).
-  temporary_ = final_.parent_path() / ("." + final_.filename().string() + ".qpipe-partial");
+  temporary_ = CheckpointSaver::partialDir(final_);
   if (fs::exists(temporary_)) {
     log::logger()->warn("removing '", temporary_.string(), "', left by an interrupted save");
     fs::remove_all(temporary_, ec);

@@ -39,6 +39,11 @@ class CheckpointSaver {
                                                  const std::filesystem::path& saveDir);
   virtual ~CheckpointSaver() = default;
 
+  // The hidden sibling a save to `saveDir` is written under until finish() renames it,
+  // `.<name>.qpipe-partial` (absolute); the launcher of a multi-rank run removes it when a rank
+  // was killed before its saver could.
+  static std::filesystem::path partialDir(const std::filesystem::path& saveDir);
+
   // The runner's LayerSink: writes every parameter of decoder layer `index` (full name `name`).
   virtual void writeLayer(int64_t index, const std::string& name, Module& layer) = 0;
   // A file written beside the weights (e.g. the quantization report).
