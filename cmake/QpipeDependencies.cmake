@@ -23,6 +23,13 @@ add_library(qpipe_torch INTERFACE)
 target_link_libraries(qpipe_torch INTERFACE "-Wl,--push-state,--no-as-needed" stdc++ "-Wl,--pop-state"
                       torch_cpu_library)
 
+# ProcessGroupGloo's header includes Gloo's, which the torch wheel does not ship (Debian's
+# libgloo-dev; only the declarations are used, the code is LibTorch's own copy of Gloo).
+find_path(QPIPE_GLOO_INCLUDE_DIR gloo/rendezvous/store.h)
+if(NOT QPIPE_GLOO_INCLUDE_DIR)
+  message(FATAL_ERROR "Gloo headers not found: install libgloo-dev (tools/setup.sh does)")
+endif()
+
 find_package(yaml-cpp REQUIRED)
 find_package(nlohmann_json 3.10 REQUIRED)
 find_package(spdlog REQUIRED)

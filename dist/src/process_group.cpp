@@ -1,0 +1,506 @@
+#include "qpipe/dist/process_group.h"
+
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+#include <dlfcn.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <charconv>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "nccl_abi.h"
+#include "qpipe/error.h"
+
+namespace qpipe::dist {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr const char* kWorldSizeKey = "qpipe/world_size";
+constexpr const char* kReadyKey = "qpipe/ready";
+constexpr const char* kReadyValue = "ok";
+constexpr const char* kFailureSeenKey = "qpipe/failure_seen";
+// How long a rank whose collective failed looks for the failed peer's report: the peer writes
+// it before its sockets close, so it is normally there at once.
+constexpr milliseconds kFailureLookup{1000};
+// How long rank 0, which hosts the store, stays up after reporting its failure so that the
+// peers can read the report.
+constexpr milliseconds kReportGrace{3000};
+constexpr milliseconds kPollInterval{20};
+
+std::string joinedKey(int rank) { return "qpipe/joined/" + std::to_string(rank); }
+std::string failedKey(int rank) { return "qpipe/failed/" + std::to_string(rank); }
+
+std::string firstLine(std::string_view text) { return std::string(text.substr(0, text.find('\n'))); }
+
+// c10 errors carry a C++ backtrace after the message; users get the message.
+std::string describe(const std::exception& error) {
+  if (const auto* c10Error = dynamic_cast<const c10::Error*>(&error)) {
+    return firstLine(c10Error->what_without_backtrace());
+  }
+  return firstLine(error.what());
+}
+
+std::string seconds(milliseconds timeout) {
+  std::ostringstream os;
+  os << static_cast<double>(timeout.count()) / 1000.0 << " s";
+  return os.str();
+}
+
+std::string text(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+std::vector<uint8_t> bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
+
+bool isLoopback(const std::string& address) {
+  return address == "localhost" || address.rfind("127.", 0) == 0 || address == "::1";
+}
+
+c10d::ReduceOp toC10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kMin:
+      return c10d::ReduceOp(c10d::ReduceOp::MIN);
+    case ReduceOp::kMax:
+      return c10d::ReduceOp(c10d::ReduceOp::MAX);
+    case ReduceOp::kSum:
+      return c10d::ReduceOp(c10d::ReduceOp::SUM);
+    case ReduceOp::kProd:
+      return c10d::ReduceOp(c10d::ReduceOp::PRODUCT);
+  }
+  QPIPE_CHECK(false, "unknown ReduceOp ", static_cast<int>(op));
+}
+
+class SingleGroup final : public ProcessGroup {
+ public:
+  int rank() const override { return 0; }
+  int worldSize() const override { return 1; }
+  void allReduce(at::Tensor&, ReduceOp) override {}
+  std::vector<at::Tensor> allGather(const at::Tensor& tensor) override { return {tensor}; }
+  void broadcast(at::Tensor&, int root) override { QPIPE_CHECK(root == 0, "broadcast from rank ", root, " of 1"); }
+  void barrier() override {}
+  std::vector<std::string> allGatherBytes(const std::string& bytes) override { return {bytes}; }
+  void reportFailure(const std::string&) noexcept override {}
+};
+
+// The NCCL backend factory from libqpipe_dist_nccl.so, beside libqpipe_core.so; opened once.
+detail::CreateNcclBackend ncclFactory() {
+#ifdef QPIPE_HAS_NCCL
+  static detail::CreateNcclBackend factory = nullptr;
+  static std::string loadError;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    Dl_info info{};
+    QPIPE_CHECK(::dladdr(reinterpret_cast<void*>(&ncclFactory), &info) != 0 && info.dli_fname != nullptr,
+                "cannot locate libqpipe_core");
+    const auto path = std::filesystem::path(info.dli_fname).parent_path() / detail::kNcclLibrary;
+    void* library = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (library == nullptr) {
+      loadError = ::dlerror();
+      return;
+    }
+    factory = reinterpret_cast<detail::CreateNcclBackend>(::dlsym(library, detail::kCreateNcclBackendSymbol));
+    if (factory == nullptr) loadError = ::dlerror();
+  });
+  QPIPE_REQUIRE(factory != nullptr, ErrorCode::kDistributed, "collectives on CUDA tensors need ", detail::kNcclLibrary,
+                ", which did not load: ", loadError);
+  return factory;
+#else
+  throw Error(ErrorCode::kDistributed,
+              "collectives on CUDA tensors need NCCL, and this qpipe was built against a LibTorch without it");
+#endif
+}
+
+class C10dGroup final : public ProcessGroup {
+ public:
+  C10dGroup(const GroupOptions& options, c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> gloo)
+      : options_(options), store_(std::move(store)), gloo_(std::move(gloo)) {}
+
+  int rank() const override { return options_.rank; }
+  int worldSize() const override { return options_.worldSize; }
+
+  void allReduce(at::Tensor& tensor, ReduceOp op) override {
+    guard("allReduce", [&] {
+      at::Tensor buffer = tensor.contiguous();
+      std::vector<at::Tensor> tensors{buffer};
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = toC10d(op);
+      opts.timeout = options_.timeout;
+      wait(backendFor(buffer, "allReduce").allreduce(tensors, opts));
+      if (!buffer.is_same(tensor)) tensor.copy_(buffer);
+    });
+  }
+
+  std::vector<at::Tensor> allGather(const at::Tensor& tensor) override {
+    std::vector<at::Tensor> result;
+    guard("allGather", [&] { result = gatherVariable(tensor.contiguous()); });
+    return result;
+  }
+
+  void broadcast(at::Tensor& tensor, int root) override {
+    QPIPE_CHECK(root >= 0 && root < worldSize(), "broadcast from rank ", root, " of ", worldSize());
+    guard("broadcast", [&] {
+      at::Tensor buffer = tensor.contiguous();
+      std::vector<at::Tensor> tensors{buffer};
+      c10d::BroadcastOptions opts;
+      opts.rootRank = root;
+      opts.timeout = options_.timeout;
+      wait(backendFor(buffer, "broadcast").broadcast(tensors, opts));
+      if (!buffer.is_same(tensor)) tensor.copy_(buffer);
+    });
+  }
+
+  void barrier() override {
+    guard("barrier", [&] {
+      c10d::BarrierOptions opts;
+      opts.timeout = options_.timeout;
+      wait(gloo().barrier(opts));
+    });
+  }
+
+  std::vector<std::string> allGatherBytes(const std::string& bytes) override {
+    at::Tensor local = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+    std::memcpy(local.data_ptr(), bytes.data(), bytes.size());
+    std::vector<std::string> result;
+    guard("allGatherBytes", [&] {
+      for (const at::Tensor& part : gatherVariable(local)) {
+        result.emplace_back(static_cast<const char*>(part.data_ptr()), static_cast<size_t>(part.numel()));
+      }
+    });
+    return result;
+  }
+
+  void reportFailure(const std::string& message) noexcept override {
+    try {
+      // A rank that failed because a peer did is not a cause: its report would hide the peer's.
+      if (!peerLost_) {
+        store_->set(failedKey(rank()), bytes(firstLine(message)));
+        // Closing the connections now makes the peers' pending collectives fail at once rather
+        // than at their timeout; the group is unusable after a failure anyway.
+        gloo_.reset();
+        nccl_.reset();
+      }
+      // Rank 0 hosts the store: it stays until the peers have read the report they look for.
+      if (rank() == 0 && (!peerLost_ || peerNamed_)) waitForReaders();
+    } catch (...) {
+      // Best effort: the peers then report lost contact instead of this rank's message.
+    }
+  }
+
+ private:
+  // Every rank but the failed ones reads one report and counts itself in kFailureSeenKey.
+  void waitForReaders() {
+    const auto deadline = Clock::now() + std::min(kReportGrace, options_.timeout);
+    while (Clock::now() < deadline) {
+      int failed = 0;
+      for (int r = 1; r < worldSize(); ++r) failed += store_->check({failedKey(r)}) ? 1 : 0;
+      if (store_->add(kFailureSeenKey, 0) >= worldSize() - 1 - failed) return;
+      std::this_thread::sleep_for(kPollInterval);
+    }
+  }
+
+  c10d::Backend& gloo() {
+    QPIPE_REQUIRE(gloo_, ErrorCode::kDistributed, "the process group was closed after rank ", rank(), " failed");
+    return *gloo_;
+  }
+
+  c10d::Backend& backendFor(const at::Tensor& tensor, const char* collective) {
+    if (tensor.is_cpu()) return gloo();
+    QPIPE_REQUIRE(tensor.is_cuda(), ErrorCode::kDistributed, collective, ": tensors on ", tensor.device(),
+                  " are not supported (cpu and cuda are)");
+    if (!nccl_) {
+      const detail::CreateNcclBackend create = ncclFactory();
+      char error[512] = {0};
+      auto ncclStore = c10::make_intrusive<c10d::PrefixStore>("nccl", store_);
+      c10d::Backend* backend =
+          create(ncclStore.get(), rank(), worldSize(), options_.timeout.count(), error, sizeof(error));
+      QPIPE_REQUIRE(backend != nullptr, ErrorCode::kDistributed, "cannot create the NCCL backend: ", error);
+      nccl_ = c10::intrusive_ptr<c10d::Backend>::reclaim(backend);
+    }
+    return *nccl_;
+  }
+
+  void wait(const c10::intrusive_ptr<c10d::Work>& work) { work->wait(options_.timeout); }
+
+  // Every rank's tensor with equal shapes (what the backends support).
+  std::vector<at::Tensor> gatherEqual(const at::Tensor& tensor) {
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    for (int r = 0; r < worldSize(); ++r) outputs[0].push_back(at::empty_like(tensor));
+    std::vector<at::Tensor> inputs{tensor};
+    c10d::AllgatherOptions opts;
+    opts.timeout = options_.timeout;
+    wait(backendFor(tensor, "allGather").allgather(outputs, inputs, opts));
+    return outputs[0];
+  }
+
+  // Shapes may differ: gather dtype and rank, then the sizes, then the data padded to the
+  // largest size, and cut each rank's part back out.
+  std::vector<at::Tensor> gatherVariable(const at::Tensor& tensor) {
+    const auto longs = at::TensorOptions().dtype(at::kLong).device(tensor.device());
+    const at::Tensor header =
+        at::tensor({static_cast<int64_t>(tensor.scalar_type()), tensor.dim()}, at::kLong).to(tensor.device());
+    const at::Tensor headers = at::stack(gatherEqual(header)).cpu();
+    int64_t maxDim = 0;
+    for (int r = 0; r < worldSize(); ++r) {
+      const auto dtype = static_cast<at::ScalarType>(headers[r][0].item<int64_t>());
+      QPIPE_REQUIRE(dtype == tensor.scalar_type(), ErrorCode::kDistributed, "allGather: rank ", r, " passed ",
+                    dtype, " and rank ", rank(), " ", tensor.scalar_type(), "; every rank must pass the same dtype");
+      maxDim = std::max(maxDim, headers[r][1].item<int64_t>());
+    }
+    at::Tensor sizes = at::zeros({maxDim}, at::kLong);
+    for (int64_t d = 0; d < tensor.dim(); ++d) sizes[d] = tensor.size(d);
+    const at::Tensor allSizes = maxDim == 0 ? at::zeros({worldSize(), 0}, at::kLong)
+                                            : at::stack(gatherEqual(sizes.to(longs.device()))).cpu();
+    std::vector<std::vector<int64_t>> shapes(worldSize());
+    int64_t maxNumel = 0;
+    bool equal = true;
+    for (int r = 0; r < worldSize(); ++r) {
+      const int64_t dims = headers[r][1].item<int64_t>();
+      int64_t numel = 1;
+      for (int64_t d = 0; d < dims; ++d) {
+        shapes[r].push_back(allSizes[r][d].item<int64_t>());
+        numel *= shapes[r].back();
+      }
+      maxNumel = std::max(maxNumel, numel);
+      equal = equal && shapes[r] == shapes[0];
+    }
+    if (equal && tensor.numel() > 0) return gatherEqual(tensor);
+
+    std::vector<at::Tensor> result;
+    if (maxNumel == 0) {
+      for (const auto& shape : shapes) result.push_back(at::empty(shape, tensor.options()));
+      return result;
+    }
+    at::Tensor padded = at::zeros({maxNumel}, tensor.options());
+    padded.narrow(0, 0, tensor.numel()).copy_(tensor.reshape({-1}));
+    const std::vector<at::Tensor> parts = gatherEqual(padded);
+    for (int r = 0; r < worldSize(); ++r) {
+      const int64_t numel = c10::multiply_integers(shapes[r]);
+      result.push_back(parts[r].narrow(0, 0, numel).view(shapes[r]));
+    }
+    return result;
+  }
+
+  // Runs one collective; a c10d failure becomes one line that names the failed rank when it
+  // reported itself.
+  void guard(const char* collective, const std::function<void()>& body) {
+    try {
+      body();
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& error) {
+      peerLost_ = true;
+      throw Error(ErrorCode::kDistributed, peerFailure(collective, describe(error)));
+    }
+  }
+
+  std::string peerFailure(const char* collective, const std::string& cause) {
+    const auto deadline = Clock::now() + std::min(kFailureLookup, options_.timeout);
+    try {
+      do {
+        for (int r = 0; r < worldSize(); ++r) {
+          if (r == rank() || !store_->check({failedKey(r)})) continue;
+          const std::string message = text(store_->get(failedKey(r)));
+          peerNamed_ = true;
+          store_->add(kFailureSeenKey, 1);
+          return "rank " + std::to_string(r) + " failed: " + message;
+        }
+        std::this_thread::sleep_for(kPollInterval);
+      } while (Clock::now() < deadline);
+    } catch (const std::exception&) {
+      // The store is gone with rank 0: nothing names the rank.
+    }
+    return std::string("lost contact with a peer rank during ") + collective + ": " + cause;
+  }
+
+  GroupOptions options_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Backend> gloo_;
+  c10::intrusive_ptr<c10d::Backend> nccl_;
+  bool peerLost_ = false;   // a collective failed because of a peer
+  bool peerNamed_ = false;  // ... which had reported its failure
+};
+
+std::string masterName(const GroupOptions& options) {
+  return options.masterAddr + ":" + std::to_string(options.masterPort);
+}
+
+c10::intrusive_ptr<c10d::TCPStore> openStore(const GroupOptions& options) {
+  c10d::TCPStoreOptions storeOptions;
+  storeOptions.port = static_cast<uint16_t>(options.masterPort);
+  storeOptions.isServer = options.rank == 0;
+  // The ranks check in through qpipe's own keys (rendezvous below), which also compares the
+  // world sizes; c10d's worker count would only time out.
+  storeOptions.waitWorkers = false;
+  storeOptions.timeout = options.timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(options.masterAddr, storeOptions);
+  } catch (const std::exception& error) {
+    const std::string cause = describe(error);
+    if (options.rank == 0) {
+      QPIPE_REQUIRE(cause.find("EADDRINUSE") == std::string::npos &&
+                        cause.find("ddress already in use") == std::string::npos,
+                    ErrorCode::kDistributed, "MASTER_PORT ", options.masterPort, " on ", options.masterAddr,
+                    " is in use (another run, or a stale process); choose a free port");
+      throw Error(ErrorCode::kDistributed, "cannot start the rendezvous server on " + masterName(options) + ": " + cause);
+    }
+    throw Error(ErrorCode::kDistributed, "cannot reach the master at " + masterName(options) + " within " +
+                                             seconds(options.timeout) + " (is rank 0 running there?)");
+  }
+}
+
+// Rank 0 publishes its world size (the one that counts); the others compare theirs and check
+// in; rank 0 answers once all have, or with the first failure, so every rank fails alike.
+void rendezvous(c10d::Store& store, const GroupOptions& options) {
+  const auto deadline = Clock::now() + options.timeout;
+  if (options.rank == 0) {
+    store.set(kWorldSizeKey, bytes(std::to_string(options.worldSize)));
+    std::vector<int> missing;
+    for (int r = 1; r < options.worldSize; ++r) missing.push_back(r);
+    while (!missing.empty()) {
+      for (int r = 1; r < options.worldSize; ++r) {
+        if (!store.check({failedKey(r)})) continue;
+        const std::string message = "rank " + std::to_string(r) + " failed: " + text(store.get(failedKey(r)));
+        store.set(kReadyKey, bytes(message));
+        throw Error(ErrorCode::kDistributed, message);
+      }
+      std::erase_if(missing, [&](int r) { return store.check({joinedKey(r)}); });
+      if (missing.empty()) break;
+      if (Clock::now() >= deadline) {
+        std::ostringstream message;
+        message << "rank" << (missing.size() > 1 ? "s" : "");
+        for (size_t i = 0; i < missing.size(); ++i) message << (i ? ", " : " ") << missing[i];
+        message << " did not join at " << masterName(options) << " within " << seconds(options.timeout)
+                << " (WORLD_SIZE=" << options.worldSize << ")";
+        store.set(kReadyKey, bytes(message.str()));
+        throw Error(ErrorCode::kDistributed, message.str());
+      }
+      std::this_thread::sleep_for(kPollInterval);
+    }
+    store.set(kReadyKey, bytes(kReadyValue));
+    return;
+  }
+  std::string ready;
+  try {
+    const std::string masterWorld = text(store.get(kWorldSizeKey));
+    if (masterWorld != std::to_string(options.worldSize)) {
+      const std::string message = "WORLD_SIZE mismatch: rank " + std::to_string(options.rank) + " has " +
+                                  std::to_string(options.worldSize) + ", rank 0 has " + masterWorld;
+      store.set(failedKey(options.rank), bytes(message));
+      throw Error(ErrorCode::kDistributed, message);
+    }
+    store.set(joinedKey(options.rank), bytes(kReadyValue));
+    ready = text(store.get(kReadyKey));
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& error) {
+    throw Error(ErrorCode::kDistributed, "rendezvous at " + masterName(options) + " did not complete within " +
+                                             seconds(options.timeout) + ": " + describe(error));
+  }
+  QPIPE_REQUIRE(ready == kReadyValue, ErrorCode::kDistributed, ready);
+}
+
+std::shared_ptr<::gloo::transport::Device> glooDevice(const std::string& masterAddr) {
+  if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME"); interface != nullptr && *interface != '\0') {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(interface);
+  }
+  // Every rank is on this host: loopback works even where the host name resolves to nothing
+  // reachable (a machine with only `lo`).
+  if (isLoopback(masterAddr)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+std::mutex worldMutex;
+std::shared_ptr<ProcessGroup>& worldSlot() {
+  static std::shared_ptr<ProcessGroup> group = ProcessGroup::single();
+  return group;
+}
+
+// A whole-string integer in [min, max], or Error naming the variable.
+int64_t parseInteger(const char* name, const std::string& value, int64_t min, int64_t max) {
+  int64_t parsed = 0;
+  const auto [end, status] = std::from_chars(value.data(), value.data() + value.size(), parsed);
+  QPIPE_REQUIRE(status == std::errc() && end == value.data() + value.size() && parsed >= min && parsed <= max,
+                ErrorCode::kDistributed, name, "='", value, "' is not an integer in [", min, ", ", max, "]");
+  return parsed;
+}
+
+std::optional<std::string> environment(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr) return std::nullopt;
+  return std::string(value);
+}
+
+}  // namespace
+
+std::optional<GroupOptions> optionsFromEnvironment() {
+  const auto rank = environment("RANK");
+  const auto worldSize = environment("WORLD_SIZE");
+  if (!rank && !worldSize) return std::nullopt;
+  QPIPE_REQUIRE(rank, ErrorCode::kDistributed, "WORLD_SIZE is set but RANK is not; set both or neither");
+  QPIPE_REQUIRE(worldSize, ErrorCode::kDistributed, "RANK is set but WORLD_SIZE is not; set both or neither");
+  GroupOptions options;
+  options.worldSize = static_cast<int>(parseInteger("WORLD_SIZE", *worldSize, 1, 1 << 20));
+  options.rank = static_cast<int>(parseInteger("RANK", *rank, 0, 1 << 20));
+  QPIPE_REQUIRE(options.rank < options.worldSize, ErrorCode::kDistributed, "RANK=", options.rank,
+                " is not below WORLD_SIZE=", options.worldSize);
+  if (const auto addr = environment("MASTER_ADDR")) {
+    QPIPE_REQUIRE(!addr->empty(), ErrorCode::kDistributed, "MASTER_ADDR is empty; set it to rank 0's host");
+    options.masterAddr = *addr;
+  }
+  if (const auto port = environment("MASTER_PORT")) {
+    options.masterPort = static_cast<int>(parseInteger("MASTER_PORT", *port, 1, 65535));
+  }
+  if (const auto timeout = environment("QPIPE_DIST_TIMEOUT_S")) {
+    char* end = nullptr;
+    const double secondsValue = std::strtod(timeout->c_str(), &end);
+    QPIPE_REQUIRE(!timeout->empty() && end == timeout->c_str() + timeout->size() && secondsValue > 0 &&
+                      secondsValue <= 86400.0 * 7,
+                  ErrorCode::kDistributed, "QPIPE_DIST_TIMEOUT_S='", *timeout,
+                  "' is not a number of seconds in (0, 604800]");
+    options.timeout = milliseconds(static_cast<int64_t>(secondsValue * 1000.0 + 0.5));
+  }
+  return options;
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::connect(const GroupOptions& options) {
+  QPIPE_REQUIRE(options.worldSize >= 1 && options.rank >= 0 && options.rank < options.worldSize,
+                ErrorCode::kDistributed, "rank ", options.rank, " is not in a world of ", options.worldSize);
+  QPIPE_REQUIRE(options.masterPort >= 1 && options.masterPort <= 65535, ErrorCode::kDistributed, "MASTER_PORT ",
+                options.masterPort, " is not in [1, 65535]");
+  c10::intrusive_ptr<c10d::Store> store = openStore(options);
+  rendezvous(*store, options);
+  c10::intrusive_ptr<c10d::Backend> gloo;
+  try {
+    auto glooOptions = c10d::ProcessGroupGloo::Options::create(options.timeout);
+    glooOptions->devices.push_back(glooDevice(options.masterAddr));
+    gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", store),
+                                                       options.rank, options.worldSize, glooOptions);
+  } catch (const std::exception& error) {
+    throw Error(ErrorCode::kDistributed, "rank " + std::to_string(options.rank) +
+                                             " cannot connect to its peers over Gloo: " + describe(error));
+  }
+  return std::make_shared<C10dGroup>(options, std::move(store), std::move(gloo));
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::single() { return std::make_shared<SingleGroup>(); }
+
+ProcessGroup& world() {
+  std::lock_guard lock(worldMutex);
+  return *worldSlot();
+}
+
+void setWorld(std::shared_ptr<ProcessGroup> group) {
+  std::lock_guard lock(worldMutex);
+  worldSlot() = group ? std::move(group) : ProcessGroup::single();
+}
+
+}  // namespace qpipe::dist
