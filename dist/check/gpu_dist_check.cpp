@@ -41,8 +41,9 @@ int runRank(const qpipe::dist::GroupOptions& options) {
   const at::Device cuda(at::kCUDA, static_cast<c10::DeviceIndex>(rank));
   const at::Tensor base = at::arange(1, 7, at::kFloat).reshape({2, 3}).mul(rank + 1);
 
-  for (const auto [op, name] : {std::pair{ReduceOp::kSum, "sum"}, {ReduceOp::kMax, "max"}, {ReduceOp::kMin, "min"},
-                                {ReduceOp::kProd, "prod"}}) {
+  const std::pair<ReduceOp, const char*> ops[] = {
+      {ReduceOp::kSum, "sum"}, {ReduceOp::kMax, "max"}, {ReduceOp::kMin, "min"}, {ReduceOp::kProd, "prod"}};
+  for (const auto& [op, name] : ops) {
     at::Tensor onGpu = base.to(cuda);
     at::Tensor onCpu = base.clone();
     group->allReduce(onGpu, op);

@@ -3,11 +3,16 @@
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 #include <dlfcn.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
@@ -333,7 +338,45 @@ std::string masterName(const GroupOptions& options) {
   return options.masterAddr + ":" + std::to_string(options.masterPort);
 }
 
+// Waits until rank 0's store accepts connections. c10d's client retries past its timeout and
+// logs every failed attempt with a backtrace; this bounds the wait by the timeout, quietly.
+void waitForMaster(const GroupOptions& options) {
+  const auto deadline = Clock::now() + options.timeout;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  const std::string port = std::to_string(options.masterPort);
+  for (;;) {
+    addrinfo* found = nullptr;
+    if (::getaddrinfo(options.masterAddr.c_str(), port.c_str(), &hints, &found) == 0) {
+      bool reached = false;
+      for (addrinfo* address = found; address != nullptr && !reached; address = address->ai_next) {
+        const int fd = ::socket(address->ai_family, address->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
+                                address->ai_protocol);
+        if (fd < 0) continue;
+        if (::connect(fd, address->ai_addr, address->ai_addrlen) == 0) {
+          reached = true;
+        } else if (errno == EINPROGRESS) {
+          const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count();
+          pollfd waiting{.fd = fd, .events = POLLOUT};
+          int error = 0;
+          socklen_t length = sizeof(error);
+          reached = ::poll(&waiting, 1, static_cast<int>(std::max<int64_t>(left, 0))) == 1 &&
+                    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0 && error == 0;
+        }
+        ::close(fd);
+      }
+      ::freeaddrinfo(found);
+      if (reached) return;
+    }
+    QPIPE_REQUIRE(Clock::now() < deadline, ErrorCode::kDistributed, "cannot reach the master at ",
+                  masterName(options), " within ", seconds(options.timeout), " (is rank 0 running there?)");
+    std::this_thread::sleep_for(kPollInterval * 5);
+  }
+}
+
 c10::intrusive_ptr<c10d::TCPStore> openStore(const GroupOptions& options) {
+  if (options.rank != 0) waitForMaster(options);
   c10d::TCPStoreOptions storeOptions;
   storeOptions.port = static_cast<uint16_t>(options.masterPort);
   storeOptions.isServer = options.rank == 0;

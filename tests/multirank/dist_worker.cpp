@@ -1,0 +1,189 @@
+// qpipe_dist_worker <scenario>: one rank of a multirank test. Joins the group from RANK,
+// WORLD_SIZE, MASTER_ADDR, MASTER_PORT and QPIPE_DIST_TIMEOUT_S, runs the scenario and prints
+// its results, one "name: values" line each. An error prints "error: <message>", is reported to
+// the peers (as qpipe's top-level handler does) and exits with the error's code.
+#include <ATen/Functions.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "qpipe/dist/dist_helper.h"
+#include "qpipe/dist/ops.h"
+#include "qpipe/dist/process_group.h"
+#include "qpipe/error.h"
+#include "qpipe/module.h"
+
+namespace {
+
+using namespace qpipe::dist;
+
+std::string values(const at::Tensor& tensor) {
+  std::ostringstream os;
+  const at::Tensor flat = tensor.to(at::kDouble).reshape({-1});
+  for (int64_t i = 0; i < flat.numel(); ++i) os << (i ? " " : "") << flat[i].item<double>();
+  return os.str();
+}
+
+std::string shape(const at::Tensor& tensor) {
+  std::ostringstream os;
+  for (int64_t d = 0; d < tensor.dim(); ++d) os << (d ? "x" : "") << tensor.size(d);
+  return os.str();
+}
+
+std::string escaped(const std::string& bytes) {
+  std::string out;
+  for (char c : bytes) {
+    if (c == '\0') {
+      out += "\\0";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+void collectives() {
+  ProcessGroup& group = world();
+  const int rank = group.rank();
+  const int world = group.worldSize();
+  const float r1 = static_cast<float>(rank + 1);
+  const at::Tensor v = at::tensor({r1, 2 * r1, -r1});
+  const std::pair<SyncOp, const char*> ops[] = {
+      {SyncOp::kMin, "min"}, {SyncOp::kMax, "max"}, {SyncOp::kSum, "sum"}, {SyncOp::kProd, "prod"}, {SyncOp::kMean, "mean"}};
+  for (const auto& [op, name] : ops) {
+    at::Tensor t = v.clone();
+    syncBaseOperation(t, op);
+    std::cout << name << ": " << values(t) << "\n";
+  }
+  // A non-contiguous tensor is reduced in place all the same.
+  at::Tensor strided = at::stack({v, v}, 1).select(1, 0);
+  group.allReduce(strided, ReduceOp::kSum);
+  std::cout << "strided sum: " << values(strided) << "\n";
+
+  // Rank r holds (r+1) x 2 values 10r, 10r+1, ...
+  const at::Tensor rows = at::arange(2 * (rank + 1), at::kFloat).reshape({rank + 1, 2}).add(10 * rank);
+  const auto gathered = syncGatherTensors(rows, /*variableShapes=*/true);
+  for (size_t r = 0; r < gathered.size(); ++r) {
+    std::cout << "gather " << r << ": " << shape(gathered[r]) << " " << values(gathered[r]) << "\n";
+  }
+  const auto same = syncGatherTensors(at::full({2}, static_cast<int64_t>(rank), at::kLong));
+  std::cout << "gather equal:";
+  for (const at::Tensor& t : same) std::cout << " " << values(t);
+  std::cout << "\n";
+
+  // Rank r holds r tensors (rank 0 none), tensor i of shape (i+1) filled with 100r + i.
+  std::vector<at::Tensor> list;
+  for (int i = 0; i < rank; ++i) list.push_back(at::full({i + 1}, static_cast<float>(100 * rank + i)));
+  std::cout << "lists:";
+  for (const at::Tensor& t : syncGatherTensorLists(list)) std::cout << " " << shape(t) << "=" << values(t[0]);
+  std::cout << "\n";
+
+  // Seven samples dealt round-robin; sample i has i%3+1 values equal to i.
+  std::vector<at::Tensor> samples;
+  for (int i = rank; i < 7; i += world) samples.push_back(at::full({i % 3 + 1}, static_cast<float>(i)));
+  std::cout << "sample order:";
+  for (const at::Tensor& t : gatherInSampleOrder(samples)) std::cout << " " << shape(t) << "=" << values(t[0]);
+  std::cout << "\n";
+
+  at::Tensor broadcast = at::full({3}, static_cast<double>(rank + 10), at::kDouble);
+  group.broadcast(broadcast, world - 1);
+  std::cout << "broadcast: " << values(broadcast) << "\n";
+
+  const auto bytes = group.allGatherBytes("rank" + std::to_string(rank) + std::string(rank, '\0') + "\n");
+  std::cout << "bytes:";
+  for (const std::string& b : bytes) std::cout << " " << escaped(b);
+  std::cout << "\n";
+  group.barrier();
+  std::cout << "done" << std::endl;
+}
+
+// Every rank holds model.layers.0.{self_attn,mlp.experts.0}; the last rank also holds
+// mlp.experts.1 (an expert-parallel expert).
+void distHelper() {
+  auto root = std::make_shared<qpipe::Module>("Model");
+  auto layer = std::make_shared<qpipe::Module>("Layer");
+  auto mlp = std::make_shared<qpipe::Module>("Mlp");
+  auto experts = std::make_shared<qpipe::Module>("Experts");
+  experts->addChild("0", std::make_shared<qpipe::Module>("Expert"));
+  if (world().rank() == world().worldSize() - 1) experts->addChild("1", std::make_shared<qpipe::Module>("Expert"));
+  mlp->addChild("experts", experts);
+  layer->addChild("self_attn", std::make_shared<qpipe::Module>("Attention"));
+  layer->addChild("mlp", mlp);
+  auto layers = std::make_shared<qpipe::Module>("Layers");
+  layers->addChild("0", layer);
+  auto model = std::make_shared<qpipe::Module>("Body");
+  model->addChild("layers", layers);
+  root->addChild("model", model);
+
+  const DistHelper helper(*layer, "model.layers.0");
+  for (const std::string name : {"model.layers.0", "model.layers.0.self_attn", "model.layers.0.mlp.experts.0",
+                                 "model.layers.0.mlp.experts.1", "model.layers.0.mlp.experts.2"}) {
+    std::cout << name << ": shared " << helper.isShared(name) << " local " << helper.isLocal(name) << " localOnly "
+              << helper.isLocalOnly(name) << "\n";
+  }
+  std::cout << "slice:";
+  for (const std::string& name : helper.sharedModulesSlice("model.layers.0.mlp")) std::cout << " " << name;
+  std::cout << "\n";
+  std::cout << "done" << std::endl;
+}
+
+// The last rank fails in its own code while the others wait in a collective.
+void peerFails(bool report) {
+  ProcessGroup& group = world();
+  if (group.rank() == group.worldSize() - 1) {
+    if (!report) ::raise(SIGKILL);
+    throw qpipe::Error(qpipe::ErrorCode::kInput, "layer 3: calibration sample 7 is empty");
+  }
+  at::Tensor t = at::ones({4});
+  group.allReduce(t, ReduceOp::kSum);
+  std::cout << "unexpected: " << values(t) << std::endl;
+}
+
+// Rank 0, which hosts the store, fails after the first collective.
+void masterFails() {
+  ProcessGroup& group = world();
+  at::Tensor t = at::ones({4});
+  group.allReduce(t, ReduceOp::kSum);
+  if (group.rank() == 0) throw qpipe::Error(qpipe::ErrorCode::kIo, "cannot write shard 2: disk full");
+  group.allReduce(t, ReduceOp::kSum);
+  std::cout << "unexpected: " << values(t) << std::endl;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string scenario = argc > 1 ? argv[1] : "";
+  try {
+    const auto options = optionsFromEnvironment();
+    QPIPE_REQUIRE(options, qpipe::ErrorCode::kUsage, "RANK and WORLD_SIZE are not set");
+    setWorld(ProcessGroup::connect(*options));
+    std::cout << "connected: rank " << world().rank() << " of " << world().worldSize() << std::endl;
+    if (scenario == "connect") {
+      world().barrier();
+    } else if (scenario == "collectives") {
+      collectives();
+    } else if (scenario == "dist_helper") {
+      distHelper();
+    } else if (scenario == "peer_reports") {
+      peerFails(true);
+    } else if (scenario == "peer_killed") {
+      peerFails(false);
+    } else if (scenario == "master_fails") {
+      masterFails();
+    } else {
+      throw qpipe::Error(qpipe::ErrorCode::kUsage, "unknown scenario '" + scenario + "'");
+    }
+    return 0;
+  } catch (const qpipe::Error& e) {
+    std::cout << "error: " << e.what() << std::endl;
+    world().reportFailure(e.what());
+    return static_cast<int>(e.code());
+  }
+}

@@ -1,0 +1,289 @@
+// Real ranks over Gloo on loopback: each test launches qpipe_dist_worker once per rank with
+// the torchrun variables and checks every rank's output (tests/multirank/dist_worker.cpp).
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "test_helpers.h"
+
+extern char** environ;
+
+namespace qpipe::test {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct RankResult {
+  int exitCode = -1;  // -1: killed by a signal
+  std::string out;
+  double seconds = 0;  // from the launch to its exit
+};
+
+// A port nobody listens on now (the kernel's choice for port 0).
+int freePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  socklen_t length = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+struct Launch {
+  std::string scenario;
+  int port = 0;
+  std::vector<int> ranks;       // which ranks to start
+  std::vector<int> worldSizes;  // WORLD_SIZE of each started rank
+  std::string timeoutSeconds = "10";
+};
+
+// Starts the ranks, waits for all (killing them after 60 s) and returns their results.
+std::vector<RankResult> run(const Launch& launch) {
+  const auto dir = testDir();
+  std::vector<std::string> inherited;
+  for (char** variable = environ; *variable != nullptr; ++variable) {
+    const std::string entry = *variable;
+    const std::string name = entry.substr(0, entry.find('='));
+    if (name != "RANK" && name != "WORLD_SIZE" && name != "MASTER_ADDR" && name != "MASTER_PORT" &&
+        name != "QPIPE_DIST_TIMEOUT_S" && name != "OMP_NUM_THREADS") {
+      inherited.push_back(entry);
+    }
+  }
+  const auto start = Clock::now();
+  std::vector<pid_t> pids;
+  for (size_t i = 0; i < launch.ranks.size(); ++i) {
+    std::vector<std::string> env = inherited;
+    env.push_back("RANK=" + std::to_string(launch.ranks[i]));
+    env.push_back("WORLD_SIZE=" + std::to_string(launch.worldSizes[i]));
+    env.push_back("MASTER_ADDR=127.0.0.1");
+    env.push_back("MASTER_PORT=" + std::to_string(launch.port));
+    env.push_back("QPIPE_DIST_TIMEOUT_S=" + launch.timeoutSeconds);
+    env.push_back("OMP_NUM_THREADS=1");
+    std::vector<char*> envp;
+    for (std::string& entry : env) envp.push_back(entry.data());
+    envp.push_back(nullptr);
+    std::string worker = QPIPE_DIST_WORKER;
+    std::string scenario = launch.scenario;
+    char* argv[] = {worker.data(), scenario.data(), nullptr};
+    const std::string out = (dir / ("rank" + std::to_string(launch.ranks[i]) + ".out")).string();
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, (out + ".err").c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                     0644);
+    pid_t pid = 0;
+    EXPECT_EQ(::posix_spawn(&pid, worker.c_str(), &actions, nullptr, argv, envp.data()), 0);
+    posix_spawn_file_actions_destroy(&actions);
+    pids.push_back(pid);
+  }
+  std::vector<RankResult> results(pids.size());
+  std::vector<bool> done(pids.size(), false);
+  for (size_t finished = 0; finished < pids.size();) {
+    for (size_t i = 0; i < pids.size(); ++i) {
+      int status = 0;
+      if (done[i] || ::waitpid(pids[i], &status, WNOHANG) != pids[i]) continue;
+      done[i] = true;
+      ++finished;
+      results[i].exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      results[i].seconds = std::chrono::duration<double>(Clock::now() - start).count();
+      results[i].out = slurp(dir / ("rank" + std::to_string(launch.ranks[i]) + ".out"));
+    }
+    if (Clock::now() - start > std::chrono::seconds(60)) {
+      ADD_FAILURE() << "ranks still running after 60 s; killed";
+      for (size_t i = 0; i < pids.size(); ++i) {
+        if (!done[i]) ::kill(pids[i], SIGKILL);
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return results;
+}
+
+Launch world(const std::string& scenario, int size) {
+  Launch launch{.scenario = scenario, .port = freePort()};
+  for (int r = 0; r < size; ++r) {
+    launch.ranks.push_back(r);
+    launch.worldSizes.push_back(size);
+  }
+  return launch;
+}
+
+std::string connected(int rank, int size) {
+  return "connected: rank " + std::to_string(rank) + " of " + std::to_string(size) + "\n";
+}
+
+template <typename... Values>
+std::string line(const std::string& name, const Values&... values) {
+  std::ostringstream os;
+  os << name << ":";
+  ((os << " " << values), ...);
+  os << "\n";
+  return os.str();
+}
+
+// Every result below is worked out by hand from what each rank holds.
+std::string expectedCollectives(int w) {
+  const double s = w * (w + 1) / 2.0;
+  double factorial = 1;
+  for (int k = 2; k <= w; ++k) factorial *= k;
+  std::string text;
+  text += line("min", 1, 2, -w);
+  text += line("max", w, 2 * w, -1);
+  text += line("sum", s, 2 * s, -s);
+  text += line("prod", factorial, (1 << w) * factorial, (w % 2 ? -1 : 1) * factorial);
+  text += line("mean", s / w, 2 * s / w, -s / w);
+  text += line("strided sum", s, 2 * s, -s);
+  for (int r = 0; r < w; ++r) {
+    std::ostringstream os;
+    os << "gather " << r << ": " << r + 1 << "x2";
+    for (int k = 0; k < 2 * (r + 1); ++k) os << " " << 10 * r + k;
+    text += os.str() + "\n";
+  }
+  std::ostringstream equal;
+  equal << "gather equal:";
+  for (int r = 0; r < w; ++r) equal << " " << r << " " << r;
+  text += equal.str() + "\n";
+  std::ostringstream lists;
+  lists << "lists:";
+  for (int r = 0; r < w; ++r) {
+    for (int i = 0; i < r; ++i) lists << " " << i + 1 << "=" << 100 * r + i;
+  }
+  text += lists.str() + "\n";
+  text += "sample order: 1=0 2=1 3=2 1=3 2=4 3=5 1=6\n";
+  text += line("broadcast", w + 9, w + 9, w + 9);
+  std::ostringstream bytes;
+  bytes << "bytes:";
+  for (int r = 0; r < w; ++r) {
+    bytes << " rank" << r;
+    for (int k = 0; k < r; ++k) bytes << "\\0";
+    bytes << "\\n";
+  }
+  text += bytes.str() + "\n";
+  return text + "done\n";
+}
+
+class Multirank : public ::testing::TestWithParam<int> {};
+
+TEST_P(Multirank, CollectivesAndDistOps) {
+  const int w = GetParam();
+  const auto results = run(world("collectives", w));
+  for (int r = 0; r < w; ++r) {
+    EXPECT_EQ(results[r].exitCode, 0) << "rank " << r << ":\n" << results[r].out;
+    EXPECT_EQ(results[r].out, connected(r, w) + expectedCollectives(w)) << "rank " << r;
+  }
+}
+
+TEST_P(Multirank, DistHelperSharedAndLocalOnly) {
+  const int w = GetParam();
+  const auto results = run(world("dist_helper", w));
+  // The sorted shared names under the mlp: mlp, mlp.experts, mlp.experts.0, dealt [rank::w].
+  const std::vector<std::string> names{"model.layers.0.mlp", "model.layers.0.mlp.experts",
+                                       "model.layers.0.mlp.experts.0"};
+  for (int r = 0; r < w; ++r) {
+    const bool last = r == w - 1;
+    std::string expected = connected(r, w);
+    expected += "model.layers.0: shared 1 local 1 localOnly 0\n";
+    expected += "model.layers.0.self_attn: shared 1 local 1 localOnly 0\n";
+    expected += "model.layers.0.mlp.experts.0: shared 1 local 1 localOnly 0\n";
+    expected += std::string("model.layers.0.mlp.experts.1: shared 0 local ") + (last ? "1 localOnly 1\n" : "0 localOnly 0\n");
+    expected += "model.layers.0.mlp.experts.2: shared 0 local 0 localOnly 0\n";
+    expected += "slice:";
+    for (size_t i = r; i < names.size(); i += w) expected += " " + names[i];
+    expected += "\ndone\n";
+    EXPECT_EQ(results[r].exitCode, 0) << "rank " << r;
+    EXPECT_EQ(results[r].out, expected) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Multirank, ::testing::Values(2, 3), [](const auto& info) {
+  return std::to_string(info.param) + "ranks";
+});
+
+TEST(MultirankErrors, PortInUse) {
+  // The test holds the port, listening, as another run would.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_ANY);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(::listen(fd, 1), 0);
+  socklen_t length = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  Launch launch{.scenario = "connect", .port = ntohs(address.sin_port), .ranks = {0}, .worldSizes = {2}};
+  const auto results = run(launch);
+  ::close(fd);
+  EXPECT_EQ(results[0].exitCode, 7);
+  EXPECT_EQ(results[0].out, "error: MASTER_PORT " + std::to_string(launch.port) +
+                                " on 127.0.0.1 is in use (another run, or a stale process); choose a free port\n");
+}
+
+// Bounded by the timeout itself (c10d's own client would retry past it).
+TEST(MultirankErrors, MasterUnreachable) {
+  Launch launch{.scenario = "connect", .port = freePort(), .ranks = {1}, .worldSizes = {2}, .timeoutSeconds = "2"};
+  const auto results = run(launch);
+  EXPECT_EQ(results[0].exitCode, 7);
+  EXPECT_EQ(results[0].out, "error: cannot reach the master at 127.0.0.1:" + std::to_string(launch.port) +
+                                " within 2 s (is rank 0 running there?)\n");
+  EXPECT_LT(results[0].seconds, 4.0);
+}
+
+TEST(MultirankErrors, WorldSizeMismatchFailsEveryRank) {
+  Launch launch{.scenario = "connect", .port = freePort(), .ranks = {0, 1}, .worldSizes = {2, 3}};
+  const auto results = run(launch);
+  const std::string mismatch = "WORLD_SIZE mismatch: rank 1 has 3, rank 0 has 2";
+  EXPECT_EQ(results[0].exitCode, 7);
+  EXPECT_EQ(results[0].out, "error: rank 1 failed: " + mismatch + "\n");
+  EXPECT_EQ(results[1].exitCode, 7);
+  EXPECT_EQ(results[1].out, "error: " + mismatch + "\n");
+}
+
+// The timeout is 10 s: a rank that waits for it instead of seeing its peer go has failed.
+TEST(MultirankErrors, PeerThatReportsIsNamed) {
+  const auto results = run(world("peer_reports", 3));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].exitCode, 7) << "rank " << r;
+    EXPECT_EQ(results[r].out, connected(r, 3) + "error: rank 2 failed: layer 3: calibration sample 7 is empty\n");
+    EXPECT_LT(results[r].seconds, 10.0) << "rank " << r;
+  }
+  EXPECT_EQ(results[2].exitCode, 5);
+  EXPECT_EQ(results[2].out, connected(2, 3) + "error: layer 3: calibration sample 7 is empty\n");
+}
+
+TEST(MultirankErrors, MasterThatReportsIsNamed) {
+  const auto results = run(world("master_fails", 2));
+  EXPECT_EQ(results[0].exitCode, 6);
+  EXPECT_EQ(results[0].out, connected(0, 2) + "error: cannot write shard 2: disk full\n");
+  EXPECT_EQ(results[1].exitCode, 7);
+  EXPECT_EQ(results[1].out, connected(1, 2) + "error: rank 0 failed: cannot write shard 2: disk full\n");
+  EXPECT_LT(results[1].seconds, 10.0);
+}
+
+TEST(MultirankErrors, KilledPeerIsLostContact) {
+  const auto results = run(world("peer_killed", 2));
+  EXPECT_EQ(results[1].exitCode, -1);
+  EXPECT_EQ(results[0].exitCode, 7);
+  const std::string expected = connected(0, 2) + "error: lost contact with a peer rank during allReduce: ";
+  EXPECT_EQ(results[0].out.substr(0, expected.size()), expected) << results[0].out;
+  EXPECT_EQ(std::count(results[0].out.begin(), results[0].out.end(), '\n'), 2) << results[0].out;
+  EXPECT_LT(results[0].seconds, 10.0);
+}
+
+}  // namespace
+}  // namespace qpipe::test
