@@ -1,6 +1,9 @@
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
@@ -8,11 +11,15 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <optional>
+#include <thread>
 
 #include "commands.h"
+#include "launch.h"
 #include "plugin_options.h"
 #include "qpipe/dataset.h"
 #include "qpipe/device.h"
+#include "qpipe/dist/process_group.h"
 #include "qpipe/error.h"
 #include "qpipe/log.h"
 #include "qpipe/model.h"
@@ -42,8 +49,91 @@ struct QuantOptions {
   std::string calibData;
   int64_t calibSamples = 128;
   int64_t seqLen = 512;
+  std::optional<double> distTimeoutSeconds;  // unset: QPIPE_DIST_TIMEOUT_S, else 60
+  std::optional<int> threadsPerRank;         // unset: the cores shared among this host's ranks
   PluginOptions plugins;
 };
+
+// Where this process stands: alone, the parent of local ranks, or one rank of a group.
+struct Role {
+  std::optional<dist::GroupOptions> group;  // set for a rank
+  int worldSize = 1;                        // ranks of the run (the launcher's children for a parent)
+  bool launcher = false;
+  int localRank = 0;
+  int localWorldSize = 1;
+};
+
+std::optional<int> intFromEnvironment(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  try {
+    size_t end = 0;
+    const int parsed = std::stoi(value, &end);
+    if (end == std::string(value).size() && parsed >= 0) return parsed;
+  } catch (const std::exception&) {
+  }
+  throw Error(ErrorCode::kDistributed, detail::concat(name, " '", value, "' is not a non-negative integer"));
+}
+
+Role roleOf(const QuantOptions& options, const DeviceList& devices) {
+  Role role;
+  role.group = dist::optionsFromEnvironment();
+  if (role.group && role.group->worldSize <= 1) role.group.reset();  // a group of one is the one-process path
+  if (!role.group) {
+    role.launcher = devices.ranks() > 1;
+    role.worldSize = devices.ranks();
+    return role;
+  }
+  if (options.distTimeoutSeconds) {
+    role.group->timeout = std::chrono::milliseconds(static_cast<int64_t>(*options.distTimeoutSeconds * 1000));
+  }
+  role.worldSize = role.group->worldSize;
+  role.localRank = intFromEnvironment("LOCAL_RANK").value_or(role.group->rank);
+  // The ranks sharing this host's cores: LOCAL_WORLD_SIZE (torchrun, our launcher), else the
+  // --device list, else every rank.
+  role.localWorldSize =
+      intFromEnvironment("LOCAL_WORLD_SIZE").value_or(devices.ranks() > 1 ? devices.ranks() : role.group->worldSize);
+  role.localWorldSize = std::max(1, role.localWorldSize);
+  return role;
+}
+
+std::chrono::milliseconds distTimeout(const QuantOptions& options) {
+  if (options.distTimeoutSeconds) {
+    return std::chrono::milliseconds(static_cast<int64_t>(*options.distTimeoutSeconds * 1000));
+  }
+  // optionsFromEnvironment reads QPIPE_DIST_TIMEOUT_S; it needs RANK and WORLD_SIZE to answer.
+  if (const char* seconds = std::getenv("QPIPE_DIST_TIMEOUT_S"); seconds != nullptr && *seconds != '\0') {
+    try {
+      size_t end = 0;
+      const double value = std::stod(seconds, &end);
+      if (end == std::string(seconds).size() && value > 0) {
+        return std::chrono::milliseconds(static_cast<int64_t>(value * 1000));
+      }
+    } catch (const std::exception&) {
+    }
+    throw Error(ErrorCode::kDistributed,
+                detail::concat("QPIPE_DIST_TIMEOUT_S '", seconds, "' is not a positive number of seconds"));
+  }
+  return std::chrono::seconds(60);
+}
+
+// The device of this process: the --device entry at its local rank; for a bare `cuda` on a
+// rank, GPU LOCAL_RANK.
+c10::Device rankDevice(const DeviceList& devices, const Role& role) {
+  if (devices.type == c10::DeviceType::CPU) return c10::Device(c10::kCPU);
+  if (devices.indices.empty()) return parseDevice(role.group ? "cuda:" + std::to_string(role.localRank) : "cuda");
+  QPIPE_REQUIRE(role.localRank < static_cast<int>(devices.indices.size()), ErrorCode::kUsage, "--device '",
+                devices.text, "' lists ", devices.indices.size(), " devices for local rank ", role.localRank,
+                "; list one per rank on this host (e.g. cuda:0,1) or give cuda (GPU LOCAL_RANK)");
+  return parseDevice("cuda:" + std::to_string(devices.indices[role.localRank]));
+}
+
+// The cores this process may run on (its affinity mask), at least 1.
+int usableCores() {
+  cpu_set_t set;
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
 
 // A folder shipped with qpipe (configs/, data/): $QPIPE_HOME/<name>, else the source tree this
 // binary was built from.
@@ -99,34 +189,87 @@ void quantize(const QuantOptions& options) {
   const fs::path modelDir = options.modelPath;
   QPIPE_REQUIRE(fs::is_directory(modelDir), ErrorCode::kInput, "--model_path '", options.modelPath,
                 "' is not a folder");
-  QPIPE_REQUIRE(options.device.find(',') == std::string::npos, ErrorCode::kUsage, "--device '", options.device,
-                "': several devices (multi-rank) are not supported yet; give one, e.g. cpu or cuda:0");
-  const c10::Device device = parseDevice(options.device);
-  if (options.trustRemoteCode) logger->info("--trust_remote_code: qpipe runs no model code from the checkpoint");
+  const DeviceList devices = parseDeviceList(options.device);
+  const Role role = roleOf(options, devices);
+  const int rank = role.group ? role.group->rank : 0;
+  if (role.group) {
+    markRank(rank, role.worldSize);
+    log::setRank(rank, role.worldSize);
+  }
+  if (options.trustRemoteCode && rank == 0) {
+    logger->info("--trust_remote_code: qpipe runs no model code from the checkpoint");
+  }
 
-  // Everything about the pipeline is checked before the model is touched.
+  // Everything about the pipeline is checked before the model is touched (and, for a multi-rank
+  // run, before any rank starts).
   ProcessorRegistry registry;
   PluginLoader loader(registry);
   loadPlugins(options.plugins, loader);
   const Pipeline pipeline = loadPipeline(resolvePipeline(options, modelDir), registry);
-  auto processors = buildProcessors(pipeline, registry, {.logger = logger});
+  auto processors = buildProcessors(pipeline, registry, {.logger = logger, .rank = rank, .worldSize = role.worldSize});
+  if (role.worldSize > 1) {
+    for (size_t i = 0; i < processors.size(); ++i) {
+      QPIPE_REQUIRE(processors[i]->supportDistributed(), ErrorCode::kUsage, pipeline.process[i].path, " (",
+                    pipeline.process[i].type, ") does not support multi-rank runs; use one device");
+    }
+  }
   const SaverOptions saving = saverOptions(pipeline);
   const fs::path calibData = !options.calibData.empty()  ? fs::path(options.calibData)
                              : !pipeline.dataset.empty() ? fs::path(pipeline.dataset)
                                                          : resourceDir("data") / "calib.jsonl";
 
+  if (role.launcher) {
+    launchRanks({.worldSize = role.worldSize, .timeout = distTimeout(options), .savePath = options.savePath});
+    return;
+  }
+
+  const c10::Device device = rankDevice(devices, role);
+  if (device.is_cuda()) c10::impl::getDeviceGuardImpl(device.type())->setDevice(device);
+  if (role.group || options.threadsPerRank) {
+    const int threads = options.threadsPerRank.value_or(std::max(1, usableCores() / role.localWorldSize));
+    at::set_num_threads(threads);  // intra-op pool and OpenMP
+    logger->info("device ", device.str(), ", ", threads, " threads");
+  }
+  if (role.group) {
+    const auto joined = std::chrono::steady_clock::now();
+    dist::setWorld(dist::ProcessGroup::connect(*role.group));
+    logger->debug("joined ", role.worldSize, " ranks through ", role.group->masterAddr, ":", role.group->masterPort,
+                  " in ", std::chrono::duration<double>(std::chrono::steady_clock::now() - joined).count(), " s");
+  }
+  dist::ProcessGroup& world = dist::world();
+
   auto model = CausalLM::open(modelDir, {.dtype = at::kFloat, .device = device});
-  auto saver = CheckpointSaver::create(saving, *model, options.savePath);
+  // Rank 0 alone saves: after each layer's syncs every rank holds the same quantized layer.
+  std::unique_ptr<CheckpointSaver> saver;
+  if (rank == 0) saver = CheckpointSaver::create(saving, *model, options.savePath);
   const Tokenizer tokenizer = Tokenizer::fromFile(modelDir / "tokenizer.json");
   const std::vector<at::Tensor> samples =
       calibrationSamples(calibData, tokenizer, options.calibSamples, options.seqLen);
-  logger->info("calibration: ", samples.size(), " samples x ", options.seqLen, " tokens from ", calibData.string());
+  const std::vector<at::Tensor> share = rankShare(samples, rank, role.worldSize);
+  if (role.worldSize > 1) {
+    logger->info("calibration: ", share.size(), " of ", samples.size(), " samples x ", options.seqLen, " tokens from ",
+                 calibData.string());
+    if (share.empty()) {
+      logger->warn("no calibration sample for this rank: ", samples.size(), " samples for ", role.worldSize,
+                   " ranks; give --calib_samples ", role.worldSize, " or more");
+    }
+  } else {
+    logger->info("calibration: ", samples.size(), " samples x ", options.seqLen, " tokens from ", calibData.string());
+  }
 
   QuantReport report;
-  LayerWiseRunner runner(*model, processors, {.report = &report});
-  runner.run(samples,
-             [&](int64_t index, const std::string& name, Module& layer) { saver->writeLayer(index, name, layer); });
-  saver->addFile("quant_report.json", report.toJson());
+  LayerWiseRunner runner(*model, processors,
+                         {.rank = rank, .worldSize = role.worldSize, .report = rank == 0 ? &report : nullptr});
+  runner.run(share, [&](int64_t index, const std::string& name, Module& layer) {
+    if (saver) saver->writeLayer(index, name, layer);
+    // Lock-step per layer: no rank runs ahead of rank 0's writing by more than one layer, so
+    // every wait stays well inside the collective timeout.
+    if (role.worldSize > 1) world.barrier();
+  });
+  if (saver) saver->addFile("quant_report.json", report.toJson());
+  // The directory appears only once every rank got through every layer.
+  world.barrier();
+  if (!saver) return;
   saver->finish();
 
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -149,7 +292,16 @@ Subcommand setupQuant(CLI::App& parent) {
   auto* configPath = app->add_option("--config_path", options->configPath, "Pipeline YAML instead of --quant_type");
   quantType->excludes(configPath);
   configPath->excludes(quantType);
-  app->add_option("--device", options->device, "cpu, cuda or cuda:N")->capture_default_str();
+  app->add_option("--device", options->device,
+                  "cpu, cuda, cuda:N, or several for one rank each: cpu:0,1,2,3, cuda:0,1 (docs/multirank.md)")
+      ->capture_default_str();
+  app->add_option("--dist_timeout", options->distTimeoutSeconds,
+                  "Seconds a multi-rank run waits for a rendezvous or a collective; default "
+                  "QPIPE_DIST_TIMEOUT_S, else 60")
+      ->check(CLI::PositiveNumber);
+  app->add_option("--threads_per_rank", options->threadsPerRank,
+                  "Intra-op (and OpenMP) threads of each rank; default: the cores divided among this host's ranks")
+      ->check(CLI::Range(1, 4096));
   app->add_flag("--trust_remote_code", options->trustRemoteCode, "Accepted for msmodelslim compatibility");
   app->add_option("--calib_data", options->calibData,
                   "Calibration texts (.jsonl/.json/.txt); default: the pipeline's dataset, else data/calib.jsonl");

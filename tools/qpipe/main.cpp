@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "launch.h"
 #include "qpipe/error.h"
 #include "qpipe/log.h"
 
@@ -27,6 +28,7 @@ std::string usageMessage(CLI::App& app, const CLI::ParseError& e) {
 
 int main(int argc, char** argv) {
   using namespace qpipe;
+  cli::setCommandLine(argc, argv);
   CLI::App app{"qpipe: compress large language models with pipelines of processor plugins", "qpipe"};
   app.require_subcommand(1);
   app.fallthrough();
@@ -34,12 +36,8 @@ int main(int argc, char** argv) {
   app.add_option("--log_level", logLevel, "Log verbosity: trace, debug, info, warn, error, off")->capture_default_str();
 
   const std::vector<cli::Subcommand> subcommands{
-      cli::setupCheck(app),
-      cli::setupConvert(app),
-      cli::setupEval(app),
-      cli::setupPlugins(app),
-      cli::setupQuant(app),
-      cli::setupVersion(app),
+      cli::setupCheck(app),   cli::setupConvert(app), cli::setupEval(app),
+      cli::setupPlugins(app), cli::setupQuant(app),   cli::setupVersion(app),
   };
 
   try {
@@ -58,14 +56,14 @@ int main(int argc, char** argv) {
     for (const auto& subcommand : subcommands) {
       if (subcommand.app->parsed()) subcommand.run();
     }
+  } catch (const cli::Interrupted& e) {
+    log::shutdown();
+    std::cerr << "qpipe: " << e.what() << "\n";
+    return cli::kInterruptedExitCode;
   } catch (const Error& e) {
-    log::shutdown();
-    std::cerr << "qpipe: " << errorCodeName(e.code()) << ": " << e.what() << "\n";
-    return static_cast<int>(e.code());
+    return cli::reportFailure(e.code(), e.what());
   } catch (const std::exception& e) {
-    log::shutdown();
-    std::cerr << "qpipe: " << errorCodeName(ErrorCode::kInternal) << ": " << e.what() << "\n";
-    return static_cast<int>(ErrorCode::kInternal);
+    return cli::reportFailure(ErrorCode::kInternal, e.what());
   }
   log::shutdown();
   return 0;
