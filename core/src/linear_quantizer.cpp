@@ -30,30 +30,47 @@ at::Tensor LinearQuantizer::forward(const at::Tensor& input) {
     fakeWeight_ = quant::dequantize(qweight_, weightParams_, config_.weight.scheme).to(dtype_);
   }
   at::Tensor x = input;
-  if (minMax_) {
-    minMax_->update(x);
-    x = quant::fakeQuantize(x, minMax_->qparams(), config_.act.scheme);
-  } else if (histogram_) {
-    histogram_->update(x);
+  if (observes()) {
+    if (!frozen_) {
+      if (minMax_) minMax_->update(x);
+      if (histogram_) histogram_->update(x);
+    } else if (actParams_) {
+      x = quant::fakeQuantize(x, *actParams_, config_.act.scheme);
+    }
+    // Frozen without parameters: no calibration data reached this module in the observing
+    // forward; deploy() reports it by name.
   } else if (config_.act.enabled()) {
     x = quant::fakeQuantize(x, quant::computeQParams(x, config_.act.scheme), config_.act.scheme);
   }
   return at::linear(x, fakeWeight_, bias_);
 }
 
+void LinearQuantizer::freeze() {
+  frozen_ = true;
+  actParams_.reset();
+  std::optional<quant::QParams> params;
+  if (minMax_ && !minMax_->empty()) params = minMax_->qparams();
+  if (histogram_ && !histogram_->empty()) params = histogram_->qparams();
+  if (params) {
+    // The observer's state may have come back from a cross-rank sync on the CPU.
+    const at::Device device = qweight_.device();
+    actParams_ = quant::QParams{params->scale.to(device), params->zeroPoint.to(device)};
+  }
+}
+
 bool LinearQuantizer::calibrated() const {
-  return (!minMax_ || !minMax_->empty()) && (!histogram_ || !histogram_->empty());
+  return !observes() || actParams_.has_value();
 }
 
 std::optional<ActivationQuant> LinearQuantizer::activationQuant() const {
   const quant::QConfig& act = config_.act;
   if (!act.enabled()) return std::nullopt;
-  if (minMax_) return ActivationQuant{act.scheme, minMax_->qparams()};
-  if (histogram_) return ActivationQuant{act.scheme, histogram_->qparams()};
+  if (observes()) return ActivationQuant{act.scheme, *actParams_};
   return ActivationQuant{act.scheme, {}};
 }
 
 std::shared_ptr<QuantLinear> LinearQuantizer::deploy(const std::string& name) const {
+  QPIPE_CHECK(!observes() || frozen_, name, ": deploy() before freeze(): the static activation parameters are not fixed");
   QPIPE_REQUIRE(calibrated(), ErrorCode::kInput, name,
                 ": no calibration data reached this module, so its static activation scale is unknown; "
                 "add calibration samples or exclude it");

@@ -32,9 +32,8 @@ void MinMaxObserver::update(const at::Tensor& x) {
     batch.min = min;
     batch.max = max;
   } else {
-    // msmodelslim averages per-batch extremes in float64.
-    batch.sumMin = min.to(at::kDouble);
-    batch.sumMax = max.to(at::kDouble);
+    batch.batchMin.push_back(min);
+    batch.batchMax.push_back(max);
   }
   batch.batches = 1;
   merge(batch);
@@ -52,11 +51,14 @@ void MinMaxObserver::merge(const State& other) {
     state_.min = at::minimum(state_.min, other.min);
     state_.max = at::maximum(state_.max, other.max);
   } else {
-    QPIPE_CHECK(other.sumMin.defined() && other.sumMin.sizes() == state_.sumMin.sizes(),
-                "minmax observer: merging shape ", other.sumMin.defined() ? other.sumMin.sizes() : at::IntArrayRef{},
-                " into ", state_.sumMin.sizes());
-    state_.sumMin = state_.sumMin + other.sumMin;
-    state_.sumMax = state_.sumMax + other.sumMax;
+    QPIPE_CHECK(other.batchMin.size() == static_cast<size_t>(other.batches) &&
+                    other.batchMax.size() == other.batchMin.size() &&
+                    other.batchMin.front().sizes() == state_.batchMin.front().sizes(),
+                "minmax observer: merging ", other.batchMin.size(), " batches of shape ",
+                other.batchMin.empty() ? at::IntArrayRef{} : other.batchMin.front().sizes(), " into shape ",
+                state_.batchMin.front().sizes());
+    state_.batchMin.insert(state_.batchMin.end(), other.batchMin.begin(), other.batchMin.end());
+    state_.batchMax.insert(state_.batchMax.end(), other.batchMax.begin(), other.batchMax.end());
   }
   state_.batches += other.batches;
 }
@@ -65,11 +67,37 @@ void MinMaxObserver::reset() {
   state_ = {};
 }
 
+namespace {
+
+// The elementwise mean of `values` (fp32, one shape), independent of their order: per element the
+// values are sorted and summed in float64 in that order (msmodelslim averages in float64; the sort
+// makes the rounding of the sum a function of the multiset, so any split over ranks and any
+// sample order give the same bits). Ties in the sort are equal values, or -0 and +0, whose order
+// does not change a sum.
+at::Tensor orderFreeMean(const std::vector<at::Tensor>& values) {
+  std::vector<at::Tensor> rows;
+  rows.reserve(values.size());
+  for (const at::Tensor& v : values) rows.push_back(v.detach().to(at::kCPU, at::kDouble).reshape({-1}));
+  const at::Tensor sorted = std::get<0>(at::stack(rows).sort(0)).contiguous();
+  const int64_t count = sorted.size(0);
+  const int64_t elements = sorted.size(1);
+  const double* data = sorted.const_data_ptr<double>();
+  at::Tensor mean = at::empty({elements}, at::kDouble);
+  double* out = mean.mutable_data_ptr<double>();
+  for (int64_t e = 0; e < elements; ++e) {
+    double sum = data[e];
+    for (int64_t i = 1; i < count; ++i) sum += data[i * elements + e];
+    out[e] = sum / static_cast<double>(count);
+  }
+  return mean.to(at::kFloat).reshape(values.front().sizes()).to(values.front().device());
+}
+
+}  // namespace
+
 std::pair<at::Tensor, at::Tensor> MinMaxObserver::minMax() const {
   QPIPE_CHECK(!empty(), "minmax observer: qparams requested before any batch");
   if (aggregation_ == Aggregation::kMax) return {state_.min, state_.max};
-  const double batches = static_cast<double>(state_.batches);
-  return {(state_.sumMin / batches).to(at::kFloat), (state_.sumMax / batches).to(at::kFloat)};
+  return {orderFreeMean(state_.batchMin), orderFreeMean(state_.batchMax)};
 }
 
 QParams MinMaxObserver::qparams() const {
@@ -80,47 +108,28 @@ QParams MinMaxObserver::qparams() const {
 namespace {
 
 constexpr int64_t kBins = HistogramObserver::kBins;
-
-// The bin of each value of `values` (float64) in a kBins histogram over [min, max]; a zero-width
-// range (a constant batch) puts everything in bin 0.
-at::Tensor binOf(const at::Tensor& values, double min, double max) {
-  if (!(max > min)) return at::zeros_like(values, values.options().dtype(at::kLong));
-  return ((values - min) * (kBins / (max - min))).floor().clamp(0, kBins - 1).to(at::kLong);
-}
+constexpr int64_t kHalf = kBins / 2;
 
 at::Tensor binExtreme(const at::Tensor& index, const at::Tensor& values, bool lowest) {
   const double empty = lowest ? std::numeric_limits<double>::infinity() : -std::numeric_limits<double>::infinity();
   return at::full({kBins}, empty, values.options()).scatter_reduce_(0, index, values, lowest ? "amin" : "amax");
 }
 
-// `state` moved onto the bins of [min, max] ⊇ its range. Counts: each bin splits into
-// kUpsampleRate equal parts, each landing in the bin holding its midpoint (msmodelslim
-// _upscale_histogram, after torch's HistogramObserver). Per-bin extremes are real values, so they
-// move exactly to the bin that holds them.
-HistogramObserver::State rebin(const HistogramObserver::State& state, double min, double max) {
-  if (state.min == min && state.max == max) return state;
-  constexpr int64_t kRate = HistogramObserver::kUpsampleRate;
-  const auto options = state.histogram.options();
-  const double width = (state.max - state.min) / kBins;
-  const at::Tensor midpoints = state.min + (at::arange(kBins * kRate, options) + 0.5) * (width / kRate);
-  HistogramObserver::State out{
-      at::zeros({kBins}, options)
-          .index_add_(0, binOf(midpoints, min, max), state.histogram.repeat_interleave(kRate) / kRate),
-      {},
-      {},
-      min,
-      max};
-  // Empty bins hold ±inf, which the reductions ignore; any in-range index will do for them.
-  const auto move = [&](const at::Tensor& extremes, bool lowest) {
-    const at::Tensor where = at::where(at::isfinite(extremes), extremes, at::full_like(extremes, min));
-    return binExtreme(binOf(where, min, max), extremes, lowest);
-  };
-  out.binMin = move(state.binMin, true);
-  out.binMax = move(state.binMax, false);
-  return out;
-}
-
 }  // namespace
+
+HistogramObserver::State HistogramObserver::rebin(const State& state, int exponent) {
+  QPIPE_CHECK(exponent >= state.exponent, "histogram observer: rebinning 2^", state.exponent, " onto 2^", exponent);
+  if (exponent == state.exponent) return state;
+  // Past 11 doublings every bin has reached 1023 or 1024; the cap keeps the divisor in range.
+  const int64_t shift = std::min(exponent - state.exponent, 16);
+  const auto options = state.histogram.options();
+  const at::Tensor index =
+      at::div(at::arange(kBins, options.dtype(at::kLong)) - kHalf, int64_t{1} << shift, "floor") + kHalf;
+  const double inf = std::numeric_limits<double>::infinity();
+  return {at::zeros({kBins}, options).index_add_(0, index, state.histogram),
+          at::full({kBins}, inf, options).scatter_reduce_(0, index, state.binMin, "amin"),
+          at::full({kBins}, -inf, options).scatter_reduce_(0, index, state.binMax, "amax"), exponent};
+}
 
 HistogramObserver::Search HistogramObserver::parseSearch(std::string_view name, std::string_view where) {
   if (name == "l2_norm") return Search::kL2Norm;
@@ -136,8 +145,10 @@ HistogramObserver::HistogramObserver(QScheme scheme, Search search) : scheme_(sc
 }
 
 void HistogramObserver::update(const at::Tensor& x) {
-  // Binned where the batch lives; only the kBins-sized results come to the host.
-  at::Tensor values = x.detach().to(at::kDouble).flatten();
+  // Binned where the batch lives; only the kBins-sized results come to the host. Values are
+  // fp32, as the statistics of the rest of the quantization core, held in float64 so that the
+  // power-of-two scaling below is exact.
+  at::Tensor values = x.detach().to(at::kFloat).to(at::kDouble).flatten();
   // msmodelslim drops NaN and inf with a warning: they have no place in a histogram.
   const at::Tensor finite = at::isfinite(values);
   if (!finite.all().item<bool>()) {
@@ -146,13 +157,16 @@ void HistogramObserver::update(const at::Tensor& x) {
     values = values.masked_select(finite);
   }
   if (values.numel() == 0) return;
-  const auto [lo, hi] = at::aminmax(values);
-  // The range is kept in fp32 values, as the statistics of the rest of the quantization core.
-  const double min = static_cast<float>(lo.item<double>());
-  const double max = static_cast<float>(hi.item<double>());
-  const at::Tensor index = binOf(values, min, max);
+  const double absmax = values.abs().max().item<double>();
+  int exponent = kZeroExponent;
+  if (absmax > 0) {
+    std::frexp(absmax, &exponent);  // absmax = m·2^e, m in [0.5, 1): the least e with absmax < 2^e
+    exponent = std::max(exponent, kZeroExponent);
+  }
+  // |v|·2^(10-k) < 1024: the floor lies in [-1024, 1023], no clamp needed.
+  const at::Tensor index = (values * std::ldexp(1.0, 10 - exponent)).floor_().to(at::kLong) + kHalf;
   merge({at::bincount(index, {}, kBins).to(at::kDouble).cpu(), binExtreme(index, values, true).cpu(),
-         binExtreme(index, values, false).cpu(), min, max});
+         binExtreme(index, values, false).cpu(), exponent});
 }
 
 void HistogramObserver::merge(const State& other) {
@@ -161,11 +175,18 @@ void HistogramObserver::merge(const State& other) {
     state_ = other;
     return;
   }
-  const double min = std::min(state_.min, other.min);
-  const double max = std::max(state_.max, other.max);
-  const State a = rebin(state_, min, max);
-  const State b = rebin(other, min, max);
-  state_ = {a.histogram + b.histogram, at::minimum(a.binMin, b.binMin), at::maximum(a.binMax, b.binMax), min, max};
+  const int exponent = std::max(state_.exponent, other.exponent);
+  const State a = rebin(state_, exponent);
+  const State b = rebin(other, exponent);
+  state_ = {a.histogram + b.histogram, at::minimum(a.binMin, b.binMin), at::maximum(a.binMax, b.binMax), exponent};
+}
+
+double HistogramObserver::binWidth() const {
+  return std::ldexp(1.0, state_.exponent - 10);
+}
+
+double HistogramObserver::lowerEdge() const {
+  return -std::ldexp(1.0, state_.exponent);
 }
 
 // torch's _compute_quantization_error (msmodelslim _compute_l2_error): the l2 error of mapping
@@ -173,7 +194,7 @@ void HistogramObserver::merge(const State& other) {
 // msmodelslim keeps), integrating x² over each source bin's uniform density.
 double HistogramObserver::l2Error(int64_t startBin, int64_t endBin) const {
   constexpr int64_t kDstBins = 256;
-  const double binWidth = (state_.max - state_.min) / kBins;
+  const double binWidth = this->binWidth();
   const double dstWidth = binWidth * static_cast<double>(endBin - startBin + 1) / kDstBins;
   if (dstWidth == 0.0) return 0.0;
   const auto normOf = [](double deltaBegin, double deltaEnd, double density) {
@@ -204,12 +225,13 @@ double HistogramObserver::l2Error(int64_t startBin, int64_t endBin) const {
 // fp16 (its bincount weights), q and the divergence in fp32.
 double HistogramObserver::klError(int64_t startBin, int64_t endBin) const {
   const double eps = std::numeric_limits<float>::epsilon();  // of msmodelslim's fp32 histogram
-  const double binWidth = (state_.max - state_.min) / kBins;
+  const double binWidth = this->binWidth();
+  const double lowerEdge = this->lowerEdge();
   const auto options = state_.histogram.options();
   const at::Tensor p = (state_.histogram / state_.histogram.sum()).to(at::kFloat);
-  const at::Tensor midpoints = (at::arange(kBins, options) + 0.5) * binWidth + state_.min;
-  const double lo = static_cast<double>(startBin) * binWidth + state_.min;
-  const double hi = static_cast<double>(endBin + 1) * binWidth + state_.min;
+  const at::Tensor midpoints = (at::arange(kBins, options) + 0.5) * binWidth + lowerEdge;
+  const double lo = static_cast<double>(startBin) * binWidth + lowerEdge;
+  const double hi = static_cast<double>(endBin + 1) * binWidth + lowerEdge;
   const QParams params = computeQParams(at::full({1}, lo, at::kFloat), at::full({1}, hi, at::kFloat), scheme_);
   at::Tensor fake = fakeQuantize(midpoints.to(at::kFloat), params, scheme_).to(at::kDouble);
   fake.slice(0, 0, startBin).fill_(lo);
@@ -230,7 +252,9 @@ double HistogramObserver::quantizationError(int64_t startBin, int64_t endBin) co
 // window is only taken when it beats no clipping): shrink the cumulative-quantile window
 // [alpha, beta] by 1e-5 on the side that drops more bins, until the l2 error stops decreasing.
 // msmodelslim's copy swaps the two moves (the window jumps to [right, end]), which in practice
-// stops at once with the full range; the torch rule is what its comments describe.
+// stops at once with the full range; the torch rule is what its comments describe. The full range
+// is the occupied bins (torch's histogram spans [min, max]; this one a power-of-two range that
+// the data may fill only in part).
 std::pair<double, double> HistogramObserver::clipRange() const {
   QPIPE_CHECK(!empty(), "histogram observer: qparams requested before any batch");
   const at::Tensor cumulative = state_.histogram.cumsum(0).contiguous();
@@ -239,8 +263,10 @@ std::pair<double, double> HistogramObserver::clipRange() const {
   constexpr double kStep = 1e-5;
   double alpha = 0;
   double beta = 1;
-  int64_t startBin = 0;
-  int64_t endBin = kBins - 1;
+  const at::Tensor occupied = state_.histogram.nonzero();
+  QPIPE_CHECK(occupied.numel() > 0, "histogram observer: no counts");
+  int64_t startBin = occupied.min().item<int64_t>();
+  int64_t endBin = occupied.max().item<int64_t>();
   double normMin = quantizationError(startBin, endBin);
   while (alpha < beta) {
     const double nextAlpha = alpha + kStep;
@@ -273,10 +299,9 @@ std::pair<double, double> HistogramObserver::clipRange() const {
   // that over everything observed.
   const double lo = state_.binMin.slice(0, startBin, endBin + 1).min().item<double>();
   const double hi = state_.binMax.slice(0, startBin, endBin + 1).max().item<double>();
-  const double binWidth = (state_.max - state_.min) / kBins;
   if (lo > hi) {
-    return {state_.min + binWidth * static_cast<double>(startBin),
-            state_.min + binWidth * static_cast<double>(endBin + 1)};
+    return {lowerEdge() + binWidth() * static_cast<double>(startBin),
+            lowerEdge() + binWidth() * static_cast<double>(endBin + 1)};
   }
   return {lo, hi};
 }

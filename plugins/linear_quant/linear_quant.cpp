@@ -1,14 +1,20 @@
 // linear_quant: msmodelslim's LinearQuantProcessor (processor/quant/linear.py). Every Linear of a
 // layer that matches include/exclude is quantized with one `qconfig`:
-//   preprocess   Linear → LinearQuantizer (observes and fake-quantizes during the forward)
-//   process      the calibration forward (skipped when the qconfig is data-free)
+//   preprocess   Linear → LinearQuantizer; with static activations, registers the sync of the
+//                layer's observers between the two calibration forwards
+//   process      calibrate(): observe forward → sync and freeze → propagate forward (static
+//                activations); skipped when the qconfig is data-free
 //   postprocess  LinearQuantizer → QuantLinear, what savers write and inference runs
+// Distributed-complete: the observers' merged states are the 1-rank states bit for bit
+// (qpipe/dist/observer_sync.h), so W ranks give the 1-rank checkpoint.
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "qpipe/config_node.h"
+#include "qpipe/dist/observer_sync.h"
 #include "qpipe/error.h"
 #include "qpipe/linear_quantizer.h"
 #include "qpipe/log.h"
@@ -39,9 +45,15 @@ class LinearQuant final : public qpipe::Processor {
       request.module->replace(path, quantizer);
       pending_.emplace_back(path, std::move(quantizer));
     }
+    if (std::any_of(pending_.begin(), pending_.end(), [](const auto& p) { return p.second && p.second->observes(); })) {
+      request.betweenForwards.emplace_back([this] { synchronizeAll(); });
+    }
   }
 
   void postprocess(qpipe::LayerRequest& request) override {
+    // A process() that forwarded without calibrate() left the observers open: fix them now
+    // (the outputs then lack the final activation quantization, the checkpoint does not).
+    synchronizeAll();
     for (auto& [path, quantizer] : pending_) {
       const std::string name = request.name + "." + path;
       if (quantizer == nullptr) {
@@ -62,10 +74,18 @@ class LinearQuant final : public qpipe::Processor {
   }
 
   bool isDataFree() const override { return qconfig_.isDataFree(); }
-  // Static activation observers are not yet synchronised across ranks.
-  bool supportDistributed() const override { return isDataFree(); }
+  // Weights are data-free, dynamic activations have nothing to merge and static observers are
+  // synchronised (every rank calls synchronizeAll on the same quantizers in the same order).
+  bool supportDistributed() const override { return true; }
 
  private:
+  // Merges every static observer of the layer across ranks and freezes its parameters.
+  void synchronizeAll() {
+    for (auto& [path, quantizer] : pending_) {
+      if (quantizer && quantizer->observes() && !quantizer->frozen()) qpipe::dist::synchronize(*quantizer);
+    }
+  }
+
   // The Linear modules of the layer that the patterns select, by path below the layer.
   std::vector<std::pair<std::string, qpipe::Linear*>> matchingLinears(qpipe::LayerRequest& request) {
     std::vector<std::pair<std::string, qpipe::Linear*>> out;

@@ -1,8 +1,11 @@
-// linear_quant and its calibration module: a hand-computed static W8A8 case, dynamic and
-// weight-only deployment, and the plugin driven by the runner over a tiny Llama.
+// linear_quant and its calibration module: a hand-computed static W8A8 case in two phases
+// (observe, freeze, quantize with the final parameters), dynamic and weight-only deployment, and
+// the plugin driven by the runner over a tiny Llama: the deployed tensors do not depend on the
+// order of the calibration samples, and a `group` calibrates in the same two phases.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "qpipe/dist/observer_sync.h"
 #include "qpipe/linear_quantizer.h"
 #include "qpipe/log.h"
 #include "qpipe/pipeline.h"
@@ -40,24 +43,57 @@ std::shared_ptr<Linear> handLinear() {
 TEST(LinearQuantizer, StaticW8A8ByHand) {
   LinearQuantizer quantizer(*handLinear(), qconfig("act: {dtype: int8, scope: per_tensor, symmetric: False}\n"
                                                    "weight: {dtype: int8, scope: per_channel}\n"));
+  EXPECT_TRUE(quantizer.observes());
   const at::Tensor fakeW = at::tensor({32.f * 4 / 127, -64.f * 4 / 127, 16.f * 4 / 127, 4.f, 16.f * 2 / 127,
                                        32.f * 2 / 127, -64.f * 2 / 127, 2.f})
                                .reshape({2, 4});
-  // First batch: range [-1, 2] → scale 3/255, zero point round(85) - 128 = -43;
-  // x/s = [42.5, -85, 170, 0] → q - zp = [42, -85, 170, 0] → x̂ = [42·3/255, -1, 2, 0].
-  const at::Tensor y1 = quantizer(row({0.5f, -1.f, 2.f, 0.f}));
-  const at::Tensor x1 = row({42.f * 3 / 255, -1.f, 2.f, 0.f});
-  EXPECT_TRUE(at::allclose(y1, at::linear(x1, fakeW), 1e-6, 1e-6)) << y1 << at::linear(x1, fakeW);
-  quantizer(row({3.f, 0.f, -0.5f, 1.f}));
+  // Observing: the activations pass unquantized (only the weight is fake-quantized).
+  const at::Tensor x1 = row({0.5f, -1.f, 2.f, 0.f});
+  EXPECT_TRUE(at::equal(quantizer(x1), at::linear(x1, fakeW)));
+  EXPECT_TRUE(at::equal(quantizer(row({3.f, 0.f, -0.5f, 1.f})), at::linear(row({3.f, 0.f, -0.5f, 1.f}), fakeW)));
+  EXPECT_FALSE(quantizer.frozen());
 
-  // Both batches: range [-1, 3] → scale 3/255 + 1/255, zero point round(63.75) - 128 = -64.
+  // Both batches: range [-1, 3] → scale s = 3/255 + 1/255, zero point round(63.75) - 128 = -64.
+  quantizer.freeze();
+  EXPECT_TRUE(quantizer.frozen() && quantizer.calibrated());
+  // Frozen: x is fake-quantized with those final parameters, the first batch too.
+  // x/s + zp = [31.875, -63.75, 191.25, 0] - 64 → q = [-32, -128, 127, -64] → x̂ = [32s, -64s, 191s, 0].
+  const float s = 3.f / 255 + 1.f / 255;
+  const at::Tensor x3 = row({0.5f, -1.f, 3.f, 0.f});
+  const at::Tensor y3 = quantizer(x3);
+  const at::Tensor xq = row({32 * s, -64 * s, 191 * s, 0.f});
+  EXPECT_TRUE(at::allclose(y3, at::linear(xq, fakeW), 1e-6, 1e-6)) << y3 << at::linear(xq, fakeW);
+  // It observes no more: the parameters stay those of the first two batches.
+  quantizer(row({100.f, 0.f, 0.f, 0.f}));
   const auto deployed = quantizer.deploy("m");
   EXPECT_TRUE(at::equal(deployed->parameter("weight"),
                         at::tensor({32, -64, 16, 127, 16, 32, -64, 127}, at::kChar).reshape({2, 4})));
   EXPECT_TRUE(at::allclose(deployed->parameter("weight_scale"), at::tensor({4.f / 127, 2.f / 127}).reshape({2, 1})));
-  EXPECT_FLOAT_EQ(deployed->parameter("input_scale").item<float>(), 3.f / 255 + 1.f / 255);
+  EXPECT_FLOAT_EQ(deployed->parameter("input_scale").item<float>(), s);
   EXPECT_EQ(deployed->parameter("input_zero_point").item<int>(), -64);
   EXPECT_FALSE(deployed->hasParameter("weight_zero_point"));
+  // The frozen forward is what the deployed module computes.
+  EXPECT_TRUE(at::equal((*deployed)(x3), y3));
+}
+
+TEST(LinearQuantizer, HistogramActivationsInTwoPhases) {
+  LinearQuantizer quantizer(*handLinear(), qconfig("act: {dtype: int8, method: histogram}\nweight: {}\n"));
+  const at::Tensor x = at::linspace(-3, 5, 4096).reshape({1, 1024, 4});
+  const at::Tensor before = quantizer(x);
+  quantizer.freeze();
+  // The same search over the same data, on its own: the frozen parameters are the observer's.
+  quant::HistogramObserver reference({quant::QDtype::kInt8, quant::QScope::kPerTensor, true, 0});
+  reference.update(x);
+  const quant::QParams expected = reference.qparams();
+  const auto deployed = quantizer.deploy("m");
+  EXPECT_TRUE(at::equal(deployed->parameter("input_scale"), expected.scale));
+  const quant::QScheme perChannel{.scope = quant::QScope::kPerChannel};
+  const at::Tensor weight = handLinear()->weight();
+  const at::Tensor fakeW = quant::fakeQuantize(weight, quant::computeQParams(weight, perChannel), perChannel);
+  EXPECT_TRUE(at::allclose(before, at::linear(x, fakeW), 1e-5, 1e-5));
+  const at::Tensor xq = quant::fakeQuantize(x, expected, {quant::QDtype::kInt8, quant::QScope::kPerTensor, true, 0});
+  EXPECT_FALSE(at::equal(xq, x));
+  EXPECT_TRUE(at::allclose(quantizer(x), at::linear(xq, fakeW), 1e-5, 1e-5));
 }
 
 TEST(LinearQuantizer, DynamicActivationsAreQuantizedPerToken) {
@@ -77,6 +113,10 @@ TEST(LinearQuantizer, DynamicActivationsAreQuantizedPerToken) {
 
 TEST(LinearQuantizer, StaticActivationsWithoutDataAreAnError) {
   LinearQuantizer quantizer(*handLinear(), qconfig("act: {dtype: int8}\nweight: {}\n"));
+  EXPECT_FALSE(quantizer.calibrated());
+  // No observing forward reached it: frozen without parameters, its forward leaves x as it is.
+  dist::synchronize(quantizer);
+  EXPECT_TRUE(quantizer.frozen());
   EXPECT_FALSE(quantizer.calibrated());
   EXPECT_EQ(test::errorOf([&] { quantizer.deploy("model.layers.0.mlp.experts.7.up_proj"); }, ErrorCode::kInput),
             "model.layers.0.mlp.experts.7.up_proj: no calibration data reached this module, so its static "
@@ -108,6 +148,32 @@ class LinearQuantPlugin : public ::testing::Test {
           }
         });
     return types;
+  }
+
+  // Runs `process` over the tiny Llama with these calibration samples; returns every tensor of
+  // every QuantLinear the processors deployed, by full name.
+  std::map<std::string, at::Tensor> deployed(const std::string& process, const std::vector<at::Tensor>& samples) {
+    const Pipeline pipeline = loadPipeline(
+        test::writeTempFile("p.yaml", "apiversion: modelslim_v1\nspec:\n  process:\n" + process), registry_);
+    auto processors = buildProcessors(pipeline, registry_, {.logger = logger_});
+    auto model = CausalLM::open(test::tinyLlama("linear_quant"));
+    std::map<std::string, at::Tensor> tensors;
+    LayerWiseRunner(*model, processors, {}).run(samples, [&](int64_t, const std::string& name, Module& layer) {
+      for (auto& [module, child] : layer.namedModules(name)) {
+        if (child->typeName() != "QuantLinear") continue;
+        for (auto& [param, tensor] : child->namedParameters(module)) tensors[param] = tensor->clone();
+      }
+    });
+    return tensors;
+  }
+
+  static void expectSameTensors(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b,
+                                const std::string& what) {
+    ASSERT_EQ(a.size(), b.size()) << what;
+    for (const auto& [name, tensor] : a) {
+      ASSERT_TRUE(b.count(name)) << what << ": " << name;
+      EXPECT_TRUE(at::equal(tensor, b.at(name))) << what << ": " << name;
+    }
   }
 
   ProcessorRegistry registry_;
@@ -156,6 +222,75 @@ TEST_F(LinearQuantPlugin, GroupRunsSeveralSchemesOverOneForward) {
     EXPECT_LT(module.relativeMse, mlp ? 0.05 : 0.01) << module.name;
   }
   EXPECT_GT(report.layers[0].relativeMse, 0);
+}
+
+// Five calibration samples of different lengths and tokens.
+std::vector<at::Tensor> tinySamples() {
+  std::vector<at::Tensor> samples;
+  for (int64_t i = 0; i < 5; ++i) {
+    samples.push_back(((at::arange(4 + 3 * i, at::kLong) * (i + 3) + 7 * i) % test::kTinyVocab).unsqueeze(0));
+  }
+  return samples;
+}
+
+TEST_F(LinearQuantPlugin, SampleOrderDoesNotChangeTheCheckpoint) {
+  // Static activations calibrate in two phases, so the next layer's inputs are the same per
+  // sample whatever the order, and every observer's state depends on the multiset of samples
+  // only: the deployed tensors are equal bit for bit. (Dynamic and weight-only qconfigs are
+  // data-free: no forward at all.)
+  const std::vector<at::Tensor> samples = tinySamples();
+  const std::vector<at::Tensor> reversed(samples.rbegin(), samples.rend());
+  const std::vector<at::Tensor> rotated{samples[2], samples[4], samples[0], samples[3], samples[1]};
+  for (const std::string act : {"{dtype: int8, symmetric: False}", "{dtype: int8, ext: {aggregation_type: mean}}",
+                                "{dtype: int8, symmetric: False, method: histogram}",
+                                "{dtype: int8, method: histogram, ext: {search_method: kl_divergence}}",
+                                "{dtype: fp8_e4m3}"}) {
+    const std::string weight = act == "{dtype: fp8_e4m3}" ? "{dtype: fp8_e4m3}" : "{dtype: int8}";
+    const std::string process = "    - {type: linear_quant, qconfig: {act: " + act + ", weight: " + weight + "}}\n";
+    const auto reference = deployed(process, samples);
+    ASSERT_GE(reference.size(), 2 * 7 * 3u) << act;  // weight, weight_scale, input_scale per Linear (+ zp)
+    expectSameTensors(deployed(process, reversed), reference, act + " reversed");
+    expectSameTensors(deployed(process, rotated), reference, act + " rotated");
+  }
+}
+
+TEST_F(LinearQuantPlugin, GroupObservesSyncsThenPropagatesOnce) {
+  // A group of two static linear_quant (attention, MLP) runs one observing forward for both, the
+  // syncs of both, then one propagating forward: exactly what one linear_quant over every Linear
+  // does with the same qconfig. Layer 1 sees the propagated outputs, so any other schedule
+  // (no second forward, or a forward per child) would change its parameters.
+  const std::string q = "qconfig: {act: {dtype: int8, symmetric: False}, weight: {dtype: int8}}";
+  const auto one = deployed("    - {type: linear_quant, " + q + "}\n", tinySamples());
+  const auto group = deployed("    - type: group\n      configs:\n        - {type: linear_quant, " + q +
+                                  ", include: ['*self_attn*']}\n        - {type: linear_quant, " + q +
+                                  ", include: ['*mlp*']}\n",
+                              tinySamples());
+  expectSameTensors(group, one, "group");
+  // Two steps in sequence calibrate the MLP with the attention already deployed: different.
+  const auto sequence = deployed("    - {type: linear_quant, " + q + ", include: ['*self_attn*']}\n    - {type: linear_quant, " +
+                                     q + ", include: ['*mlp*']}\n",
+                                 tinySamples());
+  ASSERT_EQ(sequence.size(), one.size());
+  int differing = 0;
+  for (const auto& [name, tensor] : one) differing += at::equal(tensor, sequence.at(name)) ? 0 : 1;
+  EXPECT_GT(differing, 0);
+}
+
+TEST(Calibrate, ObservesRunsTheStepsThenForwardsAgain) {
+  std::vector<std::string> events;
+  LayerRequest request{.name = "model.layers.0", .inputs = {{at::ones({1})}, {at::zeros({1})}}};
+  request.forward = [&](LayerRequest& r) {
+    events.push_back("forward");
+    r.outputs.assign(r.inputs.size(), {at::full({1}, static_cast<double>(events.size()))});
+  };
+  calibrate(request);
+  EXPECT_EQ(events, std::vector<std::string>{"forward"});
+  request.betweenForwards.emplace_back([&] { events.push_back("sync a"); });
+  request.betweenForwards.emplace_back([&] { events.push_back("sync b"); });
+  calibrate(request);
+  EXPECT_EQ(events, (std::vector<std::string>{"forward", "forward", "sync a", "sync b", "forward"}));
+  EXPECT_TRUE(request.betweenForwards.empty());
+  EXPECT_EQ(request.outputs[1][0].item<double>(), 5.0);
 }
 
 TEST_F(LinearQuantPlugin, UnmatchedPatternsWarnAtTheEnd) {

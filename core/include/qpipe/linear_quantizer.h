@@ -1,14 +1,20 @@
 // A Linear under calibration (msmodelslim's LinearQuantizer, core/quantizer/linear.py):
-// forward = linear(actQuant(x), fakeQuant(W), b), observing x on the way, so the layer's outputs
-// carry the quantization error into the next layer as they will at inference.
+// forward = linear(actQuant(x), fakeQuant(W), b).
 //
 // - Weights are data-free: minmax or ssz parameters and the quantized weight are computed once,
 //   at construction; the float weight is not kept (the forward uses the dequantized one).
-// - Static activations (per_tensor minmax): each forward updates the running observer and
-//   fake-quantizes x with the parameters seen so far, as msmodelslim does.
-// - Histogram activations: the forward observes x and passes it on unquantized (the l2/KL
-//   search is too costly to run per batch); parameters are searched once at deploy().
-// - Dynamic activations (per_token) are fake-quantized per token; nothing is observed.
+// - Static activations (per_tensor minmax or histogram) calibrate in two phases:
+//     observing (from construction): forward observes x and passes it on unquantized;
+//     freeze(): the activation parameters are fixed from the observer as it is then — after a
+//       multi-rank run merged the observers (dist::synchronize does both);
+//     frozen: forward fake-quantizes x with those final parameters, exactly as the deployed
+//       module will, and observes nothing more.
+//   So a layer's outputs, the next layer's calibration inputs, do not depend on the order of the
+//   samples or on how they were dealt to ranks. msmodelslim instead fake-quantizes with the
+//   running range seen so far (order dependent); qpipe departs from it on purpose.
+//   The mean aggregation counts one observer update per forward call: a processor forwards the
+//   layer once per sample in the observing phase (the runner does), so one update is one sample.
+// - Dynamic activations (per_token) are fake-quantized per token in every phase; nothing is observed.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -29,12 +35,19 @@ class LinearQuantizer : public Module {
 
   at::Tensor forward(const at::Tensor& input) override;
 
-  // True when a static activation observer has seen at least one batch (or none is needed).
+  // True when the activations are static: calibration needs an observing forward and freeze().
+  bool observes() const { return minMax_.has_value() || histogram_.has_value(); }
+  // Fixes the static activation parameters from the observer (its merged state on a multi-rank
+  // run; see dist::synchronize). Calling it again recomputes them from the observer as it is.
+  // An observer that saw nothing leaves the quantizer uncalibrated (deploy() says so).
+  void freeze();
+  bool frozen() const { return frozen_; }
+  // True when freeze() found data for the static activation observer (or none is needed).
   bool calibrated() const;
   // The module inference runs. Requires calibrated(); `name` is for the error message.
   std::shared_ptr<QuantLinear> deploy(const std::string& name) const;
 
-  // Observer states, for a multi-rank sync to merge (null when the side has none).
+  // The activation observer, for a multi-rank sync to merge (null when there is none).
   quant::MinMaxObserver* minMaxObserver() { return minMax_ ? &*minMax_ : nullptr; }
   quant::HistogramObserver* histogramObserver() { return histogram_ ? &*histogram_ : nullptr; }
 
@@ -49,6 +62,8 @@ class LinearQuantizer : public Module {
   at::Tensor fakeWeight_;  // dequantize(qweight_) in W's dtype, made by the first forward
   std::optional<quant::MinMaxObserver> minMax_;
   std::optional<quant::HistogramObserver> histogram_;
+  bool frozen_ = false;
+  std::optional<quant::QParams> actParams_;  // static activations, set by freeze() from data
 };
 
 }  // namespace qpipe

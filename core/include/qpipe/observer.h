@@ -1,17 +1,20 @@
-// Calibration observers: running statistics over calibration batches that become QParams.
+// Calibration observers: statistics over calibration batches that become QParams.
 //
 // Contract:
 // - update() folds one batch in; qparams() turns what was seen into QParams (qpipe/quant.h).
-// - state() exposes everything accumulated and merge() folds another observer's state in, so a
-//   multi-rank sync can reduce the states (all-reduce MIN/MAX, or SUM of sums and counts) and
-//   every rank ends with the same QParams.
-// - MinMaxObserver, aggregation max: the state is the elementwise min/max, so any split and merge
-//   order gives the single-pass answer bit for bit. Aggregation mean: the state is float64 sums
-//   of per-batch min/max and the batch count; merging gives the single-pass answer up to the
-//   float64 rounding of the sums (summation order), far below fp32 resolution.
-// - HistogramObserver: the state is a 2048-bin histogram over [min, max] of everything seen;
-//   merging rebins both onto the union range, so it is exact when the ranges agree (per-bin
-//   extremes, used to tighten the clip window, merge exactly in any case).
+// - state() exposes everything accumulated and merge() folds another observer's state in. Every
+//   observer's state is a function of the MULTISET of batches it has seen, never of their order
+//   or of how they were split: merging the observers of any partition of the batches, in any
+//   order, gives the state of one observer that saw them all, bit for bit. That is what makes a
+//   W-rank calibration equal the 1-rank one (dist/include/qpipe/dist/observer_sync.h gathers
+//   the states across ranks and merges them).
+// - MinMaxObserver, aggregation max: the elementwise min/max.
+// - MinMaxObserver, aggregation mean: every batch's min/max (fp32). The mean is computed in
+//   qparams(): per element, the batch values sorted, summed in float64 in that order, divided by
+//   the count — sorting makes the float64 sum independent of the order the batches came in.
+// - HistogramObserver: a 2048-bin histogram on a power-of-two range [-2^k, 2^k), k the least
+//   integer with absmax < 2^k. Growing the range from k to k+1 merges adjacent bin pairs exactly,
+//   so counts (float64 integers) and per-bin extremes are independent of the order of batches.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,6 +22,7 @@
 #include <cstdint>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "qpipe/quant.h"
 
@@ -35,10 +39,11 @@ Aggregation parseAggregation(std::string_view name, std::string_view where);
 class MinMaxObserver {
  public:
   struct State {
-    at::Tensor min;     // kMax: running extremes, fp32 in the scope's shape
-    at::Tensor max;     //
-    at::Tensor sumMin;  // kMean: sums of per-batch min/max, float64
-    at::Tensor sumMax;  //
+    at::Tensor min;  // kMax: elementwise extremes, fp32 in the scope's shape
+    at::Tensor max;  //
+    // kMean: each batch's min and max (fp32, the scope's shape); their order carries no meaning.
+    std::vector<at::Tensor> batchMin;
+    std::vector<at::Tensor> batchMax;
     int64_t batches = 0;
   };
 
@@ -48,6 +53,7 @@ class MinMaxObserver {
   void merge(const State& other);
   void reset();
 
+  Aggregation aggregation() const { return aggregation_; }
   const State& state() const { return state_; }
   bool empty() const { return state_.batches == 0; }
   // The aggregated min and max (fp32); requires at least one batch.
@@ -63,17 +69,26 @@ class MinMaxObserver {
 // Reference: msmodelslim core/observer/histogram.py, derived from
 // torch.ao.quantization.HistogramObserver (_non_linear_param_search, _compute_quantization_error).
 // int8 per_tensor (as msmodelslim registers it).
+//
+// Unlike torch's and msmodelslim's (bins over the running [min, max], rebinned with 16x upsampling
+// when the range grows — lossy, so the result depends on the order of the batches), the bins lie
+// on [-2^k, 2^k): bin b holds [(b - 1024)·2^(k-10), (b - 1023)·2^(k-10)). A value's bin is
+// floor(v·2^(10-k)) + 1024, exact in float64, and going from k to k+1 sends bin b to
+// floor((b - 1024)/2) + 1024, the bin every value of b falls in directly. The search runs on the
+// occupied bins, which hold 512 to 2048 bins of data (one-sided data just above a power of two
+// gets the fewest).
 class HistogramObserver {
  public:
   static constexpr int64_t kBins = 2048;
-  static constexpr int64_t kUpsampleRate = 16;
+  // The k of a histogram of zeros only: below any non-zero fp32 (whose k is at least -148), so
+  // merging it with anything takes the other's k.
+  static constexpr int kZeroExponent = -149;
 
   struct State {
-    at::Tensor histogram;  // float64 [kBins] over [min, max]; undefined before the first batch
+    at::Tensor histogram;  // float64 [kBins], counts over [-2^exponent, 2^exponent); undefined before data
     at::Tensor binMin;     // float64 [kBins]: the least and greatest value seen in each bin
     at::Tensor binMax;     // (±inf when empty), to tighten the clip window to real data
-    double min = 0;        // the range of everything seen
-    double max = 0;
+    int exponent = kZeroExponent;  // k
   };
 
   // msmodelslim `search_method`: l2_norm (default) or kl_divergence.
@@ -88,9 +103,15 @@ class HistogramObserver {
 
   const State& state() const { return state_; }
   bool empty() const { return !state_.histogram.defined(); }
-  // The clip window chosen by the l2 search, tightened to the data range.
+  // The width of a bin, 2^(k-10), and the lower end of bin 0, -2^k.
+  double binWidth() const;
+  double lowerEdge() const;
+  // The clip window chosen by the search over the occupied bins, tightened to the data in it.
   std::pair<double, double> clipRange() const;
   QParams qparams() const;
+
+  // `state` with its bins moved onto [-2^exponent, 2^exponent), exponent >= state.exponent.
+  static State rebin(const State& state, int exponent);
 
  private:
   double quantizationError(int64_t startBin, int64_t endBin) const;

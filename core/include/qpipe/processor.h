@@ -6,6 +6,12 @@
 //     process(request)             the calibration forward over this rank's samples
 //     postprocess(request)         e.g. compute scales, deploy quantized modules
 //   postRun()                      once, after the last layer
+//
+// Static calibration runs in two phases (docs/quantization.md): modules that observe in the
+// forward register in preprocess, in `request.betweenForwards`, what fixes their parameters
+// (the cross-rank sync of their observers, then freezing). calibrate(request) — what the default
+// process() runs, and a `group` of processors with it — forwards once to observe, runs those
+// steps, and forwards again, so the outputs the next layer gets carry the final quantization.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -32,7 +38,22 @@ struct LayerRequest {
   std::vector<TensorList> outputs;  // filled by the calibration forward, same order
   // Runs the layer over `inputs` and fills `outputs`; set by the runner.
   std::function<void(LayerRequest&)> forward;
+  // Run by calibrate() between the observing forward and the propagating one, in order; every
+  // rank registers the same steps in the same order (they may call collectives).
+  std::vector<std::function<void()>> betweenForwards;
 };
+
+// The calibration forward: `forward`; then, when steps were registered in `betweenForwards`,
+// those steps (the list is emptied) and a second `forward` whose outputs replace the first's.
+inline void calibrate(LayerRequest& request) {
+  if (!request.forward) return;
+  request.forward(request);
+  if (request.betweenForwards.empty()) return;
+  const std::vector<std::function<void()>> steps = std::move(request.betweenForwards);
+  request.betweenForwards.clear();
+  for (const auto& step : steps) step();
+  request.forward(request);
+}
 
 // What a processor is built with.
 struct ProcessorContext {
@@ -50,9 +71,9 @@ class Processor {
 
   virtual void preRun() {}
   virtual void preprocess(LayerRequest& request) { (void)request; }
-  // Default: the calibration forward, unless the processor needs no data.
+  // Default: the calibration forward (calibrate()), unless the processor needs no data.
   virtual void process(LayerRequest& request) {
-    if (!isDataFree() && request.forward) request.forward(request);
+    if (!isDataFree()) calibrate(request);
   }
   virtual void postprocess(LayerRequest& request) { (void)request; }
   virtual void postRun() {}

@@ -1,0 +1,28 @@
+// Cross-rank synchronisation of calibration observers, over dist::world() and the dist ops only.
+//
+// Contract: every rank calls syncObserver on the same observers in the same order (the modules
+// of a decoder layer are the same on every rank). Afterwards every rank's observer holds the
+// merge of all ranks' states, which is bit for bit the state one observer would hold after
+// seeing all ranks' batches (qpipe/observer.h: states are functions of the multiset of batches),
+// so qparams() is the 1-rank answer whatever the world size and the sample deal. A rank whose
+// observer saw nothing (an expert no local token reached) takes part with an empty state. With
+// one rank every call leaves the observer unchanged.
+#pragma once
+
+#include "qpipe/linear_quantizer.h"
+#include "qpipe/observer.h"
+
+namespace qpipe::dist {
+
+// aggregation max: the ranks' min/max (elementwise min/max, exact in any order);
+// aggregation mean: every rank's per-batch min/max (the mean sorts them before summing).
+void syncObserver(quant::MinMaxObserver& observer);
+// Histograms moved onto the largest power-of-two range, counts added, per-bin extremes reduced.
+void syncObserver(quant::HistogramObserver& observer);
+
+// Syncs the quantizer's activation observer (if any) and freezes its parameters
+// (LinearQuantizer::freeze): what a processor calls between the observing forward and the
+// propagating one.
+void synchronize(LinearQuantizer& quantizer);
+
+}  // namespace qpipe::dist
