@@ -106,6 +106,23 @@ at::Tensor unpackInt8(const at::Tensor& packed, int64_t size, int64_t dim) {
   return dim == 0 ? q.t().contiguous() : q;
 }
 
+at::Tensor packInt4Rows(const at::Tensor& q) {
+  QPIPE_CHECK(q.dim() == 2 && q.size(0) % 2 == 0, "packInt4Rows takes [out, in] with out even");
+  const at::Tensor pairs = q.to(at::kInt).reshape({q.size(0) / 2, 2, q.size(1)});
+  const at::Tensor byte = pairs.select(1, 1).bitwise_and(0xF).bitwise_left_shift(4).bitwise_or(pairs.select(1, 0).bitwise_and(0xF));
+  // 0..255 to the int8 of the same bits without relying on a narrowing conversion.
+  return (byte.bitwise_xor(0x80) - 0x80).to(at::kChar).contiguous();
+}
+
+at::Tensor unpackInt4Rows(const at::Tensor& packed) {
+  QPIPE_CHECK(packed.dim() == 2, "unpackInt4Rows takes a 2-D tensor");
+  const at::Tensor bytes = packed.to(at::kInt).bitwise_and(0xFF);
+  const auto signedNibble = [](const at::Tensor& n) { return n.bitwise_xor(8) - 8; };
+  const at::Tensor low = signedNibble(bytes.bitwise_and(0xF));
+  const at::Tensor high = signedNibble(bytes.bitwise_right_shift(4).bitwise_and(0xF));
+  return at::stack({low, high}, 1).reshape({packed.size(0) * 2, packed.size(1)}).to(at::kChar).contiguous();
+}
+
 at::Tensor deqScaleToInt64(const at::Tensor& deqScale) {
   return deqScale.to(at::kFloat).contiguous().view(at::kInt).to(at::kLong);
 }
@@ -364,20 +381,25 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
     QPIPE_REQUIRE(groupSize.is_number_integer() && groupSize.get<int64_t>() >= 0, ErrorCode::kInput, file_,
                   ": group_size ", groupSize.dump(), " is not a size");
     groupSize_ = groupSize.get<int64_t>();
+    // vllm-ascend's rule: version "1.0.0" packs W4A8_DYNAMIC weights two per int8, older
+    // descriptions keep one int4 value per int8.
+    packedInt4_ = description_.value("version", Json("0")) == "1.0.0";
   }
 
   std::string weightsPrefix() const override { return kAscendWeightsPrefix; }
 
-  std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor, const HasFn&,
+  std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor, const HasFn& has,
                                       at::ScalarType computeDtype) const override {
     const std::string key = name + ".weight";
     QPIPE_REQUIRE(description_.contains(key) && description_[key].is_string(), ErrorCode::kInput, file_,
                   ": no quantization type for '", key, "'");
     const std::string type = description_[key].get<std::string>();
     if (type == "FLOAT") return nullptr;
-    const at::Tensor q = tensor(key);
-    QPIPE_REQUIRE(q.dim() == 2, ErrorCode::kInput, "checkpoint ", dir_, ": '", key, "' is not 2-D");
-    const int64_t out = q.size(0), in = q.size(1);
+    const at::Tensor stored = tensor(key);
+    QPIPE_REQUIRE(stored.dim() == 2, ErrorCode::kInput, "checkpoint ", dir_, ": '", key, "' is not 2-D");
+    // W4A8_DYNAMIC holds two int4 rows per int8 row; the other types one value per element.
+    const bool packed = type == "W4A8_DYNAMIC" && packedInt4_;
+    const int64_t out = packed ? 2 * stored.size(0) : stored.size(0), in = stored.size(1);
     QScheme w;
     std::optional<ActivationQuant> input;
     at::Tensor scale, offset;
@@ -392,11 +414,18 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
       const bool symmetric = inputOffset.eq(0).all().item<bool>();
       input = ActivationQuant{{.dtype = QDtype::kInt8, .scope = QScope::kPerTensor, .symmetric = symmetric},
                               {inputScale, at::round(inputOffset).to(at::kInt)}};
-    } else if (type == "W8A8_DYNAMIC" || type == "W8A16" || type == "WFP8AFP8_DYNAMIC") {
+    } else if (type == "W8A8_DYNAMIC" || type == "W8A16" || type == "WFP8AFP8_DYNAMIC" || type == "W4A8_DYNAMIC") {
       scale = tensor(name + ".weight_scale").to(at::kFloat);
       offset = tensor(name + ".weight_offset").to(at::kFloat);
-      w.dtype = type == "WFP8AFP8_DYNAMIC" ? QDtype::kFp8E4m3 : QDtype::kInt8;
-      if (scale.numel() == out) {
+      const bool int4 = type == "W4A8_DYNAMIC";
+      w.dtype = type == "WFP8AFP8_DYNAMIC" ? QDtype::kFp8E4m3 : int4 ? QDtype::kInt4 : QDtype::kInt8;
+      // W4A8_DYNAMIC is per-channel in msmodelslim's V1 layout; its scale_bias is a term of the
+      // NPU kernel that qpipe's forward does not need. The two-level per-group variant (older
+      // savers) multiplies a second scale in, which this loader does not.
+      QPIPE_REQUIRE(!int4 || !has(name + ".weight_scale_second"), ErrorCode::kInput, "checkpoint ", dir_, ": '",
+                    name, ".weight_scale_second' is a two-level per-group W4A8_DYNAMIC weight; qpipe loads "
+                    "per-channel W4A8_DYNAMIC");
+      if (scale.numel() == out || int4) {
         w.scope = QScope::kPerChannel;
       } else {
         QPIPE_REQUIRE(groupSize_ > 0 && in % groupSize_ == 0, ErrorCode::kInput, "checkpoint ", dir_, ": '", name,
@@ -413,12 +442,14 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
         input = ActivationQuant{{.dtype = act, .scope = QScope::kPerToken}, {}};
       }
     } else {
-      throw Error(ErrorCode::kInput, concat(file_, ": '", key, "' is ", type,
-                                            "; qpipe loads FLOAT, W8A8, W8A8_DYNAMIC, W8A16 and WFP8AFP8_DYNAMIC"));
+      throw Error(ErrorCode::kInput,
+                  concat(file_, ": '", key, "' is ", type,
+                         "; qpipe loads FLOAT, W8A8, W8A8_DYNAMIC, W4A8_DYNAMIC, W8A16 and WFP8AFP8_DYNAMIC"));
     }
     const at::ScalarType expected = w.dtype == QDtype::kFp8E4m3 ? at::kFloat8_e4m3fn : at::kChar;
-    QPIPE_REQUIRE(q.scalar_type() == expected, ErrorCode::kInput, "checkpoint ", dir_, ": '", key, "' is ",
-                  c10::toString(q.scalar_type()), ", expected ", c10::toString(expected), " for ", type);
+    QPIPE_REQUIRE(stored.scalar_type() == expected, ErrorCode::kInput, "checkpoint ", dir_, ": '", key, "' is ",
+                  c10::toString(stored.scalar_type()), ", expected ", c10::toString(expected), " for ", type);
+    const at::Tensor q = packed ? unpackInt4Rows(stored) : stored;
     const at::Tensor zeroPoint =
         offset.defined() ? at::round(offset).to(at::kInt) : at::zeros_like(scale, scale.options().dtype(at::kInt));
     const at::Tensor bias = hasBias ? tensor(name + ".bias").to(computeDtype) : at::Tensor();
@@ -430,6 +461,7 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
   std::string dir_;
   Json description_;
   int64_t groupSize_ = 0;
+  bool packedInt4_ = true;
 };
 
 }  // namespace

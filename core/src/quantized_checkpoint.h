@@ -49,6 +49,12 @@ bool compressedTensorsMatches(const std::string& target, const std::string& modu
 at::Tensor packInt8(const at::Tensor& q, int64_t dim = 1);
 at::Tensor unpackInt8(const at::Tensor& packed, int64_t size, int64_t dim = 1);
 
+// msmodelslim's W4A8_DYNAMIC weight (save/utils/pack.py w4a8_pack_int4): int4 values q [out, in]
+// (out even) as int8 [out/2, in], rows 2j and 2j+1 in byte j of each column, 2j in the low nibble
+// (two's complement nibbles). vllm-ascend's W4A8_DYNAMIC loader reads this layout (version 1.0.0).
+at::Tensor packInt4Rows(const at::Tensor& q);
+at::Tensor unpackInt4Rows(const at::Tensor& packed);
+
 // msmodelslim's bit cast of an fp32 deq_scale into int64 (save/utils/deqscale.py), and back.
 at::Tensor deqScaleToInt64(const at::Tensor& deqScale);
 at::Tensor deqScaleFromInt64(const at::Tensor& stored);

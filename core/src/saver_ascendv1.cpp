@@ -19,7 +19,22 @@ using quant::QScope;
 
 // msmodelslim's AscendV1Saver.QUANT_TYPE_PRIORITY, restricted to the types qpipe writes: the
 // model's type is the one latest in this list (lower bits win; W8A8 over the dynamic types).
+// W4A8_DYNAMIC is deliberately absent, as in msmodelslim: it never becomes model_quant_type.
 constexpr std::array<std::string_view, 5> kTypePriority{"FLOAT", "W8A16", "W8A8_DYNAMIC", "W8A8", "WFP8AFP8_DYNAMIC"};
+
+// msmodelslim's process_scale (save/utils/pack.py) tells the W4A8 scale_bias layouts apart by
+// module name: row-parallel projections keep one sum per tensor-parallel chunk of their inputs.
+constexpr std::array<std::string_view, 5> kColumnParallel{"up_proj", "gate_proj", "q_proj", "k_proj", "v_proj"};
+constexpr std::array<std::string_view, 2> kRowParallel{"down_proj", "o_proj"};
+// process_scale's tp_num, fixed at 16 by msmodelslim; vllm-ascend sums the chunks of its rank.
+constexpr int64_t kScaleBiasChunks = 16;
+
+bool containsAny(const std::string& name, const auto& parts) {
+  for (std::string_view part : parts) {
+    if (name.find(part) != std::string::npos) return true;
+  }
+  return false;
+}
 
 int priority(std::string_view type) {
   for (size_t i = 0; i < kTypePriority.size(); ++i) {
@@ -79,6 +94,28 @@ class AscendV1Saver final : public SaverBase {
       tensor(".input_scale", inputScale);
       tensor(".input_offset", inputOffset);
       tensor(".deq_scale", bf16 ? deqScale : deqScaleToInt64(deqScale));
+    } else if (type == "W4A8_DYNAMIC") {
+      const int64_t in = q.size(1);
+      QPIPE_REQUIRE(out % 2 == 0, ErrorCode::kConfig, "ascendv1_saver: ", name, " has ", out,
+                    " output features; W4A8_DYNAMIC packs two int4 rows into one int8 row, so the count must be "
+                    "even; exclude the module or use compressed_tensors");
+      // The NPU kernel adds scale_bias = 8·Σ_k W_q[n,k]·s[n] (msmodelslim on_w4a8_dynamic).
+      const at::Tensor deq = q.to(at::kFloat) * scale;
+      at::Tensor scaleBias;
+      if (!containsAny(name, kColumnParallel) && containsAny(name, kRowParallel)) {
+        QPIPE_REQUIRE(in % kScaleBiasChunks == 0, ErrorCode::kConfig, "ascendv1_saver: ", name, " has ", in,
+                      " input features; W4A8_DYNAMIC's scale_bias of a row-parallel projection sums them in ",
+                      kScaleBiasChunks, " tensor-parallel chunks, so the count must be a multiple of ",
+                      kScaleBiasChunks, "; exclude the module or use compressed_tensors");
+        scaleBias = (deq.reshape({out * kScaleBiasChunks, in / kScaleBiasChunks}).sum(1, true) * 8)
+                        .reshape({out, kScaleBiasChunks});
+      } else {
+        scaleBias = deq.sum(1, true) * 8;
+      }
+      tensor(".weight", packInt4Rows(q));
+      tensor(".weight_scale", scale);
+      tensor(".weight_offset", at::zeros_like(scale));
+      tensor(".scale_bias", scaleBias);
     } else {
       tensor(".weight", q);
       tensor(".weight_scale", scale);
@@ -121,6 +158,10 @@ class AscendV1Saver final : public SaverBase {
         return "W8A8_DYNAMIC";
       }
     }
+    if (w.dtype == QDtype::kInt4 && w.symmetric && channelLike && input && input->isDynamic() &&
+        input->scheme.dtype == QDtype::kInt8 && input->scheme.symmetric) {
+      return "W4A8_DYNAMIC";
+    }
     if (w.dtype == QDtype::kFp8E4m3 && channelLike && input && input->isDynamic() &&
         input->scheme.dtype == QDtype::kFp8E4m3) {
       return "WFP8AFP8_DYNAMIC";
@@ -129,7 +170,8 @@ class AscendV1Saver final : public SaverBase {
     QPIPE_REQUIRE(false, ErrorCode::kConfig, "ascendv1_saver: ", name, " has weights ", w.name(), " and activations ",
                   activation,
                   "; ascendv1 defines W8A8 (int8 weights, static per_tensor int8 activations), W8A8_DYNAMIC "
-                  "(per_token int8), W8A16 and WFP8AFP8_DYNAMIC (per_token fp8); use compressed_tensors for others");
+                  "(per_token int8), W4A8_DYNAMIC (int4 per_channel symmetric weights, per_token int8), W8A16 and "
+                  "WFP8AFP8_DYNAMIC (per_token fp8); use compressed_tensors for others");
     return {};
   }
 

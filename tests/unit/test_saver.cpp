@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <optional>
+#include <tuple>
 
 #include "qpipe/model.h"
 #include "qpipe/quant_linear.h"
@@ -85,6 +86,7 @@ const QScheme kFp8Tensor{.dtype = QDtype::kFp8E4m3, .scope = QScope::kPerTensor}
 const QScheme kFp8Channel{.dtype = QDtype::kFp8E4m3, .scope = QScope::kPerChannel};
 const QScheme kFp8Token{.dtype = QDtype::kFp8E4m3, .scope = QScope::kPerToken};
 const QScheme kInt4Group{.dtype = QDtype::kInt4, .scope = QScope::kPerGroup, .groupSize = 8};
+const QScheme kInt4Channel{.dtype = QDtype::kInt4, .scope = QScope::kPerChannel};
 
 std::string dtypeOf(const fs::path& dir, const std::string& tensor, const std::string& prefix = "model") {
   return safetensors::Checkpoint::open(dir, prefix).info(tensor).dtype;
@@ -364,17 +366,29 @@ TEST(SaverErrors, OptionsAreChecked) {
   EXPECT_FALSE(fs::exists(out));
 }
 
+// The schemes msmodelslim's ascendv1 saver has no handler for (save/ascendv1.py): per-group or
+// asymmetric W4A8 (its W4A8_DYNAMIC is int4_per_channel_sym), int4 weight-only (no W4A16) and
+// static fp8 activations (only WFP8AFP8_DYNAMIC).
 TEST(SaverErrors, UnsavableSchemes) {
-  auto lm = CausalLM::open(test::tinyLlama("unsavable-src"));
-  quantize(*lm, everywhere({kInt4Group, kInt8Token}));
-  const fs::path out = test::testDir() / "unsavable-out";
-  fs::remove_all(out);
-  auto saver = CheckpointSaver::create({.format = "ascendv1_saver"}, *lm, out);
-  EXPECT_EQ(test::errorOf([&] { saver->writeLayer(0, lm->layerName(0), lm->layer(0)); }, ErrorCode::kConfig),
-            "ascendv1_saver: model.layers.0.self_attn.q_proj has weights int4_per_group_sym and activations "
-            "int8_per_token_sym; ascendv1 defines W8A8 (int8 weights, static per_tensor int8 activations), "
-            "W8A8_DYNAMIC (per_token int8), W8A16 and WFP8AFP8_DYNAMIC (per_token fp8); use compressed_tensors for "
-            "others");
+  const QScheme int4ChannelAsym{.dtype = QDtype::kInt4, .scope = QScope::kPerChannel, .symmetric = false};
+  for (const auto& [spec, weights, activations] : std::vector<std::tuple<Spec, std::string, std::string>>{
+           {{kInt4Group, kInt8Token}, "int4_per_group_sym", "int8_per_token_sym"},
+           {{int4ChannelAsym, kInt8Token}, "int4_per_channel_asym", "int8_per_token_sym"},
+           {{kInt4Channel, std::nullopt}, "int4_per_channel_sym", "none"},
+           {{kFp8Tensor, kFp8Tensor}, "fp8_e4m3_per_tensor_sym", "fp8_e4m3_per_tensor_sym"},
+       }) {
+    auto lm = CausalLM::open(test::tinyLlama("unsavable-src"));
+    quantize(*lm, everywhere(spec));
+    const fs::path out = test::testDir() / "unsavable-out";
+    fs::remove_all(out);
+    auto saver = CheckpointSaver::create({.format = "ascendv1_saver"}, *lm, out);
+    EXPECT_EQ(test::errorOf([&] { saver->writeLayer(0, lm->layerName(0), lm->layer(0)); }, ErrorCode::kConfig),
+              "ascendv1_saver: model.layers.0.self_attn.q_proj has weights " + weights + " and activations " +
+                  activations +
+                  "; ascendv1 defines W8A8 (int8 weights, static per_tensor int8 activations), W8A8_DYNAMIC "
+                  "(per_token int8), W4A8_DYNAMIC (int4 per_channel symmetric weights, per_token int8), W8A16 and "
+                  "WFP8AFP8_DYNAMIC (per_token fp8); use compressed_tensors for others");
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -548,12 +562,194 @@ TEST(AscendV1Saver, ShardsFollowMsmodelslimNames) {
 TEST(AscendV1Saver, UnknownTypeIsRefusedAtLoad) {
   const fs::path out = saveAscend("ascend-unknown", everywhere({kInt8Channel, kInt8Token}));
   Json description = readJson(out / "quant_model_description.json");
-  description["model.layers.0.self_attn.q_proj.weight"] = "W4A8_DYNAMIC";
+  description["model.layers.0.self_attn.q_proj.weight"] = "W4A4_DYNAMIC";
   std::ofstream(out / "quant_model_description.json") << description.dump();
   EXPECT_EQ(test::errorOf([&] { CausalLM::open(out)->forward(ids()); }, ErrorCode::kInput),
             (out / "quant_model_description.json").string() +
-                ": 'model.layers.0.self_attn.q_proj.weight' is W4A8_DYNAMIC; qpipe loads FLOAT, W8A8, "
-                "W8A8_DYNAMIC, W8A16 and WFP8AFP8_DYNAMIC");
+                ": 'model.layers.0.self_attn.q_proj.weight' is W4A4_DYNAMIC; qpipe loads FLOAT, W8A8, "
+                "W8A8_DYNAMIC, W4A8_DYNAMIC, W8A16 and WFP8AFP8_DYNAMIC");
+}
+
+// ---- W4A8_DYNAMIC (msmodelslim save/ascendv1.py on_w4a8_dynamic, save/utils/pack.py)
+
+// q[n, k] = (n + k) mod 15 − 7 covers [-7, 7]; scale s[n] = (n + 1) / 8 keeps every product exact.
+int64_t handQ(int64_t n, int64_t k) {
+  return (n + k) % 15 - 7;
+}
+
+std::shared_ptr<QuantLinear> handW4A8(int64_t out, int64_t in) {
+  const at::Tensor q = at::empty({out, in}, at::kChar);
+  for (int64_t n = 0; n < out; ++n) {
+    for (int64_t k = 0; k < in; ++k) q[n][k] = handQ(n, k);
+  }
+  const at::Tensor scale = (at::arange(1, out + 1, at::kFloat) / 8).reshape({out, 1});
+  return std::make_shared<QuantLinear>(q, quant::QParams{scale, at::zeros({out, 1}, at::kInt)}, kInt4Channel,
+                                       activation(kInt8Token), at::Tensor(), at::kFloat);
+}
+
+TEST(AscendV1Saver, W4A8DynamicHandCheckedLayer) {
+  // q_proj [16, 16] (column-parallel: one scale_bias per row) and o_proj [16, 16] (row-parallel: one
+  // per 16th of the inputs) as W4A8; the rest stays float.
+  auto lm = CausalLM::open(test::tinyLlama("ascend-w4a8-hand-src"));
+  test::replaceLinears(*lm, [](const std::string& name, Linear& linear) -> std::shared_ptr<Module> {
+    if (name.find("q_proj") == std::string::npos && name.find("o_proj") == std::string::npos) return nullptr;
+    return handW4A8(linear.outFeatures(), linear.inFeatures());
+  });
+  const at::Tensor expected = lm->forward(ids());
+  const fs::path out = test::testDir() / "ascend-w4a8-hand-out";
+  fs::remove_all(out);
+  saveAll(*lm, out, {.format = "ascendv1_saver"});
+
+  const Json description = readJson(out / "quant_model_description.json");
+  const auto ckpt = safetensors::Checkpoint::open(out, "quant_model_weights");
+  for (const std::string p : {"model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj"}) {
+    for (const char* key : {".weight", ".weight_scale", ".weight_offset", ".scale_bias"}) {
+      EXPECT_EQ(description[p + key], "W4A8_DYNAMIC") << p << key;
+    }
+    EXPECT_FALSE(description.contains(p + ".bias"));
+    EXPECT_EQ(ckpt.info(p + ".weight").dtype, "I8");
+    EXPECT_EQ(ckpt.info(p + ".weight").shape, (std::vector<int64_t>{8, 16}));
+    for (const char* key : {".weight_scale", ".weight_offset", ".scale_bias"}) {
+      EXPECT_EQ(ckpt.info(p + key).dtype, "F32") << p << key;
+    }
+    EXPECT_EQ(ckpt.info(p + ".weight_scale").shape, (std::vector<int64_t>{16, 1}));
+    EXPECT_EQ(ckpt.info(p + ".weight_offset").shape, (std::vector<int64_t>{16, 1}));
+    EXPECT_TRUE(at::equal(ckpt.tensor(p + ".weight_scale"), (at::arange(1, 17, at::kFloat) / 8).reshape({16, 1})));
+    EXPECT_TRUE(at::equal(ckpt.tensor(p + ".weight_offset"), at::zeros({16, 1})));
+
+    // Two rows per byte along the outputs: row 2j in the low nibble, 2j+1 in the high one.
+    const at::Tensor packed = ckpt.tensor(p + ".weight");
+    EXPECT_EQ(packed[0][0].item<int8_t>(), static_cast<int8_t>(0xA9));  // q[0][0] = -7 → 9, q[1][0] = -6 → A
+    EXPECT_EQ(packed[0][1].item<int8_t>(), static_cast<int8_t>(0xBA));  // -6 → A, -5 → B
+    EXPECT_EQ(packed[3][7].item<int8_t>(), 0x76);                       // q[6][7] = 6, q[7][7] = 7
+    EXPECT_EQ(packed[4][0].item<int8_t>(), 0x21);                       // q[8][0] = 1, q[9][0] = 2
+    for (int64_t j = 0; j < 8; ++j) {
+      for (int64_t k = 0; k < 16; ++k) {
+        const int64_t byte = (handQ(2 * j + 1, k) & 0xF) << 4 | (handQ(2 * j, k) & 0xF);
+        EXPECT_EQ(packed[j][k].item<int8_t>(), byte > 127 ? byte - 256 : byte) << p << " [" << j << ", " << k << "]";
+      }
+    }
+  }
+  // scale_bias = 8 · s[n] · Σ_k q[n][k]: row 0 sums -7..7 and -7 (k = 15), row 1 -6..7, -7, -6.
+  const at::Tensor column = ckpt.tensor("model.layers.0.self_attn.q_proj.scale_bias");
+  EXPECT_EQ(ckpt.info("model.layers.0.self_attn.q_proj.scale_bias").shape, (std::vector<int64_t>{16, 1}));
+  EXPECT_EQ(column[0][0].item<float>(), 8 * 0.125f * -7);
+  EXPECT_EQ(column[1][0].item<float>(), 8 * 0.25f * -6);
+  for (int64_t n = 0; n < 16; ++n) {
+    int64_t sum = 0;
+    for (int64_t k = 0; k < 16; ++k) sum += handQ(n, k);
+    EXPECT_FLOAT_EQ(column[n][0].item<float>(), 8.0f * (n + 1) / 8 * sum) << n;
+  }
+  // Row-parallel: 16 chunks of 16 / 16 = 1 input, so column t is 8 · s[n] · q[n][t].
+  const at::Tensor row = ckpt.tensor("model.layers.1.self_attn.o_proj.scale_bias");
+  EXPECT_EQ(ckpt.info("model.layers.1.self_attn.o_proj.scale_bias").shape, (std::vector<int64_t>{16, 16}));
+  EXPECT_EQ(row[0][0].item<float>(), 8 * 0.125f * -7);
+  EXPECT_EQ(row[1][15].item<float>(), 8 * 0.25f * -6);  // q[1][15] = 16 mod 15 − 7
+  for (int64_t n = 0; n < 16; ++n) {
+    for (int64_t t = 0; t < 16; ++t) EXPECT_FLOAT_EQ(row[n][t].item<float>(), 8.0f * (n + 1) / 8 * handQ(n, t));
+  }
+
+  // W4A8_DYNAMIC never becomes model_quant_type (msmodelslim leaves it out of QUANT_TYPE_PRIORITY):
+  // the float linears make it FLOAT.
+  EXPECT_EQ(description["model_quant_type"], "FLOAT");
+  EXPECT_EQ(description["group_size"], 0);  // vllm-ascend reads 0 as per-channel W4A8
+  EXPECT_EQ(description["version"], "1.0.0");
+  EXPECT_EQ(description["model.layers.0.mlp.down_proj.weight"], "FLOAT");
+
+  // Reloaded: the same int4 values and scales, so the same logits bit for bit.
+  auto loaded = CausalLM::open(out);
+  auto& linear = dynamic_cast<QuantLinear&>(loaded->layer(1).getSubmodule("self_attn.o_proj"));
+  EXPECT_EQ(linear.weightScheme().name(), "int4_per_channel_sym");
+  EXPECT_EQ(linear.inputQuant()->scheme.name(), "int8_per_token_sym");
+  EXPECT_EQ(linear.parameter("weight")[9][0].item<int8_t>(), handQ(9, 0));
+  EXPECT_TRUE(at::equal(loaded->forward(ids()), expected));
+}
+
+TEST(AscendV1Saver, W4A8DynamicRoundTripBitForBit) {
+  // Tiny Qwen3: every width is a multiple of 16, so every projection can be W4A8 (untied lm_head).
+  auto lm = CausalLM::open(test::tinyQwen3("ascend-w4a8-src"));
+  quantize(*lm, everywhere({kInt4Channel, kInt8Token}));
+  const at::Tensor expected = lm->forward(ids());
+  const fs::path out = test::testDir() / "ascend-w4a8-out";
+  fs::remove_all(out);
+  saveAll(*lm, out, {.format = "ascendv1_saver"});
+  EXPECT_TRUE(at::equal(CausalLM::open(out)->forward(ids()), expected));
+  const Json description = readJson(out / "quant_model_description.json");
+  EXPECT_EQ(description["model.layers.1.mlp.down_proj.scale_bias"], "W4A8_DYNAMIC");
+  EXPECT_EQ(description["lm_head.weight"], "FLOAT");
+  EXPECT_EQ(description["model_quant_type"], "FLOAT");
+  const auto ckpt = safetensors::Checkpoint::open(out, "quant_model_weights");
+  EXPECT_EQ(ckpt.info("model.layers.1.mlp.down_proj.weight").shape,
+            (std::vector<int64_t>{test::kTinyQwen3Hidden / 2, test::kTinyQwen3Inter}));
+  EXPECT_EQ(ckpt.info("model.layers.1.mlp.down_proj.scale_bias").shape,
+            (std::vector<int64_t>{test::kTinyQwen3Hidden, 16}));
+  EXPECT_EQ(ckpt.info("model.layers.1.mlp.gate_proj.scale_bias").shape,
+            (std::vector<int64_t>{test::kTinyQwen3Inter, 1}));
+  // Each row-parallel chunk sum adds up to the row's total (8 · Σ_k dequantized W).
+  auto& down = dynamic_cast<QuantLinear&>(lm->layer(1).getSubmodule("mlp.down_proj"));
+  const at::Tensor total = 8 * (down.parameter("weight").to(at::kFloat) * down.parameter("weight_scale")).sum(1);
+  EXPECT_TRUE(at::allclose(ckpt.tensor("model.layers.1.mlp.down_proj.scale_bias").sum(1), total, 1e-4, 1e-4));
+
+  // Mixed with another type on the tiny Llama (down_proj's 24 inputs cannot be W4A8, below):
+  // model_quant_type is the other type's.
+  at::Tensor mixedExpected;
+  const fs::path mixed = saveAscend(
+      "ascend-w4a8-mixed",
+      [](const std::string& name) -> std::optional<Spec> {
+        if (name.find("down_proj") != std::string::npos) return Spec{kInt8Channel, kInt8Token};
+        return Spec{kInt4Channel, kInt8Token};
+      },
+      &mixedExpected);
+  EXPECT_TRUE(at::equal(CausalLM::open(mixed)->forward(ids()), mixedExpected));
+  EXPECT_EQ(readJson(mixed / "quant_model_description.json")["model_quant_type"], "W8A8_DYNAMIC");
+}
+
+TEST(AscendV1Saver, W4A8DynamicShapeRefusals) {
+  // down_proj has 24 inputs: not 16 tensor-parallel chunks.
+  auto lm = CausalLM::open(test::tinyLlama("ascend-w4a8-refuse-src"));
+  quantize(*lm, everywhere({kInt4Channel, kInt8Token}));
+  const fs::path out = test::testDir() / "ascend-w4a8-refuse-out";
+  fs::remove_all(out);
+  auto saver = CheckpointSaver::create({.format = "ascendv1_saver"}, *lm, out);
+  EXPECT_EQ(test::errorOf([&] { saver->writeLayer(0, lm->layerName(0), lm->layer(0)); }, ErrorCode::kConfig),
+            "ascendv1_saver: model.layers.0.mlp.down_proj has 24 input features; W4A8_DYNAMIC's scale_bias of a "
+            "row-parallel projection sums them in 16 tensor-parallel chunks, so the count must be a multiple of 16; "
+            "exclude the module or use compressed_tensors");
+
+  // An odd number of outputs cannot be packed two rows per byte.
+  auto odd = CausalLM::open(test::tinyLlama("ascend-w4a8-odd-src"));
+  test::replaceLinears(*odd, [](const std::string& name, Linear&) -> std::shared_ptr<Module> {
+    return name == "model.layers.0.self_attn.q_proj" ? handW4A8(15, 16) : nullptr;
+  });
+  const fs::path oddOut = test::testDir() / "ascend-w4a8-odd-out";
+  fs::remove_all(oddOut);
+  auto oddSaver = CheckpointSaver::create({.format = "ascendv1_saver"}, *odd, oddOut);
+  EXPECT_EQ(test::errorOf([&] { oddSaver->writeLayer(0, odd->layerName(0), odd->layer(0)); }, ErrorCode::kConfig),
+            "ascendv1_saver: model.layers.0.self_attn.q_proj has 15 output features; W4A8_DYNAMIC packs two int4 "
+            "rows into one int8 row, so the count must be even; exclude the module or use compressed_tensors");
+}
+
+TEST(AscendV1Saver, W4A8DynamicTwoLevelPerGroupIsRefusedAtLoad) {
+  auto lm = CausalLM::open(test::tinyQwen3("ascend-w4a8-second-src"));
+  quantize(*lm, everywhere({kInt4Channel, kInt8Token}));
+  const fs::path out = test::testDir() / "ascend-w4a8-second-out";
+  fs::remove_all(out);
+  saveAll(*lm, out, {.format = "ascendv1_saver"});
+  // The older two-level layout adds weight_scale_second [out, in / group] to a W4A8 module.
+  std::map<std::string, at::Tensor> tensors;
+  {
+    const auto ckpt = safetensors::Checkpoint::open(out, "quant_model_weights");
+    for (const auto& name : ckpt.names()) tensors[name] = ckpt.tensor(name).clone();
+  }
+  fs::remove(out / "quant_model_weights.safetensors");
+  safetensors::Writer writer(out, {.filePrefix = "quant_model_weights"});
+  for (const auto& [name, tensor] : tensors) writer.add(name, tensor);
+  writer.add("model.layers.0.self_attn.q_proj.weight_scale_second", at::ones({256, 1}));
+  writer.finish();
+  EXPECT_EQ(test::errorOf([&] { CausalLM::open(out)->forward(ids()); }, ErrorCode::kInput),
+            "checkpoint " + out.string() +
+                ": 'model.layers.0.self_attn.q_proj.weight_scale_second' is a two-level per-group W4A8_DYNAMIC "
+                "weight; qpipe loads per-channel W4A8_DYNAMIC");
 }
 
 }  // namespace
