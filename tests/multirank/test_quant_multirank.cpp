@@ -1,0 +1,417 @@
+// `qpipe quant` on several ranks as a user runs it (docs/multirank.md): --device cpu:0,1 gives the
+// checkpoint of --device cpu:0 tensor for tensor, byte for byte, and so do ranks started the
+// torchrun way; a pipeline with a processor that cannot run on several ranks is refused before the
+// model loads; a rank that raises, a rank killed midway and Ctrl-C to the launcher each stop every
+// rank within the timeout, with one line naming the cause and nothing at --save_path.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "qpipe/safetensors.h"
+#include "test_helpers.h"
+#include "tiny_model.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using qpipe::ErrorCode;
+using qpipe::test::CommandResult;
+
+const fs::path kFixturePlugins = fs::path(QPIPE_TEST_PLUGIN_DIR) / "multirank";
+// Few, short windows; one thread per rank (the test machines have two cores); a short timeout.
+const std::string kTiny = " --calib_samples 4 --seq_len 32 --threads_per_rank 1 --dist_timeout 10";
+constexpr auto kTimeout = std::chrono::seconds(10);
+
+std::string quote(const fs::path& path) {
+  return "'" + path.string() + "'";
+}
+
+int code(ErrorCode c) {
+  return static_cast<int>(c);
+}
+
+// The last line of `text` (without its newline).
+std::string lastLine(const std::string& text) {
+  std::string trimmed = text;
+  while (!trimmed.empty() && trimmed.back() == '\n') trimmed.pop_back();
+  const size_t newline = trimmed.rfind('\n');
+  return newline == std::string::npos ? trimmed : trimmed.substr(newline + 1);
+}
+
+// A pipeline file holding `process` (YAML lines under `spec.process:`).
+fs::path pipelineFile(const std::string& name, const std::string& process) {
+  return qpipe::test::writeTempFile(name, "apiversion: modelslim_v1\nspec:\n  process:\n" + process);
+}
+
+const std::string kW8A8 = R"(    - type: linear_quant
+      qconfig:
+        act: {dtype: int8, scope: per_token, symmetric: True, method: minmax}
+        weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}
+      include: ["*"]
+)";
+
+// W8A8 dynamic, then a step that sleeps `seconds` in each layer: a run to kill midway.
+fs::path slowPipeline(double seconds) {
+  return pipelineFile("slow.yaml",
+                      kW8A8 + "    - type: rank_fault\n      sleep_seconds: " + std::to_string(seconds) + "\n");
+}
+
+// Everything two checkpoint folders hold agrees: the same safetensors tensors (name, dtype, shape
+// and bytes; sharding aside) and the same other files byte for byte, except quant_report.json,
+// which holds timings.
+void expectSameCheckpoint(const fs::path& expected, const fs::path& actual) {
+  const auto files = [](const fs::path& dir) {
+    std::set<std::string> names;
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      const std::string name = entry.path().filename().string();
+      if (name != "quant_report.json" && entry.path().extension() != ".safetensors") names.insert(name);
+    }
+    return names;
+  };
+  ASSERT_TRUE(fs::is_directory(expected)) << expected;
+  ASSERT_TRUE(fs::is_directory(actual)) << actual;
+  EXPECT_TRUE(fs::exists(expected / "quant_report.json"));
+  EXPECT_TRUE(fs::exists(actual / "quant_report.json"));
+  EXPECT_EQ(files(expected), files(actual));
+  for (const std::string& name : files(expected)) {
+    if (name.ends_with(".safetensors.index.json")) continue;  // shard names may differ
+    EXPECT_EQ(qpipe::test::slurp(expected / name), qpipe::test::slurp(actual / name)) << name;
+  }
+  const auto a = qpipe::safetensors::Checkpoint::open(expected);
+  const auto b = qpipe::safetensors::Checkpoint::open(actual);
+  ASSERT_EQ(a.names(), b.names());
+  ASSERT_FALSE(a.names().empty());
+  for (const std::string& name : a.names()) {
+    const at::Tensor x = a.tensor(name).contiguous();
+    const at::Tensor y = b.tensor(name).contiguous();
+    ASSERT_EQ(x.scalar_type(), y.scalar_type()) << name;
+    ASSERT_EQ(x.sizes(), y.sizes()) << name;
+    EXPECT_EQ(std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()), 0) << name << " differs";
+  }
+}
+
+// A port nobody listens on now (the kernel's choice for port 0).
+int freePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  socklen_t length = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+// qpipe started in the background, its stdout and stderr in the test's folder.
+struct Process {
+  pid_t pid = -1;
+  fs::path out;
+  fs::path err;
+};
+
+Process start(const std::string& name, const std::vector<std::string>& args, const std::vector<std::string>& env = {}) {
+  const fs::path dir = qpipe::test::testDir();
+  Process process{.pid = -1, .out = dir / (name + ".out"), .err = dir / (name + ".err")};
+  std::vector<std::string> argv = {QPIPE_BINARY};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::vector<char*> pointers;
+  for (auto& arg : argv) pointers.push_back(arg.data());
+  pointers.push_back(nullptr);
+  process.pid = ::fork();
+  if (process.pid == 0) {
+    ::freopen(process.out.c_str(), "w", stdout);
+    ::freopen(process.err.c_str(), "w", stderr);
+    ::freopen("/dev/null", "r", stdin);
+    ::unsetenv("QPIPE_PLUGIN_PATH");
+    for (const char* var : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
+      ::unsetenv(var);
+    }
+    for (const std::string& assignment : env) {
+      const size_t eq = assignment.find('=');
+      ::setenv(assignment.substr(0, eq).c_str(), assignment.substr(eq + 1).c_str(), 1);
+    }
+    ::execv(pointers[0], pointers.data());
+    ::_exit(127);
+  }
+  return process;
+}
+
+// The exit code (-signal when killed by one), or nullopt if it runs past `limit` (then it is
+// killed).
+std::optional<int> waitFor(const Process& process, std::chrono::milliseconds limit) {
+  const auto deadline = Clock::now() + limit;
+  int status = 0;
+  while (::waitpid(process.pid, &status, WNOHANG) == 0) {
+    if (Clock::now() > deadline) {
+      ::kill(process.pid, SIGKILL);
+      ::waitpid(process.pid, &status, 0);
+      return std::nullopt;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+}
+
+// The live child processes of `parent`.
+std::vector<pid_t> childrenOf(pid_t parent) {
+  std::vector<pid_t> children;
+  for (const auto& entry : fs::directory_iterator("/proc/" + std::to_string(parent) + "/task")) {
+    std::ifstream in(entry.path() / "children");
+    for (pid_t pid; in >> pid;) children.push_back(pid);
+  }
+  return children;
+}
+
+// The value of `name` in the environment of process `pid` ("" when absent).
+std::string environmentOf(pid_t pid, const std::string& name) {
+  const std::string all = qpipe::test::slurp("/proc/" + std::to_string(pid) + "/environ");
+  std::istringstream in(all);
+  for (std::string entry; std::getline(in, entry, '\0');) {
+    if (entry.rfind(name + "=", 0) == 0) return entry.substr(name.size() + 1);
+  }
+  return {};
+}
+
+bool alive(pid_t pid) {
+  return ::kill(pid, 0) == 0;
+}
+
+// The launcher's ranks, in rank order, once the saver's temporary folder is there (rank 0 is
+// past its checks, and every rank is running). Empty when that does not happen within 20 s.
+std::vector<pid_t> ranksOnceSaving(const Process& launcher, const fs::path& out) {
+  const fs::path partial = out.parent_path() / ("." + out.filename().string() + ".qpipe-partial");
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  while (Clock::now() < deadline) {
+    const std::vector<pid_t> children = childrenOf(launcher.pid);
+    if (fs::exists(partial) && children.size() == 2) {
+      std::vector<pid_t> ranks(2, -1);
+      for (pid_t child : children) {
+        const std::string rank = environmentOf(child, "RANK");
+        if (rank == "0" || rank == "1") ranks[std::stoi(rank)] = child;
+      }
+      if (ranks[0] > 0 && ranks[1] > 0) return ranks;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return {};
+}
+
+void expectNothingSaved(const fs::path& out) {
+  EXPECT_FALSE(fs::exists(out)) << out;
+  EXPECT_FALSE(fs::exists(out.parent_path() / ("." + out.filename().string() + ".qpipe-partial")))
+      << "the temporary folder of " << out << " was left";
+}
+
+std::string quantArgs(const fs::path& model, const fs::path& out, const std::string& rest) {
+  return "quant --model_path " + quote(model) + " --save_path " + quote(out) + " " + rest + kTiny;
+}
+
+// The same as an argument vector (`rest` split at spaces, nothing quoted).
+std::vector<std::string> quantArgv(const fs::path& model, const fs::path& out, const std::string& rest) {
+  std::vector<std::string> args = {"quant", "--model_path", model.string(), "--save_path", out.string()};
+  std::istringstream in(rest + kTiny);
+  for (std::string arg; in >> arg;) args.push_back(arg);
+  return args;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Equivalence.
+
+TEST(QuantMultirank, TwoRanksWriteTheCheckpointOfOne) {
+  const fs::path dir = qpipe::test::testDir();
+  struct Case {
+    fs::path model;
+    std::string quantType;
+  };
+  const std::vector<Case> cases = {{qpipe::test::tinyLlama("llama"), "w8a8"},
+                                   {qpipe::test::tinyQwen3("qwen3"), "w4a16"}};
+  for (const Case& c : cases) {
+    const std::string tag = c.model.filename().string() + "-" + c.quantType;
+    const fs::path one = dir / (tag + "-one"), two = dir / (tag + "-two");
+    fs::remove_all(one);
+    fs::remove_all(two);
+    const CommandResult single =
+        qpipe::test::runQpipe(quantArgs(c.model, one, "--quant_type " + c.quantType + " --device cpu:0"));
+    ASSERT_EQ(single.exitCode, 0) << single.err;
+    const CommandResult multi =
+        qpipe::test::runQpipe(quantArgs(c.model, two, "--quant_type " + c.quantType + " --device cpu:0,1"));
+    ASSERT_EQ(multi.exitCode, 0) << multi.err;
+    EXPECT_NE(multi.err.find("] [info] launched 2 ranks (pids "), std::string::npos) << multi.err;
+    EXPECT_NE(multi.err.find("[rank 1/2] [info] calibration: 2 of 4 samples x 32 tokens"), std::string::npos)
+        << multi.err;
+    // Rank 0 alone prints the summary and saves.
+    EXPECT_EQ(lastLine(multi.out).rfind("saved compressed_tensors checkpoint to " + two.string() + " in ", 0), 0u)
+        << multi.out;
+    EXPECT_EQ(multi.out.find("saved compressed_tensors"), multi.out.rfind("saved compressed_tensors")) << multi.out;
+    expectSameCheckpoint(one, two);
+  }
+}
+
+TEST(QuantMultirank, TorchrunStyleRanksWriteTheLauncherCheckpoint) {
+  const fs::path dir = qpipe::test::testDir();
+  const fs::path model = qpipe::test::tinyLlama("llama");
+  const fs::path launched = dir / "launched", external = dir / "external";
+  fs::remove_all(launched);
+  fs::remove_all(external);
+  const CommandResult r = qpipe::test::runQpipe(quantArgs(model, launched, "--quant_type w8a8 --device cpu:0,1"));
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+
+  // As `torchrun --no-python --nproc_per_node 2 qpipe quant …` starts them: no --device list.
+  const std::string port = std::to_string(freePort());
+  std::vector<Process> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.push_back(start("rank" + std::to_string(rank), quantArgv(model, external, "--quant_type w8a8"),
+                          {"RANK=" + std::to_string(rank), "LOCAL_RANK=" + std::to_string(rank), "WORLD_SIZE=2",
+                           "LOCAL_WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port}));
+  }
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(waitFor(ranks[rank], std::chrono::seconds(60)), 0) << qpipe::test::slurp(ranks[rank].err);
+  }
+  EXPECT_NE(qpipe::test::slurp(ranks[1].err).find("[rank 1/2] [info] calibration: 2 of 4 samples"), std::string::npos)
+      << qpipe::test::slurp(ranks[1].err);
+  EXPECT_EQ(qpipe::test::slurp(ranks[1].out), "") << "only rank 0 prints the summary";
+  expectSameCheckpoint(launched, external);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Refusals, before any rank starts.
+
+TEST(QuantMultirank, ProcessorWithoutMultirankSupportIsRefusedBeforeTheModelLoads) {
+  // A model folder without weights: only a refusal before loading gives a usage error.
+  const fs::path model = qpipe::test::testDir() / "config-only";
+  fs::create_directories(model);
+  std::ofstream(model / "config.json") << R"({"model_type": "llama", "vocab_size": 32, "hidden_size": 16,
+    "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4})";
+  const fs::path out = qpipe::test::testDir() / "quantized";
+  const fs::path pipeline = pipelineFile("single.yaml", kW8A8 + "    - type: single_rank_only\n");
+  const std::string args = "--config_path " + quote(pipeline) + " --plugin_dir " + quote(kFixturePlugins);
+  const CommandResult r = qpipe::test::runQpipe(quantArgs(model, out, args + " --device cpu:0,1"));
+  EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage)) << r.err;
+  EXPECT_EQ(r.err,
+            "qpipe: usage error: spec.process[1] (single_rank_only) does not support multi-rank runs; use one "
+            "device\n");
+  // One device runs it (and gets as far as the missing weights).
+  const CommandResult one = qpipe::test::runQpipe(quantArgs(model, out, args + " --device cpu:0"));
+  EXPECT_EQ(one.exitCode, code(ErrorCode::kInput)) << one.err;
+  expectNothingSaved(out);
+}
+
+TEST(QuantMultirank, DeviceListErrorsAreUsageErrors) {
+  const fs::path model = qpipe::test::tinyLlama("llama");
+  const fs::path out = qpipe::test::testDir() / "quantized";
+  const auto quant = [&](const std::string& device) {
+    return qpipe::test::runQpipe(quantArgs(model, out, "--quant_type w8a8 --device " + device));
+  };
+  CommandResult r = quant("cpu:0,0");
+  EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage));
+  EXPECT_EQ(r.err,
+            "qpipe: usage error: --device 'cpu:0,0' lists cpu:0 twice; give each device once (one rank per "
+            "device)\n");
+  r = quant("cpu:0,x");
+  EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage));
+  EXPECT_EQ(r.err, "qpipe: usage error: --device 'cpu:0,x' is not cpu, cuda, cpu:0,1,… or cuda:N[,M,…]\n");
+  expectNothingSaved(out);
+}
+
+TEST(QuantMultirank, OccupiedSavePathFailsOnRankZeroAndStopsTheOthers) {
+  const fs::path out = qpipe::test::testDir() / "occupied";
+  fs::create_directories(out);
+  std::ofstream(out / "keep.txt") << "mine\n";
+  const auto begin = Clock::now();
+  const CommandResult r =
+      qpipe::test::runQpipe(quantArgs(qpipe::test::tinyLlama("llama"), out, "--quant_type w8a8 --device cpu:0,1"));
+  EXPECT_LT(Clock::now() - begin, kTimeout);
+  EXPECT_EQ(r.exitCode, code(ErrorCode::kInput)) << r.err;
+  EXPECT_EQ(lastLine(r.err), "qpipe: input error: rank 0 failed: save folder '" + out.string() +
+                                 "' exists and is not empty; choose another --save_path or remove it")
+      << r.err;
+  EXPECT_EQ(qpipe::test::slurp(out / "keep.txt"), "mine\n");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Failures midway.
+
+TEST(QuantMultirank, RankThatRaisesStopsTheRunNamingIt) {
+  const fs::path out = qpipe::test::testDir() / "quantized";
+  fs::remove_all(out);
+  const fs::path pipeline = pipelineFile(
+      "raise.yaml", kW8A8 + "    - type: rank_fault\n      fail_on_rank: 1\n      message: calibration exploded\n");
+  const auto begin = Clock::now();
+  const CommandResult r = qpipe::test::runQpipe(
+      quantArgs(qpipe::test::tinyLlama("llama"), out,
+                "--config_path " + quote(pipeline) + " --plugin_dir " + quote(kFixturePlugins) + " --device cpu:0,1"));
+  EXPECT_LT(Clock::now() - begin, kTimeout);
+  EXPECT_EQ(r.exitCode, code(ErrorCode::kPlugin)) << r.err;
+  EXPECT_EQ(lastLine(r.err),
+            "qpipe: plugin error: rank 1 failed: processor 'rank_fault' (plugin 'rank_fault') failed in "
+            "preprocess(model.layers.0): calibration exploded on rank 1")
+      << r.err;
+  // The rank's own report, with its place in the group.
+  EXPECT_NE(r.err.find("[rank 1/2] [error] plugin error: processor 'rank_fault'"), std::string::npos) << r.err;
+  expectNothingSaved(out);
+}
+
+TEST(QuantMultirank, KilledRankStopsTheRunWithinTheTimeout) {
+  const fs::path out = qpipe::test::testDir() / "quantized";
+  fs::remove_all(out);
+  const Process launcher = start("launcher", quantArgv(qpipe::test::tinyLlama("llama"), out,
+                                                       "--config_path " + slowPipeline(2).string() + " --plugin_dir " +
+                                                           kFixturePlugins.string() + " --device cpu:0,1"));
+  const std::vector<pid_t> ranks = ranksOnceSaving(launcher, out);
+  if (ranks.empty()) {
+    waitFor(launcher, std::chrono::milliseconds(0));
+    FAIL() << "the run never reached saving: " << qpipe::test::slurp(launcher.err);
+  }
+  const auto killed = Clock::now();
+  ASSERT_EQ(::kill(ranks[1], SIGKILL), 0);
+  const std::optional<int> exitCode = waitFor(launcher, std::chrono::seconds(30));
+  EXPECT_LT(Clock::now() - killed, kTimeout);
+  const std::string err = qpipe::test::slurp(launcher.err);
+  EXPECT_EQ(exitCode, code(ErrorCode::kDistributed)) << err;
+  EXPECT_EQ(lastLine(err), "qpipe: distributed error: rank 1 was killed by signal 9 (SIGKILL)") << err;
+  EXPECT_FALSE(alive(ranks[0])) << "rank 0 outlived the launcher";
+  expectNothingSaved(out);
+}
+
+TEST(QuantMultirank, InterruptStopsEveryRank) {
+  const fs::path out = qpipe::test::testDir() / "quantized";
+  fs::remove_all(out);
+  const Process launcher = start("launcher", quantArgv(qpipe::test::tinyLlama("llama"), out,
+                                                       "--config_path " + slowPipeline(2).string() + " --plugin_dir " +
+                                                           kFixturePlugins.string() + " --device cpu:0,1"));
+  const std::vector<pid_t> ranks = ranksOnceSaving(launcher, out);
+  if (ranks.empty()) {
+    waitFor(launcher, std::chrono::milliseconds(0));
+    FAIL() << "the run never reached saving: " << qpipe::test::slurp(launcher.err);
+  }
+  const auto interrupted = Clock::now();
+  ASSERT_EQ(::kill(launcher.pid, SIGINT), 0);
+  const std::optional<int> exitCode = waitFor(launcher, std::chrono::seconds(30));
+  EXPECT_LT(Clock::now() - interrupted, std::chrono::seconds(3));
+  const std::string err = qpipe::test::slurp(launcher.err);
+  EXPECT_EQ(exitCode, 130) << err;
+  EXPECT_EQ(lastLine(err), "qpipe: interrupted: SIGINT received; all ranks stopped") << err;
+  for (pid_t rank : ranks) EXPECT_FALSE(alive(rank)) << "rank pid " << rank << " is still running";
+  expectNothingSaved(out);
+}
+
+}  // namespace
