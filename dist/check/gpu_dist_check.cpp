@@ -32,7 +32,9 @@ void check(int rank, const std::string& name, bool ok) {
   if (!ok) ++failures;
 }
 
-bool same(const at::Tensor& a, const at::Tensor& b) { return a.sizes() == b.sizes() && a.cpu().equal(b.cpu()); }
+bool same(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() && a.cpu().equal(b.cpu());
+}
 
 int runRank(const qpipe::dist::GroupOptions& options) {
   const auto group = ProcessGroup::connect(options);
@@ -114,7 +116,7 @@ int main() {
     // The GPU count comes from a child so that this process never initialises CUDA before
     // launching the ranks.
     const pid_t probe = ::fork();
-    if (probe == 0) ::_exit(qpipe::cudaAvailable() ? std::min(at::detail::getCUDAHooks().deviceCount(), 2) : 0);
+    if (probe == 0) ::_exit(qpipe::cudaAvailable() ? std::min<int>(at::detail::getCUDAHooks().deviceCount(), 2) : 0);
     int status = 0;
     ::waitpid(probe, &status, 0);
     const int gpus = WIFEXITED(status) ? WEXITSTATUS(status) : 0;

@@ -18,7 +18,7 @@ extern "C" __attribute__((visibility("default"))) c10d::Backend* qpipe_dist_crea
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = std::chrono::milliseconds(timeoutMs);
     auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(c10::intrusive_ptr<c10d::Store>::reclaim_copy(store),
-                                                                rank, worldSize, options);
+                                                               rank, worldSize, options);
     return backend.release();
   } catch (const c10::Error& e) {
     std::snprintf(error, errorSize, "%s", e.what_without_backtrace());

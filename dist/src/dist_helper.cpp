@@ -45,6 +45,8 @@ std::vector<std::string> DistHelper::sharedModulesSlice(const std::string& prefi
   return slice;
 }
 
-std::vector<at::Tensor> DistHelper::gatherVariableShapes(const at::Tensor& tensor) { return world().allGather(tensor); }
+std::vector<at::Tensor> DistHelper::gatherVariableShapes(const at::Tensor& tensor) {
+  return world().allGather(tensor);
+}
 
 }  // namespace qpipe::dist

@@ -48,8 +48,8 @@ std::vector<at::Tensor> syncGatherTensors(const at::Tensor& tensor, bool variabl
     gathered = group.allGather(tensor);
     QPIPE_REQUIRE(variableShapes || std::all_of(gathered.begin(), gathered.end(),
                                                 [&](const at::Tensor& t) { return t.sizes() == tensor.sizes(); }),
-                  ErrorCode::kDistributed, "syncGatherTensors: ranks hold different shapes (this rank ",
-                  tensor.sizes(), "); pass variableShapes=true");
+                  ErrorCode::kDistributed, "syncGatherTensors: ranks hold different shapes (this rank ", tensor.sizes(),
+                  "); pass variableShapes=true");
   }
   if (onCpu) {
     for (at::Tensor& t : gathered) t = t.cpu();

@@ -6,10 +6,10 @@
 #include <netdb.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <unistd.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -35,6 +35,7 @@ using std::chrono::milliseconds;
 constexpr const char* kWorldSizeKey = "qpipe/world_size";
 constexpr const char* kReadyKey = "qpipe/ready";
 constexpr const char* kReadyValue = "ok";
+constexpr const char* kReadyReadKey = "qpipe/ready_read";
 constexpr const char* kFailureSeenKey = "qpipe/failure_seen";
 // How long a rank whose collective failed looks for the failed peer's report: the peer writes
 // it before its sockets close, so it is normally there at once.
@@ -44,10 +45,16 @@ constexpr milliseconds kFailureLookup{1000};
 constexpr milliseconds kReportGrace{3000};
 constexpr milliseconds kPollInterval{20};
 
-std::string joinedKey(int rank) { return "qpipe/joined/" + std::to_string(rank); }
-std::string failedKey(int rank) { return "qpipe/failed/" + std::to_string(rank); }
+std::string joinedKey(int rank) {
+  return "qpipe/joined/" + std::to_string(rank);
+}
+std::string failedKey(int rank) {
+  return "qpipe/failed/" + std::to_string(rank);
+}
 
-std::string firstLine(std::string_view text) { return std::string(text.substr(0, text.find('\n'))); }
+std::string firstLine(std::string_view text) {
+  return std::string(text.substr(0, text.find('\n')));
+}
 
 // c10 errors carry a C++ backtrace after the message; users get the message.
 std::string describe(const std::exception& error) {
@@ -63,8 +70,12 @@ std::string seconds(milliseconds timeout) {
   return os.str();
 }
 
-std::string text(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
-std::vector<uint8_t> bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
+std::string text(const std::vector<uint8_t>& bytes) {
+  return std::string(bytes.begin(), bytes.end());
+}
+std::vector<uint8_t> bytes(const std::string& text) {
+  return std::vector<uint8_t>(text.begin(), text.end());
+}
 
 bool isLoopback(const std::string& address) {
   return address == "localhost" || address.rfind("127.", 0) == 0 || address == "::1";
@@ -256,14 +267,14 @@ class C10dGroup final : public ProcessGroup {
     int64_t maxDim = 0;
     for (int r = 0; r < worldSize(); ++r) {
       const auto dtype = static_cast<at::ScalarType>(headers[r][0].item<int64_t>());
-      QPIPE_REQUIRE(dtype == tensor.scalar_type(), ErrorCode::kDistributed, "allGather: rank ", r, " passed ",
-                    dtype, " and rank ", rank(), " ", tensor.scalar_type(), "; every rank must pass the same dtype");
+      QPIPE_REQUIRE(dtype == tensor.scalar_type(), ErrorCode::kDistributed, "allGather: rank ", r, " passed ", dtype,
+                    " and rank ", rank(), " ", tensor.scalar_type(), "; every rank must pass the same dtype");
       maxDim = std::max(maxDim, headers[r][1].item<int64_t>());
     }
     at::Tensor sizes = at::zeros({maxDim}, at::kLong);
     for (int64_t d = 0; d < tensor.dim(); ++d) sizes[d] = tensor.size(d);
-    const at::Tensor allSizes = maxDim == 0 ? at::zeros({worldSize(), 0}, at::kLong)
-                                            : at::stack(gatherEqual(sizes.to(longs.device()))).cpu();
+    const at::Tensor allSizes =
+        maxDim == 0 ? at::zeros({worldSize(), 0}, at::kLong) : at::stack(gatherEqual(sizes.to(longs.device()))).cpu();
     std::vector<std::vector<int64_t>> shapes(worldSize());
     int64_t maxNumel = 0;
     bool equal = true;
@@ -351,8 +362,8 @@ void waitForMaster(const GroupOptions& options) {
     if (::getaddrinfo(options.masterAddr.c_str(), port.c_str(), &hints, &found) == 0) {
       bool reached = false;
       for (addrinfo* address = found; address != nullptr && !reached; address = address->ai_next) {
-        const int fd = ::socket(address->ai_family, address->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
-                                address->ai_protocol);
+        const int fd =
+            ::socket(address->ai_family, address->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, address->ai_protocol);
         if (fd < 0) continue;
         if (::connect(fd, address->ai_addr, address->ai_addrlen) == 0) {
           reached = true;
@@ -369,8 +380,8 @@ void waitForMaster(const GroupOptions& options) {
       ::freeaddrinfo(found);
       if (reached) return;
     }
-    QPIPE_REQUIRE(Clock::now() < deadline, ErrorCode::kDistributed, "cannot reach the master at ",
-                  masterName(options), " within ", seconds(options.timeout), " (is rank 0 running there?)");
+    QPIPE_REQUIRE(Clock::now() < deadline, ErrorCode::kDistributed, "cannot reach the master at ", masterName(options),
+                  " within ", seconds(options.timeout), " (is rank 0 running there?)");
     std::this_thread::sleep_for(kPollInterval * 5);
   }
 }
@@ -389,11 +400,12 @@ c10::intrusive_ptr<c10d::TCPStore> openStore(const GroupOptions& options) {
   } catch (const std::exception& error) {
     const std::string cause = describe(error);
     if (options.rank == 0) {
-      QPIPE_REQUIRE(cause.find("EADDRINUSE") == std::string::npos &&
-                        cause.find("ddress already in use") == std::string::npos,
-                    ErrorCode::kDistributed, "MASTER_PORT ", options.masterPort, " on ", options.masterAddr,
-                    " is in use (another run, or a stale process); choose a free port");
-      throw Error(ErrorCode::kDistributed, "cannot start the rendezvous server on " + masterName(options) + ": " + cause);
+      QPIPE_REQUIRE(
+          cause.find("EADDRINUSE") == std::string::npos && cause.find("ddress already in use") == std::string::npos,
+          ErrorCode::kDistributed, "MASTER_PORT ", options.masterPort, " on ", options.masterAddr,
+          " is in use (another run, or a stale process); choose a free port");
+      throw Error(ErrorCode::kDistributed,
+                  "cannot start the rendezvous server on " + masterName(options) + ": " + cause);
     }
     throw Error(ErrorCode::kDistributed, "cannot reach the master at " + masterName(options) + " within " +
                                              seconds(options.timeout) + " (is rank 0 running there?)");
@@ -405,15 +417,23 @@ c10::intrusive_ptr<c10d::TCPStore> openStore(const GroupOptions& options) {
 void rendezvous(c10d::Store& store, const GroupOptions& options) {
   const auto deadline = Clock::now() + options.timeout;
   if (options.rank == 0) {
+    // Rank 0 hosts the store: it stays until the ranks that joined have read why it failed.
+    const auto fail = [&](const std::string& message) {
+      store.set(kReadyKey, bytes(message));
+      int joined = 0;
+      for (int r = 1; r < options.worldSize; ++r) joined += store.check({joinedKey(r)}) ? 1 : 0;
+      const auto graceEnd = Clock::now() + std::min(kReportGrace, options.timeout);
+      while (store.add(kReadyReadKey, 0) < joined && Clock::now() < graceEnd)
+        std::this_thread::sleep_for(kPollInterval);
+      throw Error(ErrorCode::kDistributed, message);
+    };
     store.set(kWorldSizeKey, bytes(std::to_string(options.worldSize)));
     std::vector<int> missing;
     for (int r = 1; r < options.worldSize; ++r) missing.push_back(r);
     while (!missing.empty()) {
       for (int r = 1; r < options.worldSize; ++r) {
-        if (!store.check({failedKey(r)})) continue;
-        const std::string message = "rank " + std::to_string(r) + " failed: " + text(store.get(failedKey(r)));
-        store.set(kReadyKey, bytes(message));
-        throw Error(ErrorCode::kDistributed, message);
+        if (store.check({failedKey(r)}))
+          fail("rank " + std::to_string(r) + " failed: " + text(store.get(failedKey(r))));
       }
       std::erase_if(missing, [&](int r) { return store.check({joinedKey(r)}); });
       if (missing.empty()) break;
@@ -423,8 +443,7 @@ void rendezvous(c10d::Store& store, const GroupOptions& options) {
         for (size_t i = 0; i < missing.size(); ++i) message << (i ? ", " : " ") << missing[i];
         message << " did not join at " << masterName(options) << " within " << seconds(options.timeout)
                 << " (WORLD_SIZE=" << options.worldSize << ")";
-        store.set(kReadyKey, bytes(message.str()));
-        throw Error(ErrorCode::kDistributed, message.str());
+        fail(message.str());
       }
       std::this_thread::sleep_for(kPollInterval);
     }
@@ -441,7 +460,11 @@ void rendezvous(c10d::Store& store, const GroupOptions& options) {
       throw Error(ErrorCode::kDistributed, message);
     }
     store.set(joinedKey(options.rank), bytes(kReadyValue));
+    // Rank 0 decides, within the timeout from its own start; the margin keeps this rank from
+    // giving up just before its verdict arrives.
+    store.wait({kReadyKey}, options.timeout + kReportGrace);
     ready = text(store.get(kReadyKey));
+    store.add(kReadyReadKey, 1);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& error) {
@@ -528,13 +551,15 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const GroupOptions& options)
     gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", store),
                                                        options.rank, options.worldSize, glooOptions);
   } catch (const std::exception& error) {
-    throw Error(ErrorCode::kDistributed, "rank " + std::to_string(options.rank) +
-                                             " cannot connect to its peers over Gloo: " + describe(error));
+    throw Error(ErrorCode::kDistributed,
+                "rank " + std::to_string(options.rank) + " cannot connect to its peers over Gloo: " + describe(error));
   }
   return std::make_shared<C10dGroup>(options, std::move(store), std::move(gloo));
 }
 
-std::shared_ptr<ProcessGroup> ProcessGroup::single() { return std::make_shared<SingleGroup>(); }
+std::shared_ptr<ProcessGroup> ProcessGroup::single() {
+  return std::make_shared<SingleGroup>();
+}
 
 ProcessGroup& world() {
   std::lock_guard lock(worldMutex);
