@@ -5,7 +5,9 @@
 #include <ATen/Functions.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -55,8 +57,11 @@ void collectives() {
   const int world = group.worldSize();
   const float r1 = static_cast<float>(rank + 1);
   const at::Tensor v = at::tensor({r1, 2 * r1, -r1});
-  const std::pair<SyncOp, const char*> ops[] = {
-      {SyncOp::kMin, "min"}, {SyncOp::kMax, "max"}, {SyncOp::kSum, "sum"}, {SyncOp::kProd, "prod"}, {SyncOp::kMean, "mean"}};
+  const std::pair<SyncOp, const char*> ops[] = {{SyncOp::kMin, "min"},
+                                                {SyncOp::kMax, "max"},
+                                                {SyncOp::kSum, "sum"},
+                                                {SyncOp::kProd, "prod"},
+                                                {SyncOp::kMean, "mean"}};
   for (const auto& [op, name] : ops) {
     at::Tensor t = v.clone();
     syncBaseOperation(t, op);
@@ -146,6 +151,18 @@ void peerFails(bool report) {
   std::cout << "unexpected: " << values(t) << std::endl;
 }
 
+// The last rank stops answering (stuck, not dead) for ten times the timeout.
+void peerHangs() {
+  ProcessGroup& group = world();
+  if (group.rank() == group.worldSize() - 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(10 * std::stoi(std::getenv("QPIPE_DIST_TIMEOUT_S"))));
+    return;
+  }
+  at::Tensor t = at::ones({4});
+  group.allReduce(t, ReduceOp::kSum);
+  std::cout << "unexpected: " << values(t) << std::endl;
+}
+
 // Rank 0, which hosts the store, fails after the first collective.
 void masterFails() {
   ProcessGroup& group = world();
@@ -175,6 +192,8 @@ int main(int argc, char** argv) {
       peerFails(true);
     } else if (scenario == "peer_killed") {
       peerFails(false);
+    } else if (scenario == "peer_hangs") {
+      peerHangs();
     } else if (scenario == "master_fails") {
       masterFails();
     } else {

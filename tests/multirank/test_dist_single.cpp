@@ -86,7 +86,9 @@ class DistEnvironment : public ::testing::Test {
   static constexpr const char* kNames[] = {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "QPIPE_DIST_TIMEOUT_S"};
 };
 
-TEST_F(DistEnvironment, UnsetMeansOneProcess) { EXPECT_FALSE(optionsFromEnvironment().has_value()); }
+TEST_F(DistEnvironment, UnsetMeansOneProcess) {
+  EXPECT_FALSE(optionsFromEnvironment().has_value());
+}
 
 TEST_F(DistEnvironment, ReadsTheTorchrunVariables) {
   ::setenv("RANK", "2", 1);

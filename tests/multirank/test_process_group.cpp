@@ -52,6 +52,7 @@ struct Launch {
   std::vector<int> ranks;       // which ranks to start
   std::vector<int> worldSizes;  // WORLD_SIZE of each started rank
   std::string timeoutSeconds = "10";
+  bool killRestWhenOneExits = false;  // for ranks that would otherwise sleep on
 };
 
 // Starts the ranks, waits for all (killing them after 60 s) and returns their results.
@@ -104,6 +105,11 @@ std::vector<RankResult> run(const Launch& launch) {
       results[i].exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
       results[i].seconds = std::chrono::duration<double>(Clock::now() - start).count();
       results[i].out = slurp(dir / ("rank" + std::to_string(launch.ranks[i]) + ".out"));
+      if (launch.killRestWhenOneExits) {
+        for (size_t j = 0; j < pids.size(); ++j) {
+          if (!done[j]) ::kill(pids[j], SIGKILL);
+        }
+      }
     }
     if (Clock::now() - start > std::chrono::seconds(60)) {
       ADD_FAILURE() << "ranks still running after 60 s; killed";
@@ -202,7 +208,8 @@ TEST_P(Multirank, DistHelperSharedAndLocalOnly) {
     expected += "model.layers.0: shared 1 local 1 localOnly 0\n";
     expected += "model.layers.0.self_attn: shared 1 local 1 localOnly 0\n";
     expected += "model.layers.0.mlp.experts.0: shared 1 local 1 localOnly 0\n";
-    expected += std::string("model.layers.0.mlp.experts.1: shared 0 local ") + (last ? "1 localOnly 1\n" : "0 localOnly 0\n");
+    expected +=
+        std::string("model.layers.0.mlp.experts.1: shared 0 local ") + (last ? "1 localOnly 1\n" : "0 localOnly 0\n");
     expected += "model.layers.0.mlp.experts.2: shared 0 local 0 localOnly 0\n";
     expected += "slice:";
     for (size_t i = r; i < names.size(); i += w) expected += " " + names[i];
@@ -212,9 +219,8 @@ TEST_P(Multirank, DistHelperSharedAndLocalOnly) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, Multirank, ::testing::Values(2, 3), [](const auto& info) {
-  return std::to_string(info.param) + "ranks";
-});
+INSTANTIATE_TEST_SUITE_P(Ranks, Multirank, ::testing::Values(2, 3),
+                         [](const auto& info) { return std::to_string(info.param) + "ranks"; });
 
 TEST(MultirankErrors, PortInUse) {
   // The test holds the port, listening, as another run would.
@@ -252,6 +258,31 @@ TEST(MultirankErrors, WorldSizeMismatchFailsEveryRank) {
   EXPECT_EQ(results[0].out, "error: rank 1 failed: " + mismatch + "\n");
   EXPECT_EQ(results[1].exitCode, 7);
   EXPECT_EQ(results[1].out, "error: " + mismatch + "\n");
+}
+
+TEST(MultirankErrors, MissingRankFailsEveryRank) {
+  Launch launch{
+      .scenario = "connect", .port = freePort(), .ranks = {0, 1}, .worldSizes = {3, 3}, .timeoutSeconds = "2"};
+  const auto results = run(launch);
+  const std::string message =
+      "error: rank 2 did not join at 127.0.0.1:" + std::to_string(launch.port) + " within 2 s (WORLD_SIZE=3)\n";
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].exitCode, 7) << "rank " << r;
+    EXPECT_EQ(results[r].out, message) << "rank " << r;
+    EXPECT_LT(results[r].seconds, 5.0) << "rank " << r;
+  }
+}
+
+// A stuck peer fails the others at the timeout (2 s), long before it wakes (20 s).
+TEST(MultirankErrors, StuckPeerTimesOut) {
+  Launch launch = world("peer_hangs", 2);
+  launch.timeoutSeconds = "2";
+  launch.killRestWhenOneExits = true;
+  const auto results = run(launch);
+  EXPECT_EQ(results[0].exitCode, 7);
+  const std::string expected = connected(0, 2) + "error: lost contact with a peer rank during allReduce: ";
+  EXPECT_EQ(results[0].out.substr(0, expected.size()), expected) << results[0].out;
+  EXPECT_LT(results[0].seconds, 10.0);
 }
 
 // The timeout is 10 s: a rank that waits for it instead of seeing its peer go has failed.
