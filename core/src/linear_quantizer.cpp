@@ -70,7 +70,8 @@ std::optional<ActivationQuant> LinearQuantizer::activationQuant() const {
 }
 
 std::shared_ptr<QuantLinear> LinearQuantizer::deploy(const std::string& name) const {
-  QPIPE_CHECK(!observes() || frozen_, name, ": deploy() before freeze(): the static activation parameters are not fixed");
+  QPIPE_CHECK(!observes() || frozen_, name,
+              ": deploy() before freeze(): the static activation parameters are not fixed");
   QPIPE_REQUIRE(calibrated(), ErrorCode::kInput, name,
                 ": no calibration data reached this module, so its static activation scale is unknown; "
                 "add calibration samples or exclude it");

@@ -241,10 +241,10 @@ TEST_F(LinearQuantPlugin, SampleOrderDoesNotChangeTheCheckpoint) {
   const std::vector<at::Tensor> samples = tinySamples();
   const std::vector<at::Tensor> reversed(samples.rbegin(), samples.rend());
   const std::vector<at::Tensor> rotated{samples[2], samples[4], samples[0], samples[3], samples[1]};
-  for (const std::string act : {"{dtype: int8, symmetric: False}", "{dtype: int8, ext: {aggregation_type: mean}}",
-                                "{dtype: int8, symmetric: False, method: histogram}",
-                                "{dtype: int8, method: histogram, ext: {search_method: kl_divergence}}",
-                                "{dtype: fp8_e4m3}"}) {
+  for (const std::string act :
+       {"{dtype: int8, symmetric: False}", "{dtype: int8, ext: {aggregation_type: mean}}",
+        "{dtype: int8, symmetric: False, method: histogram}",
+        "{dtype: int8, method: histogram, ext: {search_method: kl_divergence}}", "{dtype: fp8_e4m3}"}) {
     const std::string weight = act == "{dtype: fp8_e4m3}" ? "{dtype: fp8_e4m3}" : "{dtype: int8}";
     const std::string process = "    - {type: linear_quant, qconfig: {act: " + act + ", weight: " + weight + "}}\n";
     const auto reference = deployed(process, samples);
@@ -261,15 +261,16 @@ TEST_F(LinearQuantPlugin, GroupObservesSyncsThenPropagatesOnce) {
   // (no second forward, or a forward per child) would change its parameters.
   const std::string q = "qconfig: {act: {dtype: int8, symmetric: False}, weight: {dtype: int8}}";
   const auto one = deployed("    - {type: linear_quant, " + q + "}\n", tinySamples());
-  const auto group = deployed("    - type: group\n      configs:\n        - {type: linear_quant, " + q +
-                                  ", include: ['*self_attn*']}\n        - {type: linear_quant, " + q +
-                                  ", include: ['*mlp*']}\n",
-                              tinySamples());
+  const auto group =
+      deployed("    - type: group\n      configs:\n        - {type: linear_quant, " + q +
+                   ", include: ['*self_attn*']}\n        - {type: linear_quant, " + q + ", include: ['*mlp*']}\n",
+               tinySamples());
   expectSameTensors(group, one, "group");
   // Two steps in sequence calibrate the MLP with the attention already deployed: different.
-  const auto sequence = deployed("    - {type: linear_quant, " + q + ", include: ['*self_attn*']}\n    - {type: linear_quant, " +
-                                     q + ", include: ['*mlp*']}\n",
-                                 tinySamples());
+  const auto sequence =
+      deployed("    - {type: linear_quant, " + q + ", include: ['*self_attn*']}\n    - {type: linear_quant, " + q +
+                   ", include: ['*mlp*']}\n",
+               tinySamples());
   ASSERT_EQ(sequence.size(), one.size());
   int differing = 0;
   for (const auto& [name, tensor] : one) differing += at::equal(tensor, sequence.at(name)) ? 0 : 1;

@@ -85,9 +85,9 @@ class HistogramObserver {
   static constexpr int kZeroExponent = -149;
 
   struct State {
-    at::Tensor histogram;  // float64 [kBins], counts over [-2^exponent, 2^exponent); undefined before data
-    at::Tensor binMin;     // float64 [kBins]: the least and greatest value seen in each bin
-    at::Tensor binMax;     // (±inf when empty), to tighten the clip window to real data
+    at::Tensor histogram;          // float64 [kBins], counts over [-2^exponent, 2^exponent); undefined before data
+    at::Tensor binMin;             // float64 [kBins]: the least and greatest value seen in each bin
+    at::Tensor binMax;             // (±inf when empty), to tighten the clip window to real data
     int exponent = kZeroExponent;  // k
   };
 
