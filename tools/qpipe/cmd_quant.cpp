@@ -72,7 +72,7 @@ std::optional<int> intFromEnvironment(const char* name) {
     if (end == std::string(value).size() && parsed >= 0) return parsed;
   } catch (const std::exception&) {
   }
-  throw Error(ErrorCode::kDistributed, detail::concat(name, " '", value, "' is not a non-negative integer"));
+  throw Error(ErrorCode::kDistributed, detail::concat(name, "='", value, "' is not a non-negative integer"));
 }
 
 Role roleOf(const QuantOptions& options, const DeviceList& devices) {
@@ -106,13 +106,13 @@ std::chrono::milliseconds distTimeout(const QuantOptions& options) {
     try {
       size_t end = 0;
       const double value = std::stod(seconds, &end);
-      if (end == std::string(seconds).size() && value > 0) {
+      if (end == std::string(seconds).size() && value > 0 && value <= 604800) {
         return std::chrono::milliseconds(static_cast<int64_t>(value * 1000));
       }
     } catch (const std::exception&) {
     }
     throw Error(ErrorCode::kDistributed,
-                detail::concat("QPIPE_DIST_TIMEOUT_S '", seconds, "' is not a positive number of seconds"));
+                detail::concat("QPIPE_DIST_TIMEOUT_S='", seconds, "' is not a number of seconds in (0, 604800]"));
   }
   return std::chrono::seconds(60);
 }
@@ -298,7 +298,7 @@ Subcommand setupQuant(CLI::App& parent) {
   app->add_option("--dist_timeout", options->distTimeoutSeconds,
                   "Seconds a multi-rank run waits for a rendezvous or a collective; default "
                   "QPIPE_DIST_TIMEOUT_S, else 60")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(0.001, 604800.0));
   app->add_option("--threads_per_rank", options->threadsPerRank,
                   "Intra-op (and OpenMP) threads of each rank; default: the cores divided among this host's ranks")
       ->check(CLI::Range(1, 4096));

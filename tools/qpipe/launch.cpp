@@ -68,8 +68,8 @@ int64_t monotonicNs() {
 int masterPort() {
   if (const char* port = std::getenv("MASTER_PORT"); port != nullptr && *port != '\0') {
     const std::optional<int> value = parseInt(port);
-    QPIPE_REQUIRE(value && *value > 0 && *value < 65536, ErrorCode::kDistributed, "MASTER_PORT '", port,
-                  "' is not a port number (1-65535)");
+    QPIPE_REQUIRE(value && *value > 0 && *value < 65536, ErrorCode::kDistributed, "MASTER_PORT='", port,
+                  "' is not an integer in [1, 65535]");
     return *value;
   }
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
