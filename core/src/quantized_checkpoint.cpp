@@ -109,7 +109,8 @@ at::Tensor unpackInt8(const at::Tensor& packed, int64_t size, int64_t dim) {
 at::Tensor packInt4Rows(const at::Tensor& q) {
   QPIPE_CHECK(q.dim() == 2 && q.size(0) % 2 == 0, "packInt4Rows takes [out, in] with out even");
   const at::Tensor pairs = q.to(at::kInt).reshape({q.size(0) / 2, 2, q.size(1)});
-  const at::Tensor byte = pairs.select(1, 1).bitwise_and(0xF).bitwise_left_shift(4).bitwise_or(pairs.select(1, 0).bitwise_and(0xF));
+  const at::Tensor byte =
+      pairs.select(1, 1).bitwise_and(0xF).bitwise_left_shift(4).bitwise_or(pairs.select(1, 0).bitwise_and(0xF));
   // 0..255 to the int8 of the same bits without relying on a narrowing conversion.
   return (byte.bitwise_xor(0x80) - 0x80).to(at::kChar).contiguous();
 }
@@ -422,8 +423,8 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
       // W4A8_DYNAMIC is per-channel in msmodelslim's V1 layout; its scale_bias is a term of the
       // NPU kernel that qpipe's forward does not need. The two-level per-group variant (older
       // savers) multiplies a second scale in, which this loader does not.
-      QPIPE_REQUIRE(!int4 || !has(name + ".weight_scale_second"), ErrorCode::kInput, "checkpoint ", dir_, ": '",
-                    name, ".weight_scale_second' is a two-level per-group W4A8_DYNAMIC weight; qpipe loads "
+      QPIPE_REQUIRE(!int4 || !has(name + ".weight_scale_second"), ErrorCode::kInput, "checkpoint ", dir_, ": '", name,
+                    ".weight_scale_second' is a two-level per-group W4A8_DYNAMIC weight; qpipe loads "
                     "per-channel W4A8_DYNAMIC");
       if (scale.numel() == out || int4) {
         w.scope = QScope::kPerChannel;

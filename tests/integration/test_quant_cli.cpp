@@ -322,6 +322,84 @@ TEST(QuantCli, InvalidQConfigIsAConfigErrorBeforeTheModelLoads) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// ascendv1_saver.
+
+// A practice library ($QPIPE_HOME) whose w4a8 practice is configs/default/w4a8.yaml saving
+// msmodelslim's ascendv1 layout instead of compressed_tensors; data/ is the source tree's.
+fs::path ascendHome() {
+  const fs::path home = qpipe::test::testDir() / "ascend-home";
+  fs::remove_all(home);
+  fs::create_directories(home / "configs" / "default");
+  const std::string yaml = qpipe::test::slurp(kSource / "configs" / "default" / "w4a8.yaml");
+  const std::string ascend = std::regex_replace(yaml, std::regex("type: compressed_tensors"), "type: ascendv1_saver");
+  EXPECT_NE(ascend, yaml) << "configs/default/w4a8.yaml no longer saves compressed_tensors";
+  std::ofstream(home / "configs" / "default" / "w4a8.yaml") << ascend;
+  fs::create_directory_symlink(kSource / "data", home / "data");
+  return home;
+}
+
+// Sets QPIPE_HOME for the qpipe runs of one test.
+class ScopedHome {
+ public:
+  explicit ScopedHome(const fs::path& home) { ::setenv("QPIPE_HOME", home.c_str(), 1); }
+  ~ScopedHome() { ::unsetenv("QPIPE_HOME"); }
+};
+
+TEST(QuantCli, W4A8SavedAsAscendV1Evaluates) {
+  const fs::path home = ascendHome();
+  const ScopedHome scoped(home);
+  const fs::path model = qpipe::test::tinyQwen3("float");
+  const fs::path out = qpipe::test::testDir() / "w4a8-ascend";
+  fs::remove_all(out);
+  const CommandResult r =
+      qpipe("quant --model_path " + quote(model) + " --save_path " + quote(out) + " --quant_type w4a8" + kTinyCalib);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  const std::string line = "--quant_type w4a8: practice " + (home / "configs" / "default" / "w4a8.yaml").string();
+  EXPECT_NE(r.err.find(line), std::string::npos) << "expected '" << line << "' in:\n" << r.err;
+  EXPECT_NE(r.out.find("saved ascendv1_saver checkpoint to " + out.string()), std::string::npos) << r.out;
+
+  const Json description = readJson(out / "quant_model_description.json");
+  ASSERT_TRUE(description.is_object()) << qpipe::test::slurp(out / "quant_model_description.json");
+  for (int64_t i = 0; i < qpipe::test::kTinyLayers; ++i) {
+    for (const std::string& linear : qpipe::test::tinyLayerLinears()) {
+      const std::string p = "model.layers." + std::to_string(i) + "." + linear;
+      for (const char* key : {".weight", ".weight_scale", ".weight_offset", ".scale_bias"}) {
+        EXPECT_EQ(description[p + key], "W4A8_DYNAMIC") << p << key;
+      }
+    }
+  }
+  EXPECT_EQ(description["lm_head.weight"], "FLOAT");
+  EXPECT_EQ(description["model_quant_type"], "FLOAT");  // msmodelslim never reports W4A8_DYNAMIC here
+  EXPECT_EQ(description["group_size"], 0);
+  EXPECT_TRUE(fs::exists(out / "quant_model_weights.safetensors"));
+  EXPECT_FALSE(fs::exists(out / "model.safetensors"));
+  EXPECT_FALSE(readJson(out / "config.json").contains("quantization_config"));
+  expectReportCovers(out / "quant_report.json", qpipe::test::kTinyLayers);
+
+  const double floatPpl = perplexity(model, "float");
+  const double quantPpl = perplexity(out, "quantized");
+  EXPECT_TRUE(std::isfinite(floatPpl) && floatPpl > 1 && floatPpl < 1000) << floatPpl;
+  EXPECT_TRUE(std::isfinite(quantPpl) && quantPpl > floatPpl / 1.5 && quantPpl < floatPpl * 1.5)
+      << "float " << floatPpl << ", quantized " << quantPpl;
+}
+
+// The tiny Llama's down_proj has 24 inputs, which W4A8_DYNAMIC's 16 tensor-parallel scale_bias
+// chunks cannot split: one line naming the module, and no save folder.
+TEST(QuantCli, W4A8AscendV1RefusesRowParallelWidthNotMultipleOf16) {
+  const ScopedHome scoped(ascendHome());
+  const fs::path out = qpipe::test::testDir() / "w4a8-ascend-llama";
+  fs::remove_all(out);
+  const CommandResult r = qpipe("--log_level error quant --model_path " + quote(qpipe::test::tinyLlama("float")) +
+                                " --save_path " + quote(out) + " --quant_type w4a8" + kTinyCalib);
+  expectOneLineError(r, code(ErrorCode::kConfig),
+                     "qpipe: configuration error: ascendv1_saver: model.layers.0.mlp.down_proj has 24 input "
+                     "features; W4A8_DYNAMIC's scale_bias of a row-parallel projection sums them in 16 "
+                     "tensor-parallel chunks, so the count must be a multiple of 16; exclude the module or use "
+                     "compressed_tensors");
+  EXPECT_FALSE(fs::exists(out));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Refusals.
 
 TEST(QuantCli, NonEmptySavePathIsRefused) {
