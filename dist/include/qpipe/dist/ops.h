@@ -17,8 +17,10 @@ namespace qpipe::dist {
 
 enum class SyncOp { kMin, kMax, kSum, kMean, kProd };
 
-// In place on every rank. kMin/kMax/kProd are exact in any order; kSum/kMean are an all-reduce
-// (use gatherInSampleOrder when the result must not depend on the world size).
+// In place on every rank. kMin/kMax are exact in any order. kSum, kProd and kMean depend on
+// the order of the floating-point reduction, hence on the world size: kMean is kSum divided by
+// the world size (msmodelslim's definition: the mean of the ranks' values, not of the samples).
+// Use gatherInSampleOrder when the result must not depend on the world size.
 void syncBaseOperation(at::Tensor& tensor, SyncOp op);
 
 // Every rank's tensor in rank order. `variableShapes`: ranks may hold different shapes (the

@@ -38,8 +38,9 @@ class ProcessGroup {
  public:
   virtual ~ProcessGroup() = default;
 
-  // Joins the group. One-line Error(kDistributed) for: the port in use (rank 0), the master
-  // unreachable within the timeout, ranks that disagree on the world size.
+  // Joins the group (a real one even for a world of one). One-line Error(kDistributed) for: the
+  // port in use (rank 0), the master unreachable within the timeout, ranks that disagree on the
+  // world size (rank 0's counts), a rank that does not join within the timeout.
   static std::shared_ptr<ProcessGroup> connect(const GroupOptions& options);
   // The group of one process: every collective is the identity.
   static std::shared_ptr<ProcessGroup> single();
@@ -55,12 +56,14 @@ class ProcessGroup {
   // Every rank's bytes, in rank order (names, serialized records).
   virtual std::vector<std::string> allGatherBytes(const std::string& bytes) = 0;
 
-  // Tells the peers this rank failed and why, so their errors name it; never throws.
+  // Tells the peers this rank failed and why, so their errors name it; never throws. For the
+  // top-level error handler: it closes this rank's connections (the peers' pending collectives
+  // fail at once), and rank 0, which hosts the store, waits briefly for the peers to read it.
   virtual void reportFailure(const std::string& message) noexcept = 0;
 };
 
 // The group the process quantizes in: single() until setWorld() is called (by `qpipe quant`
-// when it runs as one of several ranks).
+// when it runs as one of several ranks); setWorld(nullptr) goes back to single().
 ProcessGroup& world();
 void setWorld(std::shared_ptr<ProcessGroup> group);
 
