@@ -23,7 +23,7 @@ venv="$root/.venv"
 build="$root/build"
 debian_packages=(cmake ninja-build g++ ccache python3-venv libyaml-cpp-dev nlohmann-json3-dev
                  libspdlog-dev libfmt-dev libboost-dev libcli11-dev libgtest-dev libpcre2-dev
-                 libutf8proc-dev time)  # time: /usr/bin/time -v for the memory benches
+                 libutf8proc-dev libgloo-dev time)  # libgloo-dev: the headers c10d's ProcessGroupGloo.hpp includes; time: /usr/bin/time -v for the memory benches
 
 step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
