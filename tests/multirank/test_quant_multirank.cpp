@@ -406,7 +406,7 @@ TEST(QuantMultirank, InterruptStopsEveryRank) {
   const auto interrupted = Clock::now();
   ASSERT_EQ(::kill(launcher.pid, SIGINT), 0);
   const std::optional<int> exitCode = waitFor(launcher, std::chrono::seconds(30));
-  EXPECT_LT(Clock::now() - interrupted, std::chrono::seconds(3));
+  EXPECT_LT(Clock::now() - interrupted, std::chrono::seconds(5));
   const std::string err = qpipe::test::slurp(launcher.err);
   EXPECT_EQ(exitCode, 130) << err;
   EXPECT_EQ(lastLine(err), "qpipe: interrupted: SIGINT received; all ranks stopped") << err;

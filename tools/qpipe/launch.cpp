@@ -278,8 +278,7 @@ void launchRanks(const LaunchOptions& options) {
 
   std::vector<std::string> args = commandLine();
   std::error_code ec;
-  args[0] = fs::read_symlink("/proc/self/exe", ec).string();
-  QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot read /proc/self/exe: ", ec.message());
+  if (const fs::path self = fs::read_symlink("/proc/self/exe", ec); !ec) args[0] = self.string();
   std::vector<char*> argv = pointers(args);
 
   const fs::path errorDir = makeErrorDir();
@@ -307,7 +306,8 @@ void launchRanks(const LaunchOptions& options) {
         // Only async-signal-safe calls until exec. A parent that dies takes its ranks with it.
         ::prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (::getppid() != parent) ::_exit(127);
-        ::execve(argv[0], argv.data(), envps[child.rank].data());
+        // This very binary, even if the file was replaced since it started.
+        ::execve("/proc/self/exe", argv.data(), envps[child.rank].data());
         ::_exit(127);
       }
       if (pid < 0) {
