@@ -315,6 +315,42 @@ TEST(QuantMultirank, ProcessorWithoutMultirankSupportIsRefusedBeforeTheModelLoad
   expectNothingSaved(out);
 }
 
+// A rank started by another launcher refuses it too, on its own, before it joins the group.
+TEST(QuantMultirank, TorchrunStyleRankRefusesAProcessorWithoutMultirankSupport) {
+  const fs::path out = qpipe::test::testDir() / "quantized";
+  const fs::path pipeline = pipelineFile("single.yaml", kW8A8 + "    - type: single_rank_only\n");
+  const Process rank =
+      start("rank1",
+            quantArgv(qpipe::test::tinyLlama("llama"), out,
+                      "--config_path " + pipeline.string() + " --plugin_dir " + kFixturePlugins.string()),
+            {"RANK=1", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(freePort())});
+  EXPECT_EQ(waitFor(rank, std::chrono::seconds(30)), code(ErrorCode::kUsage));
+  EXPECT_EQ(lastLine(qpipe::test::slurp(rank.err)),
+            "qpipe: usage error: [rank 1/2] spec.process[1] (single_rank_only) does not support multi-rank runs; use "
+            "one device");
+  expectNothingSaved(out);
+}
+
+// --dist_timeout bounds the rendezvous: rank 0 alone gives up on rank 1 after it, naming it.
+TEST(QuantMultirank, DistTimeoutBoundsTheRendezvous) {
+  const fs::path out = qpipe::test::testDir() / "quantized";
+  const std::string port = std::to_string(freePort());
+  std::vector<std::string> args = quantArgv(qpipe::test::tinyLlama("llama"), out, "--quant_type w8a8");
+  args.back() = "2";  // kTiny's --dist_timeout
+  const auto begin = Clock::now();
+  const Process rank = start("rank0", args, {"RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port});
+  const std::optional<int> exitCode = waitFor(rank, std::chrono::seconds(30));
+  const std::string err = qpipe::test::slurp(rank.err);
+  EXPECT_EQ(exitCode, code(ErrorCode::kDistributed)) << err;
+  EXPECT_GT(Clock::now() - begin, std::chrono::seconds(2));
+  EXPECT_LT(Clock::now() - begin, std::chrono::seconds(8));
+  EXPECT_EQ(lastLine(err).rfind(
+                "qpipe: distributed error: [rank 0/2] rank 1 did not join at 127.0.0.1:" + port + " within 2", 0),
+            0u)
+      << err;
+  expectNothingSaved(out);
+}
+
 TEST(QuantMultirank, DeviceListErrorsAreUsageErrors) {
   const fs::path model = qpipe::test::tinyLlama("llama");
   const fs::path out = qpipe::test::testDir() / "quantized";
