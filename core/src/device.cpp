@@ -19,9 +19,10 @@ int gpuCount() { return at::detail::getCUDAHooks().deviceCount(); }
 bool cudaAvailable() {
   static std::once_flag once;
   std::call_once(once, [] {
-    if (at::hasCUDA()) return;
     // RTLD_GLOBAL: its static initialisers register the CUDA hooks that ATen looks up. The bare
-    // name is found through libqpipe_core's RUNPATH, the LibTorch folder.
+    // name is found through libqpipe_core's RUNPATH, the LibTorch folder. Opened before any
+    // at::hasCUDA(): ATen settles on its hooks at the first query, so asking first would leave
+    // CUDA off for the life of the process.
     if (::dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_GLOBAL) == nullptr) {
       log::logger()->debug("LibTorch CUDA backend not loaded: ", ::dlerror());
     }

@@ -10,6 +10,7 @@
 
 #include "commands.h"
 #include "qpipe/dataset.h"
+#include "qpipe/device.h"
 #include "qpipe/error.h"
 #include "qpipe/log.h"
 #include "qpipe/model.h"
@@ -28,6 +29,7 @@ struct EvalOptions {
   int64_t maxSamples = 0;
   int64_t batchSize = 1;
   std::string outputJson;
+  std::string device = "cpu";
 };
 
 void evaluate(const EvalOptions& options) {
@@ -36,7 +38,8 @@ void evaluate(const EvalOptions& options) {
   const std::filesystem::path model = options.modelPath;
   QPIPE_REQUIRE(std::filesystem::is_directory(model), ErrorCode::kInput, "--model_path '", options.modelPath,
                 "' is not a folder");
-  auto lm = CausalLM::open(model);  // first: a broken checkpoint fails before any tokenizing
+  const c10::Device device = parseDevice(options.device);
+  auto lm = CausalLM::open(model, {.device = device});  // first: a broken checkpoint fails before any tokenizing
   std::vector<std::string> texts;
   for (auto& sample : loadDataset(options.data, {.maxSamples = options.maxSamples})) texts.push_back(sample.text);
   const Tokenizer tokenizer = Tokenizer::fromFile(model / "tokenizer.json");
@@ -54,7 +57,7 @@ void evaluate(const EvalOptions& options) {
   };
   const auto start = std::chrono::steady_clock::now();
   const PerplexityResult result =
-      computePerplexity(ids, ppl, [&](const at::Tensor& window) { return lm->forward(window); });
+      computePerplexity(ids, ppl, [&](const at::Tensor& window) { return lm->forward(window.to(device)); });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double tokensPerSecond = static_cast<double>(result.windows * options.seqLen) / seconds;
 
@@ -90,6 +93,7 @@ Subcommand setupEval(CLI::App& parent) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app->add_option("--output_json", options->outputJson, "Also write the results to this JSON file");
+  app->add_option("--device", options->device, "cpu, cuda or cuda:N")->capture_default_str();
   return {app, [options] { evaluate(*options); }};
 }
 
