@@ -21,5 +21,6 @@ Subcommand setupQuant(CLI::App& parent);
 Subcommand setupCheck(CLI::App& parent);
 Subcommand setupConvert(CLI::App& parent);
 Subcommand setupEval(CLI::App& parent);
+Subcommand setupCompare(CLI::App& parent);
 
 }  // namespace qpipe::cli

@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
   app.add_option("--log_level", logLevel, "Log verbosity: trace, debug, info, warn, error, off")->capture_default_str();
 
   const std::vector<cli::Subcommand> subcommands{
-      cli::setupCheck(app),   cli::setupConvert(app), cli::setupEval(app),
+      cli::setupCheck(app),   cli::setupCompare(app), cli::setupConvert(app), cli::setupEval(app),
       cli::setupPlugins(app), cli::setupQuant(app),   cli::setupVersion(app),
   };
 
