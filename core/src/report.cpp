@@ -29,6 +29,10 @@ std::string QuantReport::toJson() const {
     nlohmann::json entry = {{"name", layer.name},
                             {"seconds", layer.seconds},
                             {"processor_seconds", layer.processorSeconds},
+                            {"sync",
+                             {{"collectives", layer.syncCollectives},
+                              {"bytes", layer.syncBytes},
+                              {"seconds", layer.syncSeconds}}},
                             {"modules", modules}};
     entry["relative_mse"] = layer.relativeMse >= 0 ? nlohmann::json(layer.relativeMse) : nlohmann::json();
     layersJson.push_back(std::move(entry));

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <map>
 
+#include "qpipe/dist/process_group.h"
 #include "qpipe/error.h"
 #include "qpipe/log.h"
 #include "qpipe/progress.h"
@@ -113,6 +114,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
   ProgressBar bar("layers", layers, "layers");
   for (int64_t index = 0; index < layers; ++index) {
     const auto layerStart = Clock::now();
+    const dist::ProcessGroup::Traffic trafficBefore = dist::world().traffic();
     DecoderLayer& layer = model_.layer(index);
     LayerRequest request{.name = model_.layerName(index), .module = &layer, .inputs = std::move(inputs)};
     request.forward = [&layer](LayerRequest& r) {
@@ -145,6 +147,10 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     // glibc keeps freed heap otherwise, and the layer's buffers would pile up over the run.
     ::malloc_trim(0);
     report.seconds = secondsSince(layerStart);
+    const dist::ProcessGroup::Traffic traffic = dist::world().traffic();
+    report.syncCollectives = traffic.collectives - trafficBefore.collectives;
+    report.syncBytes = traffic.bytes - trafficBefore.bytes;
+    report.syncSeconds = traffic.seconds - trafficBefore.seconds;
     if (options_.report != nullptr) options_.report->layers.push_back(std::move(report));
     bar.update(index + 1);
   }

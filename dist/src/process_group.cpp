@@ -144,7 +144,7 @@ class C10dGroup final : public ProcessGroup {
   int worldSize() const override { return options_.worldSize; }
 
   void allReduce(at::Tensor& tensor, ReduceOp op) override {
-    guard("allReduce", [&] {
+    guard("allReduce", static_cast<int64_t>(tensor.nbytes()), [&] {
       at::Tensor buffer = tensor.contiguous();
       std::vector<at::Tensor> tensors{buffer};
       c10d::AllreduceOptions opts;
@@ -157,13 +157,13 @@ class C10dGroup final : public ProcessGroup {
 
   std::vector<at::Tensor> allGather(const at::Tensor& tensor) override {
     std::vector<at::Tensor> result;
-    guard("allGather", [&] { result = gatherVariable(tensor.contiguous()); });
+    guard("allGather", static_cast<int64_t>(tensor.nbytes()), [&] { result = gatherVariable(tensor.contiguous()); });
     return result;
   }
 
   void broadcast(at::Tensor& tensor, int root) override {
     QPIPE_CHECK(root >= 0 && root < worldSize(), "broadcast from rank ", root, " of ", worldSize());
-    guard("broadcast", [&] {
+    guard("broadcast", static_cast<int64_t>(tensor.nbytes()), [&] {
       at::Tensor buffer = tensor.contiguous();
       std::vector<at::Tensor> tensors{buffer};
       c10d::BroadcastOptions opts;
@@ -175,7 +175,7 @@ class C10dGroup final : public ProcessGroup {
   }
 
   void barrier() override {
-    guard("barrier", [&] {
+    guard("barrier", 0, [&] {
       c10d::BarrierOptions opts;
       opts.timeout = options_.timeout;
       wait(gloo().barrier(opts));
@@ -186,7 +186,7 @@ class C10dGroup final : public ProcessGroup {
     at::Tensor local = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
     std::memcpy(local.data_ptr(), bytes.data(), bytes.size());
     std::vector<std::string> result;
-    guard("allGatherBytes", [&] {
+    guard("allGatherBytes", static_cast<int64_t>(bytes.size()), [&] {
       for (const at::Tensor& part : gatherVariable(local)) {
         result.emplace_back(static_cast<const char*>(part.data_ptr()), static_cast<size_t>(part.numel()));
       }
@@ -307,9 +307,11 @@ class C10dGroup final : public ProcessGroup {
 
   // Runs one collective; a c10d failure becomes one line that names the failed rank when it
   // reported itself.
-  void guard(const char* collective, const std::function<void()>& body) {
+  void guard(const char* collective, int64_t bytes, const std::function<void()>& body) {
+    const auto start = Clock::now();
     try {
       body();
+      account(bytes, std::chrono::duration<double>(Clock::now() - start).count());
     } catch (const Error&) {
       throw;
     } catch (const std::exception& error) {

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,10 @@ struct LayerReport {
   std::vector<double> processorSeconds;  // preprocess + process + postprocess, per processor
   double relativeMse = -1;               // the whole layer's output; -1 without a probe
   std::vector<ModuleReport> modules;
+  // This rank's collectives during the layer (multi-rank runs): calls, payload bytes, seconds.
+  int64_t syncCollectives = 0;
+  int64_t syncBytes = 0;
+  double syncSeconds = 0;
 };
 
 struct QuantReport {

@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -60,6 +61,25 @@ class ProcessGroup {
   // top-level error handler: it closes this rank's connections (the peers' pending collectives
   // fail at once), and rank 0, which hosts the store, waits briefly for the peers to read it.
   virtual void reportFailure(const std::string& message) noexcept = 0;
+
+  // What this rank's collectives have cost so far: calls, the bytes this rank put in (payload,
+  // before padding and headers), and the wall time spent in them, waiting for peers included.
+  struct Traffic {
+    int64_t collectives = 0;
+    int64_t bytes = 0;
+    double seconds = 0;
+  };
+  Traffic traffic() const { return traffic_; }
+
+ protected:
+  void account(int64_t bytes, double seconds) {
+    ++traffic_.collectives;
+    traffic_.bytes += bytes;
+    traffic_.seconds += seconds;
+  }
+
+ private:
+  Traffic traffic_;
 };
 
 // The group the process quantizes in: single() until setWorld() is called (by `qpipe quant`
