@@ -3,10 +3,18 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <string_view>
 
 namespace qpipe {
 
 namespace {
+
+// Ranks share their parent's terminal: only rank 0 (or a single process) draws.
+bool drawsHere() {
+  const char* rank = std::getenv("RANK");
+  return ::isatty(STDERR_FILENO) == 1 && (rank == nullptr || std::string_view(rank) == "0");
+}
 
 std::string clock(double seconds) {
   const auto s = static_cast<long>(seconds + 0.5);
@@ -21,7 +29,7 @@ ProgressBar::ProgressBar(std::string label, int64_t total, std::string unit)
     : label_(std::move(label)),
       total_(total),
       unit_(std::move(unit)),
-      enabled_(::isatty(STDERR_FILENO) == 1),
+      enabled_(drawsHere()),
       start_(std::chrono::steady_clock::now()) {}
 
 ProgressBar::~ProgressBar() {

@@ -41,7 +41,7 @@ class PluginRegistrar {
 
 // Bumped on any change to the descriptor or to a type that crosses the boundary: the major
 // for incompatible changes, the minor for additions a newer host still understands.
-#define QPIPE_PLUGIN_ABI_MAJOR 1
+#define QPIPE_PLUGIN_ABI_MAJOR 2
 #define QPIPE_PLUGIN_ABI_MINOR 0
 
 #define QPIPE_STRINGIFY_IMPL(x) #x
