@@ -99,8 +99,8 @@ TEST(Cli, UsageErrorsExitTwoWithOneLine) {
 TEST(Cli, UnknownSubcommandIsNamed) {
   const CommandResult r = qpipe("frobnicate");
   EXPECT_EQ(r.err,
-            "qpipe: usage error: unknown subcommand 'frobnicate'; use one of: check, convert, eval, plugins, quant, version "
-            "(see 'qpipe --help')\n");
+            "qpipe: usage error: unknown subcommand 'frobnicate'; use one of: check, compare, convert, eval, plugins, "
+            "quant, version (see 'qpipe --help')\n");
 }
 
 TEST(Cli, MissingPipelineFileIsAnIoError) {
