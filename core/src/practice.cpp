@@ -63,7 +63,7 @@ PracticeMatch findPractice(const fs::path& library, const std::string& modelType
   QPIPE_REQUIRE(fs::is_directory(library), ErrorCode::kUsage, "practice library '", library.string(),
                 "' is not a folder");
   std::set<std::string> offered;
-  for (const fs::path folder : {library / lower(modelType), library / "default"}) {
+  for (const fs::path& folder : {library / lower(modelType), library / "default"}) {
     if (!fs::is_directory(folder)) continue;
     std::vector<PracticeMatch> candidates;
     for (const auto& entry : fs::directory_iterator(folder)) {

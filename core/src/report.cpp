@@ -26,14 +26,12 @@ std::string QuantReport::toJson() const {
     for (const auto& module : layer.modules) {
       modules.push_back({{"name", module.name}, {"scheme", module.scheme}, {"relative_mse", module.relativeMse}});
     }
-    nlohmann::json entry = {{"name", layer.name},
-                            {"seconds", layer.seconds},
-                            {"processor_seconds", layer.processorSeconds},
-                            {"sync",
-                             {{"collectives", layer.syncCollectives},
-                              {"bytes", layer.syncBytes},
-                              {"seconds", layer.syncSeconds}}},
-                            {"modules", modules}};
+    nlohmann::json entry = {
+        {"name", layer.name},
+        {"seconds", layer.seconds},
+        {"processor_seconds", layer.processorSeconds},
+        {"sync", {{"collectives", layer.syncCollectives}, {"bytes", layer.syncBytes}, {"seconds", layer.syncSeconds}}},
+        {"modules", modules}};
     entry["relative_mse"] = layer.relativeMse >= 0 ? nlohmann::json(layer.relativeMse) : nlohmann::json();
     layersJson.push_back(std::move(entry));
   }

@@ -35,8 +35,9 @@ Outputs quantizeTwice() {
   const fs::path configs = fs::path(QPIPE_SOURCE_DIR) / "configs" / "default";
   for (const auto& [out, practice] : {std::pair{outputs.first, "w8a8_static"}, std::pair{outputs.again, "w8a8_static"},
                                       std::pair{outputs.other, "w8a8"}}) {
-    const auto r = runQpipe("quant --model_path " + quoted(model) + " --config_path " +
-                            quoted(configs / (std::string(practice) + ".yaml")) + " --save_path " + quoted(out) + kQuant);
+    const auto r =
+        runQpipe("quant --model_path " + quoted(model) + " --config_path " +
+                 quoted(configs / (std::string(practice) + ".yaml")) + " --save_path " + quoted(out) + kQuant);
     EXPECT_EQ(r.exitCode, 0) << r.err;
   }
   return outputs;
@@ -81,8 +82,7 @@ TEST(QpipeCompare, ToleranceAcceptsSmallFloatDifferencesAndNamesLargerOnes) {
 
   auto r = runQpipe("compare " + quoted(outputs.first) + " " + quoted(outputs.again));
   EXPECT_EQ(r.exitCode, static_cast<int>(qpipe::ErrorCode::kInput)) << r.out;
-  EXPECT_NE(r.err.find("differ: tensor model.layers.0.mlp.down_proj.weight_scale differs"), std::string::npos)
-      << r.err;
+  EXPECT_NE(r.err.find("differ: tensor model.layers.0.mlp.down_proj.weight_scale differs"), std::string::npos) << r.err;
   EXPECT_NE(r.out.find("model.layers.0.mlp.down_proj.weight_scale"), std::string::npos) << r.out;
 
   r = runQpipe("compare " + quoted(outputs.first) + " " + quoted(outputs.again) + " --tolerance 1e-6");

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "free_port.h"
 #include "test_helpers.h"
 
 extern char** environ;
@@ -32,19 +33,6 @@ struct RankResult {
   std::string out;
   double seconds = 0;  // from the launch to its exit
 };
-
-// A port nobody listens on now (the kernel's choice for port 0).
-int freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
 
 struct Launch {
   std::string scenario;
@@ -123,7 +111,7 @@ std::vector<RankResult> run(const Launch& launch) {
 }
 
 Launch world(const std::string& scenario, int size) {
-  Launch launch{.scenario = scenario, .port = freePort()};
+  Launch launch{.scenario = scenario, .port = qpipe::test::freePort()};
   for (int r = 0; r < size; ++r) {
     launch.ranks.push_back(r);
     launch.worldSizes.push_back(size);
@@ -242,7 +230,8 @@ TEST(MultirankErrors, PortInUse) {
 
 // Bounded by the timeout itself (c10d's own client would retry past it).
 TEST(MultirankErrors, MasterUnreachable) {
-  Launch launch{.scenario = "connect", .port = freePort(), .ranks = {1}, .worldSizes = {2}, .timeoutSeconds = "2"};
+  Launch launch{
+      .scenario = "connect", .port = qpipe::test::freePort(), .ranks = {1}, .worldSizes = {2}, .timeoutSeconds = "2"};
   const auto results = run(launch);
   EXPECT_EQ(results[0].exitCode, 7);
   EXPECT_EQ(results[0].out, "error: cannot reach the master at 127.0.0.1:" + std::to_string(launch.port) +
@@ -251,7 +240,7 @@ TEST(MultirankErrors, MasterUnreachable) {
 }
 
 TEST(MultirankErrors, WorldSizeMismatchFailsEveryRank) {
-  Launch launch{.scenario = "connect", .port = freePort(), .ranks = {0, 1}, .worldSizes = {2, 3}};
+  Launch launch{.scenario = "connect", .port = qpipe::test::freePort(), .ranks = {0, 1}, .worldSizes = {2, 3}};
   const auto results = run(launch);
   const std::string mismatch = "WORLD_SIZE mismatch: rank 1 has 3, rank 0 has 2";
   EXPECT_EQ(results[0].exitCode, 7);
@@ -261,8 +250,11 @@ TEST(MultirankErrors, WorldSizeMismatchFailsEveryRank) {
 }
 
 TEST(MultirankErrors, MissingRankFailsEveryRank) {
-  Launch launch{
-      .scenario = "connect", .port = freePort(), .ranks = {0, 1}, .worldSizes = {3, 3}, .timeoutSeconds = "2"};
+  Launch launch{.scenario = "connect",
+                .port = qpipe::test::freePort(),
+                .ranks = {0, 1},
+                .worldSizes = {3, 3},
+                .timeoutSeconds = "2"};
   const auto results = run(launch);
   const std::string message =
       "error: rank 2 did not join at 127.0.0.1:" + std::to_string(launch.port) + " within 2 s (WORLD_SIZE=3)\n";

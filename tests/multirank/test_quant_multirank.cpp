@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "free_port.h"
 #include "qpipe/safetensors.h"
 #include "test_helpers.h"
 #include "tiny_model.h"
@@ -106,19 +107,6 @@ void expectSameCheckpoint(const fs::path& expected, const fs::path& actual) {
     ASSERT_EQ(x.sizes(), y.sizes()) << name;
     EXPECT_EQ(std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()), 0) << name << " differs";
   }
-}
-
-// A port nobody listens on now (the kernel's choice for port 0).
-int freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  ::close(fd);
-  return ntohs(address.sin_port);
 }
 
 // qpipe started in the background, its stdout and stderr in the test's folder.
@@ -276,7 +264,7 @@ TEST(QuantMultirank, TorchrunStyleRanksWriteTheLauncherCheckpoint) {
   ASSERT_EQ(r.exitCode, 0) << r.err;
 
   // As `torchrun --no-python --nproc_per_node 2 qpipe quant …` starts them: no --device list.
-  const std::string port = std::to_string(freePort());
+  const std::string port = std::to_string(qpipe::test::freePort());
   std::vector<Process> ranks;
   for (int rank = 0; rank < 2; ++rank) {
     ranks.push_back(start("rank" + std::to_string(rank), quantArgv(model, external, "--quant_type w8a8"),
@@ -319,11 +307,11 @@ TEST(QuantMultirank, ProcessorWithoutMultirankSupportIsRefusedBeforeTheModelLoad
 TEST(QuantMultirank, TorchrunStyleRankRefusesAProcessorWithoutMultirankSupport) {
   const fs::path out = qpipe::test::testDir() / "quantized";
   const fs::path pipeline = pipelineFile("single.yaml", kW8A8 + "    - type: single_rank_only\n");
-  const Process rank =
-      start("rank1",
-            quantArgv(qpipe::test::tinyLlama("llama"), out,
-                      "--config_path " + pipeline.string() + " --plugin_dir " + kFixturePlugins.string()),
-            {"RANK=1", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(freePort())});
+  const Process rank = start(
+      "rank1",
+      quantArgv(qpipe::test::tinyLlama("llama"), out,
+                "--config_path " + pipeline.string() + " --plugin_dir " + kFixturePlugins.string()),
+      {"RANK=1", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(qpipe::test::freePort())});
   EXPECT_EQ(waitFor(rank, std::chrono::seconds(30)), code(ErrorCode::kUsage));
   EXPECT_EQ(lastLine(qpipe::test::slurp(rank.err)),
             "qpipe: usage error: [rank 1/2] spec.process[1] (single_rank_only) does not support multi-rank runs; use "
@@ -334,7 +322,7 @@ TEST(QuantMultirank, TorchrunStyleRankRefusesAProcessorWithoutMultirankSupport) 
 // --dist_timeout bounds the rendezvous: rank 0 alone gives up on rank 1 after it, naming it.
 TEST(QuantMultirank, DistTimeoutBoundsTheRendezvous) {
   const fs::path out = qpipe::test::testDir() / "quantized";
-  const std::string port = std::to_string(freePort());
+  const std::string port = std::to_string(qpipe::test::freePort());
   std::vector<std::string> args = quantArgv(qpipe::test::tinyLlama("llama"), out, "--quant_type w8a8");
   args.back() = "2";  // kTiny's --dist_timeout
   const auto begin = Clock::now();
@@ -406,17 +394,30 @@ TEST(QuantMultirank, RankThatRaisesStopsTheRunNamingIt) {
   expectNothingSaved(out);
 }
 
-TEST(QuantMultirank, KilledRankStopsTheRunWithinTheTimeout) {
+// A two-rank run slow enough to disturb midway, started and caught once both ranks are saving.
+struct SlowRun {
+  fs::path out;
+  Process launcher;
+  std::vector<pid_t> ranks;  // empty when the run never reached saving (the test has failed)
+};
+
+SlowRun startSlowRun() {
   const fs::path out = qpipe::test::testDir() / "quantized";
   fs::remove_all(out);
   const Process launcher = start("launcher", quantArgv(qpipe::test::tinyLlama("llama"), out,
                                                        "--config_path " + slowPipeline(2).string() + " --plugin_dir " +
                                                            kFixturePlugins.string() + " --device cpu:0,1"));
-  const std::vector<pid_t> ranks = ranksOnceSaving(launcher, out);
+  std::vector<pid_t> ranks = ranksOnceSaving(launcher, out);
   if (ranks.empty()) {
     waitFor(launcher, std::chrono::milliseconds(0));
-    FAIL() << "the run never reached saving: " << qpipe::test::slurp(launcher.err);
+    ADD_FAILURE() << "the run never reached saving: " << qpipe::test::slurp(launcher.err);
   }
+  return {out, launcher, std::move(ranks)};
+}
+
+TEST(QuantMultirank, KilledRankStopsTheRunWithinTheTimeout) {
+  const auto [out, launcher, ranks] = startSlowRun();
+  if (ranks.empty()) return;
   const auto killed = Clock::now();
   ASSERT_EQ(::kill(ranks[1], SIGKILL), 0);
   const std::optional<int> exitCode = waitFor(launcher, std::chrono::seconds(30));
@@ -429,16 +430,8 @@ TEST(QuantMultirank, KilledRankStopsTheRunWithinTheTimeout) {
 }
 
 TEST(QuantMultirank, InterruptStopsEveryRank) {
-  const fs::path out = qpipe::test::testDir() / "quantized";
-  fs::remove_all(out);
-  const Process launcher = start("launcher", quantArgv(qpipe::test::tinyLlama("llama"), out,
-                                                       "--config_path " + slowPipeline(2).string() + " --plugin_dir " +
-                                                           kFixturePlugins.string() + " --device cpu:0,1"));
-  const std::vector<pid_t> ranks = ranksOnceSaving(launcher, out);
-  if (ranks.empty()) {
-    waitFor(launcher, std::chrono::milliseconds(0));
-    FAIL() << "the run never reached saving: " << qpipe::test::slurp(launcher.err);
-  }
+  const auto [out, launcher, ranks] = startSlowRun();
+  if (ranks.empty()) return;
   const auto interrupted = Clock::now();
   ASSERT_EQ(::kill(launcher.pid, SIGINT), 0);
   const std::optional<int> exitCode = waitFor(launcher, std::chrono::seconds(30));

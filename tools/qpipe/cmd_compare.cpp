@@ -3,6 +3,7 @@
 // quant_report.json is skipped: it records timings, which differ between any two runs.
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstring>
@@ -12,7 +13,6 @@
 #include <iostream>
 #include <map>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <string>
@@ -163,11 +163,11 @@ void compare(const CompareOptions& options) {
   if (withinTolerance > 0 || !problems.empty()) std::cout << table.str();
   std::cout << left.tensors.size() << " tensors: " << identical << " byte-identical, " << withinTolerance
             << " within --tolerance " << options.tolerance << ", "
-            << left.tensors.size() - static_cast<size_t>(identical + withinTolerance) << " different; "
-            << sameFiles << " other files equal (quant_report.json not compared)\n";
+            << left.tensors.size() - static_cast<size_t>(identical + withinTolerance) << " different; " << sameFiles
+            << " other files equal (quant_report.json not compared)\n";
   for (const std::string& problem : problems) std::cout << "  " << problem << "\n";
-  QPIPE_REQUIRE(problems.empty(), ErrorCode::kInput, options.left, " and ", options.right, " differ: ",
-                problems.front(), problems.size() > 1 ? " (and more, listed above)" : "");
+  QPIPE_REQUIRE(problems.empty(), ErrorCode::kInput, options.left, " and ", options.right,
+                " differ: ", problems.front(), problems.size() > 1 ? " (and more, listed above)" : "");
 }
 
 }  // namespace
