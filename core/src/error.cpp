@@ -20,6 +20,8 @@ std::string_view errorCodeName(ErrorCode code) {
       return "I/O error";
     case ErrorCode::kDistributed:
       return "distributed error";
+    case ErrorCode::kInterrupted:
+      return "interrupted";
   }
   return "error";
 }

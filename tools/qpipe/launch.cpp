@@ -383,7 +383,9 @@ void launchRanks(const LaunchOptions& options) {
     const fs::path partial = CheckpointSaver::partialDir(options.savePath);
     if (fs::exists(partial, ec)) fs::remove_all(partial, ec);
   }
-  if (interrupted) throw Interrupted("interrupted: " + signalName(interruptSignal) + " received; all ranks stopped");
+  if (interrupted) {
+    throw Error(ErrorCode::kInterrupted, signalName(interruptSignal) + " received; all ranks stopped");
+  }
   if (failure) throw Error(failure->code, failure->message);
 }
 

@@ -10,22 +10,12 @@
 
 #include <chrono>
 #include <filesystem>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "qpipe/error.h"
 
 namespace qpipe::cli {
-
-// The exit code of a launched run stopped by SIGINT or SIGTERM (128 + SIGINT, as shells do).
-inline constexpr int kInterruptedExitCode = 130;
-
-// A launched run was stopped by SIGINT or SIGTERM; every rank has been stopped and reaped.
-class Interrupted : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 // Keeps argv: the launcher runs the same command line in every rank.
 void setCommandLine(int argc, char** argv);
@@ -56,7 +46,7 @@ struct LaunchOptions {
 // MASTER_ADDR and MASTER_PORT set, and waits for them. When one fails the others get a grace
 // period (5 s at most, bounded by the timeout) and are then killed. Returns when every rank
 // exited 0; otherwise throws Error("rank R failed: <its message>" with that rank's code, or
-// "rank R was killed by signal N (SIGX)") or Interrupted.
+// "rank R was killed by signal N (SIGX)") or Error(kInterrupted).
 void launchRanks(const LaunchOptions& options);
 
 // What the rank flow of `qpipe quant` tells the error handler once it knows its place.

@@ -56,10 +56,6 @@ int main(int argc, char** argv) {
     for (const auto& subcommand : subcommands) {
       if (subcommand.app->parsed()) subcommand.run();
     }
-  } catch (const cli::Interrupted& e) {
-    log::shutdown();
-    std::cerr << "qpipe: " << e.what() << "\n";
-    return cli::kInterruptedExitCode;
   } catch (const Error& e) {
     return cli::reportFailure(e.code(), e.what());
   } catch (const std::exception& e) {

@@ -17,6 +17,7 @@ enum class ErrorCode : int {
   kInput = 5,        // model, checkpoint, tokenizer or calibration data
   kIo = 6,           // reading or writing files
   kDistributed = 7,  // ranks, process groups, rendezvous
+  kInterrupted = 130,  // SIGINT or SIGTERM stopped a multi-rank run (128 + SIGINT, as shells do)
 };
 
 std::string_view errorCodeName(ErrorCode code);
