@@ -302,14 +302,17 @@ at::Tensor CausalLM::causalMask(const at::Tensor& attentionMask, int64_t seq) {
   return at::where(keep, at::zeros({}, maskOptions), at::full({}, lowest, maskOptions)).unsqueeze(1);
 }
 
-at::Tensor CausalLM::head(const at::Tensor& hidden) {
-  Module& lmHead = root_->getSubmodule("lm_head");
-  if (auto* linear = dynamic_cast<Linear*>(&lmHead);
+void CausalLM::prepareHead() {
+  if (auto* linear = dynamic_cast<Linear*>(&root_->getSubmodule("lm_head"));
       linear != nullptr &&
       (linear->weight().scalar_type() != options_.dtype || linear->weight().device() != options_.device)) {
     linear->weight() = linear->weight().to(options_.device, options_.dtype);
   }
-  return lmHead(root_->getSubmodule("model.norm")(hidden));
+}
+
+at::Tensor CausalLM::head(const at::Tensor& hidden) {
+  prepareHead();
+  return root_->getSubmodule("lm_head")(root_->getSubmodule("model.norm")(hidden));
 }
 
 at::Tensor CausalLM::forward(const at::Tensor& ids, const at::Tensor& attentionMask) {

@@ -6,7 +6,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <map>
+#include <optional>
+#include <string_view>
 
 #include "qpipe/dist/process_group.h"
 #include "qpipe/error.h"
@@ -19,6 +22,9 @@ namespace qpipe {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// The non-layer unit's entry in the report (its request's name is "").
+constexpr std::string_view kNonLayerReportName = "(non-layer modules)";
 
 double secondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -43,15 +49,17 @@ double relativeMse(const at::Tensor& value, const at::Tensor& reference) {
 }
 
 // One sample carried beside the calibration data: before the processors run, it records every
-// Linear's input and output in the float layer; afterwards each module a processor replaced is
+// Linear's input and output in the float unit; afterwards each module a processor replaced is
 // run on the recorded input and compared with the recorded output.
 class Probe {
  public:
+  using Forward = std::function<at::Tensor(const TensorList&)>;
+
   explicit Probe(TensorList input) : input_(std::move(input)) {}
 
-  void recordFloat(DecoderLayer& layer, const std::string& prefix) {
+  void recordFloat(Module& unit, const std::string& prefix, const Forward& forward) {
     std::vector<std::pair<Module*, Module::HookHandle>> hooks;
-    for (auto& [name, module] : layer.namedModules(prefix)) {
+    for (auto& [name, module] : unit.namedModules(prefix)) {
       if (module->typeName() != "Linear") continue;
       hooks.emplace_back(module,
                          module->addForwardHook([this, name](Module&, const at::Tensor& x, const at::Tensor& y) {
@@ -59,21 +67,24 @@ class Probe {
                            return at::Tensor();
                          }));
     }
-    floatOutput_ = forwardLayer(layer, input_);
+    floatOutput_ = forward(input_);
     for (auto& [module, handle] : hooks) module->removeHook(handle);
   }
 
-  // Fills the module and layer errors, and moves the probe on to the quantized layer's output.
-  void compare(DecoderLayer& layer, const std::string& prefix, LayerReport& report) {
-    for (auto& [name, module] : layer.namedModules(prefix)) {
+  // Fills the module errors and the unit's. A decoder layer's quantized output becomes the probe's
+  // next input; the non-layer unit is compared only when a processor replaced one of its modules.
+  void compare(Module& unit, const std::string& prefix, const Forward& forward, bool propagate, LayerReport& report) {
+    for (auto& [name, module] : unit.namedModules(prefix)) {
       const auto it = io_.find(name);
       if (it == io_.end() || module->typeName() == "Linear") continue;
       const auto& [x, y] = it->second;
       report.modules.push_back({name, QuantReport::describe(*module), relativeMse((*module)(x), y)});
     }
-    const at::Tensor output = forwardLayer(layer, input_);
-    report.relativeMse = relativeMse(output, floatOutput_);
-    input_[0] = output;
+    if (propagate || !report.modules.empty()) {
+      const at::Tensor output = forward(input_);
+      report.relativeMse = relativeMse(output, floatOutput_);
+      if (propagate) input_[0] = output;
+    }
     io_.clear();
     floatOutput_ = at::Tensor();
   }
@@ -82,6 +93,57 @@ class Probe {
   TensorList input_;
   std::map<std::string, std::pair<at::Tensor, at::Tensor>> io_;
   at::Tensor floatOutput_;
+};
+
+// The non-layer unit's module: shaped like the model's root without model.layers ("model" holding
+// embed_tokens and norm, then lm_head), its slots holding the root's own modules. namedModules()
+// gives their HF names; a processor's replacement stays in the unit until writeBack().
+class NonLayerUnit {
+ public:
+  explicit NonLayerUnit(Module& root) : module_(std::make_shared<Module>(root.typeName())) {
+    mirror(root, *module_, "");
+  }
+
+  Module& module() { return *module_; }
+
+  // Puts each module a processor replaced in the unit in its place in `root`.
+  void writeBack(Module& root) {
+    for (const auto& [path, container] : containers_) {
+      QPIPE_CHECK(&module_->getSubmodule(path) == container, "a processor replaced '", path,
+                  "' in the non-layer unit; replace the modules below it instead");
+    }
+    for (const std::string& path : paths_) {
+      const size_t dot = path.rfind('.');
+      Module& parent = dot == std::string::npos ? *module_ : module_->getSubmodule(path.substr(0, dot));
+      const std::string name = dot == std::string::npos ? path : path.substr(dot + 1);
+      for (const auto& [childName, child] : parent.children()) {
+        if (childName == name && child.get() != &root.getSubmodule(path)) root.replace(path, child);
+      }
+    }
+  }
+
+ private:
+  static constexpr std::string_view kLayers = "model.layers";
+
+  void mirror(Module& source, Module& target, const std::string& prefix) {
+    for (const auto& [name, child] : source.children()) {
+      const std::string path = prefix.empty() ? name : prefix + "." + name;
+      if (path == kLayers) continue;
+      if (kLayers.starts_with(path + ".")) {
+        auto container = std::make_shared<Module>(child->typeName());
+        target.addChild(name, container);
+        containers_.emplace_back(path, container.get());
+        mirror(*child, *container, path);
+      } else {
+        target.addChild(name, child);
+        paths_.push_back(path);
+      }
+    }
+  }
+
+  std::shared_ptr<Module> module_;
+  std::vector<std::pair<std::string, Module*>> containers_;  // the unit's own modules above the slots
+  std::vector<std::string> paths_;                           // the root's modules it holds
 };
 
 }  // namespace
@@ -110,19 +172,8 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     probe.emplace(embedSample(model_, samples.front().slice(1, 0, options_.probeTokens)));
   }
 
-  const int64_t layers = model_.config().numLayers;
-  ProgressBar bar("layers", layers, "layers");
-  for (int64_t index = 0; index < layers; ++index) {
-    const auto layerStart = Clock::now();
-    const dist::ProcessGroup::Traffic trafficBefore = dist::world().traffic();
-    DecoderLayer& layer = model_.layer(index);
-    LayerRequest request{.name = model_.layerName(index), .module = &layer, .inputs = std::move(inputs)};
-    request.forward = [&layer](LayerRequest& r) {
-      r.outputs.clear();
-      for (const TensorList& input : r.inputs) r.outputs.push_back({forwardLayer(layer, input)});
-    };
-    LayerReport report{.name = request.name};
-    if (probe) probe->recordFloat(layer, request.name);
+  // The processors' calls on one unit; returns whether a calibration forward ran.
+  const auto processUnit = [&](LayerRequest& request, LayerReport& report) {
     bool forwarded = false;
     for (auto& processor : processors_) {
       const auto start = Clock::now();
@@ -134,7 +185,32 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       processor->postprocess(request);
       report.processorSeconds.push_back(secondsSince(start));
     }
-    if (probe) probe->compare(layer, request.name, report);
+    return forwarded;
+  };
+  // This rank's collectives since `before`, into the unit's report.
+  const auto countTraffic = [](const dist::ProcessGroup::Traffic& before, LayerReport& report) {
+    const dist::ProcessGroup::Traffic traffic = dist::world().traffic();
+    report.syncCollectives = traffic.collectives - before.collectives;
+    report.syncBytes = traffic.bytes - before.bytes;
+    report.syncSeconds = traffic.seconds - before.seconds;
+  };
+
+  const int64_t layers = model_.config().numLayers;
+  ProgressBar bar("layers", layers, "layers");
+  for (int64_t index = 0; index < layers; ++index) {
+    const auto layerStart = Clock::now();
+    const dist::ProcessGroup::Traffic trafficBefore = dist::world().traffic();
+    DecoderLayer& layer = model_.layer(index);
+    LayerRequest request{.name = model_.layerName(index), .module = &layer, .inputs = std::move(inputs)};
+    request.forward = [&layer](LayerRequest& r) {
+      r.outputs.clear();
+      for (const TensorList& input : r.inputs) r.outputs.push_back({forwardLayer(layer, input)});
+    };
+    const Probe::Forward probeForward = [&layer](const TensorList& input) { return forwardLayer(layer, input); };
+    LayerReport report{.name = request.name};
+    if (probe) probe->recordFloat(layer, request.name, probeForward);
+    const bool forwarded = processUnit(request, report);
+    if (probe) probe->compare(layer, request.name, probeForward, /*propagate=*/true, report);
     if (sink) sink(index, request.name, layer);
 
     inputs = std::move(request.inputs);
@@ -147,17 +223,49 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     // glibc keeps freed heap otherwise, and the layer's buffers would pile up over the run.
     ::malloc_trim(0);
     report.seconds = secondsSince(layerStart);
-    const dist::ProcessGroup::Traffic traffic = dist::world().traffic();
-    report.syncCollectives = traffic.collectives - trafficBefore.collectives;
-    report.syncBytes = traffic.bytes - trafficBefore.bytes;
-    report.syncSeconds = traffic.seconds - trafficBefore.seconds;
+    countTraffic(trafficBefore, report);
     if (options_.report != nullptr) options_.report->layers.push_back(std::move(report));
     bar.update(index + 1);
   }
+
+  // The non-layer unit: the final norm's inputs are the last layer's outputs.
+  {
+    const auto unitStart = Clock::now();
+    const dist::ProcessGroup::Traffic trafficBefore = dist::world().traffic();
+    model_.prepareHead();
+    NonLayerUnit unit(model_.root());
+    Module& module = unit.module();
+    LayerRequest request{.name = "", .module = &module};
+    for (TensorList& input : inputs) request.inputs.push_back({std::move(input[0])});
+    inputs.clear();
+    Module* const floatHead = &module.getSubmodule("lm_head");
+    request.forward = [&module, floatHead](LayerRequest& r) {
+      r.outputs.clear();
+      Module& norm = module.getSubmodule("model.norm");
+      Module& head = module.getSubmodule("lm_head");
+      for (const TensorList& input : r.inputs) {
+        const at::Tensor normed = norm(input[0]);
+        if (&head != floatHead) head(normed);  // its logits are dropped at once
+      }
+    };
+    const Probe::Forward probeForward = [&module](const TensorList& input) {
+      return module.getSubmodule("lm_head")(module.getSubmodule("model.norm")(input[0]));
+    };
+    LayerReport report{.name = std::string(kNonLayerReportName)};
+    if (probe) probe->recordFloat(module, request.name, probeForward);
+    processUnit(request, report);
+    if (probe) probe->compare(module, request.name, probeForward, /*propagate=*/false, report);
+    unit.writeBack(model_.root());
+    report.seconds = secondsSince(unitStart);
+    countTraffic(trafficBefore, report);
+    // Listed only when a processor replaced one of its modules (default practices leave them).
+    if (options_.report != nullptr && !report.modules.empty()) options_.report->layers.push_back(std::move(report));
+  }
+
   for (auto& processor : processors_) processor->postRun();
   if (options_.report != nullptr) options_.report->totalSeconds = secondsSince(runStart);
-  log::logger()->debug("runner: ", layers, " layers, ", samples.size(), " samples on rank ", options_.rank, "/",
-                       options_.worldSize);
+  log::logger()->debug("runner: ", layers, " layers and the non-layer modules, ", samples.size(), " samples on rank ",
+                       options_.rank, "/", options_.worldSize);
 }
 
 }  // namespace qpipe

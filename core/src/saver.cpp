@@ -48,6 +48,18 @@ bool isSideFile(const fs::path& file) {
   return wanted && !weightsIndex && name != "config.json" && name != kAscendDescription;
 }
 
+// Whether lm_head is still the embedding of a tied model: a float Linear holding the embedding's
+// weight (the tensor itself, or a copy of it in the compute dtype; CausalLM::prepareHead).
+bool headIsEmbedding(Module& root) {
+  auto* head = dynamic_cast<Linear*>(&root.getSubmodule("lm_head"));
+  if (head == nullptr) return false;
+  const at::Tensor& embedding = root.getSubmodule("model.embed_tokens").parameter("weight");
+  const at::Tensor& weight = head->weight();
+  if (weight.is_same(embedding)) return true;
+  if (weight.sizes() != embedding.sizes()) return false;
+  return at::equal(weight.to(embedding.device(), embedding.scalar_type()), embedding);
+}
+
 }  // namespace
 
 SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::path& saveDir,
@@ -105,7 +117,7 @@ void SaverBase::writeModule(const std::string& prefix, Module& module, const std
       noteFloatLinear(name);
     }
   }
-  const bool dropTiedHead = model_.config().tieWordEmbeddings && skipsTiedHead();
+  const bool dropTiedHead = model_.config().tieWordEmbeddings && !headUntied_ && skipsTiedHead();
   for (auto& [name, tensor] : module.namedParameters(prefix)) {
     const size_t dot = name.rfind('.');
     if (skipped(name) || quantized.count(dot == std::string::npos ? "" : name.substr(0, dot))) continue;
@@ -133,7 +145,9 @@ nlohmann::ordered_json SaverBase::sourceConfig() const {
   const fs::path path = model_.directory() / "config.json";
   std::ifstream in(path);
   QPIPE_REQUIRE(in.good(), ErrorCode::kIo, "cannot read '", path.string(), "'");
-  return nlohmann::ordered_json::parse(in);
+  nlohmann::ordered_json config = nlohmann::ordered_json::parse(in);
+  if (headUntied_) config["tie_word_embeddings"] = false;
+  return config;
 }
 
 void SaverBase::writeJson(const fs::path& path, const nlohmann::ordered_json& json) {
@@ -155,6 +169,7 @@ void SaverBase::finish() {
   QPIPE_CHECK(!finished_, "finish called twice");
   const int64_t layers = model_.config().numLayers;
   for (int64_t i = 0; i < layers; ++i) QPIPE_CHECK(layersWritten_.count(i), "finish before layer ", i, " was written");
+  headUntied_ = model_.config().tieWordEmbeddings && !headIsEmbedding(model_.root());
   // The decoder layers were written (and released) one by one; the rest of the model now.
   writeModule("", model_.root(), "model.layers.");
   const size_t files = writer_->finish().size();

@@ -43,8 +43,12 @@ class SaverBase : public CheckpointSaver {
 
   void add(const std::string& name, const at::Tensor& tensor);
   CausalLM& model() { return model_; }
-  // The source's config.json, key order kept.
+  // The source's config.json, key order kept; "tie_word_embeddings" false when the head was
+  // untied (headUntied()).
   nlohmann::ordered_json sourceConfig() const;
+  // True when the source ties lm_head to the embedding but lm_head is no longer the embedding
+  // (quantized, or changed by a processor): both are then written, and the config says untied.
+  bool headUntied() const { return headUntied_; }
   static void writeJson(const std::filesystem::path& path, const nlohmann::ordered_json& json);
 
  private:
@@ -60,6 +64,7 @@ class SaverBase : public CheckpointSaver {
   uint64_t bytesWritten_ = 0;
   std::chrono::steady_clock::time_point start_;
   bool finished_ = false;
+  bool headUntied_ = false;  // set by finish()
 };
 
 std::unique_ptr<CheckpointSaver> makeCompressedTensorsSaver(const SaverOptions& options, CausalLM& model,

@@ -1,5 +1,6 @@
 // linear_quant: msmodelslim's LinearQuantProcessor (processor/quant/linear.py). Every Linear of a
-// layer that matches include/exclude is quantized with one `qconfig`:
+// unit (a decoder layer, or the non-layer modules: lm_head) that matches include/exclude is
+// quantized with one `qconfig`:
 //   preprocess   Linear → LinearQuantizer; with static activations, registers the sync of the
 //                layer's observers between the two calibration forwards
 //   process      calibrate(): observe forward → sync and freeze → propagate forward (static
@@ -55,7 +56,7 @@ class LinearQuant final : public qpipe::Processor {
     // (the outputs then lack the final activation quantization, the checkpoint does not).
     synchronizeAll();
     for (auto& [path, quantizer] : pending_) {
-      const std::string name = request.name + "." + path;
+      const std::string name = qpipe::moduleName(request, path);
       if (quantizer == nullptr) {
         auto& linear = static_cast<qpipe::Linear&>(request.module->getSubmodule(path));
         quantizer = std::make_shared<qpipe::LinearQuantizer>(linear, qconfig_);
@@ -86,14 +87,15 @@ class LinearQuant final : public qpipe::Processor {
     }
   }
 
-  // The Linear modules of the layer that the patterns select, by path below the layer.
+  // The Linear modules of the unit that the patterns select, by path below the unit.
   std::vector<std::pair<std::string, qpipe::Linear*>> matchingLinears(qpipe::LayerRequest& request) {
     std::vector<std::pair<std::string, qpipe::Linear*>> out;
-    for (auto& [name, module] : request.module->namedModules(request.name)) {
+    for (auto& [path, module] : request.module->namedModules()) {
+      const std::string name = qpipe::moduleName(request, path);
       if (module->typeName() != "Linear" || !filter_.matches(name)) continue;
       auto* linear = static_cast<qpipe::Linear*>(module);
       checkGroups(name, *linear);
-      out.emplace_back(name.substr(request.name.size() + 1), linear);
+      out.emplace_back(path, linear);
     }
     return out;
   }

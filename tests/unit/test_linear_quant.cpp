@@ -1,9 +1,13 @@
 // linear_quant and its calibration module: a hand-computed static W8A8 case in two phases
 // (observe, freeze, quantize with the final parameters), dynamic and weight-only deployment, and
 // the plugin driven by the runner over a tiny Llama: the deployed tensors do not depend on the
-// order of the calibration samples, and a `group` calibrates in the same two phases.
+// order of the calibration samples, a `group` calibrates in the same two phases, and lm_head (the
+// non-layer unit) is quantized when include/exclude select it, left float by every practice.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+
+#include <filesystem>
+#include <set>
 
 #include "qpipe/dist/observer_sync.h"
 #include "qpipe/linear_quantizer.h"
@@ -12,6 +16,7 @@
 #include "qpipe/plugin.h"
 #include "qpipe/plugin_loader.h"
 #include "qpipe/qconfig.h"
+#include "qpipe/quant_linear.h"
 #include "qpipe/registry.h"
 #include "qpipe/report.h"
 #include "qpipe/runner.h"
@@ -133,11 +138,13 @@ class LinearQuantPlugin : public ::testing::Test {
 
   // Runs `process` (a spec.process list in YAML) over the tiny Llama; returns the module type
   // names of layer 0 at the sink, by path.
+  // The model stays in model_ (its root holds what the non-layer unit deployed).
   std::map<std::string, std::string> run(const std::string& process, QuantReport* report = nullptr) {
     const Pipeline pipeline = loadPipeline(
         test::writeTempFile("p.yaml", "apiversion: modelslim_v1\nspec:\n  process:\n" + process), registry_);
     auto processors = buildProcessors(pipeline, registry_, {.logger = logger_});
-    auto model = CausalLM::open(test::tinyLlama("linear_quant"));
+    model_ = CausalLM::open(test::tinyLlama("linear_quant"));
+    auto& model = model_;
     std::vector<at::Tensor> samples{at::arange(6, at::kLong).unsqueeze(0), at::arange(3, 9, at::kLong).unsqueeze(0)};
     std::map<std::string, std::string> types;
     LayerWiseRunner(*model, processors, {.report = report})
@@ -176,6 +183,7 @@ class LinearQuantPlugin : public ::testing::Test {
     }
   }
 
+  std::unique_ptr<CausalLM> model_;
   ProcessorRegistry registry_;
   std::vector<std::string> logs_;
   std::shared_ptr<Logger> logger_;
@@ -295,11 +303,106 @@ TEST(Calibrate, ObservesRunsTheStepsThenForwardsAgain) {
 }
 
 TEST_F(LinearQuantPlugin, UnmatchedPatternsWarnAtTheEnd) {
-  run("    - {type: linear_quant, qconfig: {weight: {}}, include: ['*q_proj', '*experts*'], exclude: ['*lm_head']}\n");
+  run("    - {type: linear_quant, qconfig: {weight: {}}, include: ['*q_proj', '*experts*'], exclude: ['*lm_head', "
+      "'*.9.*']}\n");
   EXPECT_NE(std::find(logs_.begin(), logs_.end(), "linear_quant: include '*experts*' matched no Linear module"),
             logs_.end());
-  EXPECT_NE(std::find(logs_.begin(), logs_.end(), "linear_quant: exclude '*lm_head' matched no Linear module"),
+  EXPECT_NE(std::find(logs_.begin(), logs_.end(), "linear_quant: exclude '*.9.*' matched no Linear module"),
             logs_.end());
+  // lm_head is offered with the non-layer modules: the pattern matched it.
+  EXPECT_EQ(std::find(logs_.begin(), logs_.end(), "linear_quant: exclude '*lm_head' matched no Linear module"),
+            logs_.end());
+}
+
+// ---- lm_head, offered in the non-layer unit
+
+TEST_F(LinearQuantPlugin, IncludeLmHeadQuantizesOnlyLmHeadWithCalibratedStaticActivations) {
+  QuantReport report;
+  const auto types =
+      run("    - {type: linear_quant, qconfig: {act: {dtype: int8}, weight: {}}, include: ['lm_head']}\n", &report);
+  for (const auto& [name, type] : types) EXPECT_EQ(type, "Linear") << name;
+  auto* head = dynamic_cast<QuantLinear*>(&model_->root().getSubmodule("lm_head"));
+  ASSERT_NE(head, nullptr) << model_->root().getSubmodule("lm_head").typeName();
+  EXPECT_EQ(model_->root().getSubmodule("model.norm").typeName(), "RMSNorm");
+  EXPECT_EQ(logs_.back(),
+            "linear_quant: 1 Linear modules quantized (w int8 per_channel sym minmax, a int8 per_tensor sym minmax)");
+
+  // Reference: the range of lm_head's input over the same two samples, seen by a hook on the float
+  // model's own forward.
+  auto reference = CausalLM::open(test::tinyLlama("linear_quant-reference"));
+  at::Tensor lo, hi;
+  reference->root().getSubmodule("lm_head").addForwardPreHook([&](Module&, const at::Tensor& x) {
+    lo = lo.defined() ? at::minimum(lo, x.min()) : x.min();
+    hi = hi.defined() ? at::maximum(hi, x.max()) : x.max();
+    return at::Tensor();
+  });
+  for (int64_t start : {0, 3}) reference->forward(at::arange(start, start + 6, at::kLong).unsqueeze(0));
+  const quant::QScheme perTensor{.dtype = quant::QDtype::kInt8, .scope = quant::QScope::kPerTensor};
+  const quant::QParams expected = quant::computeQParams(lo.reshape({1}), hi.reshape({1}), perTensor);
+  EXPECT_TRUE(at::allclose(head->parameter("input_scale"), expected.scale, 1e-6, 0))
+      << head->parameter("input_scale") << expected.scale;
+  const at::Tensor weight = reference->root().getSubmodule("lm_head").parameter("weight");
+  EXPECT_TRUE(at::allclose(head->parameter("weight_scale"), weight.abs().amax(1, true) / 127, 1e-6, 0));
+
+  // The report lists the non-layer unit after the layers, with lm_head's error on the probe.
+  ASSERT_EQ(report.layers.size(), 3u);
+  EXPECT_EQ(report.layers[2].name, "(non-layer modules)");
+  ASSERT_EQ(report.layers[2].modules.size(), 1u);
+  EXPECT_EQ(report.layers[2].modules[0].name, "lm_head");
+  EXPECT_EQ(report.layers[2].modules[0].scheme, "w int8_per_channel_sym, a int8_per_tensor_sym static");
+  EXPECT_GT(report.layers[2].modules[0].relativeMse, 0);
+  EXPECT_LT(report.layers[2].modules[0].relativeMse, 0.01);
+  EXPECT_GT(report.layers[2].relativeMse, 0);
+}
+
+TEST_F(LinearQuantPlugin, ExcludeLmHeadKeepsItFloat) {
+  QuantReport report;
+  const auto types =
+      run("    - {type: linear_quant, qconfig: {act: {dtype: int8}, weight: {}}, exclude: ['lm_head']}\n", &report);
+  for (const auto& [name, type] : types) EXPECT_EQ(type, "QuantLinear") << name;
+  EXPECT_EQ(model_->root().getSubmodule("lm_head").typeName(), "Linear");
+  EXPECT_EQ(report.layers.size(), 2u);  // the non-layer unit replaced nothing: not listed
+  EXPECT_EQ(logs_.back(),
+            "linear_quant: 14 Linear modules quantized (w int8 per_channel sym minmax, a int8 per_tensor sym minmax)");
+}
+
+TEST_F(LinearQuantPlugin, GroupSizeThatDoesNotDivideLmHeadNamesIt) {
+  EXPECT_EQ(test::errorOf(
+                [&] {
+                  run("    - {type: linear_quant, qconfig: {weight: {dtype: int4, scope: per_group, ext: {group_size: "
+                      "32}}}, include: ['lm_head']}\n");
+                },
+                ErrorCode::kConfig),
+            "processor 'linear_quant' (plugin 'linear_quant') failed in preprocess: lm_head: in_features 16 is not a "
+            "multiple of group_size 32; choose a group_size that divides it or exclude the module");
+}
+
+// Every shipped practice on the tiny Qwen3 (whose widths fit every group size): the layers are
+// quantized, lm_head stays float.
+TEST_F(LinearQuantPlugin, DefaultPracticesLeaveLmHeadFloat) {
+  const std::filesystem::path configs = std::filesystem::path(QPIPE_SOURCE_DIR) / "configs" / "default";
+  const std::vector<at::Tensor> samples{at::arange(6, at::kLong).unsqueeze(0),
+                                        at::arange(3, 9, at::kLong).unsqueeze(0)};
+  int practices = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(configs)) {
+    if (entry.path().extension() != ".yaml") continue;
+    ++practices;
+    const Pipeline pipeline = loadPipeline(entry.path(), registry_);
+    auto processors = buildProcessors(pipeline, registry_, {.logger = logger_});
+    auto model = CausalLM::open(test::tinyQwen3("practice-" + entry.path().stem().string()));
+    std::set<std::string> layerTypes;
+    LayerWiseRunner(*model, processors).run(samples, [&](int64_t, const std::string& name, Module& layer) {
+      for (auto& [path, module] : layer.namedModules(name)) {
+        if (path.ends_with("_proj")) layerTypes.insert(module->typeName());
+      }
+    });
+    EXPECT_EQ(layerTypes, std::set<std::string>{"QuantLinear"}) << entry.path();
+    EXPECT_EQ(model->root().getSubmodule("lm_head").typeName(), "Linear") << entry.path();
+    EXPECT_EQ(std::find(logs_.begin(), logs_.end(), "linear_quant: exclude 'lm_head' matched no Linear module"),
+              logs_.end())
+        << entry.path();
+  }
+  EXPECT_GE(practices, 8);
 }
 
 }  // namespace

@@ -9,6 +9,11 @@
 namespace qpipe {
 namespace {
 
+// The unit's name in call records: the non-layer unit's is "".
+std::string unitName(const LayerRequest& r) {
+  return isNonLayerUnit(r) ? "(non-layer)" : r.name;
+}
+
 // Records every lifecycle call and the tensors it saw; needs data unless told otherwise.
 class Recorder final : public Processor {
  public:
@@ -16,15 +21,15 @@ class Recorder final : public Processor {
       : tag_(std::move(tag)), calls_(calls), dataFree_(dataFree) {}
   void preRun() override { calls_.push_back(tag_ + " preRun"); }
   void preprocess(LayerRequest& r) override {
-    calls_.push_back(tag_ + " preprocess " + r.name + " inputs=" + std::to_string(r.inputs.size()));
+    calls_.push_back(tag_ + " preprocess " + unitName(r) + " inputs=" + std::to_string(r.inputs.size()));
     firstInputs.push_back(r.inputs.empty() ? at::Tensor() : r.inputs[0][0]);
   }
   void process(LayerRequest& r) override {
-    calls_.push_back(tag_ + " process " + r.name);
+    calls_.push_back(tag_ + " process " + unitName(r));
     Processor::process(r);
   }
   void postprocess(LayerRequest& r) override {
-    calls_.push_back(tag_ + " postprocess " + r.name + " outputs=" + std::to_string(r.outputs.size()));
+    calls_.push_back(tag_ + " postprocess " + unitName(r) + " outputs=" + std::to_string(r.outputs.size()));
     firstOutputs.push_back(r.outputs.empty() ? at::Tensor() : r.outputs[0][0]);
   }
   void postRun() override { calls_.push_back(tag_ + " postRun"); }
@@ -66,12 +71,14 @@ TEST(Runner, LockStepScheduleAndLayerByLayerRelease) {
     EXPECT_TRUE(model->isLoaded(index));
   });
   EXPECT_EQ(calls,
-            (std::vector<std::string>{"A preRun", "B preRun", "A preprocess model.layers.0 inputs=3",
-                                      "A process model.layers.0", "A postprocess model.layers.0 outputs=3",
-                                      "B preprocess model.layers.0 inputs=3", "B postprocess model.layers.0 outputs=3",
-                                      "A preprocess model.layers.1 inputs=3", "A process model.layers.1",
-                                      "A postprocess model.layers.1 outputs=3", "B preprocess model.layers.1 inputs=3",
-                                      "B postprocess model.layers.1 outputs=3", "A postRun", "B postRun"}));
+            (std::vector<std::string>{
+                "A preRun", "B preRun", "A preprocess model.layers.0 inputs=3", "A process model.layers.0",
+                "A postprocess model.layers.0 outputs=3", "B preprocess model.layers.0 inputs=3",
+                "B postprocess model.layers.0 outputs=3", "A preprocess model.layers.1 inputs=3",
+                "A process model.layers.1", "A postprocess model.layers.1 outputs=3",
+                "B preprocess model.layers.1 inputs=3", "B postprocess model.layers.1 outputs=3",
+                "A preprocess (non-layer) inputs=3", "A process (non-layer)", "A postprocess (non-layer) outputs=0",
+                "B preprocess (non-layer) inputs=3", "B postprocess (non-layer) outputs=0", "A postRun", "B postRun"}));
   EXPECT_EQ(sunk, (std::vector<std::string>{"0 model.layers.0", "1 model.layers.1"}));
   EXPECT_FALSE(model->isLoaded(0));
   EXPECT_FALSE(model->isLoaded(1));
@@ -85,8 +92,9 @@ TEST(Runner, NextLayerInputsAreTheLastForwardsOutputsAndMatchTheFullForward) {
   auto& recorder = static_cast<Recorder&>(*processors[0]);
   const auto data = samples(2);
   LayerWiseRunner(*model, processors).run(data, nullptr);
-  ASSERT_EQ(recorder.firstInputs.size(), 2u);
+  ASSERT_EQ(recorder.firstInputs.size(), 3u);  // two layers, then the non-layer unit
   EXPECT_TRUE(at::equal(recorder.firstInputs[1], recorder.firstOutputs[0]));
+  EXPECT_TRUE(at::equal(recorder.firstInputs[2], recorder.firstOutputs[1]));
 
   // The last layer's output, through the final norm and head, is the model's own forward.
   const at::Tensor viaRunner = model->head(recorder.firstOutputs[1]);
@@ -100,6 +108,7 @@ TEST(Runner, ProcessorsSeeEarlierProcessorsReplacements) {
   class ZeroMlp final : public Processor {
    public:
     void preprocess(LayerRequest& r) override {
+      if (isNonLayerUnit(r)) return;
       auto& down = static_cast<Linear&>(r.module->getSubmodule("mlp.down_proj"));
       r.module->replace("mlp.down_proj", std::make_shared<Linear>(at::zeros_like(down.weight())));
     }
@@ -127,6 +136,132 @@ TEST(Runner, DataFreePipelinesRunNoForward) {
   LayerWiseRunner(*model, processors).run(samples(4), nullptr);
   EXPECT_EQ(calls[1], "B preprocess model.layers.0 inputs=0");
   EXPECT_EQ(calls[2], "B postprocess model.layers.0 outputs=0");
+}
+
+// What a processor sees of the non-layer unit: its modules by name and type, and every input.
+class UnitRecorder final : public Processor {
+ public:
+  void preprocess(LayerRequest& r) override {
+    if (!isNonLayerUnit(r)) {
+      lastLayerName = r.name;
+      return;
+    }
+    for (auto& [name, module] : r.module->namedModules(r.name)) modules.emplace_back(name, module->typeName());
+    for (const TensorList& input : r.inputs) inputs.push_back(input);
+  }
+  void postprocess(LayerRequest& r) override {
+    if (!isNonLayerUnit(r)) {
+      for (const TensorList& output : r.outputs) lastLayerOutputs.push_back(output[0]);
+    } else {
+      unitOutputs = r.outputs.size();
+    }
+  }
+  std::string lastLayerName;
+  std::vector<std::pair<std::string, std::string>> modules;
+  std::vector<TensorList> inputs;
+  std::vector<at::Tensor> lastLayerOutputs;  // of each layer, the last layer's last
+  size_t unitOutputs = 99;
+};
+
+TEST(Runner, NonLayerUnitOffersTheModulesOutsideTheLayersWithTheLastLayersOutputs) {
+  auto model = CausalLM::open(test::tinyLlama("unit"));
+  std::vector<std::unique_ptr<Processor>> processors;
+  processors.push_back(std::make_unique<UnitRecorder>());
+  auto& recorder = static_cast<UnitRecorder&>(*processors[0]);
+  const auto data = samples(3);
+  std::vector<std::string> sunk;
+  LayerWiseRunner(*model, processors).run(data, [&](int64_t, const std::string& name, Module&) {
+    sunk.push_back(name);
+  });
+  // HF names, no decoder layer; the sink sees decoder layers only.
+  EXPECT_EQ(recorder.modules, (std::vector<std::pair<std::string, std::string>>{{"", "CausalLM"},
+                                                                                {"model", "Model"},
+                                                                                {"model.embed_tokens", "Embedding"},
+                                                                                {"model.norm", "RMSNorm"},
+                                                                                {"lm_head", "Linear"}}));
+  EXPECT_EQ(sunk, (std::vector<std::string>{"model.layers.0", "model.layers.1"}));
+  // One input per sample: the final norm's, the last layer's output for that sample.
+  ASSERT_EQ(recorder.inputs.size(), 3u);
+  ASSERT_EQ(recorder.lastLayerOutputs.size(), 6u);
+  for (size_t s = 0; s < 3; ++s) {
+    ASSERT_EQ(recorder.inputs[s].size(), 1u);
+    EXPECT_EQ(recorder.inputs[s][0].sizes(), (std::vector<int64_t>{1, 5 + static_cast<int64_t>(s), test::kTinyHidden}));
+    EXPECT_TRUE(at::equal(recorder.inputs[s][0], recorder.lastLayerOutputs[3 + s])) << s;
+    // Through the final norm and lm_head: the model's own logits.
+    EXPECT_TRUE(at::allclose(model->head(recorder.inputs[s][0]), model->forward(data[s]), 1e-5, 1e-6)) << s;
+  }
+  EXPECT_EQ(recorder.unitOutputs, 0u);  // the logits are not kept
+}
+
+// Counts its forwards; returns its input through a Linear of its own.
+class CountingHead final : public Module {
+ public:
+  explicit CountingHead(at::Tensor weight) : Module("CountingHead"), linear_(std::move(weight)) {}
+  at::Tensor forward(const at::Tensor& x) override {
+    ++calls;
+    return linear_(x);
+  }
+  int calls = 0;
+
+ private:
+  Linear linear_;
+};
+
+// Replaces lm_head and the final norm in the non-layer unit and registers a step between the
+// calibration forwards (as static observers do).
+class ReplaceHead final : public Processor {
+ public:
+  void preprocess(LayerRequest& r) override {
+    if (!isNonLayerUnit(r)) return;
+    auto& head = static_cast<Linear&>(r.module->getSubmodule("lm_head"));
+    replacement = std::make_shared<CountingHead>(head.weight());
+    r.module->replace("lm_head", replacement);
+    norm = std::make_shared<RMSNorm>(at::full({test::kTinyHidden}, 2.0), 1e-6);
+    r.module->replace("model.norm", norm);
+    r.betweenForwards.emplace_back([this] { ++steps; });
+  }
+  std::shared_ptr<CountingHead> replacement;
+  std::shared_ptr<RMSNorm> norm;
+  int steps = 0;
+};
+
+TEST(Runner, NonLayerReplacementsRunInTheUnitsForwardAndReplaceTheModelsModules) {
+  auto model = CausalLM::open(test::tinyLlama("unit-replace"));
+  int floatHeadCalls = 0;
+  model->root().getSubmodule("lm_head").addForwardHook([&](Module&, const at::Tensor&, const at::Tensor&) {
+    ++floatHeadCalls;
+    return at::Tensor();
+  });
+  {
+    // Nothing replaced: the calibration forward does not compute the logits.
+    std::vector<std::string> calls;
+    std::vector<std::unique_ptr<Processor>> processors;
+    processors.push_back(std::make_unique<Recorder>("A", calls));
+    LayerWiseRunner(*model, processors).run(samples(2), nullptr);
+    EXPECT_EQ(floatHeadCalls, 0);
+  }
+  std::vector<std::unique_ptr<Processor>> processors;
+  processors.push_back(std::make_unique<ReplaceHead>());
+  auto& replacer = static_cast<ReplaceHead&>(*processors[0]);
+  LayerWiseRunner(*model, processors).run(samples(2), nullptr);
+  // Observe, the step, propagate: two forwards of each sample through the replacement.
+  EXPECT_EQ(replacer.steps, 1);
+  EXPECT_EQ(replacer.replacement->calls, 4);
+  EXPECT_EQ(floatHeadCalls, 0);
+  EXPECT_EQ(&model->root().getSubmodule("lm_head"), replacer.replacement.get());
+  EXPECT_EQ(&model->root().getSubmodule("model.norm"), replacer.norm.get());
+  EXPECT_EQ(model->root().getSubmodule("model.embed_tokens").typeName(), "Embedding");
+}
+
+TEST(Runner, DataFreeProcessorsSeeTheNonLayerUnitWithoutInputs) {
+  auto model = CausalLM::open(test::tinyLlama("unit-datafree"));
+  std::vector<std::string> calls;
+  std::vector<std::unique_ptr<Processor>> processors;
+  processors.push_back(std::make_unique<Recorder>("B", calls, /*dataFree=*/true));
+  LayerWiseRunner(*model, processors).run(samples(2), nullptr);
+  ASSERT_EQ(calls.size(), 2u + 2 * 2 + 2);
+  EXPECT_EQ(calls[5], "B preprocess (non-layer) inputs=0");
+  EXPECT_EQ(calls[6], "B postprocess (non-layer) outputs=0");
 }
 
 }  // namespace

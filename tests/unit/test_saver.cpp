@@ -1,5 +1,6 @@
 // Savers and quantized checkpoint loading: save a quantized tiny Llama, open it again, and get the
-// in-memory model's logits bit for bit; file layouts, sharding, atomicity and every user error.
+// in-memory model's logits bit for bit; file layouts, sharding, atomicity and every user error; a
+// quantized lm_head of the tied tiny Llama is written with its quantized tensors and unties it.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -45,6 +46,16 @@ void quantize(CausalLM& lm, const std::function<std::optional<Spec>(const std::s
   });
 }
 
+// Replaces lm_head by a QuantLinear, as linear_quant does in the non-layer unit.
+void quantizeHead(CausalLM& lm, const Spec& spec) {
+  lm.prepareHead();
+  auto& head = dynamic_cast<Linear&>(lm.root().getSubmodule("lm_head"));
+  std::optional<ActivationQuant> input;
+  if (spec.input) input = activation(*spec.input);
+  lm.root().replace(
+      "lm_head", QuantLinear::fromLinear(head, quant::computeQParams(head.weight(), spec.weight), spec.weight, input));
+}
+
 at::Tensor ids() {
   at::manual_seed(5);
   return at::randint(0, test::kTinyVocab, {2, 7}, at::kLong);
@@ -62,10 +73,12 @@ Json readJson(const fs::path& path) {
 
 // Saves the tiny model quantized by `spec`, reopens it and compares logits bit for bit.
 // Returns the saved folder.
+// `head`: lm_head's spec, float when unset.
 fs::path roundTrip(const std::string& name, const std::function<std::optional<Spec>(const std::string&)>& specFor,
-                   SaverOptions options = {}) {
+                   SaverOptions options = {}, std::optional<Spec> head = std::nullopt) {
   auto lm = CausalLM::open(test::tinyLlama(name + "-src"));
   quantize(*lm, specFor);
+  if (head) quantizeHead(*lm, *head);
   const at::Tensor expected = lm->forward(ids());
   const fs::path out = test::testDir() / (name + "-out");
   fs::remove_all(out);
@@ -290,6 +303,64 @@ TEST(CompressedTensorsSaver, ShardsWithIndexHoldEveryTensorOnce) {
   EXPECT_EQ(seen.size(), 2u * (7 * 2 + 2) + 2);
 }
 
+TEST(CompressedTensorsSaver, QuantizedHeadOfATiedModelIsWrittenAndUntiesIt) {
+  const Spec w8a8{kInt8Channel, kInt8Tensor};
+  const fs::path out = roundTrip("head-w8a8", everywhere(w8a8), {}, w8a8);
+  const Json config = readJson(out / "config.json");
+  EXPECT_EQ(config["tie_word_embeddings"], false);
+  const Json q = config["quantization_config"];
+  EXPECT_EQ(q["ignore"], Json::array()) << q.dump(2);
+  EXPECT_EQ(q["config_groups"]["group_0"]["targets"], Json({"Linear"}));
+  // lm_head as any other Linear; the embedding stays float, as in the source.
+  EXPECT_EQ(dtypeOf(out, "lm_head.weight"), "I8");
+  EXPECT_EQ(shapeOf(out, "lm_head.weight"), (std::vector<int64_t>{test::kTinyVocab, test::kTinyHidden}));
+  EXPECT_EQ(shapeOf(out, "lm_head.weight_scale"), (std::vector<int64_t>{test::kTinyVocab, 1}));
+  EXPECT_EQ(shapeOf(out, "lm_head.input_scale"), (std::vector<int64_t>{1}));
+  EXPECT_EQ(dtypeOf(out, "model.embed_tokens.weight"), "F32");
+  const fs::path src = test::testDir() / "head-w8a8-src";
+  EXPECT_TRUE(at::equal(safetensors::Checkpoint::open(out).tensor("model.embed_tokens.weight"),
+                        safetensors::Checkpoint::open(src).tensor("model.embed_tokens.weight")));
+  // Read back as a QuantLinear next to the float embedding (roundTrip compared the logits).
+  auto loaded = CausalLM::open(out);
+  EXPECT_FALSE(loaded->config().tieWordEmbeddings);
+  auto* head = dynamic_cast<QuantLinear*>(&loaded->root().getSubmodule("lm_head"));
+  ASSERT_NE(head, nullptr);
+  EXPECT_EQ(head->weightScheme().name(), "int8_per_channel_sym");
+  ASSERT_TRUE(head->inputQuant().has_value());
+  EXPECT_FALSE(head->inputQuant()->isDynamic());
+}
+
+TEST(CompressedTensorsSaver, QuantizedHeadAloneAndPacked) {
+  // Only lm_head quantized: the layers' Linears are ignored, lm_head is not.
+  const fs::path alone = roundTrip(
+      "head-alone", [](const std::string&) { return std::nullopt; }, {}, Spec{kInt8Channel, kInt8Token});
+  const Json q = readJson(alone / "config.json")["quantization_config"];
+  EXPECT_EQ(q["config_groups"]["group_0"]["targets"], Json({"Linear"}));
+  for (const auto& entry : q["ignore"]) EXPECT_NE(entry, "lm_head");
+  EXPECT_EQ(q["ignore"].size(), 7u) << q.dump(2);  // one regex per layer projection kind
+  EXPECT_EQ(dtypeOf(alone, "model.layers.0.mlp.up_proj.weight"), "F32");
+  // int4 weight-only: lm_head.weight_packed, no lm_head.weight.
+  const Spec w4{kInt4Group, std::nullopt};
+  const fs::path packed = roundTrip("head-w4", everywhere(w4), {}, w4);
+  EXPECT_EQ(dtypeOf(packed, "lm_head.weight_packed"), "I32");
+  EXPECT_EQ(shapeOf(packed, "lm_head.weight_packed"), (std::vector<int64_t>{test::kTinyVocab, 2}));
+  EXPECT_FALSE(safetensors::Checkpoint::open(packed).contains("lm_head.weight"));
+  EXPECT_EQ(readJson(packed / "config.json")["tie_word_embeddings"], false);
+}
+
+TEST(CompressedTensorsSaver, FloatHeadOfATiedModelStaysTied) {
+  // lm_head converted for the runner (prepareHead) but left float: still the embedding.
+  auto lm = CausalLM::open(test::tinyLlama("head-float-src"));
+  lm->prepareHead();
+  quantize(*lm, everywhere({kInt8Channel, kInt8Token}));
+  const fs::path out = test::testDir() / "head-float-out";
+  fs::remove_all(out);
+  saveAll(*lm, out);
+  EXPECT_EQ(readJson(out / "config.json")["tie_word_embeddings"], true);
+  EXPECT_EQ(readJson(out / "config.json")["quantization_config"]["ignore"], Json({"lm_head"}));
+  EXPECT_FALSE(safetensors::Checkpoint::open(out).contains("lm_head.weight"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Atomicity and user errors
 
@@ -477,6 +548,31 @@ fs::path saveAscend(const std::string& name, const std::function<std::optional<S
   fs::remove_all(out);
   saveAll(*lm, out, options);
   return out;
+}
+
+TEST(AscendV1Saver, QuantizedHeadOfATiedModelHasItsDescriptionAndUntiesIt) {
+  auto lm = CausalLM::open(test::tinyLlama("ascend-head-src"));
+  quantize(*lm, everywhere({kInt8Channel, kInt8Token}));
+  quantizeHead(*lm, {kInt8Channel, kInt8Tensor});
+  const at::Tensor expected = lm->forward(ids());
+  const fs::path out = test::testDir() / "ascend-head-out";
+  fs::remove_all(out);
+  saveAll(*lm, out, {.format = "ascendv1_saver"});
+  const Json description = readJson(out / "quant_model_description.json");
+  for (const char* key : {".weight", ".quant_bias", ".input_scale", ".input_offset", ".deq_scale"}) {
+    EXPECT_EQ(description[std::string("lm_head") + key], "W8A8") << key;
+  }
+  EXPECT_EQ(description["model.embed_tokens.weight"], "FLOAT");
+  EXPECT_EQ(description["model_quant_type"], "W8A8");
+  EXPECT_EQ(readJson(out / "config.json")["tie_word_embeddings"], false);
+  const auto ckpt = safetensors::Checkpoint::open(out, "quant_model_weights");
+  EXPECT_EQ(ckpt.info("lm_head.weight").dtype, "I8");
+  EXPECT_EQ(ckpt.info("model.embed_tokens.weight").dtype, "F32");
+  auto loaded = CausalLM::open(out);
+  EXPECT_EQ(loaded->root().getSubmodule("lm_head").typeName(), "QuantLinear");
+  // W8A8's weight scale comes back as deq_scale / input_scale: equal up to fp32 rounding.
+  const at::Tensor logits = loaded->forward(ids());
+  EXPECT_LE((logits - expected).abs().max().item<float>() / expected.abs().max().item<float>(), 1e-5);
 }
 
 TEST(AscendV1Saver, DynamicTypesRoundTripBitForBit) {

@@ -267,7 +267,8 @@ void quantize(const QuantOptions& options) {
     if (role.worldSize > 1) world.barrier();
   });
   if (saver) saver->addFile("quant_report.json", report.toJson());
-  // The directory appears only once every rank got through every layer.
+  // The directory appears only once every rank got through every layer and the non-layer unit
+  // (which has no sink: rank 0's saver writes its modules at finish()).
   world.barrier();
   if (!saver) return;
   saver->finish();

@@ -109,6 +109,10 @@ class CausalLM {
   // undefined when there is no padding (attention then uses the causal fast path).
   at::Tensor causalMask(const at::Tensor& attentionMask, int64_t seq);
   at::Tensor head(const at::Tensor& hidden);  // final norm + lm_head
+  // A float lm_head is kept as the checkpoint stores it (mapped, its dtype) until used; this
+  // converts its weight to the compute dtype on the device (head() does it on first use, the
+  // runner before processors see lm_head). A tied head's copy leaves the embedding as it is.
+  void prepareHead();
 
   // Full forward: logits [batch, seq, vocab] in the compute dtype. Layers are loaded as needed
   // and kept loaded.

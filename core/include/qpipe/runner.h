@@ -1,5 +1,5 @@
 // The layer-wise runner (DESIGN.md §3.5): msmodelslim's lock-step generated schedule over the
-// decoder layers, with only one layer materialised at a time.
+// decoder layers, with only one layer materialised at a time, then the non-layer modules.
 //
 //   preRun() on every processor
 //   for each decoder layer i:
@@ -8,11 +8,15 @@
 //                         unless the processor is data-free) → postprocess
 //     sink(i, layer)       (the saver writes the layer)
 //     release layer i
+//   the non-layer unit (model.embed_tokens, model.norm, lm_head; processor.h): the same three
+//     calls, with the last layer's outputs as inputs; the modules processors put in its slots
+//     then replace the model's own (the saver writes them at finish())
 //   postRun() on every processor
 //
 // The next layer's inputs are the outputs of the last calibration forward of the layer, so the
 // error of quantized activations propagates as in msmodelslim. When no processor needs data,
-// no forward runs at all.
+// no forward runs at all. Every rank runs every unit, the non-layer one included, in the same
+// order, so the collectives processors register there pair up.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -50,7 +54,8 @@ struct RunnerOptions {
   int64_t probeTokens = 128;
 };
 
-// Called once per layer after the last postprocess, before the layer is released.
+// Called once per decoder layer after the last postprocess, before the layer is released (not for
+// the non-layer unit).
 using LayerSink = std::function<void(int64_t index, const std::string& name, Module& layer)>;
 
 class LayerWiseRunner {
@@ -58,8 +63,10 @@ class LayerWiseRunner {
   LayerWiseRunner(CausalLM& model, std::vector<std::unique_ptr<Processor>>& processors, RunnerOptions options = {});
 
   // `samples` are this rank's token ids, each [1, seq] int64 (lengths may differ). A layer's
-  // request carries one input per sample: {hidden [1, seq, hidden], cos, sin}; when every
-  // processor is data-free, requests carry none and no calibration forward runs.
+  // request carries one input per sample: {hidden [1, seq, hidden], cos, sin}; the non-layer
+  // unit's carries {hidden}. When every processor is data-free, requests carry none and no
+  // calibration forward runs. A float lm_head is converted to the compute dtype on the device
+  // (CausalLM::prepareHead) before processors see it.
   void run(const std::vector<at::Tensor>& samples, const LayerSink& sink);
 
  private:
