@@ -1,7 +1,7 @@
 // `qpipe quant` as a user runs it: practice selection, every practice of configs/default on tiny
 // Llama and Qwen3 checkpoints (report, config.json, perplexity of the saved checkpoint through
-// `qpipe eval`), configuration errors before any model is loaded, refusals, and a run killed
-// midway on the real SmolLM2-135M.
+// `qpipe eval`), a quantized lm_head, configuration errors before any model is loaded, refusals,
+// and a run killed midway on the real SmolLM2-135M.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <signal.h>
@@ -190,6 +190,9 @@ TEST_P(QuantPractice, QuantizesSavesAndEvaluates) {
   ASSERT_TRUE(config.is_object()) << qpipe::test::slurp(out / "config.json");
   EXPECT_EQ(config["model_type"], c.family);
   EXPECT_EQ(config["quantization_config"]["quant_method"], "compressed-tensors") << config.dump(2);
+  // Every practice leaves lm_head float (exclude: ["lm_head"]), so a tied head stays tied.
+  EXPECT_EQ(config["quantization_config"]["ignore"], Json({"lm_head"})) << config.dump(2);
+  EXPECT_EQ(config["tie_word_embeddings"], c.family == "llama");
   expectReportCovers(out / "quant_report.json", qpipe::test::kTinyLayers);
 
   const double floatPpl = perplexity(model, "float");
@@ -277,6 +280,44 @@ TEST(QuantCli, IncludePatternThatMatchesNothingWarnsAndSucceeds) {
       << r.err;
   EXPECT_EQ(r.err.find("'*mlp*' matched no"), std::string::npos) << r.err;
   EXPECT_TRUE(fs::exists(out / "quant_report.json"));
+}
+
+// A pipeline that selects lm_head quantizes it with the layers: on the tied tiny Llama the saved
+// checkpoint is untied, lm_head's static input scale is calibrated, and `qpipe eval` runs it.
+TEST(QuantCli, QuantizedLmHeadUntiesTheCheckpointAndEvaluates) {
+  const fs::path config = pipelineFile("head.yaml", R"(    - type: linear_quant
+      qconfig:
+        act: {dtype: int8, scope: per_tensor, symmetric: False, method: minmax}
+        weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}
+      include: ["*"]
+)");
+  const fs::path model = qpipe::test::tinyLlama("float");
+  const fs::path out = qpipe::test::testDir() / "quantized-head";
+  fs::remove_all(out);
+  const CommandResult r = qpipe("--log_level warn quant --model_path " + quote(model) + " --save_path " + quote(out) +
+                                " --config_path " + quote(config) + kTinyCalib);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.out.find("(non-layer modules)"), std::string::npos) << "summary table: " << r.out;
+  const Json saved = readJson(out / "config.json");
+  EXPECT_EQ(saved["tie_word_embeddings"], false);
+  EXPECT_EQ(saved["quantization_config"]["ignore"], Json::array()) << saved.dump(2);
+  const auto ckpt = qpipe::safetensors::Checkpoint::open(out);
+  EXPECT_EQ(ckpt.info("lm_head.weight").dtype, "I8");
+  EXPECT_EQ(ckpt.info("lm_head.input_scale").dtype, "F32");
+  EXPECT_EQ(ckpt.info("lm_head.input_zero_point").dtype, "I8");
+  EXPECT_EQ(ckpt.info("model.embed_tokens.weight").dtype, "F32");
+
+  const Json report = readJson(out / "quant_report.json");
+  ASSERT_EQ(report["layers"].size(), static_cast<size_t>(qpipe::test::kTinyLayers + 1)) << report.dump(2);
+  const Json& unit = report["layers"][qpipe::test::kTinyLayers];
+  EXPECT_EQ(unit["name"], "(non-layer modules)");
+  ASSERT_EQ(unit["modules"].size(), 1u) << unit.dump(2);
+  EXPECT_EQ(unit["modules"][0]["name"], "lm_head");
+
+  const double floatPpl = perplexity(model, "float");
+  const double quantPpl = perplexity(out, "quantized-head");
+  EXPECT_TRUE(std::isfinite(quantPpl) && quantPpl > floatPpl / 1.5 && quantPpl < floatPpl * 1.5)
+      << "float " << floatPpl << ", quantized " << quantPpl;
 }
 
 // Invalid qconfigs fail before the model is opened: the model folder has no weights, so any
