@@ -6,7 +6,9 @@
                             quantization_config implies (formats_and_peers.md §A1.5; SRC is the float
                             source, for the original shapes), then loads DIR with transformers
                             (compressed-tensors decompresses it) and writes to OUT the logits on IDS
-                            ("logits") and every decompressed projection weight ("<module>.weight");
+                            ("logits") and every decompressed projection weight ("<module>.weight"),
+                            lm_head's too when it is quantized (not in `ignore`: the checkpoint must
+                            then be untied);
                             asymmetric pack-quantized goes through compressed-tensors' decompressor
                             alone (see decompressed_source)
 Layout violations are printed and exit with status 1.
@@ -58,9 +60,16 @@ def check_layout(src, directory):
         elif tensors[name].dtype != dtype or list(tensors[name].shape) != shape:
             errors.append(f"{name}: {tensors[name].dtype} {list(tensors[name].shape)}, expected {dtype} {shape}")
 
-    projections = [k[: -len(".weight")] for k in source if k.endswith("_proj.weight")]
+    shapes = {k[: -len(".weight")]: source[k].shape for k in source if k.endswith("_proj.weight")}
+    head_quantized = "lm_head" not in q["ignore"]
+    if head_quantized:
+        # The tied source has no lm_head.weight: the head is the embedding.
+        shapes["lm_head"] = source.get("lm_head.weight", source["model.embed_tokens.weight"]).shape
+        if config.get("tie_word_embeddings", True):
+            errors.append("lm_head quantized but tie_word_embeddings is not false")
+    projections = list(shapes)
     for p in projections:
-        out, inp = source[p + ".weight"].shape
+        out, inp = shapes[p]
         sshape = scale_shape(weights, out, inp)
         expect(p + ".weight_scale", torch.float32, sshape)
         bits = weights["num_bits"]
@@ -87,11 +96,11 @@ def check_layout(src, directory):
         if not k.endswith("_proj.weight"):
             expect(k, source[k].dtype, list(source[k].shape))
             expected_names.add(k)
-    if "lm_head.weight" in tensors:
+    if "lm_head.weight" in tensors and not head_quantized:
         errors.append("lm_head.weight written although the embeddings are tied")
     if set(tensors) != expected_names:
         errors.append(f"unexpected tensors {sorted(set(tensors) - expected_names)}")
-    if q["ignore"] != ["lm_head"]:
+    if q["ignore"] != ([] if head_quantized else ["lm_head"]):
         errors.append(f"ignore {q['ignore']}")
     return errors
 
@@ -132,8 +141,9 @@ def check(src, directory, ids_path, out_path):
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     out = {"logits": logits.contiguous()}
+    head_quantized = "lm_head" not in json.load(open(f"{directory}/config.json"))["quantization_config"]["ignore"]
     for name, module in model.named_modules():
-        if name.endswith("_proj"):
+        if name.endswith("_proj") or (name == "lm_head" and head_quantized):
             out[name + ".weight"] = module.weight.detach().float().contiguous()
     save_file(out, out_path)
     if errors:

@@ -4,7 +4,8 @@
 // quantized forward. Asymmetric int4 goes through compressed-tensors' decompressor without
 // transformers, whose loader (5.23 with compressed-tensors 0.20) expects the zero points unpacked.
 // The model is quantized here as linear_quant deploys it: every projection replaced by
-// QuantLinear::fromLinear, static activation ranges from a calibration forward.
+// QuantLinear::fromLinear, static activation ranges from a calibration forward; one case quantizes
+// lm_head of the tied model too, which the saved checkpoint unties.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -30,24 +31,29 @@ struct Case {
   QScheme weight;
   std::optional<QScheme> input;
   bool compareLogits = true;
+  bool head = false;  // lm_head quantized too
 };
 
 constexpr int64_t kVocab = 97;
 
-// Per-tensor min/max of each projection's input over a calibration forward of the float model.
+// Per-tensor min/max of each projection's (and lm_head's) input over a calibration forward of the
+// float model.
 std::map<std::string, std::pair<at::Tensor, at::Tensor>> calibrate(CausalLM& lm) {
   std::map<std::string, std::pair<at::Tensor, at::Tensor>> ranges;
   std::vector<std::pair<Module*, Module::HookHandle>> hooks;
+  std::vector<std::pair<std::string, Module*>> linears{{"lm_head", &lm.root().getSubmodule("lm_head")}};
   for (int64_t i = 0; i < lm.config().numLayers; ++i) {
     for (auto& [name, module] : lm.layer(i).namedModules(lm.layerName(i))) {
-      if (dynamic_cast<Linear*>(module) == nullptr) continue;
-      hooks.emplace_back(module, module->addForwardPreHook([&ranges, name = name](Module&, const at::Tensor& x) {
-        auto& [lo, hi] = ranges[name];
-        lo = lo.defined() ? at::minimum(lo, x.min().reshape({1})) : x.min().reshape({1});
-        hi = hi.defined() ? at::maximum(hi, x.max().reshape({1})) : x.max().reshape({1});
-        return at::Tensor();
-      }));
+      if (dynamic_cast<Linear*>(module) != nullptr) linears.emplace_back(name, module);
     }
+  }
+  for (auto& [name, module] : linears) {
+    hooks.emplace_back(module, module->addForwardPreHook([&ranges, name = name](Module&, const at::Tensor& x) {
+      auto& [lo, hi] = ranges[name];
+      lo = lo.defined() ? at::minimum(lo, x.min().reshape({1})) : x.min().reshape({1});
+      hi = hi.defined() ? at::maximum(hi, x.max().reshape({1})) : x.max().reshape({1});
+      return at::Tensor();
+    }));
   }
   at::manual_seed(17);
   lm.forward(at::randint(0, kVocab, {4, 24}, at::kLong));
@@ -57,7 +63,7 @@ std::map<std::string, std::pair<at::Tensor, at::Tensor>> calibrate(CausalLM& lm)
 
 void quantize(CausalLM& lm, const Case& c) {
   const auto ranges = c.input && c.input->scope == QScope::kPerTensor ? calibrate(lm) : decltype(calibrate(lm)){};
-  test::replaceLinears(lm, [&](const std::string& name, Linear& linear) {
+  const auto deploy = [&](const std::string& name, Linear& linear) {
     std::optional<ActivationQuant> input;
     if (c.input && c.input->scope == QScope::kPerToken) input = ActivationQuant{*c.input, {}};
     if (c.input && c.input->scope == QScope::kPerTensor) {
@@ -65,7 +71,12 @@ void quantize(CausalLM& lm, const Case& c) {
       input = ActivationQuant{*c.input, quant::computeQParams(lo, hi, *c.input)};
     }
     return QuantLinear::fromLinear(linear, quant::computeQParams(linear.weight(), c.weight), c.weight, input);
-  });
+  };
+  test::replaceLinears(lm, deploy);
+  if (c.head) {
+    lm.prepareHead();
+    lm.root().replace("lm_head", deploy("lm_head", dynamic_cast<Linear&>(lm.root().getSubmodule("lm_head"))));
+  }
 }
 
 void runCase(const std::string& name, const Case& c) {
@@ -93,13 +104,15 @@ void runCase(const std::string& name, const Case& c) {
   const auto reference = safetensors::File::open(dir / "reference.safetensors");
 
   double worstWeight = 0;
+  std::vector<std::pair<std::string, Module*>> modules{{"lm_head", &lm->root().getSubmodule("lm_head")}};
   for (int64_t i = 0; i < lm->config().numLayers; ++i) {
-    for (auto& [module, child] : lm->layer(i).namedModules(lm->layerName(i))) {
-      auto* linear = dynamic_cast<QuantLinear*>(child);
-      if (linear == nullptr) continue;
-      const at::Tensor theirs = reference->tensor(module + ".weight");
-      worstWeight = std::max(worstWeight, (theirs - linear->dequantizedWeight()).abs().max().item<double>());
-    }
+    for (auto& entry : lm->layer(i).namedModules(lm->layerName(i))) modules.push_back(entry);
+  }
+  for (auto& [module, child] : modules) {
+    auto* linear = dynamic_cast<QuantLinear*>(child);
+    if (linear == nullptr) continue;
+    const at::Tensor theirs = reference->tensor(module + ".weight");
+    worstWeight = std::max(worstWeight, (theirs - linear->dequantizedWeight()).abs().max().item<double>());
   }
   EXPECT_EQ(worstWeight, 0.0) << name << ": decompressed weights differ";
   const at::Tensor logits = reference->tensor("logits");
@@ -131,6 +144,15 @@ TEST(QuantizedCheckpointOracle, Fp8Static) {
 TEST(QuantizedCheckpointOracle, Fp8Dynamic) {
   runCase("fp8 dynamic", {{.dtype = QDtype::kFp8E4m3, .scope = QScope::kPerChannel},
                           QScheme{.dtype = QDtype::kFp8E4m3, .scope = QScope::kPerToken}});
+}
+
+// lm_head quantized too: the checkpoint is untied, lm_head is not in `ignore`, and transformers
+// builds it as a compressed Linear beside the float embedding.
+TEST(QuantizedCheckpointOracle, W8A8Int8StaticWithQuantizedLmHead) {
+  runCase("w8a8 int8 static + lm_head", {{.dtype = QDtype::kInt8, .scope = QScope::kPerChannel},
+                                         QScheme{.dtype = QDtype::kInt8, .scope = QScope::kPerTensor},
+                                         /*compareLogits=*/true,
+                                         /*head=*/true});
 }
 
 TEST(QuantizedCheckpointOracle, W4A16Group32Symmetric) {
