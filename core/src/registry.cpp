@@ -19,13 +19,13 @@ class GuardedProcessor final : public Processor {
     guard("preRun", "", [&] { inner_->preRun(); });
   }
   void preprocess(LayerRequest& r) override {
-    guard("preprocess", r.name, [&] { inner_->preprocess(r); });
+    guard("preprocess", unitName(r), [&] { inner_->preprocess(r); });
   }
   void process(LayerRequest& r) override {
-    guard("process", r.name, [&] { inner_->process(r); });
+    guard("process", unitName(r), [&] { inner_->process(r); });
   }
   void postprocess(LayerRequest& r) override {
-    guard("postprocess", r.name, [&] { inner_->postprocess(r); });
+    guard("postprocess", unitName(r), [&] { inner_->postprocess(r); });
   }
   void postRun() override {
     guard("postRun", "", [&] { inner_->postRun(); });
@@ -38,6 +38,9 @@ class GuardedProcessor final : public Processor {
   }
 
  private:
+  // What error messages call the unit: its HF name, or what the report calls the non-layer one.
+  static std::string unitName(const LayerRequest& r) { return isNonLayerUnit(r) ? "non-layer modules" : r.name; }
+
   template <typename F>
   auto guard(const char* call, const std::string& layer, F&& body) const -> decltype(body()) {
     try {

@@ -68,7 +68,7 @@ std::string QuantReport::summary(size_t worstModules) const {
   for (size_t i = 0; i < std::min(worstModules, all.size()); ++i) {
     out << format("  %-40s %11.3e  %s\n", all[i]->name.c_str(), all[i]->relativeMse, all[i]->scheme.c_str());
   }
-  out << format("total: %zu layers, %zu modules replaced, %.1f s\n", layers.size(), all.size(), totalSeconds);
+  out << format("total: %zu units, %zu modules replaced, %.1f s\n", layers.size(), all.size(), totalSeconds);
   return out.str();
 }
 

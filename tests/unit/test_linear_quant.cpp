@@ -373,7 +373,8 @@ TEST_F(LinearQuantPlugin, GroupSizeThatDoesNotDivideLmHeadNamesIt) {
                       "32}}}, include: ['lm_head']}\n");
                 },
                 ErrorCode::kConfig),
-            "processor 'linear_quant' (plugin 'linear_quant') failed in preprocess: lm_head: in_features 16 is not a "
+            "processor 'linear_quant' (plugin 'linear_quant') failed in preprocess(non-layer modules): lm_head: "
+            "in_features 16 is not a "
             "multiple of group_size 32; choose a group_size that divides it or exclude the module");
 }
 
