@@ -73,6 +73,15 @@ double perplexity(const fs::path& model, const std::string& name) {
   return result.is_object() && result["perplexity"].is_number() ? result["perplexity"].get<double>() : std::nan("");
 }
 
+// A random model is close to uniform over 32 tokens; quantizing it moves its perplexity by little.
+void expectPerplexityClose(const fs::path& model, const fs::path& quantized, const std::string& name = "quantized") {
+  const double floatPpl = perplexity(model, "float");
+  const double quantPpl = perplexity(quantized, name);
+  EXPECT_TRUE(std::isfinite(floatPpl) && floatPpl > 1 && floatPpl < 1000) << floatPpl;
+  EXPECT_TRUE(std::isfinite(quantPpl) && quantPpl > floatPpl / 1.5 && quantPpl < floatPpl * 1.5)
+      << "float " << floatPpl << ", quantized " << quantPpl;
+}
+
 // Every decoder layer of a `layers`-layer model is in the report, with every Linear of it and a
 // finite relative MSE for each.
 void expectReportCovers(const fs::path& report, int64_t layers) {
@@ -195,12 +204,7 @@ TEST_P(QuantPractice, QuantizesSavesAndEvaluates) {
   EXPECT_EQ(config["tie_word_embeddings"], c.family == "llama");
   expectReportCovers(out / "quant_report.json", qpipe::test::kTinyLayers);
 
-  const double floatPpl = perplexity(model, "float");
-  const double quantPpl = perplexity(out, "quantized");
-  // A random model is close to uniform over 32 tokens; quantization moves it by little.
-  EXPECT_TRUE(std::isfinite(floatPpl) && floatPpl > 1 && floatPpl < 1000) << floatPpl;
-  EXPECT_TRUE(std::isfinite(quantPpl) && quantPpl > floatPpl / 1.5 && quantPpl < floatPpl * 1.5)
-      << "float " << floatPpl << ", quantized " << quantPpl;
+  expectPerplexityClose(model, out);
 }
 
 INSTANTIATE_TEST_SUITE_P(DefaultPractices, QuantPractice, ::testing::ValuesIn(practiceCases()),
@@ -314,10 +318,7 @@ TEST(QuantCli, QuantizedLmHeadUntiesTheCheckpointAndEvaluates) {
   ASSERT_EQ(unit["modules"].size(), 1u) << unit.dump(2);
   EXPECT_EQ(unit["modules"][0]["name"], "lm_head");
 
-  const double floatPpl = perplexity(model, "float");
-  const double quantPpl = perplexity(out, "quantized-head");
-  EXPECT_TRUE(std::isfinite(quantPpl) && quantPpl > floatPpl / 1.5 && quantPpl < floatPpl * 1.5)
-      << "float " << floatPpl << ", quantized " << quantPpl;
+  expectPerplexityClose(model, out, "quantized-head");
 }
 
 // Invalid qconfigs fail before the model is opened: the model folder has no weights, so any
@@ -417,11 +418,7 @@ TEST(QuantCli, W4A8SavedAsAscendV1Evaluates) {
   EXPECT_FALSE(readJson(out / "config.json").contains("quantization_config"));
   expectReportCovers(out / "quant_report.json", qpipe::test::kTinyLayers);
 
-  const double floatPpl = perplexity(model, "float");
-  const double quantPpl = perplexity(out, "quantized");
-  EXPECT_TRUE(std::isfinite(floatPpl) && floatPpl > 1 && floatPpl < 1000) << floatPpl;
-  EXPECT_TRUE(std::isfinite(quantPpl) && quantPpl > floatPpl / 1.5 && quantPpl < floatPpl * 1.5)
-      << "float " << floatPpl << ", quantized " << quantPpl;
+  expectPerplexityClose(model, out);
 }
 
 // The tiny Llama's down_proj has 24 inputs, which W4A8_DYNAMIC's 16 tensor-parallel scale_bias
