@@ -144,50 +144,50 @@ class C10dGroup final : public ProcessGroup {
   int worldSize() const override { return options_.worldSize; }
 
   void allReduce(at::Tensor& tensor, ReduceOp op) override {
-    guard("allReduce", static_cast<int64_t>(tensor.nbytes()), [&] {
+    timed(static_cast<int64_t>(tensor.nbytes()), [&] {
       at::Tensor buffer = tensor.contiguous();
       std::vector<at::Tensor> tensors{buffer};
       c10d::AllreduceOptions opts;
       opts.reduceOp = toC10d(op);
       opts.timeout = options_.timeout;
-      wait(backendFor(buffer, "allReduce").allreduce(tensors, opts));
+      run("allReduce", [&] { return backendFor(buffer, "allReduce").allreduce(tensors, opts); });
       if (!buffer.is_same(tensor)) tensor.copy_(buffer);
     });
   }
 
   std::vector<at::Tensor> allGather(const at::Tensor& tensor) override {
     std::vector<at::Tensor> result;
-    guard("allGather", static_cast<int64_t>(tensor.nbytes()), [&] { result = gatherVariable(tensor.contiguous()); });
+    timed(static_cast<int64_t>(tensor.nbytes()), [&] { result = gatherVariable(tensor.contiguous(), "allGather"); });
     return result;
   }
 
   void broadcast(at::Tensor& tensor, int root) override {
     QPIPE_CHECK(root >= 0 && root < worldSize(), "broadcast from rank ", root, " of ", worldSize());
-    guard("broadcast", static_cast<int64_t>(tensor.nbytes()), [&] {
+    timed(static_cast<int64_t>(tensor.nbytes()), [&] {
       at::Tensor buffer = tensor.contiguous();
       std::vector<at::Tensor> tensors{buffer};
       c10d::BroadcastOptions opts;
       opts.rootRank = root;
       opts.timeout = options_.timeout;
-      wait(backendFor(buffer, "broadcast").broadcast(tensors, opts));
+      run("broadcast", [&] { return backendFor(buffer, "broadcast").broadcast(tensors, opts); });
       if (!buffer.is_same(tensor)) tensor.copy_(buffer);
     });
   }
 
   void barrier() override {
-    guard("barrier", 0, [&] {
+    timed(0, [&] {
       c10d::BarrierOptions opts;
       opts.timeout = options_.timeout;
-      wait(gloo().barrier(opts));
+      run("barrier", [&] { return gloo().barrier(opts); });
     });
   }
 
   std::vector<std::string> allGatherBytes(const std::string& bytes) override {
     at::Tensor local = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-    std::memcpy(local.data_ptr(), bytes.data(), bytes.size());
+    if (!bytes.empty()) std::memcpy(local.data_ptr(), bytes.data(), bytes.size());
     std::vector<std::string> result;
-    guard("allGatherBytes", static_cast<int64_t>(bytes.size()), [&] {
-      for (const at::Tensor& part : gatherVariable(local)) {
+    timed(static_cast<int64_t>(bytes.size()), [&] {
+      for (const at::Tensor& part : gatherVariable(local, "allGatherBytes")) {
         result.emplace_back(static_cast<const char*>(part.data_ptr()), static_cast<size_t>(part.numel()));
       }
     });
@@ -244,26 +244,38 @@ class C10dGroup final : public ProcessGroup {
     return *nccl_;
   }
 
-  void wait(const c10::intrusive_ptr<c10d::Work>& work) { work->wait(options_.timeout); }
+  // Starts one backend operation and waits for it. What c10d throws there is a peer's doing (gone,
+  // stuck, failed): it becomes one line that names the failed rank when it reported itself. Errors
+  // of this rank's own tensor work happen outside and pass through as they are.
+  void run(const char* collective, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
+    try {
+      start()->wait(options_.timeout);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& error) {
+      peerLost_ = true;
+      throw Error(ErrorCode::kDistributed, peerFailure(collective, describe(error)));
+    }
+  }
 
   // Every rank's tensor with equal shapes (what the backends support).
-  std::vector<at::Tensor> gatherEqual(const at::Tensor& tensor) {
+  std::vector<at::Tensor> gatherEqual(const at::Tensor& tensor, const char* collective) {
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int r = 0; r < worldSize(); ++r) outputs[0].push_back(at::empty_like(tensor));
     std::vector<at::Tensor> inputs{tensor};
     c10d::AllgatherOptions opts;
     opts.timeout = options_.timeout;
-    wait(backendFor(tensor, "allGather").allgather(outputs, inputs, opts));
+    run(collective, [&] { return backendFor(tensor, collective).allgather(outputs, inputs, opts); });
     return outputs[0];
   }
 
   // Shapes may differ: gather dtype and rank, then the sizes, then the data padded to the
   // largest size, and cut each rank's part back out.
-  std::vector<at::Tensor> gatherVariable(const at::Tensor& tensor) {
+  std::vector<at::Tensor> gatherVariable(const at::Tensor& tensor, const char* collective) {
     const auto longs = at::TensorOptions().dtype(at::kLong).device(tensor.device());
     const at::Tensor header =
         at::tensor({static_cast<int64_t>(tensor.scalar_type()), tensor.dim()}, at::kLong).to(tensor.device());
-    const at::Tensor headers = at::stack(gatherEqual(header)).cpu();
+    const at::Tensor headers = at::stack(gatherEqual(header, collective)).cpu();
     int64_t maxDim = 0;
     for (int r = 0; r < worldSize(); ++r) {
       const auto dtype = static_cast<at::ScalarType>(headers[r][0].item<int64_t>());
@@ -273,8 +285,8 @@ class C10dGroup final : public ProcessGroup {
     }
     at::Tensor sizes = at::zeros({maxDim}, at::kLong);
     for (int64_t d = 0; d < tensor.dim(); ++d) sizes[d] = tensor.size(d);
-    const at::Tensor allSizes =
-        maxDim == 0 ? at::zeros({worldSize(), 0}, at::kLong) : at::stack(gatherEqual(sizes.to(longs.device()))).cpu();
+    const at::Tensor allSizes = maxDim == 0 ? at::zeros({worldSize(), 0}, at::kLong)
+                                            : at::stack(gatherEqual(sizes.to(longs.device()), collective)).cpu();
     std::vector<std::vector<int64_t>> shapes(worldSize());
     int64_t maxNumel = 0;
     bool equal = true;
@@ -288,7 +300,7 @@ class C10dGroup final : public ProcessGroup {
       maxNumel = std::max(maxNumel, numel);
       equal = equal && shapes[r] == shapes[0];
     }
-    if (equal && tensor.numel() > 0) return gatherEqual(tensor);
+    if (equal && tensor.numel() > 0) return gatherEqual(tensor, collective);
 
     std::vector<at::Tensor> result;
     if (maxNumel == 0) {
@@ -297,7 +309,7 @@ class C10dGroup final : public ProcessGroup {
     }
     at::Tensor padded = at::zeros({maxNumel}, tensor.options());
     padded.narrow(0, 0, tensor.numel()).copy_(tensor.reshape({-1}));
-    const std::vector<at::Tensor> parts = gatherEqual(padded);
+    const std::vector<at::Tensor> parts = gatherEqual(padded, collective);
     for (int r = 0; r < worldSize(); ++r) {
       const int64_t numel = c10::multiply_integers(shapes[r]);
       result.push_back(parts[r].narrow(0, 0, numel).view(shapes[r]));
@@ -305,19 +317,11 @@ class C10dGroup final : public ProcessGroup {
     return result;
   }
 
-  // Runs one collective; a c10d failure becomes one line that names the failed rank when it
-  // reported itself.
-  void guard(const char* collective, int64_t bytes, const std::function<void()>& body) {
+  // Runs one collective and counts it in traffic().
+  void timed(int64_t bytes, const std::function<void()>& body) {
     const auto start = Clock::now();
-    try {
-      body();
-      account(bytes, std::chrono::duration<double>(Clock::now() - start).count());
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& error) {
-      peerLost_ = true;
-      throw Error(ErrorCode::kDistributed, peerFailure(collective, describe(error)));
-    }
+    body();
+    account(bytes, std::chrono::duration<double>(Clock::now() - start).count());
   }
 
   std::string peerFailure(const char* collective, const std::string& cause) {
