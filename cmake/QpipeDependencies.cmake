@@ -13,7 +13,7 @@ if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
 endif()
 message(STATUS "qpipe: LibTorch ${Torch_VERSION}, CUDA path ${QPIPE_HAS_CUDA}")
 # qpipe links LibTorch's CPU library only. Its CUDA backend (libtorch_cuda, ~365 MB resident
-# once loaded) is opened at run time when a CUDA device is asked for (core/src/device.cpp), so
+# once loaded) is opened at run time when a CUDA device is asked for (core/base/src/device.cpp), so
 # CPU runs do not pay for it.
 #
 # The torch wheel's libraries export their own std::filesystem (from the toolchain they were

@@ -9,7 +9,9 @@ endfunction()
 # qpipe_add_plugin(<name> SOURCES <src>... [OUTPUT_DIR <dir>] [LINK_LIBRARIES <lib>...] [NO_STATIC])
 #
 # Builds <name> as a loadable MODULE library lib<name>.so in OUTPUT_DIR (the built-in plugin
-# folder by default): hidden visibility, every symbol resolved at link time (-z defs). When
+# folder by default) against the SDK (qpipe::plugin_sdk: the headers of core's base, io, model and
+# sdk layers and dist's, not the host's): hidden visibility, every symbol resolved at link time
+# (-z defs). When
 # tests are built it also makes <name>_static, the same sources as a static library whose
 # descriptor is exported as qpipe_plugin_descriptor_<name>() so tests can link it in directly
 # (NO_STATIC skips it: fault fixtures only ever load as libraries).
@@ -24,7 +26,9 @@ function(qpipe_add_plugin name)
   endif()
 
   add_library(${name} MODULE ${ARG_SOURCES})
-  target_link_libraries(${name} PRIVATE qpipe::core ${ARG_LINK_LIBRARIES})
+  # The SDK's include path only: a plugin cannot include the host's headers.
+  target_link_libraries(${name} PRIVATE qpipe::plugin_sdk ${ARG_LINK_LIBRARIES})
+  add_dependencies(${name} qpipe_core)
   target_link_options(${name} PRIVATE -Wl,-z,defs)
   set_target_properties(${name} PROPERTIES
     PREFIX "lib"
@@ -34,7 +38,8 @@ function(qpipe_add_plugin name)
 
   if(QPIPE_BUILD_TESTS AND NOT ARG_NO_STATIC)
     add_library(${name}_static STATIC ${ARG_SOURCES})
-    target_link_libraries(${name}_static PUBLIC qpipe::core ${ARG_LINK_LIBRARIES})
+    target_link_libraries(${name}_static PUBLIC qpipe::plugin_sdk ${ARG_LINK_LIBRARIES})
+    add_dependencies(${name}_static qpipe_core)
     target_compile_definitions(${name}_static PRIVATE QPIPE_PLUGIN_STATIC_NAME=${name})
     set_target_properties(${name}_static PROPERTIES POSITION_INDEPENDENT_CODE ON)
   endif()

@@ -22,8 +22,8 @@ extern char** environ;
 
 namespace {
 
-using qpipe::dist::ProcessGroup;
-using qpipe::dist::ReduceOp;
+using qpipe::ProcessGroup;
+using qpipe::ReduceOp;
 
 int failures = 0;
 
@@ -37,7 +37,7 @@ bool same(const at::Tensor& a, const at::Tensor& b) {
 }
 
 int runRank(const qpipe::dist::GroupOptions& options) {
-  const auto group = ProcessGroup::connect(options);
+  const auto group = qpipe::dist::connect(options);
   const int rank = group->rank();
   const int world = group->worldSize();
   const at::Device cuda(at::kCUDA, static_cast<c10::DeviceIndex>(rank));

@@ -3,13 +3,11 @@
 #include <algorithm>
 #include <iterator>
 
-#include "qpipe/dist/process_group.h"
 #include "qpipe/module.h"
 
 namespace qpipe::dist {
 
-DistHelper::DistHelper(Module& root, const std::string& prefix) {
-  ProcessGroup& group = world();
+DistHelper::DistHelper(ProcessGroup& group, Module& root, const std::string& prefix) {
   rank_ = group.rank();
   worldSize_ = group.worldSize();
   for (const auto& [name, module] : root.namedModules(prefix)) local_.insert(name);
@@ -45,8 +43,8 @@ std::vector<std::string> DistHelper::sharedModulesSlice(const std::string& prefi
   return slice;
 }
 
-std::vector<at::Tensor> DistHelper::gatherVariableShapes(const at::Tensor& tensor) {
-  return world().allGather(tensor);
+std::vector<at::Tensor> DistHelper::gatherVariableShapes(ProcessGroup& group, const at::Tensor& tensor) {
+  return group.allGather(tensor);
 }
 
 }  // namespace qpipe::dist

@@ -23,7 +23,7 @@ at::Tensor onCpu(const at::Tensor& t) {
 
 }  // namespace
 
-void syncObserver(quant::MinMaxObserver& observer) {
+void syncObserver(ProcessGroup& group, quant::MinMaxObserver& observer) {
   const quant::MinMaxObserver::State& state = observer.state();
   const bool mean = observer.aggregation() == quant::Aggregation::kMean;
   std::optional<at::Device> device;
@@ -40,8 +40,8 @@ void syncObserver(quant::MinMaxObserver& observer) {
     }
   }
   at::Tensor batches = at::tensor({state.batches}, at::kLong);
-  const std::vector<at::Tensor> all = syncGatherTensorLists(local);
-  syncBaseOperation(batches, SyncOp::kSum);
+  const std::vector<at::Tensor> all = syncGatherTensorLists(group, local);
+  syncBaseOperation(group, batches, SyncOp::kSum);
   QPIPE_CHECK(all.size() % 2 == 0, "minmax observer sync: ", all.size(), " gathered tensors, expected pairs");
 
   const at::Device target = device.value_or(at::Device(at::kCPU));
@@ -65,14 +65,14 @@ void syncObserver(quant::MinMaxObserver& observer) {
   observer.merge(merged);
 }
 
-void syncObserver(quant::HistogramObserver& observer) {
+void syncObserver(ProcessGroup& group, quant::HistogramObserver& observer) {
   const quant::HistogramObserver::State& state = observer.state();
   std::vector<at::Tensor> local;
   if (!observer.empty()) {
     local = {onCpu(state.histogram), onCpu(state.binMin), onCpu(state.binMax),
              at::tensor({static_cast<double>(state.exponent)}, at::kDouble)};
   }
-  const std::vector<at::Tensor> all = syncGatherTensorLists(local);
+  const std::vector<at::Tensor> all = syncGatherTensorLists(group, local);
   QPIPE_CHECK(all.size() % 4 == 0, "histogram observer sync: ", all.size(), " gathered tensors, expected fours");
   observer.reset();
   for (size_t i = 0; i < all.size(); i += 4) {
@@ -80,9 +80,9 @@ void syncObserver(quant::HistogramObserver& observer) {
   }
 }
 
-void synchronize(LinearQuantizer& quantizer) {
-  if (quant::MinMaxObserver* observer = quantizer.minMaxObserver()) syncObserver(*observer);
-  if (quant::HistogramObserver* observer = quantizer.histogramObserver()) syncObserver(*observer);
+void synchronize(ProcessGroup& group, LinearQuantizer& quantizer) {
+  if (quant::MinMaxObserver* observer = quantizer.minMaxObserver()) syncObserver(group, *observer);
+  if (quant::HistogramObserver* observer = quantizer.histogramObserver()) syncObserver(group, *observer);
   quantizer.freeze();
 }
 

@@ -31,16 +31,15 @@ ReduceOp toReduceOp(SyncOp op) {
 }
 }  // namespace
 
-void syncBaseOperation(at::Tensor& tensor, SyncOp op) {
-  ProcessGroup& group = world();
+void syncBaseOperation(ProcessGroup& group, at::Tensor& tensor, SyncOp op) {
   if (group.worldSize() == 1) return;
   group.allReduce(tensor, toReduceOp(op));
   // Mean as sum then divide, as msmodelslim (HCCL has no average).
   if (op == SyncOp::kMean) tensor.div_(group.worldSize());
 }
 
-std::vector<at::Tensor> syncGatherTensors(const at::Tensor& tensor, bool variableShapes, bool onCpu) {
-  ProcessGroup& group = world();
+std::vector<at::Tensor> syncGatherTensors(ProcessGroup& group, const at::Tensor& tensor, bool variableShapes,
+                                          bool onCpu) {
   std::vector<at::Tensor> gathered;
   if (group.worldSize() == 1) {
     gathered = {tensor};
@@ -57,8 +56,7 @@ std::vector<at::Tensor> syncGatherTensors(const at::Tensor& tensor, bool variabl
   return gathered;
 }
 
-std::vector<at::Tensor> syncGatherTensorLists(const std::vector<at::Tensor>& tensors) {
-  ProcessGroup& group = world();
+std::vector<at::Tensor> syncGatherTensorLists(ProcessGroup& group, const std::vector<at::Tensor>& tensors) {
   if (group.worldSize() == 1) return tensors;
   // One gather of a header (dtype, device type, shapes) and one of the data, concatenated: a
   // rank with an empty list still takes part, with the dtype and device its peers use.
@@ -107,15 +105,14 @@ std::vector<at::Tensor> syncGatherTensorLists(const std::vector<at::Tensor>& ten
   return result;
 }
 
-std::vector<at::Tensor> gatherInSampleOrder(const std::vector<at::Tensor>& localItems) {
-  ProcessGroup& group = world();
+std::vector<at::Tensor> gatherInSampleOrder(ProcessGroup& group, const std::vector<at::Tensor>& localItems) {
   const int worldSize = group.worldSize();
   if (worldSize == 1) return localItems;
   std::vector<int64_t> counts;
   for (const std::string& count : group.allGatherBytes(std::to_string(localItems.size()))) {
     counts.push_back(std::stoll(count));
   }
-  const std::vector<at::Tensor> byRank = syncGatherTensorLists(localItems);
+  const std::vector<at::Tensor> byRank = syncGatherTensorLists(group, localItems);
   // byRank holds rank 0's items, then rank 1's, ...; global item r + j·W is rank r's item j.
   std::vector<int64_t> firstOfRank(worldSize, 0);
   for (int r = 1; r < worldSize; ++r) firstOfRank[r] = firstOfRank[r - 1] + counts[r - 1];

@@ -95,18 +95,6 @@ c10d::ReduceOp toC10d(ReduceOp op) {
   QPIPE_CHECK(false, "unknown ReduceOp ", static_cast<int>(op));
 }
 
-class SingleGroup final : public ProcessGroup {
- public:
-  int rank() const override { return 0; }
-  int worldSize() const override { return 1; }
-  void allReduce(at::Tensor&, ReduceOp) override {}
-  std::vector<at::Tensor> allGather(const at::Tensor& tensor) override { return {tensor}; }
-  void broadcast(at::Tensor&, int root) override { QPIPE_CHECK(root == 0, "broadcast from rank ", root, " of 1"); }
-  void barrier() override {}
-  std::vector<std::string> allGatherBytes(const std::string& bytes) override { return {bytes}; }
-  void reportFailure(const std::string&) noexcept override {}
-};
-
 // The NCCL backend factory from libqpipe_dist_nccl.so, beside libqpipe_core.so; opened once.
 detail::CreateNcclBackend ncclFactory() {
 #ifdef QPIPE_HAS_NCCL
@@ -317,11 +305,15 @@ class C10dGroup final : public ProcessGroup {
     return result;
   }
 
+  Traffic traffic() const override { return traffic_; }
+
   // Runs one collective and counts it in traffic().
   void timed(int64_t bytes, const std::function<void()>& body) {
     const auto start = Clock::now();
     body();
-    account(bytes, std::chrono::duration<double>(Clock::now() - start).count());
+    ++traffic_.collectives;
+    traffic_.bytes += bytes;
+    traffic_.seconds += std::chrono::duration<double>(Clock::now() - start).count();
   }
 
   std::string peerFailure(const char* collective, const std::string& cause) {
@@ -347,6 +339,7 @@ class C10dGroup final : public ProcessGroup {
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<c10d::Backend> nccl_;
+  Traffic traffic_;
   bool peerLost_ = false;   // a collective failed because of a peer
   bool peerNamed_ = false;  // ... which had reported its failure
 };
@@ -490,12 +483,6 @@ std::shared_ptr<::gloo::transport::Device> glooDevice(const std::string& masterA
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
-std::mutex worldMutex;
-std::shared_ptr<ProcessGroup>& worldSlot() {
-  static std::shared_ptr<ProcessGroup> group = ProcessGroup::single();
-  return group;
-}
-
 // A whole-string integer in [min, max], or Error naming the variable.
 int64_t parseInteger(const char* name, const std::string& value, int64_t min, int64_t max) {
   int64_t parsed = 0;
@@ -512,6 +499,18 @@ std::optional<std::string> environment(const char* name) {
 }
 
 }  // namespace
+
+std::optional<std::chrono::milliseconds> timeoutFromEnvironment() {
+  const auto timeout = environment("QPIPE_DIST_TIMEOUT_S");
+  if (!timeout) return std::nullopt;
+  char* end = nullptr;
+  const double secondsValue = std::strtod(timeout->c_str(), &end);
+  QPIPE_REQUIRE(!timeout->empty() && end == timeout->c_str() + timeout->size() && secondsValue > 0 &&
+                    secondsValue <= 86400.0 * 7,
+                ErrorCode::kDistributed, "QPIPE_DIST_TIMEOUT_S='", *timeout,
+                "' is not a number of seconds in (0, 604800]");
+  return milliseconds(static_cast<int64_t>(secondsValue * 1000.0 + 0.5));
+}
 
 std::optional<GroupOptions> optionsFromEnvironment() {
   const auto rank = environment("RANK");
@@ -531,19 +530,17 @@ std::optional<GroupOptions> optionsFromEnvironment() {
   if (const auto port = environment("MASTER_PORT")) {
     options.masterPort = static_cast<int>(parseInteger("MASTER_PORT", *port, 1, 65535));
   }
-  if (const auto timeout = environment("QPIPE_DIST_TIMEOUT_S")) {
-    char* end = nullptr;
-    const double secondsValue = std::strtod(timeout->c_str(), &end);
-    QPIPE_REQUIRE(!timeout->empty() && end == timeout->c_str() + timeout->size() && secondsValue > 0 &&
-                      secondsValue <= 86400.0 * 7,
-                  ErrorCode::kDistributed, "QPIPE_DIST_TIMEOUT_S='", *timeout,
-                  "' is not a number of seconds in (0, 604800]");
-    options.timeout = milliseconds(static_cast<int64_t>(secondsValue * 1000.0 + 0.5));
+  if (const auto timeout = timeoutFromEnvironment()) options.timeout = *timeout;
+  // The ranks on this host: torchrun and our launcher set both; otherwise every rank.
+  options.localRank = static_cast<int>(
+      environment("LOCAL_RANK") ? parseInteger("LOCAL_RANK", *environment("LOCAL_RANK"), 0, 1 << 20) : options.rank);
+  if (const auto local = environment("LOCAL_WORLD_SIZE")) {
+    options.localWorldSize = static_cast<int>(parseInteger("LOCAL_WORLD_SIZE", *local, 1, 1 << 20));
   }
   return options;
 }
 
-std::shared_ptr<ProcessGroup> ProcessGroup::connect(const GroupOptions& options) {
+std::shared_ptr<ProcessGroup> connect(const GroupOptions& options) {
   QPIPE_REQUIRE(options.worldSize >= 1 && options.rank >= 0 && options.rank < options.worldSize,
                 ErrorCode::kDistributed, "rank ", options.rank, " is not in a world of ", options.worldSize);
   QPIPE_REQUIRE(options.masterPort >= 1 && options.masterPort <= 65535, ErrorCode::kDistributed, "MASTER_PORT ",
@@ -561,20 +558,6 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const GroupOptions& options)
                 "rank " + std::to_string(options.rank) + " cannot connect to its peers over Gloo: " + describe(error));
   }
   return std::make_shared<C10dGroup>(options, std::move(store), std::move(gloo));
-}
-
-std::shared_ptr<ProcessGroup> ProcessGroup::single() {
-  return std::make_shared<SingleGroup>();
-}
-
-ProcessGroup& world() {
-  std::lock_guard lock(worldMutex);
-  return *worldSlot();
-}
-
-void setWorld(std::shared_ptr<ProcessGroup> group) {
-  std::lock_guard lock(worldMutex);
-  worldSlot() = group ? std::move(group) : ProcessGroup::single();
 }
 
 }  // namespace qpipe::dist

@@ -8,7 +8,7 @@
 #include <fstream>
 #include <string>
 
-#include "qpipe/gguf.h"
+#include "qpipe/host/gguf.h"
 #include "test_helpers.h"
 
 namespace {

@@ -110,6 +110,14 @@ void expectOneLineError(const CommandResult& r, int exitCode, const std::string&
   EXPECT_EQ(r.err, message + "\n");
 }
 
+// Static W8A8 of every Linear but lm_head (lines under `spec.process:`).
+const std::string kStaticW8A8 = R"(    - type: linear_quant
+      qconfig:
+        act: {dtype: int8, scope: per_tensor, symmetric: False, method: minmax}
+        weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}
+      exclude: ["lm_head"]
+)";
+
 // A pipeline file holding `process` (YAML lines under `spec.process:`).
 fs::path pipelineFile(const std::string& name, const std::string& process) {
   return qpipe::test::writeTempFile(name, "apiversion: modelslim_v1\nspec:\n  process:\n" + process);
@@ -279,7 +287,7 @@ TEST(QuantCli, IncludePatternThatMatchesNothingWarnsAndSucceeds) {
   const CommandResult r = qpipe("quant --model_path " + quote(qpipe::test::tinyLlama("float")) + " --save_path " +
                                 quote(out) + " --config_path " + quote(config) + kTinyCalib);
   EXPECT_EQ(r.exitCode, 0) << r.err;
-  EXPECT_NE(r.err.find("] [warning] linear_quant: include '*no_such_proj*' matched no Linear module\n"),
+  EXPECT_NE(r.err.find("] [warning] linear_quant (spec.process[0]): include '*no_such_proj*' matched no module\n"),
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.err.find("'*mlp*' matched no"), std::string::npos) << r.err;
@@ -439,6 +447,35 @@ TEST(QuantCli, W4A8AscendV1RefusesRowParallelWidthNotMultipleOf16) {
 
 // ---------------------------------------------------------------------------------------------
 // Refusals.
+
+// spec.runner: model_wise keeps the model resident and writes what layer_wise writes; an unknown
+// runner names the file, the line and the known ones.
+TEST(QuantCli, RunnersWriteTheSameCheckpointAndAnUnknownOneIsAConfigError) {
+  const fs::path model = qpipe::test::tinyLlama("runners");
+  const auto withRunner = [](const std::string& runner) {
+    return qpipe::test::writeTempFile(runner + ".yaml", "apiversion: modelslim_v1\nspec:\n  runner: " + runner +
+                                                            "\n  process:\n" + kStaticW8A8);
+  };
+  std::vector<fs::path> outs;
+  for (const std::string runner : {"layer_wise", "model_wise", "dp_layer_wise", "auto"}) {
+    const fs::path out = qpipe::test::testDir() / ("runner-" + runner);
+    fs::remove_all(out);
+    const CommandResult r = qpipe("quant --model_path " + quote(model) + " --save_path " + quote(out) +
+                                  " --config_path " + quote(withRunner(runner)) + kTinyCalib);
+    ASSERT_EQ(r.exitCode, 0) << runner << ": " << r.err;
+    outs.push_back(out);
+  }
+  for (size_t i = 1; i < outs.size(); ++i) {
+    const CommandResult same = qpipe("compare " + quote(outs[0]) + " " + quote(outs[i]));
+    EXPECT_EQ(same.exitCode, 0) << outs[i] << ": " << same.out << same.err;
+  }
+  const fs::path bogus = withRunner("bogus");
+  expectOneLineError(qpipe("quant --model_path " + quote(model) + " --save_path " +
+                           quote(qpipe::test::testDir() / "bogus") + " --config_path " + quote(bogus)),
+                     code(ErrorCode::kConfig),
+                     "qpipe: configuration error: " + bogus.string() +
+                         ":3:11: spec.runner: 'bogus' is not one of: auto, layer_wise, model_wise, dp_layer_wise");
+}
 
 TEST(QuantCli, NonEmptySavePathIsRefused) {
   const fs::path out = qpipe::test::testDir() / "occupied";

@@ -22,7 +22,16 @@
 
 namespace {
 
+// The group this worker joined; the group of one until then.
+std::shared_ptr<qpipe::ProcessGroup> joined = qpipe::ProcessGroup::single();
+qpipe::ProcessGroup& world() {
+  return *joined;
+}
+
+
 using namespace qpipe::dist;
+using qpipe::ProcessGroup;
+using qpipe::ReduceOp;
 
 std::string values(const at::Tensor& tensor) {
   std::ostringstream os;
@@ -64,7 +73,7 @@ void collectives() {
                                                 {SyncOp::kMean, "mean"}};
   for (const auto& [op, name] : ops) {
     at::Tensor t = v.clone();
-    syncBaseOperation(t, op);
+    syncBaseOperation(group, t, op);
     std::cout << name << ": " << values(t) << "\n";
   }
   // A non-contiguous tensor is reduced in place all the same.
@@ -74,11 +83,11 @@ void collectives() {
 
   // Rank r holds (r+1) x 2 values 10r, 10r+1, ...
   const at::Tensor rows = at::arange(2 * (rank + 1), at::kFloat).reshape({rank + 1, 2}).add(10 * rank);
-  const auto gathered = syncGatherTensors(rows, /*variableShapes=*/true);
+  const auto gathered = syncGatherTensors(group, rows, /*variableShapes=*/true);
   for (size_t r = 0; r < gathered.size(); ++r) {
     std::cout << "gather " << r << ": " << shape(gathered[r]) << " " << values(gathered[r]) << "\n";
   }
-  const auto same = syncGatherTensors(at::full({2}, static_cast<int64_t>(rank), at::kLong));
+  const auto same = syncGatherTensors(group, at::full({2}, static_cast<int64_t>(rank), at::kLong));
   std::cout << "gather equal:";
   for (const at::Tensor& t : same) std::cout << " " << values(t);
   std::cout << "\n";
@@ -87,14 +96,14 @@ void collectives() {
   std::vector<at::Tensor> list;
   for (int i = 0; i < rank; ++i) list.push_back(at::full({i + 1}, static_cast<float>(100 * rank + i)));
   std::cout << "lists:";
-  for (const at::Tensor& t : syncGatherTensorLists(list)) std::cout << " " << shape(t) << "=" << values(t[0]);
+  for (const at::Tensor& t : syncGatherTensorLists(group, list)) std::cout << " " << shape(t) << "=" << values(t[0]);
   std::cout << "\n";
 
   // Seven samples dealt round-robin; sample i has i%3+1 values equal to i.
   std::vector<at::Tensor> samples;
   for (int i = rank; i < 7; i += world) samples.push_back(at::full({i % 3 + 1}, static_cast<float>(i)));
   std::cout << "sample order:";
-  for (const at::Tensor& t : gatherInSampleOrder(samples)) std::cout << " " << shape(t) << "=" << values(t[0]);
+  for (const at::Tensor& t : gatherInSampleOrder(group, samples)) std::cout << " " << shape(t) << "=" << values(t[0]);
   std::cout << "\n";
 
   at::Tensor broadcast = at::full({3}, static_cast<double>(rank + 10), at::kDouble);
@@ -127,7 +136,7 @@ void distHelper() {
   model->addChild("layers", layers);
   root->addChild("model", model);
 
-  const DistHelper helper(*layer, "model.layers.0");
+  const DistHelper helper(world(), *layer, "model.layers.0");
   for (const std::string name : {"model.layers.0", "model.layers.0.self_attn", "model.layers.0.mlp.experts.0",
                                  "model.layers.0.mlp.experts.1", "model.layers.0.mlp.experts.2"}) {
     std::cout << name << ": shared " << helper.isShared(name) << " local " << helper.isLocal(name) << " localOnly "
@@ -180,7 +189,7 @@ int main(int argc, char** argv) {
   try {
     const auto options = optionsFromEnvironment();
     QPIPE_REQUIRE(options, qpipe::ErrorCode::kUsage, "RANK and WORLD_SIZE are not set");
-    setWorld(ProcessGroup::connect(*options));
+    joined = connect(*options);
     std::cout << "connected: rank " << world().rank() << " of " << world().worldSize() << std::endl;
     if (scenario == "connect") {
       world().barrier();

@@ -33,28 +33,19 @@ TEST(SingleGroup, CollectivesAreTheIdentity) {
   group->reportFailure("ignored");
 }
 
-TEST(SingleGroup, WorldIsSingleUntilSet) {
-  EXPECT_EQ(world().worldSize(), 1);
-  const auto group = ProcessGroup::single();
-  setWorld(group);
-  EXPECT_EQ(&world(), group.get());
-  setWorld(nullptr);
-  EXPECT_NE(&world(), group.get());
-  EXPECT_EQ(world().worldSize(), 1);
-}
-
 TEST(SingleGroup, DistOpsReturnTheirInput) {
+  const auto group = ProcessGroup::single();
   at::Tensor t = at::tensor({1.0f, 4.0f});
   for (SyncOp op : {SyncOp::kMin, SyncOp::kMax, SyncOp::kSum, SyncOp::kMean, SyncOp::kProd}) {
-    syncBaseOperation(t, op);
+    syncBaseOperation(*group, t, op);
     EXPECT_TRUE(t.equal(at::tensor({1.0f, 4.0f})));
   }
-  EXPECT_EQ(syncGatherTensors(t, true, true).size(), 1u);
+  EXPECT_EQ(syncGatherTensors(*group, t, true, true).size(), 1u);
   const std::vector<at::Tensor> items{at::ones({2}), at::zeros({3})};
-  const auto lists = syncGatherTensorLists(items);
+  const auto lists = syncGatherTensorLists(*group, items);
   ASSERT_EQ(lists.size(), 2u);
   EXPECT_TRUE(lists[1].equal(at::zeros({3})));
-  const auto ordered = gatherInSampleOrder(items);
+  const auto ordered = gatherInSampleOrder(*group, items);
   ASSERT_EQ(ordered.size(), 2u);
   EXPECT_TRUE(ordered[0].equal(at::ones({2})));
 }
@@ -63,7 +54,7 @@ TEST(SingleGroup, DistHelperSharesEverything) {
   Module layer("Layer");
   layer.addChild("q_proj", std::make_shared<Module>("Linear"));
   layer.addChild("k_proj", std::make_shared<Module>("Linear"));
-  const DistHelper helper(layer, "model.layers.0");
+  const DistHelper helper(*ProcessGroup::single(), layer, "model.layers.0");
   EXPECT_TRUE(helper.isShared("model.layers.0.q_proj"));
   EXPECT_FALSE(helper.isLocalOnly("model.layers.0.q_proj"));
   EXPECT_FALSE(helper.isLocal("model.layers.1.q_proj"));
@@ -136,7 +127,7 @@ TEST(ConnectOptions, RankOutsideTheWorld) {
   GroupOptions options;
   options.rank = 3;
   options.worldSize = 2;
-  EXPECT_EQ(errorOf([&] { ProcessGroup::connect(options); }, ErrorCode::kDistributed), "rank 3 is not in a world of 2");
+  EXPECT_EQ(errorOf([&] { connect(options); }, ErrorCode::kDistributed), "rank 3 is not in a world of 2");
 }
 
 }  // namespace

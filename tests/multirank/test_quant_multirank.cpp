@@ -303,6 +303,23 @@ TEST(QuantMultirank, ProcessorWithoutMultirankSupportIsRefusedBeforeTheModelLoad
   expectNothingSaved(out);
 }
 
+// spec.runner layer_wise and model_wise are one-process runners: several ranks are refused before
+// any starts, naming the file and line; dp_layer_wise runs them.
+TEST(QuantMultirank, OneProcessRunnersAreRefusedOnSeveralRanks) {
+  const fs::path model = qpipe::test::tinyLlama("llama");
+  for (const std::string runner : {"layer_wise", "model_wise"}) {
+    const fs::path out = qpipe::test::testDir() / ("runner-" + runner);
+    const fs::path pipeline = qpipe::test::writeTempFile(
+        runner + ".yaml", "apiversion: modelslim_v1\nspec:\n  runner: " + runner + "\n  process:\n" + kW8A8);
+    const CommandResult r =
+        qpipe::test::runQpipe(quantArgs(model, out, "--config_path " + quote(pipeline) + " --device cpu:0,1"));
+    EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage)) << r.err;
+    EXPECT_EQ(r.err, "qpipe: usage error: " + pipeline.string() + ":3:11: spec.runner: " + runner +
+                         " runs on one device; use dp_layer_wise or auto for 2 ranks\n");
+    expectNothingSaved(out);
+  }
+}
+
 // A rank started by another launcher refuses it too, on its own, before it joins the group.
 TEST(QuantMultirank, TorchrunStyleRankRefusesAProcessorWithoutMultirankSupport) {
   const fs::path out = qpipe::test::testDir() / "quantized";

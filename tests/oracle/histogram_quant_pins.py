@@ -33,7 +33,7 @@ def histogram(values):
 
 
 def int8_qparams(lo, hi, symmetric):
-    """msmodelslim calculate_int_qparam in fp32 (reference/msmodelslim.md §c.0)."""
+    """msmodelslim calculate_int_qparam in fp32 (docs/quantization.md)."""
     lo = torch.tensor([lo], dtype=torch.float32).clamp(max=0)
     hi = torch.tensor([hi], dtype=torch.float32).clamp(min=0)
     eps = torch.finfo(torch.float32).eps

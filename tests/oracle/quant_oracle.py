@@ -1,4 +1,4 @@
-"""msmodelslim's quantization formulas (reference/msmodelslim.md §c.0,
+"""msmodelslim's quantization formulas (docs/quantization.md,
 msmodelslim/ir/api/impl/{int,fp}_quantization.py) in plain torch, as the oracle for qpipe::quant.
 
   (no argument)  one line per case: NAME DTYPE SCOPE SYM GROUP NDIM DIMS... X SCALE ZP Q, where X is

@@ -9,7 +9,7 @@
 #include <set>
 #include <string>
 
-#include "qpipe/gguf.h"
+#include "qpipe/host/gguf.h"
 #include "test_helpers.h"
 
 namespace {

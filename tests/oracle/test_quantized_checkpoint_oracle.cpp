@@ -15,7 +15,7 @@
 
 #include "qpipe/model.h"
 #include "qpipe/quant_linear.h"
-#include "qpipe/saver.h"
+#include "qpipe/host/savers.h"
 #include "replace_linears.h"
 #include "test_helpers.h"
 
@@ -95,7 +95,7 @@ void runCase(const std::string& name, const Case& c) {
     writer.add("ids", ids);
     writer.finish();
   }
-  auto saver = CheckpointSaver::create({}, *lm, out);
+  auto saver = createBuiltinSaver({}, *lm, out);
   for (int64_t i = 0; i < lm->config().numLayers; ++i) saver->writeLayer(i, lm->layerName(i), lm->layer(i));
   saver->finish();
   test::runOracle("quantized_checkpoint_oracle.py", "check " + src.string() + " " + out.string() + " " +

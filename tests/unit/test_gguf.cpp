@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "qpipe/gguf.h"
-#include "qpipe/gguf_convert.h"
+#include "qpipe/host/gguf.h"
+#include "qpipe/host/gguf_convert.h"
 #include "test_helpers.h"
 
 namespace {

@@ -12,14 +12,14 @@
 #include "qpipe/dist/observer_sync.h"
 #include "qpipe/linear_quantizer.h"
 #include "qpipe/log.h"
-#include "qpipe/pipeline.h"
+#include "qpipe/host/pipeline.h"
 #include "qpipe/plugin.h"
-#include "qpipe/plugin_loader.h"
+#include "qpipe/host/plugin_loader.h"
 #include "qpipe/qconfig.h"
 #include "qpipe/quant_linear.h"
-#include "qpipe/registry.h"
-#include "qpipe/report.h"
-#include "qpipe/runner.h"
+#include "qpipe/host/registry.h"
+#include "qpipe/host/report.h"
+#include "qpipe/host/runner.h"
 #include "qpipe/schema.h"
 #include "test_helpers.h"
 #include "tiny_model.h"
@@ -120,7 +120,7 @@ TEST(LinearQuantizer, StaticActivationsWithoutDataAreAnError) {
   LinearQuantizer quantizer(*handLinear(), qconfig("act: {dtype: int8}\nweight: {}\n"));
   EXPECT_FALSE(quantizer.calibrated());
   // No observing forward reached it: frozen without parameters, its forward leaves x as it is.
-  dist::synchronize(quantizer);
+  dist::synchronize(*ProcessGroup::single(), quantizer);
   EXPECT_TRUE(quantizer.frozen());
   EXPECT_FALSE(quantizer.calibrated());
   EXPECT_EQ(test::errorOf([&] { quantizer.deploy("model.layers.0.mlp.experts.7.up_proj"); }, ErrorCode::kInput),
@@ -184,7 +184,7 @@ class LinearQuantPlugin : public ::testing::Test {
   }
 
   std::unique_ptr<CausalLM> model_;
-  ProcessorRegistry registry_;
+  Registry registry_;
   std::vector<std::string> logs_;
   std::shared_ptr<Logger> logger_;
   PluginLoader loader_;
@@ -305,12 +305,12 @@ TEST(Calibrate, ObservesRunsTheStepsThenForwardsAgain) {
 TEST_F(LinearQuantPlugin, UnmatchedPatternsWarnAtTheEnd) {
   run("    - {type: linear_quant, qconfig: {weight: {}}, include: ['*q_proj', '*experts*'], exclude: ['*lm_head', "
       "'*.9.*']}\n");
-  EXPECT_NE(std::find(logs_.begin(), logs_.end(), "linear_quant: include '*experts*' matched no Linear module"),
+  EXPECT_NE(std::find(logs_.begin(), logs_.end(), "linear_quant (spec.process[0]): include '*experts*' matched no module"),
             logs_.end());
-  EXPECT_NE(std::find(logs_.begin(), logs_.end(), "linear_quant: exclude '*.9.*' matched no Linear module"),
+  EXPECT_NE(std::find(logs_.begin(), logs_.end(), "linear_quant (spec.process[0]): exclude '*.9.*' matched no module"),
             logs_.end());
   // lm_head is offered with the non-layer modules: the pattern matched it.
-  EXPECT_EQ(std::find(logs_.begin(), logs_.end(), "linear_quant: exclude '*lm_head' matched no Linear module"),
+  EXPECT_EQ(std::find(logs_.begin(), logs_.end(), "linear_quant (spec.process[0]): exclude '*lm_head' matched no module"),
             logs_.end());
 }
 
@@ -399,7 +399,7 @@ TEST_F(LinearQuantPlugin, DefaultPracticesLeaveLmHeadFloat) {
     });
     EXPECT_EQ(layerTypes, std::set<std::string>{"QuantLinear"}) << entry.path();
     EXPECT_EQ(model->root().getSubmodule("lm_head").typeName(), "Linear") << entry.path();
-    EXPECT_EQ(std::find(logs_.begin(), logs_.end(), "linear_quant: exclude 'lm_head' matched no Linear module"),
+    EXPECT_EQ(std::find(logs_.begin(), logs_.end(), "linear_quant (spec.process[0]): exclude 'lm_head' matched no module"),
               logs_.end())
         << entry.path();
   }

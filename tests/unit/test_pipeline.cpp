@@ -1,10 +1,10 @@
 #include <gtest/gtest.h>
 
 #include "qpipe/log.h"
-#include "qpipe/pipeline.h"
+#include "qpipe/host/pipeline.h"
 #include "qpipe/plugin.h"
-#include "qpipe/plugin_loader.h"
-#include "qpipe/registry.h"
+#include "qpipe/host/plugin_loader.h"
+#include "qpipe/host/registry.h"
 #include "test_helpers.h"
 
 QPIPE_DECLARE_STATIC_PLUGIN(log_layers);
@@ -34,14 +34,21 @@ class PipelineTest : public ::testing::Test {
     loader_.addStatic(qpipe_plugin_descriptor_log_layers());
     Schema schema;
     schema.includeExclude();
-    registry_.add({{nullptr,
+    Schema saver;
+    saver.required("path_prefix", ValueType::kString, "a field only this saver has");
+    registry_.add({{{nullptr, "test", "test"},
                     {.type = "recorder",
                      .description = "test",
                      .schema = schema,
                      .factory = [this](const ConfigNode&,
-                                       const ProcessorContext&) { return std::make_unique<Recorder>(calls_); }},
-                    "test",
-                    "test"}});
+                                       const ProcessorContext&) { return std::make_unique<Recorder>(calls_); }}}},
+                  {{{nullptr, "test", "test"},
+                    {.type = "test_saver",
+                     .description = "a plugin's saver",
+                     .schema = saver,
+                     .factory = [](const ConfigNode&, CausalLM&, const std::filesystem::path&) {
+                       return std::unique_ptr<CheckpointSaver>();
+                     }}}});
   }
 
   Pipeline load(const std::string& yaml) { return loadPipeline(test::writeTempFile("p.yaml", yaml), registry_); }
@@ -49,7 +56,7 @@ class PipelineTest : public ::testing::Test {
     return test::errorOf([&] { load(yaml); }, ErrorCode::kConfig);
   }
 
-  ProcessorRegistry registry_;
+  Registry registry_;
   PluginLoader loader_;
   std::vector<std::string> calls_;
 };
@@ -124,13 +131,41 @@ TEST_F(PipelineTest, DocumentLevelErrors) {
 TEST_F(PipelineTest, SaverErrors) {
   const std::string head = "apiversion: modelslim_v1\nspec:\n  process: [{type: log_layers}]\n";
   EXPECT_NE(loadError(head + "  save: [{type: gguf}]\n")
-                .find(":4:17: spec.save[0].type: unknown saver type 'gguf'; known types: compressed_tensors, "
-                      "ascendv1_saver"),
+                .find(":4:17: spec.save[0].type: unknown saver type 'gguf'; known types: ascendv1_saver, "
+                      "compressed_tensors, test_saver"),
             std::string::npos);
   EXPECT_NE(loadError(head + "  save: [{type: ascendv1_saver, part_file_size: -1}]\n")
-                .find("spec.save[0].part_file_size: must be >= 0"),
+                .find(":4:43: spec.save[0].part_file_size: must be >= 0, got -1"),
+            std::string::npos);
+  EXPECT_NE(loadError(head + "  save: [{type: ascendv1_saver}, {type: compressed_tensors}]\n")
+                .find(":4:9: spec.save: lists 2 savers; one per run is supported"),
+            std::string::npos);
+  EXPECT_NE(loadError(head + "  save: [{part_file_size: 1}]\n").find(":4:10: spec.save[0]: missing required field 'type'"),
             std::string::npos);
   EXPECT_NE(loadError(head + "  process: []\n").find(":4:3: duplicate key 'process'"), std::string::npos);
+}
+
+TEST_F(PipelineTest, APluginSaverIsValidatedAgainstItsOwnSchema) {
+  const std::string head = "apiversion: modelslim_v1\nspec:\n  process: [{type: log_layers}]\n";
+  const Pipeline p = load(head + "  save: [{type: test_saver, path_prefix: x}]\n");
+  EXPECT_EQ(p.save[0].type, "test_saver");
+  EXPECT_EQ(p.save[0].config.at("path_prefix").asString(), "x");
+  EXPECT_NE(loadError(head + "  save: [{type: test_saver, part_file_size: 1}]\n")
+                .find("spec.save[0].part_file_size: unknown field"),
+            std::string::npos);
+}
+
+TEST_F(PipelineTest, AnEmptySaveIsTheDefaultSaver) {
+  const Pipeline p = load("apiversion: modelslim_v1\nspec:\n  process: [{type: log_layers}]\n");
+  ASSERT_EQ(p.save.size(), 1u);
+  EXPECT_EQ(p.save[0].type, "compressed_tensors");
+  EXPECT_EQ(p.save[0].config.at("part_file_size").asFloat(), 4);
+}
+
+TEST_F(PipelineTest, UnknownRunnerNamesTheFileLineAndTheKnownRunners) {
+  EXPECT_NE(loadError("apiversion: modelslim_v1\nspec:\n  runner: bogus\n  process: [{type: log_layers}]\n")
+                .find(":3:11: spec.runner: 'bogus' is not one of: auto, layer_wise, model_wise, dp_layer_wise"),
+            std::string::npos);
 }
 
 TEST_F(PipelineTest, GroupNeedsChildren) {
@@ -167,7 +202,7 @@ TEST_F(PipelineTest, GroupRunsChildrenInOrderOverOneForward) {
   EXPECT_EQ(logged, (std::vector<std::string>{"layer model.layers.0: 2 calibration samples", "layer 1 layers logged"}));
 }
 
-TEST_F(PipelineTest, DataFreeProcessorsRunNoForwardAndUnmatchedPatternsWarn) {
+TEST_F(PipelineTest, DataFreeProcessorsNeedNoCalibrationAndTheHostWarnsAboutUnmatchedPatterns) {
   const Pipeline p = load(
       "apiversion: modelslim_v1\nspec:\n  process:\n"
       "    - {type: log_layers, include: ['model.layers.*', 'vision.*'], exclude: ['*.7']}\n");
@@ -175,17 +210,16 @@ TEST_F(PipelineTest, DataFreeProcessorsRunNoForwardAndUnmatchedPatternsWarn) {
   auto logger = std::make_shared<Logger>([&](LogLevel l, std::string_view m) { logged.emplace_back(l, m); });
   auto processors = buildProcessors(p, registry_, {.logger = logger});
   Processor& processor = *processors[0];
-  EXPECT_TRUE(processor.isDataFree());
+  EXPECT_FALSE(needsCalibration(processor));
   EXPECT_TRUE(processor.supportDistributed());
-  int forwards = 0;
-  LayerRequest request{.name = "model.layers.0", .forward = [&](LayerRequest&) { ++forwards; }};
-  processor.process(request);
+  LayerRequest request{.name = "model.layers.0"};
   processor.preprocess(request);
   processor.postRun();
-  EXPECT_EQ(forwards, 0);
   ASSERT_EQ(logged.size(), 4u);
-  EXPECT_EQ(logged[1], std::make_pair(LogLevel::kWarn, std::string("log_layers: include 'vision.*' matched no layer")));
-  EXPECT_EQ(logged[2], std::make_pair(LogLevel::kWarn, std::string("log_layers: exclude '*.7' matched no layer")));
+  EXPECT_EQ(logged[2], std::make_pair(LogLevel::kWarn,
+                                      std::string("log_layers (spec.process[0]): include 'vision.*' matched no module")));
+  EXPECT_EQ(logged[3], std::make_pair(LogLevel::kWarn,
+                                      std::string("log_layers (spec.process[0]): exclude '*.7' matched no module")));
 }
 
 }  // namespace

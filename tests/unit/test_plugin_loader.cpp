@@ -5,7 +5,7 @@
 #include "qpipe/config_node.h"
 #include "qpipe/log.h"
 #include "qpipe/plugin.h"
-#include "qpipe/plugin_loader.h"
+#include "qpipe/host/plugin_loader.h"
 #include "test_helpers.h"
 
 QPIPE_DECLARE_STATIC_PLUGIN(log_layers);
@@ -23,10 +23,10 @@ fs::path fault(const std::string& kind) {
 }
 
 std::string loadError(const fs::path& library) {
-  ProcessorRegistry registry;
+  Registry registry;
   PluginLoader loader(registry);
   const std::string message = test::errorOf([&] { loader.loadLibrary(library); }, ErrorCode::kPlugin);
-  EXPECT_TRUE(registry.entries().empty());
+  EXPECT_TRUE(registry.processors().empty());
   return message;
 }
 
@@ -44,7 +44,7 @@ TEST(PluginLoader, LibraryWithoutDescriptorIsRejected) {
 TEST(PluginLoader, AbiMajorMismatchIsRejectedBeforeAnyPluginCode) {
   EXPECT_EQ(loadError(fault("abi_major")),
             prefix(fault("abi_major")) +
-                "plugin ABI 3.0 is not compatible with this qpipe (plugin ABI 2.0); rebuild "
+                "plugin ABI 4.0 is not compatible with this qpipe (plugin ABI 3.0); rebuild "
                 "the plugin against qpipe " QPIPE_VERSION);
 }
 
@@ -63,7 +63,7 @@ TEST(PluginLoader, FileThatIsNotASharedLibraryIsRejected) {
 }
 
 TEST(PluginLoader, DuplicateTypeRejectsTheSecondPluginWhole) {
-  ProcessorRegistry registry;
+  Registry registry;
   PluginLoader loader(registry);
   loader.loadLibrary(fault("duplicate_a"));
   const std::string message = test::errorOf([&] { loader.loadLibrary(fault("duplicate_b")); }, ErrorCode::kPlugin);
@@ -72,18 +72,18 @@ TEST(PluginLoader, DuplicateTypeRejectsTheSecondPluginWhole) {
                          "'fault_duplicate_b' (" +
                          fault("duplicate_b").string() + ") and already by plugin 'fault_duplicate_a' (" +
                          fault("duplicate_a").string() + ")");
-  ASSERT_EQ(registry.entries().size(), 1u);
-  EXPECT_EQ(registry.entries()[0].plugin, "fault_duplicate_a");
+  ASSERT_EQ(registry.processors().size(), 1u);
+  EXPECT_EQ(registry.processors()[0].plugin, "fault_duplicate_a");
   EXPECT_EQ(loader.loaded().size(), 1u);
 }
 
 TEST(PluginLoader, ThrowingFactoryBecomesOneErrorNamingTheProcessor) {
-  ProcessorRegistry registry;
+  Registry registry;
   PluginLoader loader(registry);
   loader.loadLibrary(fault("factory_throws"));
   const ConfigNode config = ConfigNode::parseYaml("{}", "f.yaml");
   const std::string message =
-      test::errorOf([&] { registry.create("factory_throws", config, "spec.process[0]", {.logger = log::logger()}); },
+      test::errorOf([&] { registry.createProcessor("factory_throws", config, "spec.process[0]", {.logger = log::logger()}); },
                     ErrorCode::kPlugin);
   EXPECT_EQ(message,
             "f.yaml:1:1: spec.process[0]: processor 'factory_throws' (plugin 'fault_factory_throws') could "
@@ -91,10 +91,10 @@ TEST(PluginLoader, ThrowingFactoryBecomesOneErrorNamingTheProcessor) {
 }
 
 TEST(PluginLoader, ThrowingProcessBecomesOneErrorNamingProcessorCallAndLayer) {
-  ProcessorRegistry registry;
+  Registry registry;
   PluginLoader loader(registry);
   loader.loadLibrary(fault("process_throws"));
-  auto processor = registry.create("process_throws", ConfigNode::map(), "p", {.logger = log::logger()});
+  auto processor = registry.createProcessor("process_throws", ConfigNode::map(), "p", {.logger = log::logger()});
   LayerRequest request{.name = "model.layers.3"};
   processor->preprocess(request);  // the default implementations run fine
   const std::string message = test::errorOf([&] { processor->process(request); }, ErrorCode::kPlugin);
@@ -108,10 +108,11 @@ TEST(PluginLoader, ProcessorsKeepTheirLibraryLoadedAfterLoaderAndRegistryAreGone
   std::vector<std::string> logged;
   auto logger = std::make_shared<Logger>([&](LogLevel, std::string_view m) { logged.emplace_back(m); });
   {
-    ProcessorRegistry registry;
+    Registry registry;
     PluginLoader loader(registry);
     loader.loadLibrary(kExample / "liblog_layers.so");
-    processor = registry.create("log_layers", ConfigNode::map(), "p", {.logger = logger});
+    const ConfigNode config = registry.findProcessor("log_layers")->info.schema.validate(ConfigNode::map(), "p");
+    processor = registry.createProcessor("log_layers", config, "p", {.logger = logger});
   }
   LayerRequest request{.name = "model.layers.0"};
   processor->preprocess(request);  // code in the library: it must still be mapped
@@ -120,7 +121,7 @@ TEST(PluginLoader, ProcessorsKeepTheirLibraryLoadedAfterLoaderAndRegistryAreGone
 }
 
 TEST(PluginLoader, DirectoryScanLoadsGoodLibrariesAndRecordsEveryRejection) {
-  ProcessorRegistry registry;
+  Registry registry;
   PluginLoader loader(registry);
   loader.loadDirectories({{kFaults, "--plugin_dir"}, {kExample, "built-in"}});
   std::vector<std::string> loaded;
@@ -132,7 +133,7 @@ TEST(PluginLoader, DirectoryScanLoadsGoodLibrariesAndRecordsEveryRejection) {
   EXPECT_EQ(rejected,
             (std::vector<std::string>{"libfault_abi_major.so", "libfault_duplicate_b.so", "libfault_fingerprint.so",
                                       "libfault_no_descriptor.so", "libfault_not_elf.so"}));
-  EXPECT_EQ(registry.types(),
+  EXPECT_EQ(registry.processorTypes(),
             (std::vector<std::string>{"duplicate_type", "factory_throws", "group", "log_layers", "process_throws"}));
 }
 
@@ -140,7 +141,7 @@ TEST(PluginLoader, EarlierSearchDirectoryShadowsASamePluginLater) {
   const fs::path copy = fs::temp_directory_path() / "qpipe-test-shadow";
   fs::create_directories(copy);
   fs::copy_file(kExample / "liblog_layers.so", copy / "liblog_layers.so", fs::copy_options::overwrite_existing);
-  ProcessorRegistry registry;
+  Registry registry;
   PluginLoader loader(registry);
   loader.loadDirectories({{copy, "--plugin_dir"}, {kExample, "built-in"}});
   ASSERT_EQ(loader.loaded().size(), 1u);
@@ -152,14 +153,14 @@ TEST(PluginLoader, EarlierSearchDirectoryShadowsASamePluginLater) {
 }
 
 TEST(PluginLoader, StaticallyLinkedPluginRegistersLikeALibrary) {
-  ProcessorRegistry registry;
+  Registry registry;
   PluginLoader loader(registry);
   const PluginRecord record = loader.addStatic(qpipe_plugin_descriptor_log_layers());
   EXPECT_EQ(record.name, "log_layers");
   EXPECT_EQ(record.version, "1.0.0");
   EXPECT_EQ(record.origin, "static:log_layers");
   EXPECT_EQ(record.types, std::vector<std::string>{"log_layers"});
-  ASSERT_NE(registry.find("log_layers"), nullptr);
+  ASSERT_NE(registry.findProcessor("log_layers"), nullptr);
 }
 
 TEST(PluginLoader, SearchPathOrderIsPluginDirThenEnvironmentThenBuiltIn) {
@@ -179,14 +180,14 @@ TEST(PluginLoader, SearchPathOrderIsPluginDirThenEnvironmentThenBuiltIn) {
             "--plugin_dir '/nonexistent/plugins' is not a directory");
 }
 
-TEST(ProcessorRegistry, CoreTypesAreReserved) {
-  ProcessorRegistry registry;
+TEST(Registry, CoreTypesAreReserved) {
+  Registry registry;
   ProcessorInfo info{.type = "group", .factory = [](const ConfigNode&, const ProcessorContext&) {
                        return std::make_unique<Processor>();
                      }};
   EXPECT_EQ(test::errorOf(
                 [&] {
-                  registry.add({{nullptr, info, "mine", "static:mine"}});
+                  registry.add({{{nullptr, "mine", "static:mine"}, info}}, {});
                 },
                 ErrorCode::kPlugin),
             "plugin 'mine' registers processor type 'group', which is reserved by qpipe's core");

@@ -2,7 +2,7 @@
 
 #include <fstream>
 
-#include "qpipe/practice.h"
+#include "qpipe/host/practice.h"
 #include "test_helpers.h"
 
 namespace qpipe {

@@ -2,7 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "qpipe/log.h"
-#include "qpipe/runner.h"
+#include "qpipe/host/runner.h"
 #include "test_helpers.h"
 #include "tiny_model.h"
 

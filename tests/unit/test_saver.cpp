@@ -11,7 +11,7 @@
 
 #include "qpipe/model.h"
 #include "qpipe/quant_linear.h"
-#include "qpipe/saver.h"
+#include "qpipe/host/savers.h"
 #include "replace_linears.h"
 #include "test_helpers.h"
 #include "tiny_model.h"
@@ -62,7 +62,7 @@ at::Tensor ids() {
 }
 
 void saveAll(CausalLM& lm, const fs::path& out, SaverOptions options = {}) {
-  auto saver = CheckpointSaver::create(options, lm, out);
+  auto saver = createBuiltinSaver(options, lm, out);
   for (int64_t i = 0; i < lm.config().numLayers; ++i) saver->writeLayer(i, lm.layerName(i), lm.layer(i));
   saver->finish();
 }
@@ -267,7 +267,7 @@ TEST(CompressedTensorsSaver, CopiesSideFilesAndAddedFiles) {
   quantize(*lm, everywhere({kInt8Channel, std::nullopt}));
   const fs::path out = test::testDir() / "side-out";
   fs::remove_all(out);
-  auto saver = CheckpointSaver::create({}, *lm, out);
+  auto saver = createBuiltinSaver({}, *lm, out);
   for (int64_t i = 0; i < lm->config().numLayers; ++i) saver->writeLayer(i, lm->layerName(i), lm->layer(i));
   saver->addFile("quant_report.json", "{\"layers\": 2}");
   saver->finish();
@@ -368,7 +368,7 @@ TEST(SaverAtomicity, FolderAppearsOnlyAtFinish) {
   auto lm = CausalLM::open(test::tinyLlama("atomic-src"));
   const fs::path out = test::testDir() / "atomic-out";
   fs::remove_all(out);
-  auto saver = CheckpointSaver::create({}, *lm, out);
+  auto saver = createBuiltinSaver({}, *lm, out);
   saver->writeLayer(0, lm->layerName(0), lm->layer(0));
   EXPECT_FALSE(fs::exists(out));
   saver->writeLayer(1, lm->layerName(1), lm->layer(1));
@@ -383,7 +383,7 @@ TEST(SaverAtomicity, AbandonedSaveLeavesNothing) {
   const fs::path out = test::testDir() / "abandon-out";
   fs::remove_all(out);
   try {
-    auto saver = CheckpointSaver::create({}, *lm, out);
+    auto saver = createBuiltinSaver({}, *lm, out);
     saver->writeLayer(0, lm->layerName(0), lm->layer(0));
     throw std::runtime_error("calibration failed");
   } catch (const std::runtime_error&) {
@@ -420,21 +420,11 @@ TEST(SaverErrors, RefusesNonEmptyFolderAndFile) {
   fs::remove_all(out);
   fs::create_directories(out);
   std::ofstream(out / "keep.txt") << "mine";
-  EXPECT_EQ(test::errorOf([&] { CheckpointSaver::create({}, *lm, out); }, ErrorCode::kInput),
+  EXPECT_EQ(test::errorOf([&] { createBuiltinSaver({}, *lm, out); }, ErrorCode::kInput),
             "save folder '" + out.string() + "' exists and is not empty; choose another --save_path or remove it");
   EXPECT_EQ(test::slurp(out / "keep.txt"), "mine");
-  EXPECT_EQ(test::errorOf([&] { CheckpointSaver::create({}, *lm, out / "keep.txt"); }, ErrorCode::kInput),
+  EXPECT_EQ(test::errorOf([&] { createBuiltinSaver({}, *lm, out / "keep.txt"); }, ErrorCode::kInput),
             "save path '" + (out / "keep.txt").string() + "' exists and is not a folder; choose another --save_path");
-}
-
-TEST(SaverErrors, OptionsAreChecked) {
-  auto lm = CausalLM::open(test::tinyLlama("options-src"));
-  const fs::path out = test::testDir() / "options-out";
-  EXPECT_EQ(test::errorOf([&] { CheckpointSaver::create({.format = "gguf"}, *lm, out); }, ErrorCode::kConfig),
-            "save format 'gguf' is unknown; expected compressed_tensors or ascendv1_saver");
-  EXPECT_EQ(test::errorOf([&] { CheckpointSaver::create({.partFileSizeGb = -1}, *lm, out); }, ErrorCode::kConfig),
-            "part_file_size -1 is negative; give the shard size in GB, or 0 for one file");
-  EXPECT_FALSE(fs::exists(out));
 }
 
 // The schemes msmodelslim's ascendv1 saver has no handler for (save/ascendv1.py): per-group or
@@ -452,7 +442,7 @@ TEST(SaverErrors, UnsavableSchemes) {
     quantize(*lm, everywhere(spec));
     const fs::path out = test::testDir() / "unsavable-out";
     fs::remove_all(out);
-    auto saver = CheckpointSaver::create({.format = "ascendv1_saver"}, *lm, out);
+    auto saver = createBuiltinSaver({.format = "ascendv1_saver"}, *lm, out);
     EXPECT_EQ(test::errorOf([&] { saver->writeLayer(0, lm->layerName(0), lm->layer(0)); }, ErrorCode::kConfig),
               "ascendv1_saver: model.layers.0.self_attn.q_proj has weights " + weights + " and activations " +
                   activations +
@@ -806,7 +796,7 @@ TEST(AscendV1Saver, W4A8DynamicShapeRefusals) {
   quantize(*lm, everywhere({kInt4Channel, kInt8Token}));
   const fs::path out = test::testDir() / "ascend-w4a8-refuse-out";
   fs::remove_all(out);
-  auto saver = CheckpointSaver::create({.format = "ascendv1_saver"}, *lm, out);
+  auto saver = createBuiltinSaver({.format = "ascendv1_saver"}, *lm, out);
   EXPECT_EQ(test::errorOf([&] { saver->writeLayer(0, lm->layerName(0), lm->layer(0)); }, ErrorCode::kConfig),
             "ascendv1_saver: model.layers.0.mlp.down_proj has 24 input features; W4A8_DYNAMIC's scale_bias of a "
             "row-parallel projection sums them in 16 tensor-parallel chunks, so the count must be a multiple of 16; "
@@ -819,7 +809,7 @@ TEST(AscendV1Saver, W4A8DynamicShapeRefusals) {
   });
   const fs::path oddOut = test::testDir() / "ascend-w4a8-odd-out";
   fs::remove_all(oddOut);
-  auto oddSaver = CheckpointSaver::create({.format = "ascendv1_saver"}, *odd, oddOut);
+  auto oddSaver = createBuiltinSaver({.format = "ascendv1_saver"}, *odd, oddOut);
   EXPECT_EQ(test::errorOf([&] { oddSaver->writeLayer(0, odd->layerName(0), odd->layer(0)); }, ErrorCode::kConfig),
             "ascendv1_saver: model.layers.0.self_attn.q_proj has 15 output features; W4A8_DYNAMIC packs two int4 "
             "rows into one int8 row, so the count must be even; exclude the module or use compressed_tensors");

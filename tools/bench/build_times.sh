@@ -13,7 +13,7 @@ ninja -C build clean >/dev/null
 rows+=("clean build, ccache off|$(CCACHE_DISABLE=1 timed_build)")
 ninja -C build clean >/dev/null
 rows+=("clean build, ccache warm|$(timed_build)")
-for file in core/src/schema.cpp tools/qpipe/cmd_check.cpp tests/unit/test_schema.cpp core/include/qpipe/processor.h; do
+for file in core/base/src/schema.cpp tools/qpipe/cmd_check.cpp tests/unit/test_schema.cpp core/sdk/include/qpipe/processor.h; do
   touch "$file"
   rows+=("touch $file|$(CCACHE_DISABLE=1 timed_build)")
 done

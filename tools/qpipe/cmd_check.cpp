@@ -7,8 +7,8 @@
 #include "plugin_options.h"
 #include "qpipe/config_node.h"
 #include "qpipe/log.h"
-#include "qpipe/pipeline.h"
-#include "qpipe/registry.h"
+#include "qpipe/host/pipeline.h"
+#include "qpipe/host/registry.h"
 
 namespace qpipe::cli {
 
@@ -26,7 +26,7 @@ size_t countProcessors(const std::vector<ProcessStep>& steps) {
 }
 
 void checkPipeline(const CheckOptions& options) {
-  ProcessorRegistry registry;
+  Registry registry;
   PluginLoader loader(registry);
   loadPlugins(options.plugins, loader);
 

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "commands.h"
-#include "qpipe/gguf_convert.h"
+#include "qpipe/host/gguf_convert.h"
 
 namespace qpipe::cli {
 

@@ -40,11 +40,10 @@ void evaluate(const EvalOptions& options) {
                 "' is not a folder");
   const c10::Device device = parseDevice(options.device);
   auto lm = CausalLM::open(model, {.device = device});  // first: a broken checkpoint fails before any tokenizing
-  std::vector<std::string> texts;
-  for (auto& sample : loadDataset(options.data, {.maxSamples = options.maxSamples})) texts.push_back(sample.text);
   const Tokenizer tokenizer = Tokenizer::fromFile(model / "tokenizer.json");
-  const std::vector<int64_t> ids = tokenizer.encode(joinEvalTexts(texts), /*addSpecialTokens=*/false);
-  logger->info(options.data, ": ", texts.size(), " texts, ", ids.size(), " tokens");
+  const TokenStream stream = encodeDataset(options.data, tokenizer, {.maxSamples = options.maxSamples});
+  const std::vector<int64_t>& ids = stream.ids;
+  logger->info(options.data, ": ", stream.texts, " texts, ", ids.size(), " tokens");
 
   const int64_t windows = perplexityWindows(static_cast<int64_t>(ids.size()), options.seqLen, 0);
   ProgressBar bar("eval", windows, "windows");

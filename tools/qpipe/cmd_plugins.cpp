@@ -5,15 +5,19 @@
 
 #include "commands.h"
 #include "plugin_options.h"
-#include "qpipe/registry.h"
+#include "qpipe/host/registry.h"
 
 namespace qpipe::cli {
 
 namespace {
 
+std::string describe(const std::string& description) {
+  return description.empty() ? "" : "  -- " + description;
+}
+
 void listPlugins(const PluginOptions& options) {
   const auto searchPath = pluginSearchPath(options);
-  ProcessorRegistry registry;
+  Registry registry;
   PluginLoader loader(registry);
   loader.loadDirectories(searchPath);
 
@@ -29,9 +33,10 @@ void listPlugins(const PluginOptions& options) {
     std::cout << "  " << plugin.name << " " << plugin.version << "  " << plugin.origin << "\n";
     if (!plugin.description.empty()) std::cout << "    " << plugin.description << "\n";
     for (const auto& type : plugin.types) {
-      const auto* entry = registry.find(type);
-      std::cout << "    type: " << type << (entry->info.description.empty() ? "" : "  -- " + entry->info.description)
-                << "\n";
+      std::cout << "    type: " << type << describe(registry.findProcessor(type)->info.description) << "\n";
+    }
+    for (const auto& type : plugin.savers) {
+      std::cout << "    saver: " << type << describe(registry.findSaver(type)->info.description) << "\n";
     }
   }
 
@@ -41,7 +46,11 @@ void listPlugins(const PluginOptions& options) {
     std::cout << "  " << rejected.path << "\n    " << rejected.reason << "\n";
   }
   std::cout << "\nCore types: ";
-  for (const auto& type : ProcessorRegistry::coreTypes()) std::cout << type << " ";
+  for (const auto& type : Registry::coreTypes()) std::cout << type << " ";
+  std::cout << "\nBuilt-in savers: ";
+  for (const auto& entry : registry.savers()) {
+    if (entry.origin == "built-in") std::cout << entry.info.type << " ";
+  }
   std::cout << "\n";
 }
 

@@ -1,7 +1,5 @@
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
-#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <sched.h>
 
@@ -17,20 +15,11 @@
 #include "commands.h"
 #include "launch.h"
 #include "plugin_options.h"
-#include "qpipe/dataset.h"
 #include "qpipe/device.h"
 #include "qpipe/dist/process_group.h"
 #include "qpipe/error.h"
+#include "qpipe/host/quantize.h"
 #include "qpipe/log.h"
-#include "qpipe/model.h"
-#include "qpipe/perplexity.h"
-#include "qpipe/pipeline.h"
-#include "qpipe/practice.h"
-#include "qpipe/registry.h"
-#include "qpipe/report.h"
-#include "qpipe/runner.h"
-#include "qpipe/saver.h"
-#include "qpipe/tokenizer.h"
 
 namespace qpipe::cli {
 
@@ -59,21 +48,8 @@ struct Role {
   std::optional<dist::GroupOptions> group;  // set for a rank
   int worldSize = 1;                        // ranks of the run (the launcher's children for a parent)
   bool launcher = false;
-  int localRank = 0;
-  int localWorldSize = 1;
+  int localWorldSize = 1;                   // the ranks sharing this host's cores
 };
-
-std::optional<int> intFromEnvironment(const char* name) {
-  const char* value = std::getenv(name);
-  if (value == nullptr || *value == '\0') return std::nullopt;
-  try {
-    size_t end = 0;
-    const int parsed = std::stoi(value, &end);
-    if (end == std::string(value).size() && parsed >= 0) return parsed;
-  } catch (const std::exception&) {
-  }
-  throw Error(ErrorCode::kDistributed, detail::concat(name, "='", value, "' is not a non-negative integer"));
-}
 
 Role roleOf(const QuantOptions& options, const DeviceList& devices) {
   Role role;
@@ -88,12 +64,8 @@ Role roleOf(const QuantOptions& options, const DeviceList& devices) {
     role.group->timeout = std::chrono::milliseconds(static_cast<int64_t>(*options.distTimeoutSeconds * 1000));
   }
   role.worldSize = role.group->worldSize;
-  role.localRank = intFromEnvironment("LOCAL_RANK").value_or(role.group->rank);
-  // The ranks sharing this host's cores: LOCAL_WORLD_SIZE (torchrun, our launcher), else the
-  // --device list, else every rank.
-  role.localWorldSize =
-      intFromEnvironment("LOCAL_WORLD_SIZE").value_or(devices.ranks() > 1 ? devices.ranks() : role.group->worldSize);
-  role.localWorldSize = std::max(1, role.localWorldSize);
+  // LOCAL_WORLD_SIZE (torchrun, our launcher), else the --device list, else every rank.
+  role.localWorldSize = role.group->localWorldSize.value_or(devices.ranks() > 1 ? devices.ranks() : role.worldSize);
   return role;
 }
 
@@ -101,31 +73,19 @@ std::chrono::milliseconds distTimeout(const QuantOptions& options) {
   if (options.distTimeoutSeconds) {
     return std::chrono::milliseconds(static_cast<int64_t>(*options.distTimeoutSeconds * 1000));
   }
-  // optionsFromEnvironment reads QPIPE_DIST_TIMEOUT_S; it needs RANK and WORLD_SIZE to answer.
-  if (const char* seconds = std::getenv("QPIPE_DIST_TIMEOUT_S"); seconds != nullptr && *seconds != '\0') {
-    try {
-      size_t end = 0;
-      const double value = std::stod(seconds, &end);
-      if (end == std::string(seconds).size() && value > 0 && value <= 604800) {
-        return std::chrono::milliseconds(static_cast<int64_t>(value * 1000));
-      }
-    } catch (const std::exception&) {
-    }
-    throw Error(ErrorCode::kDistributed,
-                detail::concat("QPIPE_DIST_TIMEOUT_S='", seconds, "' is not a number of seconds in (0, 604800]"));
-  }
-  return std::chrono::seconds(60);
+  return dist::timeoutFromEnvironment().value_or(std::chrono::seconds(60));
 }
 
 // The device of this process: the --device entry at its local rank; for a bare `cuda` on a
 // rank, GPU LOCAL_RANK.
 c10::Device rankDevice(const DeviceList& devices, const Role& role) {
   if (devices.type == c10::DeviceType::CPU) return c10::Device(c10::kCPU);
-  if (devices.indices.empty()) return parseDevice(role.group ? "cuda:" + std::to_string(role.localRank) : "cuda");
-  QPIPE_REQUIRE(role.localRank < static_cast<int>(devices.indices.size()), ErrorCode::kUsage, "--device '",
-                devices.text, "' lists ", devices.indices.size(), " devices for local rank ", role.localRank,
+  const int localRank = role.group ? role.group->localRank : 0;
+  if (devices.indices.empty()) return parseDevice(role.group ? "cuda:" + std::to_string(localRank) : "cuda");
+  QPIPE_REQUIRE(localRank < static_cast<int>(devices.indices.size()), ErrorCode::kUsage, "--device '", devices.text,
+                "' lists ", devices.indices.size(), " devices for local rank ", localRank,
                 "; list one per rank on this host (e.g. cuda:0,1) or give cuda (GPU LOCAL_RANK)");
-  return parseDevice("cuda:" + std::to_string(devices.indices[role.localRank]));
+  return parseDevice("cuda:" + std::to_string(devices.indices[localRank]));
 }
 
 // The cores this process may run on (its affinity mask), at least 1.
@@ -142,53 +102,9 @@ fs::path resourceDir(const std::string& name) {
   return fs::path(QPIPE_SOURCE_DIR) / name;
 }
 
-fs::path resolvePipeline(const QuantOptions& options, const fs::path& modelDir) {
-  if (!options.configPath.empty()) return options.configPath;
-  const std::string modelType =
-      options.modelType.empty() ? ModelConfig::fromFile(modelDir / "config.json").modelType : options.modelType;
-  const PracticeMatch match = findPractice(resourceDir("configs"), modelType, parseQuantType(options.quantType));
-  log::logger()->info("--quant_type ", options.quantType, ": practice ", match.file.string(), " (",
-                      match.metadata.configId, ", score ", match.metadata.score, ")");
-  return match.file;
-}
-
-// Calibration windows as `qpipe eval` cuts them (docs/data.md): the texts joined with blank lines,
-// tokenized once without special tokens, cut into `count` windows of `seqLen` tokens.
-std::vector<at::Tensor> calibrationSamples(const fs::path& data, const Tokenizer& tokenizer, int64_t count,
-                                           int64_t seqLen) {
-  std::vector<std::string> texts;
-  for (auto& sample : loadDataset(data)) texts.push_back(std::move(sample.text));
-  const std::vector<int64_t> ids = tokenizer.encode(joinEvalTexts(texts), /*addSpecialTokens=*/false);
-  const int64_t available = static_cast<int64_t>(ids.size()) / seqLen;
-  QPIPE_REQUIRE(available > 0, ErrorCode::kInput, data.string(), ": ", ids.size(),
-                " tokens, fewer than one window of --seq_len ", seqLen);
-  if (available < count) {
-    log::logger()->warn(data.string(), ": ", ids.size(), " tokens make ", available, " windows of ", seqLen,
-                        ", fewer than --calib_samples ", count, "; calibrating on ", available);
-  }
-  const at::Tensor all = at::tensor(ids, at::kLong);
-  std::vector<at::Tensor> samples;
-  for (int64_t i = 0; i < std::min(count, available); ++i) {
-    samples.push_back(all.slice(0, i * seqLen, (i + 1) * seqLen).unsqueeze(0).clone());
-  }
-  return samples;
-}
-
-SaverOptions saverOptions(const Pipeline& pipeline) {
-  QPIPE_REQUIRE(pipeline.save.size() <= 1, ErrorCode::kConfig, pipeline.file.string(), ": spec.save lists ",
-                pipeline.save.size(), " savers; one per run is supported");
-  if (pipeline.save.empty()) return {};
-  const SaveStep& step = pipeline.save.front();
-  return {.format = step.type, .partFileSizeGb = step.config.at("part_file_size").asFloat()};
-}
-
-void quantize(const QuantOptions& options) {
-  c10::InferenceMode inference;
-  const auto logger = log::logger();
+void run(const QuantOptions& options) {
   const auto start = std::chrono::steady_clock::now();
-  const fs::path modelDir = options.modelPath;
-  QPIPE_REQUIRE(fs::is_directory(modelDir), ErrorCode::kInput, "--model_path '", options.modelPath,
-                "' is not a folder");
+  const auto logger = log::logger();
   const DeviceList devices = parseDeviceList(options.device);
   const Role role = roleOf(options, devices);
   const int rank = role.group ? role.group->rank : 0;
@@ -199,82 +115,44 @@ void quantize(const QuantOptions& options) {
   if (options.trustRemoteCode && rank == 0) {
     logger->info("--trust_remote_code: qpipe runs no model code from the checkpoint");
   }
-
-  // Everything about the pipeline is checked before the model is touched (and, for a multi-rank
-  // run, before any rank starts).
-  ProcessorRegistry registry;
-  PluginLoader loader(registry);
-  loadPlugins(options.plugins, loader);
-  const Pipeline pipeline = loadPipeline(resolvePipeline(options, modelDir), registry);
-  auto processors = buildProcessors(pipeline, registry, {.logger = logger, .rank = rank, .worldSize = role.worldSize});
-  if (role.worldSize > 1) {
-    for (size_t i = 0; i < processors.size(); ++i) {
-      QPIPE_REQUIRE(processors[i]->supportDistributed(), ErrorCode::kUsage, pipeline.process[i].path, " (",
-                    pipeline.process[i].type, ") does not support multi-rank runs; use one device");
-    }
-  }
-  const SaverOptions saving = saverOptions(pipeline);
-  const fs::path calibData = !options.calibData.empty()  ? fs::path(options.calibData)
-                             : !pipeline.dataset.empty() ? fs::path(pipeline.dataset)
-                                                         : resourceDir("data") / "calib.jsonl";
-
+  QuantizeOptions quant{.modelPath = options.modelPath,
+                        .savePath = options.savePath,
+                        .configPath = options.configPath,
+                        .quantType = options.quantType,
+                        .modelType = options.modelType,
+                        .practiceDir = resourceDir("configs"),
+                        .calibData = options.calibData,
+                        .defaultCalibData = resourceDir("data") / "calib.jsonl",
+                        .calibSamples = options.calibSamples,
+                        .seqLen = options.seqLen,
+                        .pluginPath = pluginSearchPath(options.plugins),
+                        .rank = rank,
+                        .worldSize = role.worldSize};
   if (role.launcher) {
+    // Everything about the pipeline is checked before any rank starts.
+    checkQuantize(quant);
     launchRanks({.worldSize = role.worldSize, .timeout = distTimeout(options), .savePath = options.savePath});
     return;
   }
 
-  const c10::Device device = rankDevice(devices, role);
-  if (device.is_cuda()) c10::impl::getDeviceGuardImpl(device.type())->setDevice(device);
+  quant.device = rankDevice(devices, role);
+  if (quant.device.is_cuda()) c10::impl::getDeviceGuardImpl(quant.device.type())->setDevice(quant.device);
   if (role.group || options.threadsPerRank) {
-    const int threads = options.threadsPerRank.value_or(std::max(1, usableCores() / role.localWorldSize));
+    const int threads = options.threadsPerRank.value_or(std::max(1, usableCores() / std::max(1, role.localWorldSize)));
     at::set_num_threads(threads);  // intra-op pool and OpenMP
-    logger->info("device ", device.str(), ", ", threads, " threads");
+    logger->info("device ", quant.device.str(), ", ", threads, " threads");
   }
   if (role.group) {
-    const auto joined = std::chrono::steady_clock::now();
-    dist::setWorld(dist::ProcessGroup::connect(*role.group));
-    logger->debug("joined ", role.worldSize, " ranks through ", role.group->masterAddr, ":", role.group->masterPort,
-                  " in ", std::chrono::duration<double>(std::chrono::steady_clock::now() - joined).count(), " s");
+    quant.joinGroup = [&role] {
+      std::shared_ptr<ProcessGroup> group = dist::connect(*role.group);
+      markGroup(group);
+      return group;
+    };
   }
-  dist::ProcessGroup& world = dist::world();
-
-  auto model = CausalLM::open(modelDir, {.dtype = at::kFloat, .device = device});
-  // Rank 0 alone saves: after each layer's syncs every rank holds the same quantized layer.
-  std::unique_ptr<CheckpointSaver> saver;
-  if (rank == 0) saver = CheckpointSaver::create(saving, *model, options.savePath);
-  const Tokenizer tokenizer = Tokenizer::fromFile(modelDir / "tokenizer.json");
-  const std::vector<at::Tensor> samples =
-      calibrationSamples(calibData, tokenizer, options.calibSamples, options.seqLen);
-  const std::vector<at::Tensor> share = rankShare(samples, rank, role.worldSize);
-  if (role.worldSize > 1) {
-    logger->info("calibration: ", share.size(), " of ", samples.size(), " samples x ", options.seqLen, " tokens from ",
-                 calibData.string());
-    if (share.empty()) {
-      logger->warn("no calibration sample for this rank: ", samples.size(), " samples for ", role.worldSize,
-                   " ranks; give --calib_samples ", role.worldSize, " or more");
-    }
-  } else {
-    logger->info("calibration: ", samples.size(), " samples x ", options.seqLen, " tokens from ", calibData.string());
-  }
-
-  QuantReport report;
-  LayerWiseRunner runner(*model, processors,
-                         {.rank = rank, .worldSize = role.worldSize, .report = rank == 0 ? &report : nullptr});
-  runner.run(share, [&](int64_t index, const std::string& name, Module& layer) {
-    if (saver) saver->writeLayer(index, name, layer);
-    // Lock-step per layer: no rank runs ahead of rank 0's writing by more than one layer, so
-    // every wait stays well inside the collective timeout (a no-op on one rank).
-    world.barrier();
-  });
-  if (saver) saver->addFile("quant_report.json", report.toJson());
-  // The directory appears only once every rank got through every layer and the non-layer unit
-  // (which has no sink: rank 0's saver writes its modules at finish()).
-  world.barrier();
-  if (!saver) return;
-  saver->finish();
-
+  const QuantizeResult result = quantize(quant);
+  if (!result.saved) return;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::cout << report.summary() << "saved " << saving.format << " checkpoint to " << options.savePath << " in "
+  std::cout << result.report.summary() << "saved " << result.saver << " checkpoint to " << options.savePath << " in "
             << seconds << " s (report: quant_report.json)\n";
 }
 
@@ -318,7 +196,7 @@ Subcommand setupQuant(CLI::App& parent) {
       throw CLI::RequiredError("one of --quant_type or --config_path");
     }
   });
-  return {app, [options] { quantize(*options); }};
+  return {app, [options] { run(*options); }};
 }
 
 }  // namespace qpipe::cli

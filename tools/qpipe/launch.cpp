@@ -24,7 +24,7 @@
 #include <sstream>
 
 #include "qpipe/device.h"
-#include "qpipe/dist/process_group.h"
+#include "qpipe/process_group.h"
 #include "qpipe/log.h"
 #include "qpipe/saver.h"
 
@@ -47,6 +47,7 @@ std::vector<std::string>& commandLine() {
 struct RankState {
   int rank = 0;
   int worldSize = 1;
+  std::shared_ptr<ProcessGroup> group;  // once joined
 };
 RankState& rankState() {
   static RankState state;
@@ -318,7 +319,7 @@ void launchRanks(const LaunchOptions& options) {
         }
         fs::remove_all(errorDir, ec);
         throw Error(ErrorCode::kDistributed,
-                    detail::concat("cannot start rank ", child.rank, ": fork failed: ", std::strerror(error)));
+                    concat("cannot start rank ", child.rank, ": fork failed: ", std::strerror(error)));
       }
       child.pid = pid;
       child.running = true;
@@ -390,12 +391,17 @@ void launchRanks(const LaunchOptions& options) {
 }
 
 void markRank(int rank, int worldSize) {
-  rankState() = {rank, worldSize};
+  rankState().rank = rank;
+  rankState().worldSize = worldSize;
+}
+
+void markGroup(std::shared_ptr<ProcessGroup> group) {
+  rankState().group = std::move(group);
 }
 
 int reportFailure(ErrorCode code, const std::string& message) {
   const int exitCode = static_cast<int>(code);
-  const RankState state = rankState();
+  const RankState& state = rankState();
   const char* errorFile = std::getenv(kRankErrorFileVar);
   const bool launched = errorFile != nullptr && *errorFile != '\0';
   if (!launched && state.worldSize == 1) {
@@ -409,7 +415,7 @@ int reportFailure(ErrorCode code, const std::string& message) {
     log::logger()->error(errorCodeName(code), ": ", message);
     std::ofstream(errorFile, std::ios::trunc) << exitCode << " " << monotonicNs() << "\n" << message << "\n";
   }
-  dist::world().reportFailure(message);
+  if (state.group) state.group->reportFailure(message);
   log::shutdown();
   if (!launched) {
     std::cerr << "qpipe: " << errorCodeName(code) << ": [rank " << state.rank << "/" << state.worldSize << "] "

@@ -10,10 +10,12 @@
 
 #include <chrono>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "qpipe/error.h"
+#include "qpipe/process_group.h"
 
 namespace qpipe::cli {
 
@@ -49,12 +51,14 @@ struct LaunchOptions {
 // "rank R was killed by signal N (SIGX)") or Error(kInterrupted).
 void launchRanks(const LaunchOptions& options);
 
-// What the rank flow of `qpipe quant` tells the error handler once it knows its place.
+// What the rank flow of `qpipe quant` tells the error handler once it knows its place, and once
+// it has joined its group.
 void markRank(int rank, int worldSize);
+void markGroup(std::shared_ptr<ProcessGroup> group);
 
 // The top-level error handler of qpipe: reports `message` and returns the exit code. A rank
 // also writes it to its error file (under our launcher), tells its peers
-// (dist::world().reportFailure) and, under our launcher, leaves the final `qpipe:` line to the
+// (ProcessGroup::reportFailure on the group of markGroup) and, under our launcher, leaves the final `qpipe:` line to the
 // parent.
 int reportFailure(ErrorCode code, const std::string& message);
 

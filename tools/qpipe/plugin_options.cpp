@@ -18,10 +18,7 @@ std::vector<PluginSearchDir> pluginSearchPath(const PluginOptions& options) {
 }
 
 void loadPlugins(const PluginOptions& options, PluginLoader& loader) {
-  loader.loadDirectories(pluginSearchPath(options));
-  for (const auto& rejected : loader.rejected()) {
-    log::logger()->warn("plugin library ", rejected.path, " not loaded: ", rejected.reason);
-  }
+  qpipe::loadPlugins(loader, pluginSearchPath(options));
 }
 
 }  // namespace qpipe::cli

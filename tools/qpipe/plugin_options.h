@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "qpipe/plugin_loader.h"
+#include "qpipe/host/plugin_loader.h"
 
 namespace CLI {
 class App;

@@ -1,4 +1,4 @@
-// Cross-rank synchronisation of calibration observers, over dist::world() and the dist ops only.
+// Cross-rank synchronisation of calibration observers, over a process group and the dist ops only.
 //
 // Contract: every rank calls syncObserver on the same observers in the same order (the modules
 // of a decoder layer are the same on every rank). Afterwards every rank's observer holds the
@@ -11,18 +11,19 @@
 
 #include "qpipe/linear_quantizer.h"
 #include "qpipe/observer.h"
+#include "qpipe/process_group.h"
 
 namespace qpipe::dist {
 
 // aggregation max: the ranks' min/max (elementwise min/max, exact in any order);
 // aggregation mean: every rank's per-batch min/max (the mean sorts them before summing).
-void syncObserver(quant::MinMaxObserver& observer);
+void syncObserver(ProcessGroup& group, quant::MinMaxObserver& observer);
 // Histograms moved onto the largest power-of-two range, counts added, per-bin extremes reduced.
-void syncObserver(quant::HistogramObserver& observer);
+void syncObserver(ProcessGroup& group, quant::HistogramObserver& observer);
 
 // Syncs the quantizer's activation observer (if any) and freezes its parameters
 // (LinearQuantizer::freeze): what a processor calls between the observing forward and the
 // propagating one.
-void synchronize(LinearQuantizer& quantizer);
+void synchronize(ProcessGroup& group, LinearQuantizer& quantizer);
 
 }  // namespace qpipe::dist

@@ -1,0 +1,75 @@
+// Pipeline YAML (msmodelslim's modelslim_v1 schema): parsed, validated against the schema of
+// every processor it names, and turned into processors.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "qpipe/config_node.h"
+#include "qpipe/processor.h"
+
+namespace qpipe {
+
+class Registry;
+
+// One entry of spec.process; a `group` holds children that share one calibration forward.
+struct ProcessStep {
+  std::string type;
+  ConfigNode config;  // validated, defaults filled in, without `type` (and `configs` for group)
+  std::vector<ProcessStep> children;
+  std::string path;  // "spec.process[2]" — for messages
+  SourceLocation location;
+};
+
+struct SaveStep {
+  std::string type;   // a registered saver: compressed_tensors, ascendv1_saver, or a plugin's
+  ConfigNode config;  // validated against the saver's schema, defaults filled in, without `type`
+  SourceLocation location;
+};
+
+// metadata.label: what `--quant_type` is matched against.
+struct PipelineLabel {
+  int wBit = 0;
+  int aBit = 0;
+  bool isSparse = false;
+  bool kvCache = false;
+  int faBit = 0;     // 0: attention not quantized
+  bool fp8 = false;  // fp8_e4m3 rather than int (qpipe's extension; the _fp8 suffix of --quant_type)
+};
+
+struct PipelineMetadata {
+  std::string configId;
+  double score = 100;
+  std::optional<PipelineLabel> label;
+  std::vector<std::string> verifiedModelTypes;
+};
+
+struct Pipeline {
+  std::filesystem::path file;
+  std::string apiVersion;
+  PipelineMetadata metadata;
+  std::string runner;  // auto | layer_wise | model_wise | dp_layer_wise (docs/pipeline.md)
+  SourceLocation runnerLocation;
+  std::vector<ProcessStep> process;
+  std::vector<SaveStep> save;  // exactly one: compressed_tensors with its defaults when spec.save is empty
+  std::string dataset;  // empty: the CLI's --calib_data or the default set
+  ConfigNode resolved;  // the whole document with defaults, for printing
+};
+
+// Reads and validates `file`: the document, every process step against its processor's schema and
+// the save step against its saver's (the one place steps are validated). Every error is
+// Error(kConfig) with file:line:col, the field path and what was expected; an unknown processor
+// or saver type lists the known ones.
+Pipeline loadPipeline(const std::filesystem::path& file, const Registry& registry);
+
+// Reads only apiversion and metadata (no plugins needed), e.g. to match --quant_type.
+PipelineMetadata readPipelineMetadata(const std::filesystem::path& file);
+
+// Constructs the processors of spec.process in order (a group becomes one processor).
+std::vector<std::unique_ptr<Processor>> buildProcessors(const Pipeline& pipeline, const Registry& registry,
+                                                        const ProcessorContext& context);
+
+}  // namespace qpipe

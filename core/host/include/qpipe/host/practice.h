@@ -1,0 +1,42 @@
+// The practice library: `qpipe quant --quant_type w8a8` picks a pipeline YAML from configs/ by its
+// metadata.label, following msmodelslim's rules (docs/pipeline.md).
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <string_view>
+
+#include "qpipe/host/pipeline.h"
+
+namespace qpipe {
+
+// w<W>a<A>[c8|f4|f8][s][_fp8]: weight and activation bits, int8 KV cache (c8) or attention
+// quantized to 4/8 bits (f4/f8), sparse (s), and qpipe's own suffix _fp8 for fp8_e4m3 weights
+// and activations instead of int (w8a8_fp8; w8a16_fp8 is fp8 weight-only).
+struct QuantType {
+  std::string text;
+  int wBit = 0;
+  int aBit = 0;
+  bool kvCache = false;
+  int faBit = 0;
+  bool sparse = false;
+  bool fp8 = false;
+};
+
+// Error(kUsage) naming the text and the accepted form.
+QuantType parseQuantType(std::string_view text);
+bool labelMatches(const PipelineLabel& label, const QuantType& type);
+
+struct PracticeMatch {
+  std::filesystem::path file;
+  PipelineMetadata metadata;
+};
+
+// Looks in <library>/<modelType>/ first, then <library>/default/. In a folder, the matching
+// practices are ordered by score (highest first), then config_id; a practice whose
+// verified_model_types is not empty must list the model type (case-insensitive). Unlike
+// msmodelslim, there is no silent fallback to another quant type: no match is Error(kUsage)
+// listing the quant types the library offers for that model type.
+PracticeMatch findPractice(const std::filesystem::path& library, const std::string& modelType, const QuantType& type);
+
+}  // namespace qpipe

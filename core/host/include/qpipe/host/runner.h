@@ -1,0 +1,86 @@
+// The layer-wise runner (docs/architecture.md): msmodelslim's lock-step generated schedule over
+// the decoder layers, with only one layer materialised at a time, then the non-layer modules.
+//
+//   preRun() on every processor
+//   for each decoder layer i:
+//     load layer i from the checkpoint
+//     for each processor: preprocess → process (the calibration forward over this rank's samples,
+//                         unless the processor is data-free) → postprocess
+//     sink(i, layer)       (the saver writes the layer)
+//     barrier of every rank (lock-step: no rank runs more than a layer ahead of rank 0's writing,
+//                         so every wait stays well inside the collective timeout)
+//     release layer i      (kept with RunnerMode::kModelWise)
+//   the non-layer unit (model.embed_tokens, model.norm, lm_head; processor.h): the same three
+//     calls, with the last layer's outputs as inputs; the modules processors put in its slots
+//     then replace the model's own (the saver writes them at finish())
+//   postRun() on every processor
+//
+// The next layer's inputs are the outputs of the last calibration forward of the layer, so the
+// error of quantized activations propagates as in msmodelslim. When no processor needs data,
+// no forward runs at all. Every rank runs every unit, the non-layer one included, in the same
+// order, so the collectives processors register there pair up.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "qpipe/model.h"
+#include "qpipe/process_group.h"
+#include "qpipe/processor.h"
+
+namespace qpipe {
+
+// The samples rank `rank` of `worldSize` calibrates on: sample i goes to rank i mod worldSize,
+// so none is duplicated or dropped and uneven counts are allowed.
+template <typename T>
+std::vector<T> rankShare(const std::vector<T>& samples, int rank, int worldSize) {
+  std::vector<T> share;
+  for (size_t i = static_cast<size_t>(rank); i < samples.size(); i += static_cast<size_t>(worldSize)) {
+    share.push_back(samples[i]);
+  }
+  return share;
+}
+
+struct QuantReport;
+
+// spec.runner (docs/pipeline.md): both run the schedule above; model_wise keeps every decoder layer
+// resident (loaded before the first unit, never released), layer_wise one at a time.
+enum class RunnerMode { kLayerWise, kModelWise };
+
+struct RunnerOptions {
+  // The ranks calibrating together; this rank's samples are its share (rankShare).
+  std::shared_ptr<ProcessGroup> group = ProcessGroup::single();
+  RunnerMode mode = RunnerMode::kLayerWise;
+  // When set, filled per layer (qpipe/report.h). The probe is the first `probeTokens` tokens of
+  // the first sample; it costs about three forwards of those tokens per layer, calibration or not.
+  QuantReport* report = nullptr;
+  int64_t probeTokens = 128;
+};
+
+// Called once per decoder layer after the last postprocess, before the layer is released (not for
+// the non-layer unit).
+using LayerSink = std::function<void(int64_t index, const std::string& name, Module& layer)>;
+
+class LayerWiseRunner {
+ public:
+  LayerWiseRunner(CausalLM& model, std::vector<std::unique_ptr<Processor>>& processors, RunnerOptions options = {});
+
+  // `samples` are this rank's token ids, each [1, seq] int64 (lengths may differ). A layer's
+  // request carries one input per sample: {hidden [1, seq, hidden], cos, sin}; the non-layer
+  // unit's carries {hidden}. When every processor is data-free, requests carry none and no
+  // calibration forward runs. A float lm_head is converted to the compute dtype on the device
+  // (CausalLM::prepareHead) before processors see it.
+  void run(const std::vector<at::Tensor>& samples, const LayerSink& sink);
+
+ private:
+  CausalLM& model_;
+  std::vector<std::unique_ptr<Processor>>& processors_;
+  RunnerOptions options_;
+};
+
+}  // namespace qpipe

@@ -1,0 +1,296 @@
+#include "qpipe/host/pipeline.h"
+
+#include <algorithm>
+
+#include "qpipe/error.h"
+#include "qpipe/host/registry.h"
+#include "qpipe/host/savers.h"
+#include "qpipe/schema.h"
+
+namespace qpipe {
+
+namespace {
+
+constexpr const char* kGroupType = "group";
+
+
+const Schema& documentSchema() {
+  static const Schema kSchema = [] {
+    Schema label;
+    label.required("w_bit", ValueType::kInt, "weight bits")
+        .required("a_bit", ValueType::kInt, "activation bits (16: not quantized)")
+        .optional("is_sparse", ValueType::kBool, ConfigNode::boolean(false), "sparse weights")
+        .optional("kv_cache", ValueType::kBool, ConfigNode::boolean(false), "KV cache quantized to int8 (c8)")
+        .add({.name = "fa_bit", .type = ValueType::kInt, .help = "attention (FA3) bits"})
+        .add({.name = "fa_quant", .type = ValueType::kBool, .help = "attention quantized (8 bits)"})
+        .optional("fp8", ValueType::kBool, ConfigNode::boolean(false),
+                  "weights (and activations) in fp8_e4m3 rather than int: --quant_type w8a8_fp8");
+    Schema metadata;
+    metadata.optional("config_id", ValueType::kString, ConfigNode::string(""), "name of this practice")
+        .optional("score", ValueType::kFloat, ConfigNode::number(100), "preference among matching practices")
+        .nested("label", std::move(label), false, "what --quant_type matches")
+        .optional("verified_model_types", ValueType::kStringList, ConfigNode::stringList({}),
+                  "model types this practice was verified on")
+        .add({.name = "verified_tags", .type = ValueType::kAny, .help = "scenario tags (kept, not used)"});
+    Schema spec;
+    spec.choice("runner", {"auto", "layer_wise", "model_wise", "dp_layer_wise"}, "auto", "how the model is iterated")
+        .required("process", ValueType::kAny, "processors, in order")
+        .optional("save", ValueType::kAny, ConfigNode::list(), "savers")
+        .optional("dataset", ValueType::kString, ConfigNode::string(""), "calibration data file");
+    Schema document;
+    document
+        .add({.name = "apiversion",
+              .type = ValueType::kString,
+              .help = "schema version",
+              .required = true,
+              .allowed = {"modelslim_v1"}})
+        .nested("metadata", std::move(metadata), false, "practice metadata")
+        .nested("spec", std::move(spec), true, "what the pipeline does");
+    return document;
+  }();
+  return kSchema;
+}
+
+const Schema& groupSchema() {
+  static const Schema kSchema = [] {
+    Schema schema;
+    schema.required("configs", ValueType::kAny, "processors that share one calibration forward");
+    return schema;
+  }();
+  return kSchema;
+}
+
+std::vector<ProcessStep> parseSteps(const ConfigNode& list, const std::string& path, const Registry& registry);
+
+// A step's mapping without its `type`: what the type's schema validates.
+ConfigNode withoutType(const ConfigNode& step) {
+  ConfigNode config = ConfigNode::map({}, step.location());
+  for (const auto& [key, value] : step.entries()) {
+    if (key != "type") config.set(key, value);
+  }
+  return config;
+}
+
+// The step as the resolved document prints it: `type` first, then the validated fields.
+ConfigNode withType(const std::string& type, const ConfigNode& config, const SourceLocation& location) {
+  ConfigNode out = ConfigNode::map({}, location);
+  out.set("type", ConfigNode::string(type));
+  for (const auto& [key, value] : config.entries()) out.set(key, value);
+  return out;
+}
+
+ProcessStep parseStep(const ConfigNode& node, const std::string& path, const Registry& registry) {
+  if (!node.isMap())
+    failAt(node, path,
+           concat("expected a processor mapping with a 'type', got ", ConfigNode::kindName(node.kind())));
+  const ConfigNode* typeNode = node.find("type");
+  if (typeNode == nullptr) failAt(node, path, "missing required field 'type' (the processor to run)");
+  if (typeNode->kind() != ConfigNode::Kind::kString) {
+    failAt(*typeNode, path + ".type",
+           concat("expected a string, got ", ConfigNode::kindName(typeNode->kind())));
+  }
+  ProcessStep step;
+  step.type = typeNode->asString();
+  step.path = path;
+  step.location = node.location();
+
+  const ConfigNode config = withoutType(node);
+  if (step.type == kGroupType) {
+    const ConfigNode validated = groupSchema().validate(config, path);
+    step.children = parseSteps(validated.at("configs"), path + ".configs", registry);
+    step.config = ConfigNode::map({}, node.location());
+    return step;
+  }
+  const Registry::ProcessorEntry* entry = registry.findProcessor(step.type);
+  if (entry == nullptr) {
+    failAt(*typeNode, path + ".type",
+           concat("unknown processor type '", step.type, "'; known types: ", joinNames(registry.processorTypes()),
+                          " (plugins are searched in --plugin_dir, QPIPE_PLUGIN_PATH, "
+                          "then the built-in folder; `qpipe plugins` lists them)"));
+  }
+  step.config = entry->info.schema.validate(config, path);
+  return step;
+}
+
+std::vector<ProcessStep> parseSteps(const ConfigNode& list, const std::string& path,
+                                    const Registry& registry) {
+  if (!list.isList())
+    failAt(list, path, concat("expected a list of processors, got ", ConfigNode::kindName(list.kind())));
+  if (list.items().empty()) failAt(list, path, "the list of processors is empty");
+  std::vector<ProcessStep> steps;
+  for (size_t i = 0; i < list.items().size(); ++i) {
+    steps.push_back(parseStep(list.items()[i], concat(path, "[", i, "]"), registry));
+  }
+  return steps;
+}
+
+ConfigNode resolvedStep(const ProcessStep& step) {
+  ConfigNode out = withType(step.type, step.config, step.location);
+  if (step.type == kGroupType) {
+    ConfigNode children = ConfigNode::list();
+    for (const auto& child : step.children) children.push(resolvedStep(child));
+    out.set("configs", std::move(children));
+  }
+  return out;
+}
+
+// A spec.save step: its `type` names a registered saver, whose schema validates the rest.
+SaveStep parseSaver(const ConfigNode& node, const std::string& path, const Registry& registry) {
+  if (!node.isMap()) {
+    failAt(node, path, concat("expected a saver mapping with a 'type', got ", ConfigNode::kindName(node.kind())));
+  }
+  const ConfigNode* type = node.find("type");
+  if (type == nullptr) failAt(node, path, "missing required field 'type' (the saver to use)");
+  if (type->kind() != ConfigNode::Kind::kString) {
+    failAt(*type, path + ".type", concat("expected a string, got ", ConfigNode::kindName(type->kind())));
+  }
+  const Registry::SaverEntry* entry = registry.findSaver(type->asString());
+  if (entry == nullptr) {
+    failAt(*type, path + ".type",
+           concat("unknown saver type '", type->asString(), "'; known types: ", joinNames(registry.saverTypes())));
+  }
+  return {type->asString(), entry->info.schema.validate(withoutType(node), path), node.location()};
+}
+
+std::vector<SaveStep> parseSavers(const ConfigNode& list, const Registry& registry) {
+  const std::string path = "spec.save";
+  if (!list.isList()) failAt(list, path, concat("expected a list of savers, got ", ConfigNode::kindName(list.kind())));
+  if (list.items().size() > 1) {
+    failAt(list, path, concat("lists ", list.items().size(), " savers; one per run is supported"));
+  }
+  if (list.items().empty()) {
+    return {{kDefaultSaver, registry.findSaver(kDefaultSaver)->info.schema.validate(ConfigNode::map(), path + "[0]"),
+             list.location()}};
+  }
+  return {parseSaver(list.items().front(), path + "[0]", registry)};
+}
+
+PipelineMetadata parseMetadata(const ConfigNode& metadata) {
+  PipelineMetadata out;
+  out.configId = metadata.at("config_id").asString();
+  out.score = metadata.at("score").asFloat();
+  out.verifiedModelTypes = metadata.at("verified_model_types").asStringList();
+  const ConfigNode& label = metadata.at("label");
+  if (!label.isNull()) {
+    PipelineLabel parsed;
+    parsed.wBit = static_cast<int>(label.at("w_bit").asInt());
+    parsed.aBit = static_cast<int>(label.at("a_bit").asInt());
+    parsed.isSparse = label.at("is_sparse").asBool();
+    parsed.kvCache = label.at("kv_cache").asBool();
+    parsed.fp8 = label.at("fp8").asBool();
+    if (!label.at("fa_bit").isNull()) {
+      parsed.faBit = static_cast<int>(label.at("fa_bit").asInt());
+    } else if (!label.at("fa_quant").isNull() && label.at("fa_quant").asBool()) {
+      parsed.faBit = 8;
+    }
+    out.label = parsed;
+  }
+  return out;
+}
+
+// Processes the children of a `group` over one shared calibration forward (msmodelslim's
+// container). Unlike msmodelslim, distributed support needs every child to support it.
+class GroupProcessor final : public Processor {
+ public:
+  explicit GroupProcessor(std::vector<std::unique_ptr<Processor>> children) : children_(std::move(children)) {}
+
+  void preRun() override {
+    for (auto& child : children_) child->preRun();
+  }
+  void preprocess(LayerRequest& request) override {
+    for (auto& child : children_) child->preprocess(request);
+  }
+  void postprocess(LayerRequest& request) override {
+    for (auto& child : children_) child->postprocess(request);
+  }
+  void postRun() override {
+    for (auto& child : children_) child->postRun();
+  }
+  bool supportDistributed() const override {
+    return std::all_of(children_.begin(), children_.end(), [](const auto& c) { return c->supportDistributed(); });
+  }
+  bool isDataFree() const override {
+    return std::all_of(children_.begin(), children_.end(), [](const auto& c) { return c->isDataFree(); });
+  }
+
+ private:
+  std::vector<std::unique_ptr<Processor>> children_;
+};
+
+std::unique_ptr<Processor> buildStep(const ProcessStep& step, const Registry& registry,
+                                     const ProcessorContext& context) {
+  if (step.type == kGroupType) {
+    std::vector<std::unique_ptr<Processor>> children;
+    for (const auto& child : step.children) children.push_back(buildStep(child, registry, context));
+    return std::make_unique<GroupProcessor>(std::move(children));
+  }
+  return registry.createProcessor(step.type, step.config, step.path, context);
+}
+
+// Reads `file` and checks it against the document schema; processor steps are checked later.
+ConfigNode validateDocument(const std::filesystem::path& file) {
+  const ConfigNode document = ConfigNode::loadYamlFile(file);
+  if (!document.isMap()) {
+    failAt(document, "document",
+           concat("expected a pipeline mapping (apiversion, metadata, spec), got ",
+                          ConfigNode::kindName(document.kind())));
+  }
+  // Top-level keys outside the schema are allowed only as holders of YAML anchors, the way
+  // msmodelslim's practice files define reusable qconfig blocks.
+  ConfigNode known = ConfigNode::map({}, document.location());
+  for (const auto& [key, value] : document.entries()) {
+    if (documentSchema().find(key) != nullptr) {
+      known.set(key, value);
+    } else if (!value.hasAnchor()) {
+      failAt(value, key,
+             "unknown top-level field; expected apiversion, metadata, spec (other top-level keys "
+             "may only define YAML anchors, e.g. 'w8a8: &w8a8 {...}')");
+    }
+  }
+  return documentSchema().validate(known, "");
+}
+
+}  // namespace
+
+PipelineMetadata readPipelineMetadata(const std::filesystem::path& file) {
+  return parseMetadata(validateDocument(file).at("metadata"));
+}
+
+Pipeline loadPipeline(const std::filesystem::path& file, const Registry& registry) {
+  const ConfigNode validated = validateDocument(file);
+  const ConfigNode& spec = validated.at("spec");
+
+  Pipeline pipeline;
+  pipeline.file = file;
+  pipeline.apiVersion = validated.at("apiversion").asString();
+  pipeline.metadata = parseMetadata(validated.at("metadata"));
+  pipeline.runner = spec.at("runner").asString();
+  pipeline.runnerLocation = spec.at("runner").location();
+  pipeline.process = parseSteps(spec.at("process"), "spec.process", registry);
+  pipeline.save = parseSavers(spec.at("save"), registry);
+  pipeline.dataset = spec.at("dataset").asString();
+
+  ConfigNode resolvedSpec = ConfigNode::map({}, spec.location());
+  resolvedSpec.set("runner", spec.at("runner"));
+  ConfigNode steps = ConfigNode::list();
+  for (const auto& step : pipeline.process) steps.push(resolvedStep(step));
+  resolvedSpec.set("process", std::move(steps));
+  ConfigNode savers = ConfigNode::list();
+  for (const auto& saver : pipeline.save) savers.push(withType(saver.type, saver.config, saver.location));
+  resolvedSpec.set("save", std::move(savers));
+  resolvedSpec.set("dataset", spec.at("dataset"));
+  pipeline.resolved = ConfigNode::map({}, validated.location());
+  pipeline.resolved.set("apiversion", validated.at("apiversion"));
+  pipeline.resolved.set("metadata", validated.at("metadata"));
+  pipeline.resolved.set("spec", std::move(resolvedSpec));
+  return pipeline;
+}
+
+std::vector<std::unique_ptr<Processor>> buildProcessors(const Pipeline& pipeline, const Registry& registry,
+                                                        const ProcessorContext& context) {
+  std::vector<std::unique_ptr<Processor>> processors;
+  for (const auto& step : pipeline.process) processors.push_back(buildStep(step, registry, context));
+  return processors;
+}
+
+}  // namespace qpipe

@@ -1,0 +1,172 @@
+#include "qpipe/host/quantize.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+
+#include <chrono>
+
+#include "qpipe/dataset.h"
+#include "qpipe/error.h"
+#include "qpipe/host/pipeline.h"
+#include "qpipe/host/practice.h"
+#include "qpipe/host/registry.h"
+#include "qpipe/host/runner.h"
+#include "qpipe/log.h"
+#include "qpipe/model.h"
+#include "qpipe/tokenizer.h"
+
+namespace qpipe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// The group processors are built with: its rank and world size hold from the start, its
+// collectives reach the joined group (join()), which a multi-rank run joins only after every
+// processor was built and accepted.
+class JoinedLater final : public ProcessGroup {
+ public:
+  JoinedLater(int rank, int worldSize) : rank_(rank), worldSize_(worldSize) {}
+
+  void join(std::shared_ptr<ProcessGroup> group) {
+    QPIPE_CHECK(group->rank() == rank_ && group->worldSize() == worldSize_, "joined rank ", group->rank(), "/",
+                group->worldSize(), " as rank ", rank_, "/", worldSize_);
+    group_ = std::move(group);
+  }
+
+  int rank() const override { return rank_; }
+  int worldSize() const override { return worldSize_; }
+  void allReduce(at::Tensor& tensor, ReduceOp op) override { joined().allReduce(tensor, op); }
+  std::vector<at::Tensor> allGather(const at::Tensor& tensor) override { return joined().allGather(tensor); }
+  void broadcast(at::Tensor& tensor, int root) override { joined().broadcast(tensor, root); }
+  void barrier() override { joined().barrier(); }
+  std::vector<std::string> allGatherBytes(const std::string& bytes) override { return joined().allGatherBytes(bytes); }
+  void reportFailure(const std::string& message) noexcept override {
+    if (group_) group_->reportFailure(message);
+  }
+  Traffic traffic() const override { return group_ ? group_->traffic() : Traffic{}; }
+
+ private:
+  ProcessGroup& joined() const {
+    QPIPE_CHECK(group_ != nullptr, "a collective before the ranks joined (processor factories must not call any)");
+    return *group_;
+  }
+
+  int rank_;
+  int worldSize_;
+  std::shared_ptr<ProcessGroup> group_;
+};
+
+fs::path resolvePipeline(const QuantizeOptions& options) {
+  if (!options.configPath.empty()) return options.configPath;
+  const std::string modelType = options.modelType.empty()
+                                    ? ModelConfig::fromFile(options.modelPath / "config.json").modelType
+                                    : options.modelType;
+  const PracticeMatch match = findPractice(options.practiceDir, modelType, parseQuantType(options.quantType));
+  log::logger()->info("--quant_type ", options.quantType, ": practice ", match.file.string(), " (",
+                      match.metadata.configId, ", score ", match.metadata.score, ")");
+  return match.file;
+}
+
+// spec.runner on this many ranks (docs/pipeline.md): auto is dp_layer_wise on several ranks and
+// layer_wise on one; layer_wise and model_wise run on one rank.
+RunnerMode runnerMode(const Pipeline& pipeline, int worldSize) {
+  const std::string& runner = pipeline.runner;
+  if (worldSize > 1 && (runner == "layer_wise" || runner == "model_wise")) {
+    throw Error(ErrorCode::kUsage, concat(pipeline.runnerLocation.str(), ": spec.runner: ", runner,
+                                          " runs on one device; use dp_layer_wise or auto for ", worldSize, " ranks"));
+  }
+  return runner == "model_wise" ? RunnerMode::kModelWise : RunnerMode::kLayerWise;
+}
+
+// What quantize() builds before it opens the model. The loader is declared first: the libraries
+// stay loaded until the processors made from them are gone.
+struct Prepared {
+  PluginLoader loader;
+  Registry& registry;
+  Pipeline pipeline;
+  std::shared_ptr<JoinedLater> group;
+  std::vector<std::unique_ptr<Processor>> processors;
+  RunnerMode mode = RunnerMode::kLayerWise;
+  fs::path calibData;
+
+  Prepared(Registry& registry, const QuantizeOptions& options) : loader(registry), registry(registry) {
+    QPIPE_REQUIRE(fs::is_directory(options.modelPath), ErrorCode::kInput, "--model_path '",
+                  options.modelPath.string(), "' is not a folder");
+    loadPlugins(loader, options.pluginPath);
+    pipeline = loadPipeline(resolvePipeline(options), registry);
+    mode = runnerMode(pipeline, options.worldSize);
+    group = std::make_shared<JoinedLater>(options.rank, options.worldSize);
+    processors = buildProcessors(pipeline, registry, {.logger = log::logger(), .group = group});
+    if (options.worldSize > 1) {
+      for (size_t i = 0; i < processors.size(); ++i) {
+        QPIPE_REQUIRE(processors[i]->supportDistributed(), ErrorCode::kUsage, pipeline.process[i].path, " (",
+                      pipeline.process[i].type, ") does not support multi-rank runs; use one device");
+      }
+    }
+    calibData = !options.calibData.empty()      ? options.calibData
+                : !pipeline.dataset.empty() ? fs::path(pipeline.dataset)
+                                            : options.defaultCalibData;
+  }
+};
+
+}  // namespace
+
+void checkQuantize(const QuantizeOptions& options) {
+  Registry registry;
+  const Prepared prepared(registry, options);
+}
+
+QuantizeResult quantize(const QuantizeOptions& options) {
+  c10::InferenceMode inference;
+  const auto logger = log::logger();
+  Registry registry;
+  Prepared prepared(registry, options);
+  if (options.worldSize > 1) {
+    QPIPE_CHECK(static_cast<bool>(options.joinGroup), "a run of ", options.worldSize, " ranks without joinGroup");
+    const auto joining = std::chrono::steady_clock::now();
+    prepared.group->join(options.joinGroup());
+    logger->debug("joined ", options.worldSize, " ranks in ",
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - joining).count(), " s");
+  } else {
+    prepared.group->join(ProcessGroup::single());
+  }
+  ProcessGroup& group = *prepared.group;
+  const bool saves = group.rank() == 0;
+
+  auto model = CausalLM::open(options.modelPath, {.dtype = at::kFloat, .device = options.device});
+  const SaveStep& saving = prepared.pipeline.save.front();
+  std::unique_ptr<CheckpointSaver> saver;
+  if (saves) saver = registry.createSaver(saving.type, saving.config, *model, options.savePath);
+  const Tokenizer tokenizer = Tokenizer::fromFile(options.modelPath / "tokenizer.json");
+  const std::vector<at::Tensor> samples =
+      calibrationWindows(encodeDataset(prepared.calibData, tokenizer), prepared.calibData.string(),
+                         options.calibSamples, options.seqLen);
+  const std::vector<at::Tensor> share = rankShare(samples, group.rank(), group.worldSize());
+  if (group.worldSize() > 1) {
+    logger->info("calibration: ", share.size(), " of ", samples.size(), " samples x ", options.seqLen, " tokens from ",
+                 prepared.calibData.string());
+    if (share.empty()) {
+      logger->warn("no calibration sample for this rank: ", samples.size(), " samples for ", group.worldSize(),
+                   " ranks; give --calib_samples ", group.worldSize(), " or more");
+    }
+  } else {
+    logger->info("calibration: ", samples.size(), " samples x ", options.seqLen, " tokens from ",
+                 prepared.calibData.string());
+  }
+
+  QuantizeResult result{.saver = saving.type, .saved = saves};
+  LayerWiseRunner runner(*model, prepared.processors,
+                         {.group = prepared.group, .mode = prepared.mode, .report = saves ? &result.report : nullptr});
+  runner.run(share, [&](int64_t index, const std::string& name, Module& layer) {
+    if (saver) saver->writeLayer(index, name, layer);
+  });
+  if (saver) saver->addFile("quant_report.json", result.report.toJson());
+  // The directory appears only once every rank got through every layer and the non-layer unit
+  // (which has no sink: rank 0's saver writes its modules at finish()).
+  group.barrier();
+  if (saver) saver->finish();
+  return result;
+}
+
+}  // namespace qpipe

@@ -1,0 +1,200 @@
+#include "qpipe/host/registry.h"
+
+#include <algorithm>
+
+#include "qpipe/host/savers.h"
+
+namespace qpipe {
+
+namespace {
+
+class GuardedProcessor final : public Processor {
+ public:
+  GuardedProcessor(std::unique_ptr<Processor> inner, std::string type, std::string plugin, std::string path,
+                   ProcessorContext context, std::shared_ptr<const void> owner)
+      : owner_(std::move(owner)),
+        inner_(std::move(inner)),
+        type_(std::move(type)),
+        plugin_(std::move(plugin)),
+        path_(std::move(path)),
+        context_(std::move(context)) {}
+
+  void preRun() override {
+    guard("preRun", "", [&] { inner_->preRun(); });
+  }
+  void preprocess(LayerRequest& r) override {
+    guard("preprocess", unitName(r), [&] { inner_->preprocess(r); });
+  }
+  void process(LayerRequest& r) override {
+    guard("process", unitName(r), [&] { inner_->process(r); });
+  }
+  void postprocess(LayerRequest& r) override {
+    guard("postprocess", unitName(r), [&] { inner_->postprocess(r); });
+  }
+  void postRun() override {
+    guard("postRun", "", [&] { inner_->postRun(); });
+    for (const auto& filter : *context_.filters) {
+      for (const auto& pattern : filter->unmatchedPatterns()) {
+        context_.logger->warn(type_, " (", path_, "): ", pattern, " matched no module");
+      }
+    }
+  }
+  bool supportDistributed() const override {
+    return guard("supportDistributed", "", [&] { return inner_->supportDistributed(); });
+  }
+  bool isDataFree() const override {
+    return guard("isDataFree", "", [&] { return inner_->isDataFree(); });
+  }
+
+ private:
+  // What error messages call the unit: its HF name, or what the report calls the non-layer one.
+  static std::string unitName(const LayerRequest& r) { return isNonLayerUnit(r) ? "non-layer modules" : r.name; }
+
+  template <typename F>
+  auto guard(const char* call, const std::string& layer, F&& body) const -> decltype(body()) {
+    try {
+      return body();
+    } catch (const Error& e) {
+      throw Error(e.code(), prefix(call, layer) + e.what());
+    } catch (const std::exception& e) {
+      throw Error(ErrorCode::kPlugin, prefix(call, layer) + e.what());
+    } catch (...) {
+      throw Error(ErrorCode::kPlugin, prefix(call, layer) + "unknown exception (not derived from std::exception)");
+    }
+  }
+
+  std::string prefix(const char* call, const std::string& layer) const {
+    return concat("processor '", type_, "' (plugin '", plugin_, "') failed in ", call,
+                  layer.empty() ? "" : "(" + layer + ")", ": ");
+  }
+
+  std::shared_ptr<const void> owner_;  // outlives inner_: declared first, destroyed last
+  std::unique_ptr<Processor> inner_;
+  std::string type_;
+  std::string plugin_;
+  std::string path_;
+  ProcessorContext context_;
+};
+
+// Runs `factory`, turning what it throws into one line naming `where`. A configuration error
+// already names its file, line and field, and a saver's errors name the save path: those pass
+// through.
+template <typename F>
+auto guardFactory(const std::string& where, bool passErrors, F&& factory) -> decltype(factory()) {
+  try {
+    return factory();
+  } catch (const Error& e) {
+    if (passErrors || e.code() == ErrorCode::kConfig) throw;
+    throw Error(e.code() == ErrorCode::kInternal ? ErrorCode::kPlugin : e.code(), where + e.what());
+  } catch (const std::exception& e) {
+    throw Error(ErrorCode::kPlugin, where + e.what());
+  } catch (...) {
+    throw Error(ErrorCode::kPlugin, where + "unknown exception (not derived from std::exception)");
+  }
+}
+
+template <typename Entry>
+const Entry* findIn(const std::vector<Entry>& entries, std::string_view type) {
+  for (const auto& entry : entries) {
+    if (entry.info.type == type) return &entry;
+  }
+  return nullptr;
+}
+
+// The checks of Registry::add for one kind of entry ("processor" or "saver").
+template <typename Entry>
+void checkNew(const std::vector<Entry>& existing, const std::vector<Entry>& added, const char* kind) {
+  for (size_t i = 0; i < added.size(); ++i) {
+    const std::string& type = added[i].info.type;
+    const std::string& plugin = added[i].plugin;
+    QPIPE_REQUIRE(!type.empty(), ErrorCode::kPlugin, "plugin '", plugin, "' registers a ", kind,
+                  " with an empty type");
+    QPIPE_REQUIRE(static_cast<bool>(added[i].info.factory), ErrorCode::kPlugin, "plugin '", plugin, "' registers ",
+                  kind, " type '", type, "' without a factory");
+    if (const Entry* other = findIn(existing, type)) {
+      throw Error(ErrorCode::kPlugin, concat(kind, " type '", type, "' is registered by plugin '", plugin, "' (",
+                                             added[i].origin, ") and already by plugin '", other->plugin, "' (",
+                                             other->origin, ")"));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      QPIPE_REQUIRE(added[j].info.type != type, ErrorCode::kPlugin, "plugin '", plugin, "' registers ", kind,
+                    " type '", type, "' twice");
+    }
+  }
+}
+
+template <typename Entry>
+std::vector<std::string> typesOf(const std::vector<Entry>& entries, std::vector<std::string> out) {
+  for (const auto& entry : entries) out.push_back(entry.info.type);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
+
+Registry::Registry() {
+  for (SaverInfo& info : builtinSavers()) {
+    savers_.push_back({{{}, "qpipe", "built-in"}, std::move(info)});
+  }
+}
+
+const std::vector<std::string>& Registry::coreTypes() {
+  static const std::vector<std::string> kTypes{"group"};
+  return kTypes;
+}
+
+void Registry::add(std::vector<ProcessorEntry> processors, std::vector<SaverEntry> savers) {
+  for (const auto& entry : processors) {
+    const bool isCore = std::find(coreTypes().begin(), coreTypes().end(), entry.info.type) != coreTypes().end();
+    QPIPE_REQUIRE(!isCore, ErrorCode::kPlugin, "plugin '", entry.plugin, "' registers processor type '",
+                  entry.info.type, "', which is reserved by qpipe's core");
+  }
+  checkNew(processors_, processors, "processor");
+  checkNew(savers_, savers, "saver");
+  for (auto& entry : processors) processors_.push_back(std::move(entry));
+  for (auto& entry : savers) savers_.push_back(std::move(entry));
+}
+
+const Registry::ProcessorEntry* Registry::findProcessor(std::string_view type) const {
+  return findIn(processors_, type);
+}
+
+const Registry::SaverEntry* Registry::findSaver(std::string_view type) const {
+  return findIn(savers_, type);
+}
+
+std::vector<std::string> Registry::processorTypes() const {
+  return typesOf(processors_, coreTypes());
+}
+
+std::vector<std::string> Registry::saverTypes() const {
+  return typesOf(savers_, {});
+}
+
+std::unique_ptr<Processor> Registry::createProcessor(std::string_view type, const ConfigNode& config,
+                                                     std::string_view path, const ProcessorContext& context) const {
+  const ProcessorEntry* entry = findProcessor(type);
+  QPIPE_CHECK(entry != nullptr, "no factory for processor type '", type, "'");
+  ProcessorContext scoped = context;
+  scoped.configPath = path;
+  if (!scoped.logger) scoped.logger = log::logger();
+  scoped.filters = std::make_shared<std::vector<std::shared_ptr<ModuleFilter>>>();
+  const std::string where = concat(config.location().str(), ": ", path, ": processor '", type, "' (plugin '",
+                                   entry->plugin, "') could not be created: ");
+  std::unique_ptr<Processor> created = guardFactory(where, false, [&] { return entry->info.factory(config, scoped); });
+  QPIPE_REQUIRE(created != nullptr, ErrorCode::kPlugin, where, "the factory returned no processor");
+  return std::make_unique<GuardedProcessor>(std::move(created), std::string(type), entry->plugin, std::string(path),
+                                            std::move(scoped), entry->owner);
+}
+
+std::unique_ptr<CheckpointSaver> Registry::createSaver(std::string_view type, const ConfigNode& config,
+                                                       CausalLM& model, const std::filesystem::path& saveDir) const {
+  const SaverEntry* entry = findSaver(type);
+  QPIPE_CHECK(entry != nullptr, "no factory for saver type '", type, "'");
+  const std::string where = concat("saver '", type, "' (plugin '", entry->plugin, "') could not be created: ");
+  std::unique_ptr<CheckpointSaver> created = guardFactory(where, true, [&] { return entry->info.factory(config, model, saveDir); });
+  QPIPE_REQUIRE(created != nullptr, ErrorCode::kPlugin, where, "the factory returned no saver");
+  return created;
+}
+
+}  // namespace qpipe

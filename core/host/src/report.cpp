@@ -1,0 +1,81 @@
+#include "qpipe/host/report.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "qpipe/quant_linear.h"
+
+namespace qpipe {
+
+std::string QuantReport::describe(Module& module) {
+  auto* linear = dynamic_cast<QuantLinear*>(&module);
+  if (linear == nullptr) return module.typeName();
+  std::string text = "w " + linear->weightScheme().name();
+  const auto& input = linear->inputQuant();
+  if (!input || input->scheme.dtype == quant::QDtype::kFloat) return text + ", a float";
+  return text + ", a " + input->scheme.name() + (input->isDynamic() ? " dynamic" : " static");
+}
+
+std::string QuantReport::toJson() const {
+  nlohmann::json layersJson = nlohmann::json::array();
+  for (const auto& layer : layers) {
+    nlohmann::json modules = nlohmann::json::array();
+    for (const auto& module : layer.modules) {
+      modules.push_back({{"name", module.name}, {"scheme", module.scheme}, {"relative_mse", module.relativeMse}});
+    }
+    nlohmann::json entry = {
+        {"name", layer.name},
+        {"seconds", layer.seconds},
+        {"processor_seconds", layer.processorSeconds},
+        {"sync", {{"collectives", layer.syncCollectives}, {"bytes", layer.syncBytes}, {"seconds", layer.syncSeconds}}},
+        {"modules", modules}};
+    entry["relative_mse"] = layer.relativeMse >= 0 ? nlohmann::json(layer.relativeMse) : nlohmann::json();
+    // What processors reported: {module: {key: value}}.
+    if (!layer.values.empty()) {
+      nlohmann::json values = nlohmann::json::object();
+      for (const ReportValue& value : layer.values) values[value.module][value.key] = value.value;
+      entry["values"] = std::move(values);
+    }
+    layersJson.push_back(std::move(entry));
+  }
+  const nlohmann::json json = {{"total_seconds", totalSeconds}, {"layers", layersJson}};
+  return json.dump(2) + "\n";
+}
+
+namespace {
+
+std::string format(const char* pattern, auto... values) {
+  char buffer[256];
+  std::snprintf(buffer, sizeof buffer, pattern, values...);
+  return buffer;
+}
+
+}  // namespace
+
+std::string QuantReport::summary(size_t worstModules) const {
+  std::ostringstream out;
+  out << format("%-24s %9s %8s %14s %14s\n", "layer", "seconds", "modules", "layer rel MSE", "worst module");
+  std::vector<const ModuleReport*> all;
+  for (const auto& layer : layers) {
+    double worst = 0;
+    for (const auto& module : layer.modules) {
+      worst = std::max(worst, module.relativeMse);
+      all.push_back(&module);
+    }
+    out << format("%-24s %9.2f %8zu ", layer.name.c_str(), layer.seconds, layer.modules.size())
+        << (layer.relativeMse >= 0 ? format("%14.3e", layer.relativeMse) : format("%14s", "-"))
+        << format(" %14.3e\n", worst);
+  }
+  std::sort(all.begin(), all.end(), [](auto* a, auto* b) { return a->relativeMse > b->relativeMse; });
+  if (!all.empty()) out << "worst modules (relative MSE on the probe sample):\n";
+  for (size_t i = 0; i < std::min(worstModules, all.size()); ++i) {
+    out << format("  %-40s %11.3e  %s\n", all[i]->name.c_str(), all[i]->relativeMse, all[i]->scheme.c_str());
+  }
+  out << format("total: %zu units, %zu modules replaced, %.1f s\n", layers.size(), all.size(), totalSeconds);
+  return out.str();
+}
+
+}  // namespace qpipe

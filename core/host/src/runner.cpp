@@ -1,0 +1,283 @@
+#include "qpipe/host/runner.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <malloc.h>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string_view>
+
+#include "qpipe/error.h"
+#include "qpipe/log.h"
+#include "qpipe/progress.h"
+#include "qpipe/host/report.h"
+
+namespace qpipe {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The non-layer unit's entry in the report (its request's name is "").
+constexpr std::string_view kNonLayerReportName = "(non-layer modules)";
+
+double secondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+TensorList embedSample(CausalLM& model, const at::Tensor& ids) {
+  QPIPE_CHECK(ids.dim() == 2 && ids.size(0) == 1, "calibration samples are [1, seq] token ids, got ", ids.sizes());
+  const at::Tensor positions = at::arange(ids.size(1), at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
+  const Rotary rotary = model.rotary(positions.to(model.options().device));
+  return {model.embed(ids.to(model.options().device)), rotary.cos, rotary.sin};
+}
+
+at::Tensor forwardLayer(DecoderLayer& layer, const TensorList& input) {
+  return layer.forward(input[0], Rotary{input[1], input[2]}, at::Tensor());
+}
+
+double relativeMse(const at::Tensor& value, const at::Tensor& reference) {
+  const at::Tensor ref = reference.to(at::kDouble);
+  const double power = ref.pow(2).mean().item<double>();
+  const double error = (value.to(at::kDouble) - ref).pow(2).mean().item<double>();
+  return power > 0 ? error / power : error;
+}
+
+// One sample carried beside the calibration data: before the processors run, it records every
+// Linear's input and output in the float unit; afterwards each module a processor replaced is
+// run on the recorded input and compared with the recorded output.
+class Probe {
+ public:
+  using Forward = std::function<at::Tensor(const TensorList&)>;
+
+  explicit Probe(TensorList input) : input_(std::move(input)) {}
+
+  void recordFloat(Module& unit, const std::string& prefix, const Forward& forward) {
+    std::vector<std::pair<Module*, Module::HookHandle>> hooks;
+    for (auto& [name, module] : unit.namedModules(prefix)) {
+      if (module->typeName() != "Linear") continue;
+      hooks.emplace_back(module,
+                         module->addForwardHook([this, name](Module&, const at::Tensor& x, const at::Tensor& y) {
+                           io_[name] = {x, y};
+                           return at::Tensor();
+                         }));
+    }
+    floatOutput_ = forward(input_);
+    for (auto& [module, handle] : hooks) module->removeHook(handle);
+  }
+
+  // Fills the module errors and the unit's. A decoder layer's quantized output becomes the probe's
+  // next input; the non-layer unit is compared only when a processor replaced one of its modules.
+  void compare(Module& unit, const std::string& prefix, const Forward& forward, bool propagate, LayerReport& report) {
+    for (auto& [name, module] : unit.namedModules(prefix)) {
+      const auto it = io_.find(name);
+      if (it == io_.end() || module->typeName() == "Linear") continue;
+      const auto& [x, y] = it->second;
+      report.modules.push_back({name, QuantReport::describe(*module), relativeMse((*module)(x), y)});
+    }
+    if (propagate || !report.modules.empty()) {
+      const at::Tensor output = forward(input_);
+      report.relativeMse = relativeMse(output, floatOutput_);
+      if (propagate) input_[0] = output;
+    }
+    io_.clear();
+    floatOutput_ = at::Tensor();
+  }
+
+ private:
+  TensorList input_;
+  std::map<std::string, std::pair<at::Tensor, at::Tensor>> io_;
+  at::Tensor floatOutput_;
+};
+
+// The non-layer unit's module: shaped like the model's root without model.layers ("model" holding
+// embed_tokens and norm, then lm_head), its slots holding the root's own modules. namedModules()
+// gives their HF names; a processor's replacement stays in the unit until writeBack().
+class NonLayerUnit {
+ public:
+  explicit NonLayerUnit(Module& root) : module_(std::make_shared<Module>(root.typeName())) {
+    mirror(root, *module_, "");
+  }
+
+  Module& module() { return *module_; }
+
+  // Puts each module a processor replaced in the unit in its place in `root`.
+  void writeBack(Module& root) {
+    for (const auto& [path, container] : containers_) {
+      QPIPE_CHECK(&module_->getSubmodule(path) == container, "a processor replaced '", path,
+                  "' in the non-layer unit; replace the modules below it instead");
+    }
+    for (const std::string& path : paths_) {
+      const size_t dot = path.rfind('.');
+      Module& parent = dot == std::string::npos ? *module_ : module_->getSubmodule(path.substr(0, dot));
+      const std::string name = dot == std::string::npos ? path : path.substr(dot + 1);
+      for (const auto& [childName, child] : parent.children()) {
+        if (childName == name && child.get() != &root.getSubmodule(path)) root.replace(path, child);
+      }
+    }
+  }
+
+ private:
+  static constexpr std::string_view kLayers = "model.layers";
+
+  void mirror(Module& source, Module& target, const std::string& prefix) {
+    for (const auto& [name, child] : source.children()) {
+      const std::string path = prefix.empty() ? name : prefix + "." + name;
+      if (path == kLayers) continue;
+      if (kLayers.starts_with(path + ".")) {
+        auto container = std::make_shared<Module>(child->typeName());
+        target.addChild(name, container);
+        containers_.emplace_back(path, container.get());
+        mirror(*child, *container, path);
+      } else {
+        target.addChild(name, child);
+        paths_.push_back(path);
+      }
+    }
+  }
+
+  std::shared_ptr<Module> module_;
+  std::vector<std::pair<std::string, Module*>> containers_;  // the unit's own modules above the slots
+  std::vector<std::string> paths_;                           // the root's modules it holds
+};
+
+// What one unit (a decoder layer, or the non-layer modules) runs: the probe's float record, every
+// processor's preprocess → process → postprocess, the probe's comparison, and the report.
+struct UnitRun {
+  LayerRequest& request;
+  Probe::Forward probeForward;
+  bool propagateProbe;  // a decoder layer's quantized probe output is the next layer's probe input
+};
+
+}  // namespace
+
+LayerWiseRunner::LayerWiseRunner(CausalLM& model, std::vector<std::unique_ptr<Processor>>& processors,
+                                 RunnerOptions options)
+    : model_(model), processors_(processors), options_(std::move(options)) {
+  QPIPE_CHECK(options_.group != nullptr, "the runner needs a process group");
+}
+
+void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSink& sink) {
+  c10::InferenceMode inference;
+  const auto runStart = Clock::now();
+  ProcessGroup& group = *options_.group;
+  const bool needsData = std::any_of(processors_.begin(), processors_.end(),
+                                     [](const auto& processor) { return needsCalibration(*processor); });
+  for (auto& processor : processors_) processor->preRun();
+
+  // Layer 0's inputs: the embeddings of every sample, with its rotary tables.
+  std::vector<TensorList> inputs;
+  if (needsData) {
+    for (const at::Tensor& ids : samples) inputs.push_back(embedSample(model_, ids));
+  }
+  std::optional<Probe> probe;
+  if (options_.report != nullptr && !samples.empty()) {
+    probe.emplace(embedSample(model_, samples.front().slice(1, 0, options_.probeTokens)));
+  }
+
+  // Runs the unit; returns whether a calibration forward ran.
+  const auto runUnit = [&](const UnitRun& unit, LayerReport& report) {
+    LayerRequest& request = unit.request;
+    const ProcessGroup::Traffic before = group.traffic();
+    if (probe) probe->recordFloat(*request.module, request.name, unit.probeForward);
+    bool forwarded = false;
+    for (auto& processor : processors_) {
+      const auto start = Clock::now();
+      processor->preprocess(request);
+      if (needsCalibration(*processor)) {
+        processor->process(request);
+        forwarded = true;
+      }
+      processor->postprocess(request);
+      report.processorSeconds.push_back(secondsSince(start));
+    }
+    if (probe) probe->compare(*request.module, request.name, unit.probeForward, unit.propagateProbe, report);
+    report.values = std::move(request.reportValues);
+    const ProcessGroup::Traffic after = group.traffic();
+    report.syncCollectives = after.collectives - before.collectives;
+    report.syncBytes = after.bytes - before.bytes;
+    report.syncSeconds = after.seconds - before.seconds;
+    return forwarded;
+  };
+
+  const int64_t layers = model_.config().numLayers;
+  const bool resident = options_.mode == RunnerMode::kModelWise;
+  if (resident) {
+    for (int64_t index = 0; index < layers; ++index) model_.layer(index);
+  }
+  ProgressBar bar("layers", layers, "layers");
+  for (int64_t index = 0; index < layers; ++index) {
+    const auto layerStart = Clock::now();
+    DecoderLayer& layer = model_.layer(index);
+    LayerRequest request{.name = model_.layerName(index), .module = &layer, .inputs = std::move(inputs)};
+    request.forward = [&layer](LayerRequest& r) {
+      r.outputs.clear();
+      for (const TensorList& input : r.inputs) r.outputs.push_back({forwardLayer(layer, input)});
+    };
+    LayerReport report{.name = request.name};
+    const bool forwarded = runUnit(
+        {request, [&layer](const TensorList& input) { return forwardLayer(layer, input); }, true}, report);
+    if (sink) sink(index, request.name, layer);
+    // Lock-step: no rank runs ahead of rank 0's writing by more than one layer.
+    group.barrier();
+
+    inputs = std::move(request.inputs);
+    if (forwarded) {
+      QPIPE_CHECK(request.outputs.size() == inputs.size(), "layer ", request.name, ": ", request.outputs.size(),
+                  " outputs for ", inputs.size(), " inputs");
+      for (size_t s = 0; s < inputs.size(); ++s) inputs[s][0] = request.outputs[s][0];
+    }
+    if (!resident) {
+      model_.releaseLayer(index);
+      // glibc keeps freed heap otherwise, and the layer's buffers would pile up over the run.
+      ::malloc_trim(0);
+    }
+    report.seconds = secondsSince(layerStart);
+    if (options_.report != nullptr) options_.report->layers.push_back(std::move(report));
+    bar.update(index + 1);
+  }
+
+  // The non-layer unit: the final norm's inputs are the last layer's outputs.
+  {
+    const auto unitStart = Clock::now();
+    model_.prepareHead();
+    NonLayerUnit unit(model_.root());
+    Module& module = unit.module();
+    LayerRequest request{.name = "", .module = &module};
+    for (TensorList& input : inputs) request.inputs.push_back({std::move(input[0])});
+    inputs.clear();
+    Module* const floatHead = &module.getSubmodule("lm_head");
+    request.forward = [&module, floatHead](LayerRequest& r) {
+      r.outputs.clear();
+      Module& norm = module.getSubmodule("model.norm");
+      Module& head = module.getSubmodule("lm_head");
+      for (const TensorList& input : r.inputs) {
+        const at::Tensor normed = norm(input[0]);
+        if (&head != floatHead) head(normed);  // its logits are dropped at once
+      }
+    };
+    const Probe::Forward probeForward = [&module](const TensorList& input) {
+      return module.getSubmodule("lm_head")(module.getSubmodule("model.norm")(input[0]));
+    };
+    LayerReport report{.name = std::string(kNonLayerReportName)};
+    runUnit({request, probeForward, false}, report);
+    unit.writeBack(model_.root());
+    report.seconds = secondsSince(unitStart);
+    // Listed only when a processor replaced or reported on one of its modules (default practices
+    // leave them).
+    if (options_.report != nullptr && (!report.modules.empty() || !report.values.empty())) {
+      options_.report->layers.push_back(std::move(report));
+    }
+  }
+
+  for (auto& processor : processors_) processor->postRun();
+  if (options_.report != nullptr) options_.report->totalSeconds = secondsSince(runStart);
+  log::logger()->debug("runner: ", layers, " layers and the non-layer modules, ", samples.size(), " samples on rank ",
+                       group.rank(), "/", group.worldSize());
+}
+
+}  // namespace qpipe

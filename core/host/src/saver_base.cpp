@@ -1,0 +1,212 @@
+#include "qpipe/host/savers.h"
+
+#include <ATen/ATen.h>
+
+#include <fstream>
+
+#include "qpipe/error.h"
+#include "qpipe/log.h"
+#include "qpipe/quantized_checkpoint.h"
+#include "saver_internal.h"
+
+namespace qpipe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+Schema saverSchema() {
+  Schema schema;
+  schema
+      .add({.name = "part_file_size",
+            .type = ValueType::kFloat,
+            .help = "shard size in GB; 0 writes one file",
+            .defaultValue = ConfigNode::number(4),
+            .minimum = 0})
+      .optional("ext", ValueType::kAny, ConfigNode::map(), "format-specific options (none are read yet)");
+  return schema;
+}
+
+SaverFactory factoryFor(std::string format) {
+  return [format](const ConfigNode& config, CausalLM& model, const fs::path& saveDir) {
+    return createBuiltinSaver({.format = format, .partFileSizeGb = config.at("part_file_size").asFloat()}, model,
+                              saveDir);
+  };
+}
+
+}  // namespace
+
+std::vector<SaverInfo> builtinSavers() {
+  return {
+      {kDefaultSaver, "compressed-tensors: what vLLM and transformers load", saverSchema(),
+       factoryFor(kDefaultSaver)},
+      {"ascendv1_saver", "msmodelslim's ascendv1 layout (vllm-ascend)", saverSchema(), factoryFor("ascendv1_saver")},
+  };
+}
+
+std::unique_ptr<CheckpointSaver> createBuiltinSaver(const SaverOptions& options, CausalLM& model,
+                                                    const fs::path& saveDir) {
+  QPIPE_CHECK(options.partFileSizeGb >= 0, "part_file_size ", options.partFileSizeGb, " passed the schema");
+  if (options.format == kDefaultSaver) return detail::makeCompressedTensorsSaver(options, model, saveDir);
+  QPIPE_CHECK(options.format == "ascendv1_saver", "no built-in saver '", options.format, "'");
+  return detail::makeAscendV1Saver(options, model, saveDir);
+}
+
+namespace detail {
+
+namespace {
+
+// msmodelslim counts part_file_size in GiB (save/utils/safetensors.py ONE_GB_FILE_BYTES).
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+// Side files of a model folder that travel with the weights (msmodelslim's copy_files rule:
+// *.json, *.py, *.txt, *.jinja but no index; plus sentencepiece / tiktoken vocabularies).
+bool isSideFile(const fs::path& file) {
+  const std::string name = file.filename().string();
+  const std::string ext = file.extension().string();
+  const bool wanted =
+      ext == ".json" || ext == ".py" || ext == ".txt" || ext == ".jinja" || ext == ".model" || ext == ".tiktoken";
+  const bool weightsIndex = name.size() >= 10 && name.compare(name.size() - 10, 10, "index.json") == 0;
+  return wanted && !weightsIndex && name != "config.json" && name != kAscendDescription;
+}
+
+// Whether lm_head is still the embedding of a tied model: a float Linear holding the embedding's
+// weight (the tensor itself, or a copy of it in the compute dtype; CausalLM::prepareHead).
+bool headIsEmbedding(Module& root) {
+  auto* head = dynamic_cast<Linear*>(&root.getSubmodule("lm_head"));
+  if (head == nullptr) return false;
+  const at::Tensor& embedding = root.getSubmodule("model.embed_tokens").parameter("weight");
+  const at::Tensor& weight = head->weight();
+  if (weight.is_same(embedding)) return true;
+  if (weight.sizes() != embedding.sizes()) return false;
+  return at::equal(weight.to(embedding.device(), embedding.scalar_type()), embedding);
+}
+
+}  // namespace
+
+SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::path& saveDir,
+                     const std::string& weightsPrefix)
+    : model_(model), start_(std::chrono::steady_clock::now()) {
+  final_ = fs::absolute(saveDir).lexically_normal();
+  if (final_.filename().empty()) final_ = final_.parent_path();  // "out/" names "out"
+  std::error_code ec;
+  if (fs::exists(final_)) {
+    QPIPE_REQUIRE(fs::is_directory(final_), ErrorCode::kInput, "save path '", final_.string(),
+                  "' exists and is not a folder; choose another --save_path");
+    QPIPE_REQUIRE(fs::is_empty(final_), ErrorCode::kInput, "save folder '", final_.string(),
+                  "' exists and is not empty; choose another --save_path or remove it");
+  }
+  temporary_ = CheckpointSaver::partialDir(final_);
+  if (fs::exists(temporary_)) {
+    log::logger()->warn("removing '", temporary_.string(), "', left by an interrupted save");
+    fs::remove_all(temporary_, ec);
+    QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot remove '", temporary_.string(), "': ", ec.message());
+  }
+  fs::create_directories(temporary_, ec);
+  QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot create folder '", temporary_.string(), "': ", ec.message());
+  writer_.emplace(temporary_, safetensors::WriterOptions{
+                                  .filePrefix = weightsPrefix,
+                                  .maxShardBytes = static_cast<uint64_t>(options.partFileSizeGb * kGiB),
+                              });
+}
+
+SaverBase::~SaverBase() {
+  if (finished_) return;
+  writer_.reset();
+  std::error_code ignored;
+  fs::remove_all(temporary_, ignored);
+}
+
+void SaverBase::add(const std::string& name, const at::Tensor& tensor) {
+  writer_->add(name, tensor);
+  bytesWritten_ += tensor.nbytes();
+}
+
+void SaverBase::writeFloat(const std::string& name, const at::Tensor& tensor) {
+  const at::ScalarType dtype = model_.config().checkpointDtype;
+  add(name, at::isFloatingType(tensor.scalar_type()) ? tensor.to(dtype) : tensor);
+}
+
+void SaverBase::writeModule(const std::string& prefix, Module& module, const std::string& skipPrefix) {
+  const auto skipped = [&](const std::string& name) { return !skipPrefix.empty() && name.rfind(skipPrefix, 0) == 0; };
+  std::set<std::string> quantized;
+  for (auto& [name, child] : module.namedModules(prefix)) {
+    if (skipped(name + ".")) continue;
+    if (auto* linear = dynamic_cast<QuantLinear*>(child)) {
+      writeQuantLinear(name, *linear);
+      quantized.insert(name);
+    } else if (dynamic_cast<Linear*>(child) != nullptr) {
+      noteFloatLinear(name);
+    }
+  }
+  const bool dropTiedHead = model_.config().tieWordEmbeddings && !headUntied_ && skipsTiedHead();
+  for (auto& [name, tensor] : module.namedParameters(prefix)) {
+    const size_t dot = name.rfind('.');
+    if (skipped(name) || quantized.count(dot == std::string::npos ? "" : name.substr(0, dot))) continue;
+    if (dropTiedHead && name == "lm_head.weight") continue;
+    writeFloat(name, *tensor);
+  }
+}
+
+void SaverBase::writeLayer(int64_t index, const std::string& name, Module& layer) {
+  QPIPE_CHECK(!finished_, "writeLayer after finish");
+  QPIPE_CHECK(layersWritten_.insert(index).second, "layer ", index, " written twice");
+  writeModule(name, layer, "");
+}
+
+void SaverBase::addFile(const std::string& fileName, const std::string& content) {
+  QPIPE_CHECK(!finished_, "addFile after finish");
+  QPIPE_CHECK(!fileName.empty() && fileName.find('/') == std::string::npos && fileName != "." && fileName != "..",
+              "addFile takes a plain file name, got '", fileName, "'");
+  std::ofstream out(temporary_ / fileName, std::ios::binary | std::ios::trunc);
+  out << content;
+  QPIPE_REQUIRE(out.good(), ErrorCode::kIo, "cannot write '", (temporary_ / fileName).string(), "'");
+}
+
+nlohmann::ordered_json SaverBase::sourceConfig() const {
+  const fs::path path = model_.directory() / "config.json";
+  std::ifstream in(path);
+  QPIPE_REQUIRE(in.good(), ErrorCode::kIo, "cannot read '", path.string(), "'");
+  nlohmann::ordered_json config = nlohmann::ordered_json::parse(in);
+  if (headUntied_) config["tie_word_embeddings"] = false;
+  return config;
+}
+
+void SaverBase::writeJson(const fs::path& path, const nlohmann::ordered_json& json) {
+  std::ofstream out(path, std::ios::trunc);
+  out << json.dump(2) << "\n";
+  QPIPE_REQUIRE(out.good(), ErrorCode::kIo, "cannot write '", path.string(), "'");
+}
+
+void SaverBase::copySideFiles() const {
+  for (const auto& entry : fs::directory_iterator(model_.directory())) {
+    if (!entry.is_regular_file() || !isSideFile(entry.path())) continue;
+    std::error_code ec;
+    fs::copy_file(entry.path(), temporary_ / entry.path().filename(), fs::copy_options::overwrite_existing, ec);
+    QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot copy '", entry.path().string(), "': ", ec.message());
+  }
+}
+
+void SaverBase::finish() {
+  QPIPE_CHECK(!finished_, "finish called twice");
+  const int64_t layers = model_.config().numLayers;
+  for (int64_t i = 0; i < layers; ++i) QPIPE_CHECK(layersWritten_.count(i), "finish before layer ", i, " was written");
+  headUntied_ = model_.config().tieWordEmbeddings && !headIsEmbedding(model_.root());
+  // The decoder layers were written (and released) one by one; the rest of the model now.
+  writeModule("", model_.root(), "model.layers.");
+  const size_t files = writer_->finish().size();
+  copySideFiles();
+  writeMetadata(temporary_);
+  std::error_code ec;
+  // rename(2) replaces an empty destination folder, and fails on a non-empty one.
+  fs::rename(temporary_, final_, ec);
+  QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot rename '", temporary_.string(), "' to '", final_.string(),
+                "': ", ec.message());
+  finished_ = true;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  log::logger()->info("saved ", final_.string(), ": ", bytesWritten_ / 1e6, " MB of tensors (", files,
+                      files == 1 ? " file" : " files with the index", ") in ", seconds, " s");
+}
+
+}  // namespace detail
+}  // namespace qpipe

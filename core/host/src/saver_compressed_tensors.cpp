@@ -1,0 +1,207 @@
+// compressed_tensors saver: HF layout + quantization_config (docs/formats.md;
+// tensor names and dtypes as compressed-tensors 0.20's naive/int/float/pack compressors write
+// them, except the scales, which stay fp32: see docs/formats.md).
+#include <ATen/ATen.h>
+
+#include <map>
+#include <regex>
+#include <vector>
+
+#include "qpipe/error.h"
+#include "qpipe/quantized_checkpoint.h"
+#include "saver_internal.h"
+
+namespace qpipe::detail {
+
+namespace {
+
+namespace fs = std::filesystem;
+using quant::QDtype;
+using quant::QScope;
+
+struct Group {
+  SortedJson scheme;  // weights, input_activations, output_activations, format (targets added at the end)
+  std::vector<std::string> members;
+};
+
+// The part of a decoder-layer module's name after "model.layers.<i>.", or "" for other modules.
+std::string layerSuffix(const std::string& name) {
+  static const std::regex layer(R"(^model\.layers\.\d+\.(.+)$)");
+  std::smatch match;
+  return std::regex_match(name, match, layer) ? match[1].str() : std::string();
+}
+
+std::string escapeRegex(const std::string& text) {
+  static const std::regex special(R"([.^$|()\[\]{}*+?\\])");
+  return std::regex_replace(text, special, R"(\$&)");
+}
+
+class CompressedTensorsSaver final : public SaverBase {
+ public:
+  CompressedTensorsSaver(const SaverOptions& options, CausalLM& model, const fs::path& saveDir)
+      : SaverBase(options, model, saveDir, "model") {}
+
+ protected:
+  bool skipsTiedHead() const override { return true; }
+
+  void noteFloatLinear(const std::string& name) override { assignment_[name] = -1; }
+
+  void writeQuantLinear(const std::string& name, QuantLinear& linear) override {
+    const quant::QScheme& w = linear.weightScheme();
+    const std::optional<ActivationQuant> input = writtenInputQuant(linear);
+    const std::string format = compressedTensorsFormat(w, input);
+    SortedJson scheme = {{"format", format},
+                         {"input_activations", input ? compressedTensorsInputArgs(*input) : SortedJson(nullptr)},
+                         {"output_activations", nullptr},
+                         {"weights", compressedTensorsWeightArgs(w)}};
+    const std::string key = scheme.dump();
+    auto found = groupByKey_.find(key);
+    if (found == groupByKey_.end()) {
+      found = groupByKey_.emplace(key, static_cast<int>(groups_.size())).first;
+      groups_.push_back({std::move(scheme), {}});
+    }
+    groups_[found->second].members.push_back(name);
+    assignment_[name] = found->second;
+
+    const at::Tensor q = linear.parameter("weight");
+    const at::Tensor scale = linear.parameter("weight_scale").to(at::kFloat);
+    if (format == "pack-quantized") {
+      const bool int4 = w.dtype == QDtype::kInt4;
+      add(name + ".weight_packed", int4 ? quant::packInt4(q.cpu()) : packInt8(q.cpu()));
+      add(name + ".weight_scale", scale);
+      add(name + ".weight_shape", at::tensor(q.sizes().vec(), at::kLong));
+      if (!w.symmetric) {
+        const at::Tensor zp = linear.parameter("weight_zero_point").cpu().to(at::kChar);
+        // compressed-tensors packs group / channel zero points along dim 0 and keeps a tensor one.
+        if (w.scope == QScope::kPerTensor) {
+          add(name + ".weight_zero_point", zp);
+        } else {
+          add(name + ".weight_zero_point", int4 ? quant::packInt4(zp, 0) : packInt8(zp, 0));
+        }
+      }
+    } else {
+      add(name + ".weight", q);
+      add(name + ".weight_scale", scale);
+      // Zero points in the quantized type, as compressed-tensors stores them.
+      if (!w.symmetric) add(name + ".weight_zero_point", linear.parameter("weight_zero_point").to(at::kChar));
+      if (input && !input->isDynamic()) {
+        add(name + ".input_scale", linear.parameter("input_scale").to(at::kFloat));
+        if (!input->scheme.symmetric)
+          add(name + ".input_zero_point", linear.parameter("input_zero_point").to(at::kChar));
+      }
+    }
+    if (linear.hasParameter("bias")) writeFloat(name + ".bias", linear.parameter("bias"));
+  }
+
+  void writeMetadata(const fs::path& dir) override {
+    SortedJson groups = SortedJson::object();
+    std::vector<std::vector<std::string>> targets = chooseTargets();
+    std::set<std::string> formats;
+    for (size_t i = 0; i < groups_.size(); ++i) {
+      SortedJson scheme = groups_[i].scheme;
+      scheme["targets"] = targets[i];
+      formats.insert(scheme["format"].get<std::string>());
+      groups["group_" + std::to_string(i)] = scheme;
+    }
+    std::vector<std::string> floats;
+    for (const auto& [name, group] : assignment_) {
+      if (group < 0) floats.push_back(name);
+    }
+    const SortedJson quantization = {
+        {"config_groups", groups},
+        {"format", formats.empty()       ? "dense"
+                   : formats.size() == 1 ? *formats.begin()
+                                         : "mixed-precision"},
+        {"global_compression_ratio", nullptr},
+        {"ignore", targets.back()},
+        {"kv_cache_scheme", nullptr},
+        {"quant_method", "compressed-tensors"},
+        {"quantization_status", "compressed"},
+        {"sparsity_config", SortedJson::object()},
+        {"transform_config", SortedJson::object()},
+        {"version", kCompressedTensorsVersion},
+    };
+    nlohmann::ordered_json config = sourceConfig();
+    // Through text, so the ordered config keeps compressed-tensors' sorted key order.
+    config["quantization_config"] = nlohmann::ordered_json::parse(quantization.dump());
+    writeJson(dir / "config.json", config);
+  }
+
+ private:
+  // Targets of each group, then the ignore list (last). One group: "Linear" + the float modules by
+  // name. Several: per module kind (name within a layer), a regex when the kind is entirely in
+  // one group (or entirely float), else the exact names. The result is checked by matching every
+  // module as compressed-tensors and vLLM do (ignore first, then the first matching group).
+  std::vector<std::vector<std::string>> chooseTargets() const {
+    std::vector<std::vector<std::string>> out(groups_.size() + 1);
+    if (groups_.size() == 1) {
+      out[0] = {"Linear"};
+      out[1] = compress(-1);
+    } else {
+      for (size_t i = 0; i < groups_.size(); ++i) out[i] = compress(static_cast<int>(i));
+      out.back() = compress(-1);
+    }
+    if (resolvesExactly(out)) return out;
+    for (size_t i = 0; i < out.size(); ++i) out[i] = exactNames(i + 1 == out.size() ? -1 : static_cast<int>(i));
+    if (groups_.size() == 1) out[0] = {"Linear"};
+    QPIPE_CHECK(resolvesExactly(out), "compressed-tensors targets do not reproduce the quantized modules");
+    return out;
+  }
+
+  std::vector<std::string> exactNames(int group) const {
+    std::vector<std::string> names;
+    for (const auto& [name, assigned] : assignment_) {
+      if (assigned == group) names.push_back(name);
+    }
+    return names;
+  }
+
+  std::vector<std::string> compress(int group) const {
+    std::map<std::string, std::pair<int, int>> suffixCount;  // suffix -> (in group, in total)
+    for (const auto& [name, assigned] : assignment_) {
+      const std::string suffix = layerSuffix(name);
+      if (suffix.empty()) continue;
+      auto& [inGroup, total] = suffixCount[suffix];
+      inGroup += assigned == group;
+      ++total;
+    }
+    std::vector<std::string> targets;
+    for (const auto& [suffix, count] : suffixCount) {
+      if (count.first > 0 && count.first == count.second) targets.push_back("re:.*\\." + escapeRegex(suffix) + "$");
+    }
+    for (const auto& [name, assigned] : assignment_) {
+      if (assigned != group) continue;
+      const std::string suffix = layerSuffix(name);
+      if (suffix.empty() || suffixCount.at(suffix).first != suffixCount.at(suffix).second) targets.push_back(name);
+    }
+    return targets;
+  }
+
+  bool resolvesExactly(const std::vector<std::vector<std::string>>& targets) const {
+    for (const auto& [name, assigned] : assignment_) {
+      int resolved = -1;
+      bool ignored = false;
+      for (const auto& entry : targets.back()) ignored = ignored || compressedTensorsMatches(entry, name);
+      for (size_t i = 0; !ignored && resolved < 0 && i + 1 < targets.size(); ++i) {
+        for (const auto& target : targets[i]) {
+          if (compressedTensorsMatches(target, name)) resolved = static_cast<int>(i);
+        }
+      }
+      if (resolved != assigned) return false;
+    }
+    return true;
+  }
+
+  std::vector<Group> groups_;
+  std::map<std::string, int> groupByKey_;
+  std::map<std::string, int> assignment_;  // every Linear: its group, or -1 when float
+};
+
+}  // namespace
+
+std::unique_ptr<CheckpointSaver> makeCompressedTensorsSaver(const SaverOptions& options, CausalLM& model,
+                                                            const fs::path& saveDir) {
+  return std::make_unique<CompressedTensorsSaver>(options, model, saveDir);
+}
+
+}  // namespace qpipe::detail

@@ -1,0 +1,75 @@
+// What the two savers share: the temporary directory and its rename, the streaming weights
+// writer, the walk over a module's tensors, and the copy of the source's side files.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+
+#include "qpipe/model.h"
+#include "qpipe/quant_linear.h"
+#include "qpipe/safetensors.h"
+#include "qpipe/host/savers.h"
+
+namespace qpipe::detail {
+
+class SaverBase : public CheckpointSaver {
+ public:
+  SaverBase(const SaverOptions& options, CausalLM& model, const std::filesystem::path& saveDir,
+            const std::string& weightsPrefix);
+  // Without finish(), the temporary directory and everything in it is removed.
+  ~SaverBase() override;
+
+  void writeLayer(int64_t index, const std::string& name, Module& layer) final;
+  void addFile(const std::string& fileName, const std::string& content) final;
+  void finish() final;
+
+ protected:
+  // A quantized module, all of its tensors.
+  virtual void writeQuantLinear(const std::string& name, QuantLinear& linear) = 0;
+  // A Linear left in float (its tensors go through writeFloat).
+  virtual void noteFloatLinear(const std::string& /*name*/) {}
+  // Writes a non-quantized tensor in the checkpoint dtype.
+  virtual void writeFloat(const std::string& name, const at::Tensor& tensor);
+  // Whether a tied lm_head.weight is left out (it is the embedding).
+  virtual bool skipsTiedHead() const = 0;
+  // config.json and the format's description, into `dir` (the temporary directory).
+  virtual void writeMetadata(const std::filesystem::path& dir) = 0;
+
+  void add(const std::string& name, const at::Tensor& tensor);
+  CausalLM& model() { return model_; }
+  // The source's config.json, key order kept; "tie_word_embeddings" false when the head was
+  // untied (headUntied()).
+  nlohmann::ordered_json sourceConfig() const;
+  // True when the source ties lm_head to the embedding but lm_head is no longer the embedding
+  // (quantized, or changed by a processor): both are then written, and the config says untied.
+  bool headUntied() const { return headUntied_; }
+  static void writeJson(const std::filesystem::path& path, const nlohmann::ordered_json& json);
+
+ private:
+  // Every tensor of `module` (full name `prefix`) except those under `skipPrefix`.
+  void writeModule(const std::string& prefix, Module& module, const std::string& skipPrefix);
+  void copySideFiles() const;
+
+  CausalLM& model_;
+  std::filesystem::path final_;
+  std::filesystem::path temporary_;
+  std::optional<safetensors::Writer> writer_;
+  std::set<int64_t> layersWritten_;
+  uint64_t bytesWritten_ = 0;
+  std::chrono::steady_clock::time_point start_;
+  bool finished_ = false;
+  bool headUntied_ = false;  // set by finish()
+};
+
+std::unique_ptr<CheckpointSaver> makeCompressedTensorsSaver(const SaverOptions& options, CausalLM& model,
+                                                            const std::filesystem::path& saveDir);
+std::unique_ptr<CheckpointSaver> makeAscendV1Saver(const SaverOptions& options, CausalLM& model,
+                                                   const std::filesystem::path& saveDir);
+
+}  // namespace qpipe::detail

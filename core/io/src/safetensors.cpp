@@ -1,0 +1,479 @@
+// safetensors reader and writer. Format: 8-byte little-endian header length N, N bytes of JSON
+// header ({name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str: str}}), then
+// the data section; offsets are relative to the data section (huggingface/safetensors, README
+// "Format" and safetensors/src/tensor.rs validation).
+#include "qpipe/safetensors.h"
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <nlohmann/json.hpp>
+#include <sys/mman.h>
+#include <sys/sendfile.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <set>
+
+#include "qpipe/error.h"
+
+namespace qpipe::safetensors {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::ordered_json;
+
+namespace {
+
+// The reference implementation refuses headers above 100 MB.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+struct DtypeEntry {
+  std::string_view name;
+  at::ScalarType type;
+};
+constexpr std::array<DtypeEntry, 15> kDtypes{{
+    {"F64", at::kDouble},
+    {"F32", at::kFloat},
+    {"F16", at::kHalf},
+    {"BF16", at::kBFloat16},
+    {"F8_E4M3", at::kFloat8_e4m3fn},
+    {"F8_E5M2", at::kFloat8_e5m2},
+    {"I64", at::kLong},
+    {"I32", at::kInt},
+    {"I16", at::kShort},
+    {"I8", at::kChar},
+    {"U8", at::kByte},
+    {"U16", at::kUInt16},
+    {"U32", at::kUInt32},
+    {"U64", at::kUInt64},
+    {"BOOL", at::kBool},
+}};
+
+[[noreturn]] void invalid(const fs::path& file, const std::string& what) {
+  throw Error(ErrorCode::kInput, concat(file.string(), ": ", what));
+}
+
+std::string shapeText(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// Parses one tensor entry of the header; offsets are checked later, in data order.
+TensorInfo parseEntry(const fs::path& file, const std::string& name, const Json& entry) {
+  const auto bad = [&](const std::string& what) { invalid(file, "tensor '" + name + "': " + what); };
+  if (!entry.is_object()) bad("header entry is not a JSON object");
+  for (const auto& [key, value] : entry.items()) {
+    if (key != "dtype" && key != "shape" && key != "data_offsets") bad("unexpected header field '" + key + "'");
+  }
+  if (!entry.contains("dtype") || !entry["dtype"].is_string()) bad("'dtype' is missing or not a string");
+  if (!entry.contains("shape") || !entry["shape"].is_array()) bad("'shape' is missing or not a list");
+  if (!entry.contains("data_offsets") || !entry["data_offsets"].is_array() || entry["data_offsets"].size() != 2) {
+    bad("'data_offsets' is missing or not a list of two offsets");
+  }
+  TensorInfo info;
+  info.name = name;
+  info.dtype = entry["dtype"].get<std::string>();
+  if (std::none_of(kDtypes.begin(), kDtypes.end(), [&](const DtypeEntry& d) { return d.name == info.dtype; })) {
+    bad("unknown dtype '" + info.dtype + "'");
+  }
+  for (const auto& dim : entry["shape"]) {
+    if (!dim.is_number_unsigned()) bad("shape " + entry["shape"].dump() + " has a dimension that is not a size");
+    info.shape.push_back(dim.get<int64_t>());
+  }
+  for (const auto& offset : entry["data_offsets"]) {
+    if (!offset.is_number_unsigned()) bad("data_offsets " + entry["data_offsets"].dump() + " are not byte offsets");
+  }
+  info.begin = entry["data_offsets"][0].get<uint64_t>();
+  info.end = entry["data_offsets"][1].get<uint64_t>();
+  if (info.end < info.begin) bad("data_offsets " + entry["data_offsets"].dump() + " end before they begin");
+  uint64_t bytes = at::elementSize(scalarType(info.dtype));
+  for (int64_t dim : info.shape) {
+    if (dim != 0 && bytes > UINT64_MAX / static_cast<uint64_t>(dim))
+      bad("shape " + shapeText(info.shape) + " is too large");
+    bytes *= static_cast<uint64_t>(dim);
+  }
+  if (bytes != info.end - info.begin) {
+    bad(concat(info.dtype, " ", shapeText(info.shape), " needs ", bytes, " bytes, but data_offsets [",
+                       info.begin, ", ", info.end, "] span ", info.end - info.begin));
+  }
+  return info;
+}
+
+}  // namespace
+
+at::ScalarType scalarType(std::string_view dtype) {
+  for (const auto& entry : kDtypes) {
+    if (entry.name == dtype) return entry.type;
+  }
+  throw Error(ErrorCode::kInput, concat("unknown safetensors dtype '", dtype, "'"));
+}
+
+std::string dtypeName(at::ScalarType type) {
+  for (const auto& entry : kDtypes) {
+    if (entry.type == type) return std::string(entry.name);
+  }
+  throw Error(ErrorCode::kInput, concat("dtype ", c10::toString(type), " cannot be stored in safetensors"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading
+
+std::shared_ptr<const File> File::open(const fs::path& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    throw Error(ErrorCode::kIo, concat("cannot open '", path.string(), "': ", std::strerror(errno)));
+  }
+  struct stat st {};
+  QPIPE_REQUIRE(::fstat(fd.get(), &st) == 0 && S_ISREG(st.st_mode), ErrorCode::kIo, "'", path.string(),
+                "' is not a regular file");
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size < 8) invalid(path, concat("file is ", size, " bytes, too short for the 8-byte header length"));
+
+  std::shared_ptr<File> file(new File());
+  file->path_ = path;
+  file->mappingSize_ = size;
+  // Private and writable: tensors handed out may be modified in place without touching the file.
+  void* mapping = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd.get(), 0);
+  if (mapping == MAP_FAILED) {
+    throw Error(ErrorCode::kIo, concat("cannot map '", path.string(), "': ", std::strerror(errno)));
+  }
+  file->mapping_ = mapping;
+  const auto* bytes = static_cast<const uint8_t*>(mapping);
+
+  uint64_t headerSize = 0;
+  for (int i = 7; i >= 0; --i) headerSize = (headerSize << 8) | bytes[i];
+  if (headerSize > kMaxHeaderBytes) {
+    invalid(path, concat("header length ", headerSize, " exceeds the limit of ", kMaxHeaderBytes, " bytes"));
+  }
+  if (8 + headerSize > size) {
+    invalid(path, concat("header length ", headerSize, " runs past the end of the file (", size, " bytes)"));
+  }
+  Json header;
+  try {
+    header =
+        Json::parse(reinterpret_cast<const char*>(bytes + 8), reinterpret_cast<const char*>(bytes + 8 + headerSize));
+  } catch (const Json::exception& e) {
+    invalid(path, concat("header is not valid JSON (", e.what(), ")"));
+  }
+  if (!header.is_object()) invalid(path, "header is not a JSON object");
+
+  for (const auto& [key, value] : header.items()) {
+    if (key == "__metadata__") {
+      if (!value.is_object()) invalid(path, "'__metadata__' is not a JSON object");
+      for (const auto& [metaKey, metaValue] : value.items()) {
+        if (!metaValue.is_string()) invalid(path, "'__metadata__' value of '" + metaKey + "' is not a string");
+        file->metadata_[metaKey] = metaValue.get<std::string>();
+      }
+      continue;
+    }
+    file->tensors_.push_back(parseEntry(path, key, value));
+  }
+
+  // Offsets must tile the data section exactly: sorted, each starting where the last ended.
+  const uint64_t dataSize = size - 8 - headerSize;
+  std::vector<const TensorInfo*> byOffset;
+  for (const auto& info : file->tensors_) byOffset.push_back(&info);
+  std::stable_sort(byOffset.begin(), byOffset.end(),
+                   [](const TensorInfo* a, const TensorInfo* b) { return a->begin < b->begin; });
+  uint64_t expected = 0;
+  const TensorInfo* previous = nullptr;
+  for (const TensorInfo* info : byOffset) {
+    if (info->begin < expected) {
+      invalid(path, concat("tensor '", info->name, "': data_offsets [", info->begin, ", ", info->end,
+                                   "] overlap tensor '", previous->name, "' (which ends at ", expected, ")"));
+    }
+    if (info->begin > expected) {
+      invalid(path, concat("tensor '", info->name, "': data_offsets [", info->begin, ", ", info->end,
+                                   "] leave a gap of ", info->begin - expected, " bytes before it"));
+    }
+    if (info->end > dataSize) {
+      invalid(path, concat("tensor '", info->name, "': data_offsets [", info->begin, ", ", info->end,
+                                   "] run past the end of the data (", dataSize, " bytes; file truncated?)"));
+    }
+    expected = info->end;
+    previous = info;
+  }
+  if (expected != dataSize) {
+    invalid(path, concat(dataSize - expected, " bytes after the last tensor belong to no tensor"));
+  }
+  file->data_ = bytes + 8 + headerSize;
+  return file;
+}
+
+File::~File() {
+  if (mapping_ != nullptr) ::munmap(mapping_, mappingSize_);
+}
+
+const TensorInfo* File::find(std::string_view name) const {
+  for (const auto& info : tensors_) {
+    if (info.name == name) return &info;
+  }
+  return nullptr;
+}
+
+at::Tensor File::tensor(std::string_view name) const {
+  const TensorInfo* info = find(name);
+  QPIPE_REQUIRE(info != nullptr, ErrorCode::kInput, path_.string(), ": no tensor '", name, "'");
+  const at::ScalarType type = scalarType(info->dtype);
+  auto* data = const_cast<uint8_t*>(data_ + info->begin);
+  const auto options = at::TensorOptions().dtype(type);
+  if (reinterpret_cast<uintptr_t>(data) % at::elementSize(type) != 0) {
+    // Unpadded headers can misalign the data; kernels expect aligned elements.
+    return at::from_blob(data, info->shape, options).clone();
+  }
+  auto keepAlive = shared_from_this();
+  return at::from_blob(
+      data, info->shape, [keepAlive](void*) {}, options);
+}
+
+void File::dropPages(std::string_view name) const {
+  const TensorInfo* info = find(name);
+  QPIPE_REQUIRE(info != nullptr, ErrorCode::kInput, path_.string(), ": no tensor '", name, "'");
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  // Whole pages only: a page shared with a neighbouring tensor may still be in use.
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data_ + info->begin) + page - 1) / page * page;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(data_ + info->end) / page * page;
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
+Checkpoint Checkpoint::open(const fs::path& fileOrDir) {
+  return open(fileOrDir, "model");
+}
+
+Checkpoint Checkpoint::open(const fs::path& fileOrDir, const std::string& filePrefix) {
+  Checkpoint checkpoint;
+  const auto addShard = [&](const fs::path& path) {
+    checkpoint.shards_.push_back({path, File::open(path)});
+    return checkpoint.shards_.size() - 1;
+  };
+  if (fs::is_regular_file(fileOrDir)) {
+    addShard(fileOrDir);
+  } else {
+    QPIPE_REQUIRE(fs::is_directory(fileOrDir), ErrorCode::kIo, "'", fileOrDir.string(), "': no such file or folder");
+    const fs::path index = fileOrDir / (filePrefix + ".safetensors.index.json");
+    if (fs::exists(index)) {
+      std::ifstream in(index);
+      Json json;
+      try {
+        json = Json::parse(in);
+      } catch (const Json::exception& e) {
+        invalid(index, concat("not valid JSON (", e.what(), ")"));
+      }
+      if (!json.is_object() || !json.contains("weight_map") || !json["weight_map"].is_object()) {
+        invalid(index, "has no 'weight_map' object");
+      }
+      std::map<std::string, size_t> shardByFile;
+      for (const auto& [name, fileName] : json["weight_map"].items()) {
+        if (!fileName.is_string()) invalid(index, "weight_map entry of '" + name + "' is not a file name");
+        const std::string shardName = fileName.get<std::string>();
+        if (!shardByFile.count(shardName)) shardByFile[shardName] = addShard(fileOrDir / shardName);
+        const size_t shard = shardByFile[shardName];
+        if (checkpoint.shards_[shard].file->find(name) == nullptr) {
+          invalid(index, "lists tensor '" + name + "' in " + shardName + ", which does not hold it");
+        }
+        checkpoint.index_[name] = shard;
+      }
+      return checkpoint;
+    }
+    const std::string single = filePrefix + ".safetensors";
+    QPIPE_REQUIRE(fs::exists(fileOrDir / single), ErrorCode::kInput, fileOrDir.string(), ": no ", single, " or ",
+                  filePrefix, ".safetensors.index.json");
+    addShard(fileOrDir / single);
+  }
+  for (const auto& info : checkpoint.shards_[0].file->tensors()) checkpoint.index_[info.name] = 0;
+  return checkpoint;
+}
+
+std::vector<std::string> Checkpoint::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, shard] : index_) out.push_back(name);
+  return out;
+}
+
+bool Checkpoint::contains(std::string_view name) const {
+  return index_.find(name) != index_.end();
+}
+
+const TensorInfo& Checkpoint::info(std::string_view name) const {
+  const auto it = index_.find(name);
+  QPIPE_REQUIRE(it != index_.end(), ErrorCode::kInput, "checkpoint ",
+                shards_.empty() ? std::string() : shards_[0].path.parent_path().string(), ": no tensor '", name, "'");
+  return *shards_[it->second].file->find(name);
+}
+
+at::Tensor Checkpoint::tensor(std::string_view name) const {
+  const TensorInfo& meta = info(name);
+  return shards_[index_.find(name)->second].file->tensor(meta.name);
+}
+
+void Checkpoint::dropPages(std::string_view name) const {
+  const TensorInfo& meta = info(name);
+  shards_[index_.find(name)->second].file->dropPages(meta.name);
+}
+
+uint64_t Checkpoint::totalBytes() const {
+  uint64_t total = 0;
+  for (const auto& [name, shard] : index_) {
+    const TensorInfo* meta = shards_[shard].file->find(name);
+    total += meta->end - meta->begin;
+  }
+  return total;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writing: each shard's data goes to a temporary file as tensors arrive; finish() writes each
+// final file as header + data (a kernel-side copy) under a temporary name and renames it.
+
+struct Writer::Impl {
+  struct Shard {
+    fs::path dataPath;
+    std::vector<TensorInfo> tensors;
+    uint64_t bytes = 0;
+  };
+
+  fs::path dir;
+  WriterOptions options;
+  std::vector<Shard> shards;
+  std::ofstream data;
+  std::set<std::string> names;
+  bool finished = false;
+
+  void openShard() {
+    if (data.is_open()) data.close();
+    Shard shard;
+    shard.dataPath = dir / concat(".", options.filePrefix, "-", shards.size(), ".data.tmp");
+    data.open(shard.dataPath, std::ios::binary | std::ios::trunc);
+    QPIPE_REQUIRE(data.good(), ErrorCode::kIo, "cannot write '", shard.dataPath.string(), "'");
+    shards.push_back(std::move(shard));
+  }
+
+  void removeTemporaries() {
+    if (data.is_open()) data.close();
+    std::error_code ignored;
+    for (const auto& shard : shards) fs::remove(shard.dataPath, ignored);
+  }
+};
+
+Writer::Writer(fs::path dir, WriterOptions options) : impl_(std::make_unique<Impl>()) {
+  impl_->dir = std::move(dir);
+  impl_->options = std::move(options);
+  std::error_code ec;
+  fs::create_directories(impl_->dir, ec);
+  QPIPE_REQUIRE(fs::is_directory(impl_->dir), ErrorCode::kIo, "cannot create folder '", impl_->dir.string(), "'");
+  impl_->openShard();
+}
+
+Writer::~Writer() {
+  if (!impl_->finished) impl_->removeTemporaries();
+}
+
+void Writer::add(const std::string& name, const at::Tensor& tensor) {
+  QPIPE_CHECK(!impl_->finished, "Writer::add after finish");
+  QPIPE_REQUIRE(impl_->names.insert(name).second, ErrorCode::kInternal, "tensor '", name, "' written twice");
+  const at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
+  const uint64_t bytes = cpu.nbytes();
+  Impl::Shard* shard = &impl_->shards.back();
+  if (impl_->options.maxShardBytes > 0 && shard->bytes > 0 && shard->bytes + bytes > impl_->options.maxShardBytes) {
+    impl_->openShard();
+    shard = &impl_->shards.back();
+  }
+  impl_->data.write(static_cast<const char*>(cpu.data_ptr()), static_cast<std::streamsize>(bytes));
+  QPIPE_REQUIRE(impl_->data.good(), ErrorCode::kIo, "writing '", shard->dataPath.string(), "' failed (disk full?)");
+  shard->tensors.push_back({name, dtypeName(cpu.scalar_type()), cpu.sizes().vec(), shard->bytes, shard->bytes + bytes});
+  shard->bytes += bytes;
+}
+
+namespace {
+
+void writeAtomically(const fs::path& finalPath, const std::string& header, const fs::path& dataPath) {
+  const fs::path temporary = finalPath.string() + ".tmp";
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    QPIPE_REQUIRE(out.good(), ErrorCode::kIo, "cannot write '", temporary.string(), "'");
+    std::array<char, 8> length{};
+    for (size_t i = 0; i < 8; ++i) length[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+    out.write(length.data(), 8);
+    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    QPIPE_REQUIRE(out.good(), ErrorCode::kIo, "writing '", temporary.string(), "' failed (disk full?)");
+  }
+  if (!dataPath.empty()) {
+    Fd in(::open(dataPath.c_str(), O_RDONLY | O_CLOEXEC));
+    // sendfile refuses O_APPEND descriptors: seek to the end instead.
+    Fd out(::open(temporary.c_str(), O_WRONLY | O_CLOEXEC));
+    QPIPE_REQUIRE(in.get() >= 0 && out.get() >= 0 && ::lseek(out.get(), 0, SEEK_END) >= 0, ErrorCode::kIo,
+                  "cannot reopen '", temporary.string(), "'");
+    struct stat st {};
+    ::fstat(in.get(), &st);
+    off_t remaining = st.st_size;
+    while (remaining > 0) {
+      const ssize_t copied = ::sendfile(out.get(), in.get(), nullptr, static_cast<size_t>(remaining));
+      QPIPE_REQUIRE(copied > 0, ErrorCode::kIo, "writing '", temporary.string(), "' failed: ", std::strerror(errno));
+      remaining -= copied;
+    }
+  }
+  fs::rename(temporary, finalPath);
+}
+
+}  // namespace
+
+std::vector<fs::path> Writer::finish() {
+  QPIPE_CHECK(!impl_->finished, "Writer::finish called twice");
+  impl_->data.close();
+  auto& shards = impl_->shards;
+  const auto& prefix = impl_->options.filePrefix;
+  std::vector<fs::path> written;
+  Json weightMap = Json::object();
+  uint64_t totalSize = 0;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    std::string fileName = prefix + ".safetensors";
+    if (shards.size() > 1) {
+      std::array<char, 32> numbering{};
+      std::snprintf(numbering.data(), numbering.size(), "-%05zu-of-%05zu", i + 1, shards.size());
+      fileName = prefix + numbering.data() + ".safetensors";
+    }
+    Json header = Json::object();
+    Json metadata = Json::object();
+    for (const auto& [key, value] : impl_->options.metadata) metadata[key] = value;
+    metadata["format"] = "pt";
+    header["__metadata__"] = metadata;
+    for (const auto& info : shards[i].tensors) {
+      header[info.name] = {{"dtype", info.dtype}, {"shape", info.shape}, {"data_offsets", {info.begin, info.end}}};
+      weightMap[info.name] = fileName;
+      totalSize += info.end - info.begin;
+    }
+    std::string text = header.dump();
+    text.append((8 - text.size() % 8) % 8, ' ');  // keeps the data section 8-byte aligned
+    writeAtomically(impl_->dir / fileName, text, shards[i].dataPath);
+    fs::remove(shards[i].dataPath);
+    written.push_back(impl_->dir / fileName);
+  }
+  if (shards.size() > 1) {
+    const Json index = {{"metadata", {{"total_size", totalSize}}}, {"weight_map", weightMap}};
+    const fs::path indexPath = impl_->dir / (prefix + ".safetensors.index.json");
+    const fs::path temporary = indexPath.string() + ".tmp";
+    std::ofstream(temporary) << index.dump(2) << "\n";
+    fs::rename(temporary, indexPath);
+    written.push_back(indexPath);
+  }
+  impl_->finished = true;
+  return written;
+}
+
+}  // namespace qpipe::safetensors

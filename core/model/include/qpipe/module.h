@@ -1,0 +1,135 @@
+// The module tree: HF module names (`model.layers.3.self_attn.q_proj`), parameters and buffers
+// by name, replaceable children, and forward hooks — what processors inspect and rewrite.
+//
+// A module holds its children in named slots; a parent reaches a child through its slot on
+// every forward, so `replace()` takes effect at once (a processor swaps a Linear for a
+// fake-quant one). Single-tensor modules (Linear, norms, hook points) run through
+// `operator()`, which applies the hooks; layers with several inputs have typed forwards.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Type.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "qpipe/error.h"
+
+namespace qpipe {
+
+class Module {
+ public:
+  // Returns the input to use (an undefined tensor keeps it unchanged).
+  using PreHook = std::function<at::Tensor(Module& module, const at::Tensor& input)>;
+  // Returns the output to use (an undefined tensor keeps it unchanged).
+  using PostHook = std::function<at::Tensor(Module& module, const at::Tensor& input, const at::Tensor& output)>;
+  using HookHandle = uint64_t;
+
+  explicit Module(std::string typeName) : typeName_(std::move(typeName)) {}
+  virtual ~Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  const std::string& typeName() const { return typeName_; }
+
+  // This module as a T (its dynamic type); Error(kConfig) naming `name`, its type and T
+  // otherwise (e.g. a module that an earlier processor of the pipeline replaced).
+  template <typename T>
+  T& as(std::string_view name) {
+    if (auto* typed = dynamic_cast<T*>(this)) return *typed;
+    throw Error(ErrorCode::kConfig, concat("module '", name, "' is a ", typeName_, ", not a ", c10::demangle_type<T>(),
+                                           " (did an earlier processor of the pipeline replace it?)"));
+  }
+
+  // Runs pre-hooks, forward, post-hooks.
+  at::Tensor operator()(const at::Tensor& input);
+  // Single-tensor forward; modules with other signatures do not override it (Error(kInternal)).
+  virtual at::Tensor forward(const at::Tensor& input);
+
+  HookHandle addForwardPreHook(PreHook hook);
+  HookHandle addForwardHook(PostHook hook);
+  void removeHook(HookHandle handle);
+
+  // Children, in registration order.
+  size_t addChild(std::string name, std::shared_ptr<Module> child);
+  Module& child(size_t slot) const { return *children_[slot].second; }
+  const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const { return children_; }
+  // Dotted path below this module ("" is this module); Error(kInput) naming the path if absent.
+  Module& getSubmodule(std::string_view path);
+  // Puts `replacement` where `path` is; the old module is returned (and dropped by the caller).
+  std::shared_ptr<Module> replace(std::string_view path, std::shared_ptr<Module> replacement);
+  // This module and every descendant, depth first, with full names under `prefix`.
+  std::vector<std::pair<std::string, Module*>> namedModules(const std::string& prefix = "");
+
+  // Parameters and buffers, by their local name.
+  at::Tensor& addParameter(std::string name, at::Tensor value);
+  at::Tensor& addBuffer(std::string name, at::Tensor value);
+  at::Tensor& parameter(std::string_view name);
+  bool hasParameter(std::string_view name) const;
+  // Recursive, full names ("model.layers.0.mlp.up_proj.weight").
+  std::vector<std::pair<std::string, at::Tensor*>> namedParameters(const std::string& prefix = "");
+  std::vector<std::pair<std::string, at::Tensor*>> namedBuffers(const std::string& prefix = "");
+
+  // Moves every parameter and buffer (recursively); `dtype` applies to floating-point ones only.
+  void to(at::Device device, std::optional<at::ScalarType> dtype = std::nullopt);
+
+ private:
+  struct Hook {
+    HookHandle handle;
+    PreHook pre;
+    PostHook post;
+  };
+  // The slot holding the module at `path`; Error(kInput) naming the path if absent.
+  std::shared_ptr<Module>& slot(std::string_view path);
+
+  std::string typeName_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  std::vector<std::pair<std::string, at::Tensor>> parameters_;
+  std::vector<std::pair<std::string, at::Tensor>> buffers_;
+  std::vector<Hook> hooks_;
+  HookHandle nextHook_ = 1;
+};
+
+// y = x Wᵀ + b, W of shape [out, in] as in torch.nn.Linear.
+class Linear : public Module {
+ public:
+  Linear(at::Tensor weight, at::Tensor bias = {});
+  at::Tensor forward(const at::Tensor& input) override;
+  at::Tensor& weight() { return parameter("weight"); }
+  // Undefined when the layer has no bias.
+  at::Tensor bias();
+  int64_t inFeatures() { return weight().size(1); }
+  int64_t outFeatures() { return weight().size(0); }
+};
+
+// Returns its input. Marks a point in the data path (e.g. attention's Q after RoPE) where a
+// processor can observe or replace the tensor with hooks, or swap the module.
+class HookPoint : public Module {
+ public:
+  HookPoint() : Module("HookPoint") {}
+  at::Tensor forward(const at::Tensor& input) override { return input; }
+};
+
+// Llama/Qwen RMSNorm: normalised in fp32, scaled by the weight in the input's dtype (as HF).
+class RMSNorm : public Module {
+ public:
+  RMSNorm(at::Tensor weight, double eps);
+  at::Tensor forward(const at::Tensor& input) override;
+
+ private:
+  double eps_;
+};
+
+class Embedding : public Module {
+ public:
+  explicit Embedding(at::Tensor weight);
+  at::Tensor forward(const at::Tensor& ids) override;
+};
+
+}  // namespace qpipe

@@ -1,0 +1,61 @@
+// msmodelslim's LinearQConfig (msmodelslim/core/quantizer/linear.py): how the input activation
+// and the weight of a linear layer are quantized. The YAML block, as processors take it:
+//
+//   qconfig:
+//     act:    {dtype: int8, scope: per_token, symmetric: True, method: minmax}
+//     weight: {dtype: int4, scope: per_group, symmetric: True, method: minmax, ext: {group_size: 128}}
+//
+// act defaults to float (not quantized: W8A16, W4A16); weight is required. ext holds the method
+// options: aggregation_type (act minmax: max | mean), search_method (act histogram: l2_norm |
+// kl_divergence), step (weight ssz iterations, default 50), group_size (per_group, default 128).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "qpipe/observer.h"
+#include "qpipe/quant.h"
+
+namespace qpipe {
+class ConfigNode;
+class Schema;
+}  // namespace qpipe
+
+namespace qpipe::quant {
+
+enum class QMethod { kNone, kMinMax, kHistogram, kSsz };
+
+struct QConfig {
+  QScheme scheme;
+  QMethod method = QMethod::kMinMax;
+  Aggregation aggregation = Aggregation::kMax;
+  HistogramObserver::Search search = HistogramObserver::Search::kL2Norm;
+  int64_t sszSteps = 50;
+
+  bool enabled() const { return scheme.dtype != QDtype::kFloat; }
+  // Activations: computed from each input at run time (per_token), so no calibration is needed.
+  bool isDynamic() const { return scheme.scope == QScope::kPerToken; }
+};
+
+struct LinearQConfig {
+  QConfig act;
+  QConfig weight;
+
+  // No static activation to calibrate: weights alone decide everything.
+  bool isDataFree() const { return !act.enabled() || act.isDynamic(); }
+  // "w int8 per_channel sym (minmax), a int8 per_token sym (dynamic)"
+  std::string describe() const;
+  // Error(kConfig) naming the module when its input width does not fit the weight's groups.
+  void checkFits(const std::string& moduleName, int64_t inFeatures) const;
+};
+
+// The schema of a `qconfig` block (field types and allowed spellings).
+Schema linearQConfigSchema();
+
+// Reads a `qconfig` block validated by linearQConfigSchema(). Combinations that cannot be run
+// (e.g. int4 activations, ssz on per_group, fp8 weights with int8 activations) are
+// Error(kConfig) naming file:line:col and the field under `path`.
+LinearQConfig parseLinearQConfig(const ConfigNode& qconfig, std::string_view path);
+
+}  // namespace qpipe::quant

@@ -1,0 +1,87 @@
+// Quantization core: schemes, quantization parameters, (fake) quantization and int4 packing.
+//
+// Contract:
+// - Scales are divisors: x ≈ (q - zeroPoint) · scale. Statistics and scales are fp32.
+// - The math follows msmodelslim (docs/quantization.md;
+//   msmodelslim/ir/api/impl/{int,fp}_quantization.py): int rounding is round-half-to-even like
+//   torch.round; FP8 E4M3 clamps to ±448 and then rounds to nearest even, bit-identical to
+//   LibTorch's `.to(at::kFloat8_e4m3fn)` of the clamped value.
+// - Shapes of scale / zero point per scope (keepdim, so they broadcast against the input):
+//   per_tensor [1]; per_channel (weight [out, in]) [out, 1]; per_group (weight [out, in])
+//   [out, in/group]; per_token (activations [..., hidden]) [..., 1];
+//   per_head ([batch, heads, seq, head_dim]) [1, heads, 1, 1].
+// - Functions are pure and device-agnostic; user-input errors are qpipe::Error(kConfig).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+
+namespace qpipe::quant {
+
+enum class QDtype { kInt8, kInt4, kFp8E4m3, kFloat };  // kFloat: quantization off
+enum class QScope { kPerTensor, kPerChannel, kPerGroup, kPerToken, kPerHead };
+
+// The msmodelslim YAML spellings: int8, int4, fp8_e4m3, float; per_tensor, per_channel,
+// per_group, per_token, per_head. `where` names the input in errors (file:line:col and key).
+QDtype parseQDtype(std::string_view name, std::string_view where);
+QScope parseQScope(std::string_view name, std::string_view where);
+std::string_view qdtypeName(QDtype dtype);
+std::string_view qscopeName(QScope scope);
+
+// Integer range of a dtype ([-128, 127], [-8, 7]); FP8 gives [-448, 448].
+double qmin(QDtype dtype);
+double qmax(QDtype dtype);
+
+struct QScheme {
+  QDtype dtype = QDtype::kInt8;
+  QScope scope = QScope::kPerTensor;
+  bool symmetric = true;
+  int64_t groupSize = 0;  // > 0 exactly for per_group
+
+  // Throws kConfig for impossible combinations; `where` prefixes the message.
+  void validate(std::string_view where) const;
+  // msmodelslim's constant naming, e.g. "int8_per_channel_sym".
+  std::string name() const;
+};
+
+struct QParams {
+  at::Tensor scale;      // fp32, the scope's keepdim shape
+  at::Tensor zeroPoint;  // int32, same shape; zeros when symmetric
+};
+
+// Per-scope minimum and maximum of `x` in fp32, in the scope's scale shape. Throws kConfig when
+// `x` does not fit the scope (per_group: 2-D with in % group == 0; per_head: 4-D), naming the shape.
+std::pair<at::Tensor, at::Tensor> minMax(const at::Tensor& x, const QScheme& scheme);
+
+// QParams from reduced min/max (msmodelslim calculate_int_qparam / fp8 qparam).
+QParams computeQParams(const at::Tensor& min, const at::Tensor& max, const QScheme& scheme);
+// minMax + computeQParams.
+QParams computeQParams(const at::Tensor& x, const QScheme& scheme);
+
+// int8/int4 → kChar (int4 values in [-8, 7]); fp8 → kFloat8_e4m3fn; float → x unchanged.
+at::Tensor quantize(const at::Tensor& x, const QParams& params, const QScheme& scheme);
+// Back to fp32: (q - zeroPoint) · scale.
+at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme& scheme);
+// dequantize(quantize(x)) in x's dtype.
+at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QScheme& scheme);
+
+// Clamps to ±448 and rounds to nearest even into E4M3FN. ±inf saturate to ±448 (as the clamp
+// does); NaN stays NaN (0x7F, or 0xFF with the sign bit), as LibTorch's cast.
+at::Tensor toFp8E4m3(const at::Tensor& x);
+
+// compressed-tensors pack-quantized for int4 (formats_and_peers.md §A1.7): along `dim` of a 2-D
+// kChar tensor in [-8, 7], u = q + 8, element 8j+k goes to bits 4k..4k+3 of int32 word j; the
+// last word is padded with u = 0. Weights pack along dim 1; asymmetric zero points along dim 0.
+at::Tensor packInt4(const at::Tensor& q, int64_t dim = 1);
+// Inverse of packInt4; `size` is the unpacked length of `dim`.
+at::Tensor unpackInt4(const at::Tensor& packed, int64_t size, int64_t dim = 1);
+
+// SSZ weight scale search (msmodelslim core/quantizer/impl/ssz.py::ssz_calculate_qparam):
+// per output channel of a weight [out, in], int8/int4 per_channel symmetric only.
+QParams sszSearch(const at::Tensor& weight, const QScheme& scheme, int64_t iterations = 50);
+
+}  // namespace qpipe::quant

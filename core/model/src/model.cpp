@@ -1,0 +1,329 @@
+// Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder layers, following transformers'
+// models/{llama,qwen2,qwen3,qwen3_moe}/modeling_*.py.
+#include "qpipe/model.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "qpipe/error.h"
+#include "qpipe/quantized_checkpoint.h"
+
+namespace qpipe {
+
+namespace {
+
+at::Tensor rotateHalf(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+}
+
+// Takes the tensors and modules of one layer from the checkpoint by HF name.
+struct LayerSource {
+  std::function<at::Tensor(const std::string& name)> weight;
+  std::function<bool(const std::string& name)> has;
+  // A projection: Linear, or QuantLinear where the checkpoint is quantized.
+  std::function<std::shared_ptr<Module>(const std::string& module, bool bias)> linear;
+};
+
+class Mlp : public Module {
+ public:
+  Mlp(const LayerSource& w, const std::string& prefix, bool bias) : Module("MLP") {
+    gate_ = addChild("gate_proj", w.linear(prefix + "gate_proj", bias));
+    up_ = addChild("up_proj", w.linear(prefix + "up_proj", bias));
+    down_ = addChild("down_proj", w.linear(prefix + "down_proj", bias));
+  }
+  Mlp(at::Tensor gate, at::Tensor up, at::Tensor down) : Module("MLP") {
+    gate_ = addChild("gate_proj", std::make_shared<Linear>(std::move(gate)));
+    up_ = addChild("up_proj", std::make_shared<Linear>(std::move(up)));
+    down_ = addChild("down_proj", std::make_shared<Linear>(std::move(down)));
+  }
+  at::Tensor forward(const at::Tensor& x) override { return child(down_)(at::silu(child(gate_)(x)) * child(up_)(x)); }
+
+ private:
+  size_t gate_, up_, down_;
+};
+
+// Qwen3-MoE sparse block: softmax router in fp32, top-k experts, optionally renormalised.
+class SparseMoe : public Module {
+ public:
+  SparseMoe(const LayerSource& w, const std::string& prefix, const ModelConfig& c)
+      : Module("SparseMoeBlock"), topK_(c.expertsPerToken), normTopk_(c.normTopkProb) {
+    gate_ = addChild("gate", w.linear(prefix + "gate", false));
+    auto experts = std::make_shared<Module>("Experts");
+    const std::string fused = prefix + "experts.gate_up_proj";
+    // Checkpoints saved with fused experts ([E, 2I, H] and [E, H, I]) are sliced per expert so
+    // every expert is an ordinary MLP with HF's per-expert names.
+    const at::Tensor gateUp = w.has(fused) ? w.weight(fused) : at::Tensor();
+    const at::Tensor down = w.has(fused) ? w.weight(prefix + "experts.down_proj") : at::Tensor();
+    for (int64_t e = 0; e < c.numExperts; ++e) {
+      const std::string name = std::to_string(e);
+      if (gateUp.defined()) {
+        const int64_t inter = gateUp.size(1) / 2;
+        experts->addChild(name,
+                          std::make_shared<Mlp>(gateUp[e].slice(0, 0, inter), gateUp[e].slice(0, inter), down[e]));
+      } else {
+        experts->addChild(name, std::make_shared<Mlp>(w, prefix + "experts." + name + ".", false));
+      }
+    }
+    experts_ = addChild("experts", experts);
+  }
+
+  at::Tensor forward(const at::Tensor& x) override {
+    const auto shape = x.sizes().vec();
+    const at::Tensor flat = x.reshape({-1, x.size(-1)});
+    const at::Tensor probs = at::softmax(child(gate_)(flat), -1, at::kFloat);
+    auto [weights, chosen] = at::topk(probs, topK_, -1);
+    if (normTopk_) weights = weights / weights.sum(-1, true);
+    weights = weights.to(x.scalar_type());
+    at::Tensor out = at::zeros_like(flat);
+    Module& experts = child(experts_);
+    for (size_t e = 0; e < experts.children().size(); ++e) {
+      const at::Tensor hit = chosen.eq(static_cast<int64_t>(e)).nonzero();  // [n, 2]: token, slot
+      if (hit.size(0) == 0) continue;
+      const at::Tensor tokens = hit.select(1, 0);
+      const at::Tensor scale = weights.index({tokens, hit.select(1, 1)}).unsqueeze(-1);
+      out.index_add_(0, tokens, experts.child(e)(flat.index_select(0, tokens)) * scale);
+    }
+    return out.view(shape);
+  }
+
+ private:
+  int64_t topK_;
+  bool normTopk_;
+  size_t gate_, experts_;
+};
+
+class Attention : public Module {
+ public:
+  Attention(const LayerSource& w, const std::string& prefix, const ModelConfig& c)
+      : Module("Attention"), heads_(c.numHeads), kvHeads_(c.numKvHeads), headDim_(c.headDim) {
+    q_ = addChild("q_proj", w.linear(prefix + "q_proj", c.attentionBias));
+    k_ = addChild("k_proj", w.linear(prefix + "k_proj", c.attentionBias));
+    v_ = addChild("v_proj", w.linear(prefix + "v_proj", c.attentionBias));
+    o_ = addChild("o_proj", w.linear(prefix + "o_proj", c.modelType == "llama" && c.attentionBias));
+    if (c.qkNorm) {
+      qNorm_ = addChild("q_norm", std::make_shared<RMSNorm>(w.weight(prefix + "q_norm.weight"), c.rmsNormEps));
+      kNorm_ = addChild("k_norm", std::make_shared<RMSNorm>(w.weight(prefix + "k_norm.weight"), c.rmsNormEps));
+    }
+    qHook_ = addChild("q_hook", std::make_shared<HookPoint>());
+    kHook_ = addChild("k_hook", std::make_shared<HookPoint>());
+    vHook_ = addChild("v_hook", std::make_shared<HookPoint>());
+  }
+
+  at::Tensor forward(const at::Tensor& x, const Rotary& rotary, const at::Tensor& mask) {
+    const int64_t batch = x.size(0), seq = x.size(1);
+    const auto heads = [&](size_t proj, int64_t n, std::optional<size_t> norm) {
+      at::Tensor t = child(proj)(x).view({batch, seq, n, headDim_});
+      if (norm) t = child(*norm)(t);
+      return t.transpose(1, 2);
+    };
+    at::Tensor q = heads(q_, heads_, qNorm_);
+    at::Tensor k = heads(k_, kvHeads_, kNorm_);
+    at::Tensor v = heads(v_, kvHeads_, std::nullopt);
+    const at::Tensor cos = rotary.cos.unsqueeze(1), sin = rotary.sin.unsqueeze(1);
+    q = child(qHook_)(q * cos + rotateHalf(q) * sin);
+    k = child(kHook_)(k * cos + rotateHalf(k) * sin);
+    v = child(vHook_)(v);
+    const at::Tensor attended =
+        at::scaled_dot_product_attention(q, k, v, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
+                                         /*dropout_p=*/0.0, /*is_causal=*/!mask.defined(), /*scale=*/std::nullopt,
+                                         /*enable_gqa=*/kvHeads_ != heads_);
+    return child(o_)(attended.transpose(1, 2).reshape({batch, seq, heads_ * headDim_}));
+  }
+
+ private:
+  int64_t heads_, kvHeads_, headDim_;
+  size_t q_, k_, v_, o_, qHook_, kHook_, vHook_;
+  std::optional<size_t> qNorm_, kNorm_;
+};
+
+class LlamaLayer final : public DecoderLayer {
+ public:
+  LlamaLayer(const LayerSource& w, const std::string& prefix, int64_t index, const ModelConfig& c) {
+    inputNorm_ = addChild("input_layernorm",
+                          std::make_shared<RMSNorm>(w.weight(prefix + "input_layernorm.weight"), c.rmsNormEps));
+    attention_ = addChild("self_attn", std::make_shared<Attention>(w, prefix + "self_attn.", c));
+    postNorm_ = addChild("post_attention_layernorm",
+                         std::make_shared<RMSNorm>(w.weight(prefix + "post_attention_layernorm.weight"), c.rmsNormEps));
+    if (c.isMoeLayer(index)) {
+      mlp_ = addChild("mlp", std::make_shared<SparseMoe>(w, prefix + "mlp.", c));
+    } else {
+      mlp_ = addChild("mlp", std::make_shared<Mlp>(w, prefix + "mlp.", c.mlpBias));
+    }
+  }
+
+  at::Tensor forward(const at::Tensor& hidden, const Rotary& rotary, const at::Tensor& mask) override {
+    auto& attention = static_cast<Attention&>(child(attention_));
+    const at::Tensor h = hidden + attention.forward(child(inputNorm_)(hidden), rotary, mask);
+    return h + child(mlp_)(child(postNorm_)(h));
+  }
+
+ private:
+  size_t inputNorm_, attention_, postNorm_, mlp_;
+};
+
+// Stands in for a decoder layer that is not materialised.
+class UnloadedLayer final : public DecoderLayer {
+ public:
+  at::Tensor forward(const at::Tensor&, const Rotary&, const at::Tensor&) override {
+    QPIPE_CHECK(false, "forward through an unloaded decoder layer");
+    return {};
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, ModelOptions options) {
+  std::unique_ptr<CausalLM> lm(new CausalLM());
+  lm->dir_ = modelDir;
+  lm->options_ = options;
+  QPIPE_REQUIRE(std::filesystem::is_directory(modelDir), ErrorCode::kInput, "model folder '", modelDir.string(),
+                "' does not exist");
+  lm->config_ = ModelConfig::fromFile(modelDir / "config.json");
+  lm->quantized_ = detail::QuantizedCheckpoint::detect(modelDir);
+  lm->checkpoint_ = safetensors::Checkpoint::open(modelDir, lm->quantized_ ? lm->quantized_->weightsPrefix() : "model");
+  const ModelConfig& c = lm->config_;
+
+  auto model = std::make_shared<Module>("Model");
+  // The embedding and a float lm_head keep the checkpoint's dtype, mapped, until used: embed()
+  // converts only the rows it looks up and head() converts lm_head on first use, so a run that
+  // never calls the head (qpipe quant) never holds a converted copy of either.
+  model->addChild("embed_tokens", std::make_shared<Embedding>(lm->stored("model.embed_tokens.weight")));
+  auto layers = std::make_shared<Module>("Layers");
+  for (int64_t i = 0; i < c.numLayers; ++i) layers->addChild(std::to_string(i), std::make_shared<UnloadedLayer>());
+  lm->layers_ = layers.get();
+  model->addChild("layers", layers);
+  model->addChild("norm", std::make_shared<RMSNorm>(lm->weight("model.norm.weight"), c.rmsNormEps));
+  lm->root_ = std::make_shared<Module>("CausalLM");
+  lm->root_->addChild("model", model);
+  const bool tied = !lm->checkpoint_.contains("lm_head.weight") && !lm->checkpoint_.contains("lm_head.weight_packed");
+  QPIPE_REQUIRE(!tied || c.tieWordEmbeddings, ErrorCode::kInput, "checkpoint ", modelDir.string(),
+                ": no 'lm_head.weight' and tie_word_embeddings is false");
+  const bool floatHead = !tied && lm->checkpoint_.contains("lm_head.weight") &&
+                         at::isFloatingType(lm->checkpoint_.tensor("lm_head.weight").scalar_type()) &&
+                         !(lm->quantized_ && lm->checkpoint_.contains("lm_head.weight_scale"));
+  lm->root_->addChild("lm_head", tied
+                                     ? std::make_shared<Linear>(model->getSubmodule("embed_tokens").parameter("weight"))
+                                 : floatHead ? std::make_shared<Linear>(lm->stored("lm_head.weight"))
+                                             : lm->linear("lm_head", false));
+
+  // Inverse RoPE frequencies, with Llama-3's wavelength-dependent scaling when configured.
+  at::Tensor invFreq =
+      1.0 / at::pow(c.rope.theta, at::arange(0, c.headDim, 2, at::kDouble) / static_cast<double>(c.headDim));
+  if (c.rope.type == "llama3") {
+    const double oldContext = static_cast<double>(c.rope.originalMaxPositions);
+    const double lowWavelen = oldContext / c.rope.lowFreqFactor;
+    const double highWavelen = oldContext / c.rope.highFreqFactor;
+    const at::Tensor wavelen = 2 * M_PI / invFreq;
+    at::Tensor scaled = at::where(wavelen > lowWavelen, invFreq / c.rope.factor, invFreq);
+    const at::Tensor smooth =
+        (oldContext / wavelen - c.rope.lowFreqFactor) / (c.rope.highFreqFactor - c.rope.lowFreqFactor);
+    const at::Tensor smoothed = (1 - smooth) * scaled / c.rope.factor + smooth * scaled;
+    const at::Tensor medium = wavelen.ge(highWavelen).logical_and(wavelen.le(lowWavelen));
+    invFreq = at::where(medium, smoothed, scaled);
+  }
+  lm->invFreq_ = invFreq.to(at::kFloat).to(options.device);
+  return lm;
+}
+
+at::Tensor CausalLM::stored(const std::string& name) {
+  QPIPE_REQUIRE(checkpoint_.contains(name), ErrorCode::kInput, "checkpoint ", dir_.string(), ": missing tensor '", name,
+                "'");
+  return checkpoint_.tensor(name);
+}
+
+at::Tensor CausalLM::weight(const std::string& name) {
+  at::Tensor t = stored(name);
+  if (t.scalar_type() != options_.dtype && at::isFloatingType(t.scalar_type()))
+    return t.to(options_.device, options_.dtype);
+  return t.to(options_.device);
+}
+
+std::shared_ptr<Module> CausalLM::linear(const std::string& name, bool bias) {
+  if (quantized_) {
+    const auto stored = [this](const std::string& tensor) {
+      QPIPE_REQUIRE(checkpoint_.contains(tensor), ErrorCode::kInput, "checkpoint ", dir_.string(), ": missing tensor '",
+                    tensor, "'");
+      return checkpoint_.tensor(tensor).to(options_.device);
+    };
+    const auto has = [this](const std::string& tensor) { return checkpoint_.contains(tensor); };
+    if (auto quantized = quantized_->linear(name, bias, stored, has, options_.dtype)) return quantized;
+  }
+  return std::make_shared<Linear>(weight(name + ".weight"), bias ? weight(name + ".bias") : at::Tensor());
+}
+
+DecoderLayer& CausalLM::layer(int64_t index) {
+  QPIPE_CHECK(index >= 0 && index < config_.numLayers, "layer ", index, " out of range");
+  if (!isLoaded(index)) {
+    const LayerSource source{[this](const std::string& name) { return weight(name); },
+                             [this](const std::string& name) { return checkpoint_.contains(name); },
+                             [this](const std::string& name, bool bias) { return linear(name, bias); }};
+    layers_->replace(std::to_string(index),
+                     std::make_shared<LlamaLayer>(source, layerName(index) + ".", index, config_));
+  }
+  return static_cast<DecoderLayer&>(layers_->child(static_cast<size_t>(index)));
+}
+
+bool CausalLM::isLoaded(int64_t index) const {
+  return dynamic_cast<UnloadedLayer*>(&layers_->child(static_cast<size_t>(index))) == nullptr;
+}
+
+void CausalLM::releaseLayer(int64_t index) {
+  layers_->replace(std::to_string(index), std::make_shared<UnloadedLayer>());
+  // The layer's mapped pages would otherwise stay resident, and RSS would grow to the whole
+  // checkpoint over a run.
+  const std::string prefix = layerName(index) + ".";
+  for (const std::string& name : checkpoint_.names()) {
+    if (name.starts_with(prefix)) checkpoint_.dropPages(name);
+  }
+}
+
+at::Tensor CausalLM::embed(const at::Tensor& ids) {
+  Module& embedding = root_->getSubmodule("model.embed_tokens");
+  const at::Tensor& table = embedding.parameter("weight");
+  return embedding(ids.to(table.device())).to(options_.device, options_.dtype);
+}
+
+Rotary CausalLM::rotary(const at::Tensor& positions) {
+  const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * invFreq_;
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  return {emb.cos().to(options_.dtype), emb.sin().to(options_.dtype)};
+}
+
+at::Tensor CausalLM::causalMask(const at::Tensor& attentionMask, int64_t seq) {
+  if (!attentionMask.defined() || attentionMask.all().item<bool>()) return {};
+  const auto opts = at::TensorOptions().dtype(at::kBool).device(options_.device);
+  const at::Tensor causal = at::ones({seq, seq}, opts).tril();
+  const at::Tensor keep = causal.unsqueeze(0).logical_and(attentionMask.to(at::kBool).unsqueeze(1));
+  // The dtype's minimum rather than -inf, as transformers does: fully padded rows stay finite.
+  const double lowest = options_.dtype == at::kHalf ? -65504.0 : std::numeric_limits<float>::lowest();
+  const auto maskOptions = at::TensorOptions().dtype(options_.dtype).device(options_.device);
+  return at::where(keep, at::zeros({}, maskOptions), at::full({}, lowest, maskOptions)).unsqueeze(1);
+}
+
+void CausalLM::prepareHead() {
+  if (auto* linear = dynamic_cast<Linear*>(&root_->getSubmodule("lm_head"));
+      linear != nullptr &&
+      (linear->weight().scalar_type() != options_.dtype || linear->weight().device() != options_.device)) {
+    linear->weight() = linear->weight().to(options_.device, options_.dtype);
+  }
+}
+
+at::Tensor CausalLM::head(const at::Tensor& hidden) {
+  prepareHead();
+  return root_->getSubmodule("lm_head")(root_->getSubmodule("model.norm")(hidden));
+}
+
+at::Tensor CausalLM::forward(const at::Tensor& ids, const at::Tensor& attentionMask) {
+  const int64_t batch = ids.size(0), seq = ids.size(1);
+  const at::Tensor positions =
+      at::arange(seq, at::TensorOptions().dtype(at::kLong).device(options_.device)).unsqueeze(0).expand({batch, seq});
+  const Rotary rot = rotary(positions);
+  const at::Tensor mask = causalMask(attentionMask, seq);
+  at::Tensor hidden = embed(ids);
+  for (int64_t i = 0; i < config_.numLayers; ++i) hidden = layer(i).forward(hidden, rot, mask);
+  return head(hidden);
+}
+
+}  // namespace qpipe

@@ -1,0 +1,124 @@
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+
+#include "qpipe/error.h"
+#include "qpipe/model.h"
+
+namespace qpipe {
+
+namespace {
+
+using Json = nlohmann::json;
+
+class ConfigReader {
+ public:
+  ConfigReader(const std::filesystem::path& file, const Json& json) : file_(file), json_(json) {}
+
+  template <typename T>
+  T required(const char* key) const {
+    QPIPE_REQUIRE(json_.contains(key) && !json_[key].is_null(), ErrorCode::kInput, file_.string(), ": missing field '",
+                  key, "'");
+    return get<T>(key);
+  }
+  template <typename T>
+  T optional(const char* key, T fallback) const {
+    return json_.contains(key) && !json_[key].is_null() ? get<T>(key) : fallback;
+  }
+  const Json& json() const { return json_; }
+
+ private:
+  template <typename T>
+  T get(const char* key) const {
+    try {
+      return json_[key].get<T>();
+    } catch (const Json::exception&) {
+      throw Error(ErrorCode::kInput,
+                  concat(file_.string(), ": field '", key, "' has the wrong type (", json_[key].dump(), ")"));
+    }
+  }
+  const std::filesystem::path& file_;
+  const Json& json_;
+};
+
+at::ScalarType dtypeOf(const std::string& name, const std::filesystem::path& file) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  throw Error(ErrorCode::kInput, concat(file.string(), ": unsupported dtype '", name, "'"));
+}
+
+}  // namespace
+
+ModelConfig ModelConfig::fromFile(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  QPIPE_REQUIRE(in.good(), ErrorCode::kIo, "cannot open '", file.string(), "'");
+  Json json;
+  try {
+    json = Json::parse(in);
+  } catch (const Json::exception& e) {
+    throw Error(ErrorCode::kInput, concat(file.string(), ": not valid JSON (", e.what(), ")"));
+  }
+  QPIPE_REQUIRE(json.is_object(), ErrorCode::kInput, file.string(), ": not a JSON object");
+  const ConfigReader r(file, json);
+
+  ModelConfig c;
+  c.modelType = r.required<std::string>("model_type");
+  QPIPE_REQUIRE(
+      c.modelType == "llama" || c.modelType == "qwen2" || c.modelType == "qwen3" || c.modelType == "qwen3_moe",
+      ErrorCode::kInput, file.string(), ": model_type '", c.modelType,
+      "' is not supported; supported: llama, qwen2, qwen3, qwen3_moe");
+  c.vocabSize = r.required<int64_t>("vocab_size");
+  c.hiddenSize = r.required<int64_t>("hidden_size");
+  c.intermediateSize = r.required<int64_t>("intermediate_size");
+  c.numLayers = r.required<int64_t>("num_hidden_layers");
+  c.numHeads = r.required<int64_t>("num_attention_heads");
+  c.numKvHeads = r.optional<int64_t>("num_key_value_heads", c.numHeads);
+  c.headDim = r.optional<int64_t>("head_dim", c.hiddenSize / c.numHeads);
+  QPIPE_REQUIRE(c.numHeads > 0 && c.numKvHeads > 0 && c.numHeads % c.numKvHeads == 0, ErrorCode::kInput, file.string(),
+                ": num_attention_heads (", c.numHeads, ") must be a multiple of num_key_value_heads (", c.numKvHeads,
+                ")");
+  c.rmsNormEps = r.optional<double>("rms_norm_eps", 1e-6);
+  c.tieWordEmbeddings = r.optional<bool>("tie_word_embeddings", false);
+  c.attentionBias = c.modelType == "qwen2" || r.optional<bool>("attention_bias", false);
+  c.mlpBias = r.optional<bool>("mlp_bias", false);
+  c.qkNorm = c.modelType == "qwen3" || c.modelType == "qwen3_moe";
+  const std::string dtype = r.optional<std::string>("torch_dtype", r.optional<std::string>("dtype", "float32"));
+  c.checkpointDtype = dtypeOf(dtype, file);
+
+  // transformers 5 writes rope_parameters; older files write rope_theta and rope_scaling.
+  Json rope = json.contains("rope_parameters") && json["rope_parameters"].is_object() ? json["rope_parameters"]
+              : json.contains("rope_scaling") && json["rope_scaling"].is_object()     ? json["rope_scaling"]
+                                                                                      : Json::object();
+  const ConfigReader ropeReader(file, rope);
+  c.rope.theta = ropeReader.optional<double>("rope_theta", r.optional<double>("rope_theta", 10000.0));
+  c.rope.type = ropeReader.optional<std::string>("rope_type", ropeReader.optional<std::string>("type", "default"));
+  QPIPE_REQUIRE(c.rope.type == "default" || c.rope.type == "llama3", ErrorCode::kInput, file.string(), ": rope type '",
+                c.rope.type, "' is not supported; supported: default, llama3");
+  if (c.rope.type == "llama3") {
+    c.rope.factor = ropeReader.required<double>("factor");
+    c.rope.lowFreqFactor = ropeReader.required<double>("low_freq_factor");
+    c.rope.highFreqFactor = ropeReader.required<double>("high_freq_factor");
+    c.rope.originalMaxPositions = ropeReader.required<int64_t>("original_max_position_embeddings");
+  }
+
+  if (c.modelType == "qwen3_moe") {
+    // transformers 5 writes num_local_experts; earlier versions num_experts.
+    c.numExperts = r.optional<int64_t>("num_local_experts", 0);
+    if (c.numExperts == 0) c.numExperts = r.required<int64_t>("num_experts");
+    c.expertsPerToken = r.required<int64_t>("num_experts_per_tok");
+    c.moeIntermediateSize = r.required<int64_t>("moe_intermediate_size");
+    c.normTopkProb = r.optional<bool>("norm_topk_prob", false);
+    c.decoderSparseStep = r.optional<int64_t>("decoder_sparse_step", 1);
+    c.mlpOnlyLayers = r.optional<std::vector<int64_t>>("mlp_only_layers", {});
+  }
+  return c;
+}
+
+bool ModelConfig::isMoeLayer(int64_t layer) const {
+  if (numExperts == 0) return false;
+  if (std::find(mlpOnlyLayers.begin(), mlpOnlyLayers.end(), layer) != mlpOnlyLayers.end()) return false;
+  return decoderSparseStep > 0 && (layer + 1) % decoderSparseStep == 0;
+}
+
+}  // namespace qpipe

@@ -1,0 +1,193 @@
+#include "qpipe/module.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "qpipe/error.h"
+
+namespace qpipe {
+
+at::Tensor Module::operator()(const at::Tensor& input) {
+  if (hooks_.empty()) return forward(input);
+  at::Tensor x = input;
+  for (auto& hook : hooks_) {
+    if (!hook.pre) continue;
+    at::Tensor changed = hook.pre(*this, x);
+    if (changed.defined()) x = changed;
+  }
+  at::Tensor y = forward(x);
+  for (auto& hook : hooks_) {
+    if (!hook.post) continue;
+    at::Tensor changed = hook.post(*this, x, y);
+    if (changed.defined()) y = changed;
+  }
+  return y;
+}
+
+at::Tensor Module::forward(const at::Tensor&) {
+  QPIPE_CHECK(false, "module type ", typeName_, " has no single-tensor forward");
+  return {};
+}
+
+Module::HookHandle Module::addForwardPreHook(PreHook hook) {
+  hooks_.push_back({nextHook_, std::move(hook), nullptr});
+  return nextHook_++;
+}
+
+Module::HookHandle Module::addForwardHook(PostHook hook) {
+  hooks_.push_back({nextHook_, nullptr, std::move(hook)});
+  return nextHook_++;
+}
+
+void Module::removeHook(HookHandle handle) {
+  std::erase_if(hooks_, [&](const Hook& hook) { return hook.handle == handle; });
+}
+
+size_t Module::addChild(std::string name, std::shared_ptr<Module> child) {
+  QPIPE_CHECK(child != nullptr, "null child '", name, "'");
+  children_.emplace_back(std::move(name), std::move(child));
+  return children_.size() - 1;
+}
+
+namespace {
+
+// Splits "a.b.c" into "a" and "b.c".
+std::pair<std::string_view, std::string_view> headAndRest(std::string_view path) {
+  const size_t dot = path.find('.');
+  if (dot == std::string_view::npos) return {path, {}};
+  return {path.substr(0, dot), path.substr(dot + 1)};
+}
+
+}  // namespace
+
+Module& Module::getSubmodule(std::string_view path) {
+  Module* current = this;
+  std::string_view rest = path;
+  while (!rest.empty()) {
+    const auto [head, tail] = headAndRest(rest);
+    auto it = std::find_if(current->children_.begin(), current->children_.end(),
+                           [&](const auto& entry) { return entry.first == head; });
+    QPIPE_REQUIRE(it != current->children_.end(), ErrorCode::kInput, "no module '", path, "' (no child '", head,
+                  "' in ", current->typeName_, ")");
+    current = it->second.get();
+    rest = tail;
+  }
+  return *current;
+}
+
+std::shared_ptr<Module>& Module::slot(std::string_view path) {
+  const size_t dot = path.rfind('.');
+  Module& parent = dot == std::string_view::npos ? *this : getSubmodule(path.substr(0, dot));
+  const std::string_view name = dot == std::string_view::npos ? path : path.substr(dot + 1);
+  for (auto& [childName, child] : parent.children_) {
+    if (childName == name) return child;
+  }
+  throw Error(ErrorCode::kInput, concat("no module '", path, "'"));
+}
+
+std::shared_ptr<Module> Module::replace(std::string_view path, std::shared_ptr<Module> replacement) {
+  QPIPE_CHECK(replacement != nullptr, "replacing '", path, "' with null");
+  std::swap(slot(path), replacement);
+  return replacement;
+}
+
+std::vector<std::pair<std::string, Module*>> Module::namedModules(const std::string& prefix) {
+  std::vector<std::pair<std::string, Module*>> out{{prefix, this}};
+  for (auto& [name, child] : children_) {
+    auto below = child->namedModules(prefix.empty() ? name : prefix + "." + name);
+    out.insert(out.end(), below.begin(), below.end());
+  }
+  return out;
+}
+
+at::Tensor& Module::addParameter(std::string name, at::Tensor value) {
+  parameters_.emplace_back(std::move(name), std::move(value));
+  return parameters_.back().second;
+}
+
+at::Tensor& Module::addBuffer(std::string name, at::Tensor value) {
+  buffers_.emplace_back(std::move(name), std::move(value));
+  return buffers_.back().second;
+}
+
+at::Tensor& Module::parameter(std::string_view name) {
+  for (auto& [key, value] : parameters_) {
+    if (key == name) return value;
+  }
+  throw Error(ErrorCode::kInternal, concat(typeName_, " has no parameter '", name, "'"));
+}
+
+bool Module::hasParameter(std::string_view name) const {
+  return std::any_of(parameters_.begin(), parameters_.end(), [&](const auto& entry) { return entry.first == name; });
+}
+
+namespace {
+
+void collect(Module& module, const std::string& prefix, std::vector<std::pair<std::string, at::Tensor*>>& out,
+             const std::function<std::vector<std::pair<std::string, at::Tensor>>&(Module&)>& select) {
+  for (auto& [name, tensor] : select(module)) out.emplace_back(prefix.empty() ? name : prefix + "." + name, &tensor);
+  for (auto& [name, child] : module.children()) {
+    collect(*child, prefix.empty() ? name : prefix + "." + name, out, select);
+  }
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, at::Tensor*>> Module::namedParameters(const std::string& prefix) {
+  std::vector<std::pair<std::string, at::Tensor*>> out;
+  collect(
+      *this, prefix, out, [](Module & m) -> auto& { return m.parameters_; });
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor*>> Module::namedBuffers(const std::string& prefix) {
+  std::vector<std::pair<std::string, at::Tensor*>> out;
+  collect(
+      *this, prefix, out, [](Module & m) -> auto& { return m.buffers_; });
+  return out;
+}
+
+void Module::to(at::Device device, std::optional<at::ScalarType> dtype) {
+  const auto move = [&](at::Tensor& t) {
+    if (!t.defined()) return;
+    t = dtype && at::isFloatingType(t.scalar_type()) ? t.to(device, *dtype) : t.to(device);
+  };
+  for (auto& [name, t] : parameters_) move(t);
+  for (auto& [name, t] : buffers_) move(t);
+  for (auto& [name, child] : children_) child->to(device, dtype);
+}
+
+Linear::Linear(at::Tensor weight, at::Tensor bias) : Module("Linear") {
+  QPIPE_CHECK(weight.dim() == 2, "Linear weight must be 2-D, got ", weight.sizes());
+  addParameter("weight", std::move(weight));
+  if (bias.defined()) addParameter("bias", std::move(bias));
+}
+
+at::Tensor Linear::bias() {
+  return hasParameter("bias") ? parameter("bias") : at::Tensor();
+}
+
+at::Tensor Linear::forward(const at::Tensor& input) {
+  return at::linear(input, weight(), bias());
+}
+
+RMSNorm::RMSNorm(at::Tensor weight, double eps) : Module("RMSNorm"), eps_(eps) {
+  addParameter("weight", std::move(weight));
+}
+
+at::Tensor RMSNorm::forward(const at::Tensor& input) {
+  const at::Tensor x = input.to(at::kFloat);
+  const at::Tensor normed = x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+  return parameter("weight") * normed.to(input.scalar_type());
+}
+
+Embedding::Embedding(at::Tensor weight) : Module("Embedding") {
+  addParameter("weight", std::move(weight));
+}
+
+at::Tensor Embedding::forward(const at::Tensor& ids) {
+  return at::embedding(parameter("weight"), ids);
+}
+
+}  // namespace qpipe

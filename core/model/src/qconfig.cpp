@@ -1,0 +1,199 @@
+#include "qpipe/qconfig.h"
+
+#include "qpipe/config_node.h"
+#include "qpipe/error.h"
+#include "qpipe/schema.h"
+
+namespace qpipe::quant {
+
+namespace {
+
+
+Schema sideSchema(bool isAct) {
+  Schema ext;
+  ext.add(
+         {.name = "aggregation_type", .help = "act minmax: max (running extremes) or mean", .allowed = {"max", "mean"}})
+      .add({.name = "search_method",
+            .help = "act histogram: l2_norm or kl_divergence",
+            .allowed = {"l2_norm", "kl_divergence"}})
+      .add({.name = "step", .type = ValueType::kInt, .help = "weight ssz: search iterations (default 50)"})
+      .add({.name = "group_size", .type = ValueType::kInt, .help = "per_group: columns per group (default 128)"});
+  Schema side;
+  side.choice("dtype", {"int8", "int4", "fp8_e4m3", "float"}, isAct ? "float" : "int8", "element type; float = off")
+      .choice("scope", {"per_tensor", "per_channel", "per_group", "per_token", "per_head"},
+              isAct ? "per_tensor" : "per_channel", "granularity of scales")
+      .optional("symmetric", ValueType::kBool, ConfigNode::boolean(true), "zero point fixed at 0")
+      .choice("method", {"minmax", "histogram", "ssz", "none"}, "minmax", "how the range is chosen")
+      .nested("ext", std::move(ext), false, "method options");
+  return side;
+}
+
+// A value's own location, or its block's when the value is a default.
+const ConfigNode& located(const ConfigNode& value, const ConfigNode& block) {
+  return value.location().line > 0 ? value : block;
+}
+
+struct Side {
+  const ConfigNode& node;
+  std::string path;
+
+  const ConfigNode& field(std::string_view key) const { return node.at(key); }
+  const ConfigNode* ext(std::string_view key) const {
+    const ConfigNode& block = node.at("ext");
+    const ConfigNode* value = block.isMap() ? block.find(key) : nullptr;
+    return value != nullptr && !value->isNull() ? value : nullptr;
+  }
+  [[noreturn]] void fail(std::string_view key, std::string_view what) const {
+    failAt(located(field(key), node), path + "." + std::string(key), what);
+  }
+  [[noreturn]] void failExt(std::string_view key, std::string_view what) const {
+    failAt(*ext(key), path + ".ext." + std::string(key), what);
+  }
+};
+
+QMethod parseMethod(std::string_view name) {
+  if (name == "minmax") return QMethod::kMinMax;
+  if (name == "histogram") return QMethod::kHistogram;
+  if (name == "ssz") return QMethod::kSsz;
+  return QMethod::kNone;
+}
+
+// The fields common to both sides; `ext` keys are consumed by the side-specific readers.
+QConfig readCommon(const Side& side) {
+  QConfig config;
+  config.scheme.dtype = parseQDtype(side.field("dtype").asString(), side.path + ".dtype");
+  config.scheme.scope = parseQScope(side.field("scope").asString(), side.path + ".scope");
+  config.scheme.symmetric = side.field("symmetric").asBool();
+  config.method = parseMethod(side.field("method").asString());
+  if (config.scheme.dtype == QDtype::kFp8E4m3 && !config.scheme.symmetric) {
+    side.fail("symmetric", "fp8_e4m3 is symmetric only; set symmetric: True");
+  }
+  if (config.enabled() && config.method == QMethod::kNone) {
+    side.fail("method", "'none' quantizes nothing; use minmax, or dtype: float to leave this side unquantized");
+  }
+  return config;
+}
+
+void rejectExt(const Side& side, std::string_view key, std::string_view why) {
+  if (side.ext(key) != nullptr) side.failExt(key, why);
+}
+
+QConfig readAct(const Side& side) {
+  QConfig act = readCommon(side);
+  if (!act.enabled()) {
+    for (const char* key : {"aggregation_type", "search_method", "step", "group_size"}) {
+      rejectExt(side, key, "has no effect when dtype is float");
+    }
+    act.scheme = {.dtype = QDtype::kFloat, .scope = QScope::kPerTensor, .symmetric = true};
+    act.method = QMethod::kNone;
+    return act;
+  }
+  if (act.scheme.dtype == QDtype::kInt4) {
+    side.fail("dtype", "int4 activations (W4A4) are not supported; use int8 or fp8_e4m3");
+  }
+  if (act.scheme.scope != QScope::kPerTensor && act.scheme.scope != QScope::kPerToken) {
+    side.fail("scope", "linear activations are per_tensor (static, calibrated) or per_token (dynamic)");
+  }
+  if (act.method == QMethod::kSsz)
+    side.fail("method", "ssz searches weight scales; activations take minmax or histogram");
+  if (act.method == QMethod::kHistogram &&
+      (act.scheme.scope != QScope::kPerTensor || act.scheme.dtype != QDtype::kInt8)) {
+    side.fail("method", "histogram calibrates int8 per_tensor activations only");
+  }
+  rejectExt(side, "step", "applies to weight ssz only");
+  rejectExt(side, "group_size", "applies to per_group weights only");
+  if (const ConfigNode* aggregation = side.ext("aggregation_type")) {
+    if (act.method != QMethod::kMinMax || act.isDynamic()) {
+      side.failExt("aggregation_type", "applies to static minmax activations only");
+    }
+    act.aggregation = parseAggregation(aggregation->asString(), side.path + ".ext.aggregation_type");
+  }
+  if (const ConfigNode* search = side.ext("search_method")) {
+    if (act.method != QMethod::kHistogram) side.failExt("search_method", "applies to method histogram only");
+    act.search = HistogramObserver::parseSearch(search->asString(), side.path + ".ext.search_method");
+  }
+  return act;
+}
+
+QConfig readWeight(const Side& side) {
+  QConfig weight = readCommon(side);
+  if (!weight.enabled()) side.fail("dtype", "float leaves the weight unquantized; use int8, int4 or fp8_e4m3");
+  const QScope scope = weight.scheme.scope;
+  if (scope == QScope::kPerToken || scope == QScope::kPerHead) {
+    side.fail("scope", "weights are per_tensor, per_channel or per_group");
+  }
+  if (weight.method == QMethod::kHistogram)
+    side.fail("method", "histogram calibrates activations; weights take minmax or ssz");
+  if (weight.method == QMethod::kSsz &&
+      (scope != QScope::kPerChannel || !weight.scheme.symmetric || weight.scheme.dtype == QDtype::kFp8E4m3)) {
+    side.fail("method", "ssz searches int8/int4 per_channel symmetric weights only");
+  }
+  if (scope == QScope::kPerGroup && weight.scheme.dtype == QDtype::kFp8E4m3) {
+    side.fail("scope", "per_group applies to int8/int4 weights; fp8_e4m3 takes per_tensor or per_channel");
+  }
+  rejectExt(side, "aggregation_type", "applies to static minmax activations only");
+  rejectExt(side, "search_method", "applies to act histogram only");
+  if (const ConfigNode* step = side.ext("step")) {
+    if (weight.method != QMethod::kSsz) side.failExt("step", "applies to method ssz only");
+    if (step->asInt() < 1) side.failExt("step", "must be >= 1");
+    weight.sszSteps = step->asInt();
+  }
+  if (const ConfigNode* group = side.ext("group_size")) {
+    if (scope != QScope::kPerGroup) side.failExt("group_size", "applies to scope per_group only");
+    if (group->asInt() < 1) side.failExt("group_size", "must be >= 1");
+    weight.scheme.groupSize = group->asInt();
+  } else if (scope == QScope::kPerGroup) {
+    weight.scheme.groupSize = 128;
+  }
+  return weight;
+}
+
+std::string describeSide(const QConfig& config) {
+  if (!config.enabled()) return "float";
+  std::string text = std::string(qdtypeName(config.scheme.dtype)) + " " + std::string(qscopeName(config.scheme.scope));
+  if (config.scheme.scope == QScope::kPerGroup) text += std::to_string(config.scheme.groupSize);
+  text += config.scheme.symmetric ? " sym" : " asym";
+  if (config.isDynamic()) return text + " dynamic";
+  switch (config.method) {
+    case QMethod::kHistogram:
+      return text + " histogram";
+    case QMethod::kSsz:
+      return text + " ssz";
+    default:
+      return text + " minmax";
+  }
+}
+
+}  // namespace
+
+std::string LinearQConfig::describe() const {
+  return "w " + describeSide(weight) + ", a " + describeSide(act);
+}
+
+Schema linearQConfigSchema() {
+  Schema schema;
+  schema.nested("act", sideSchema(true), false, "input activation (default float: not quantized)")
+      .nested("weight", sideSchema(false), true, "weight");
+  return schema;
+}
+
+LinearQConfig parseLinearQConfig(const ConfigNode& qconfig, std::string_view path) {
+  const std::string base(path);
+  const Side act{qconfig.at("act"), base + ".act"};
+  const Side weight{qconfig.at("weight"), base + ".weight"};
+  LinearQConfig config{.act = readAct(act), .weight = readWeight(weight)};
+  const bool fp8Weight = config.weight.scheme.dtype == QDtype::kFp8E4m3;
+  const bool fp8Act = config.act.scheme.dtype == QDtype::kFp8E4m3;
+  if (config.act.enabled() && fp8Weight != fp8Act) {
+    act.fail("dtype", "fp8_e4m3 weights run with fp8_e4m3 or float activations, and int weights with int8 or float");
+  }
+  return config;
+}
+
+void LinearQConfig::checkFits(const std::string& moduleName, int64_t inFeatures) const {
+  const int64_t group = weight.scheme.groupSize;
+  QPIPE_REQUIRE(group == 0 || inFeatures % group == 0, ErrorCode::kConfig, moduleName, ": in_features ", inFeatures,
+                " is not a multiple of group_size ", group, "; choose a group_size that divides it or exclude the module");
+}
+
+}  // namespace qpipe::quant

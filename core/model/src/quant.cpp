@@ -1,0 +1,286 @@
+// Quantization primitives. Reference: msmodelslim/ir/api/impl/int_quantization.py and
+// fp_quantization.py (docs/quantization.md); FP8 rounding: c10/util/Float8_e4m3fn.h
+// (formats_and_peers.md §A3.1); int4 packing: compressed-tensors pack_quantized/helpers.py (§A1.7).
+#include "qpipe/quant.h"
+
+#include <array>
+#include <limits>
+#include <sstream>
+
+#include "qpipe/error.h"
+
+namespace qpipe::quant {
+namespace {
+
+constexpr std::array<std::pair<std::string_view, QDtype>, 4> kDtypeNames{{
+    {"int8", QDtype::kInt8},
+    {"int4", QDtype::kInt4},
+    {"fp8_e4m3", QDtype::kFp8E4m3},
+    {"float", QDtype::kFloat},
+}};
+constexpr std::array<std::pair<std::string_view, QScope>, 5> kScopeNames{{
+    {"per_tensor", QScope::kPerTensor},
+    {"per_channel", QScope::kPerChannel},
+    {"per_group", QScope::kPerGroup},
+    {"per_token", QScope::kPerToken},
+    {"per_head", QScope::kPerHead},
+}};
+
+constexpr double kFp8Max = 448.0;
+
+template <typename T, size_t N>
+std::string namesOf(const std::array<std::pair<std::string_view, T>, N>& table) {
+  std::string out;
+  for (const auto& [name, value] : table) out += (out.empty() ? "" : ", ") + std::string(name);
+  return out;
+}
+
+std::string shapeOf(const at::Tensor& x) {
+  std::ostringstream os;
+  os << x.sizes();
+  return os.str();
+}
+
+int bitsOf(QDtype dtype) {
+  return dtype == QDtype::kInt4 ? 4 : 8;
+}
+
+bool isInt(QDtype dtype) {
+  return dtype == QDtype::kInt8 || dtype == QDtype::kInt4;
+}
+
+// per_group works on a [out, in/group, group] view, so the [out, in/group] parameters broadcast
+// (unsqueezed) without copies.
+at::Tensor grouped(const at::Tensor& x, const QScheme& scheme) {
+  if (scheme.scope != QScope::kPerGroup) return x;
+  QPIPE_REQUIRE(x.dim() == 2 && scheme.groupSize > 0 && x.size(1) % scheme.groupSize == 0, ErrorCode::kConfig,
+                "per_group with group_size ", scheme.groupSize, " needs a weight [out, in] with in a multiple of ",
+                scheme.groupSize, ", got shape ", shapeOf(x));
+  return x.reshape({x.size(0), x.size(1) / scheme.groupSize, scheme.groupSize});
+}
+
+at::Tensor groupedParam(const at::Tensor& t, const QScheme& scheme) {
+  return scheme.scope == QScope::kPerGroup ? t.unsqueeze(-1) : t;
+}
+
+}  // namespace
+
+QDtype parseQDtype(std::string_view name, std::string_view where) {
+  for (const auto& [spelling, value] : kDtypeNames) {
+    if (spelling == name) return value;
+  }
+  QPIPE_REQUIRE(false, ErrorCode::kConfig, where, ": unknown dtype '", name, "'; expected one of ",
+                namesOf(kDtypeNames));
+  return QDtype::kFloat;
+}
+
+QScope parseQScope(std::string_view name, std::string_view where) {
+  for (const auto& [spelling, value] : kScopeNames) {
+    if (spelling == name) return value;
+  }
+  QPIPE_REQUIRE(false, ErrorCode::kConfig, where, ": unknown scope '", name, "'; expected one of ",
+                namesOf(kScopeNames));
+  return QScope::kPerTensor;
+}
+
+std::string_view qdtypeName(QDtype dtype) {
+  for (const auto& [spelling, value] : kDtypeNames) {
+    if (value == dtype) return spelling;
+  }
+  QPIPE_CHECK(false, "unknown QDtype ", static_cast<int>(dtype));
+  return {};
+}
+
+std::string_view qscopeName(QScope scope) {
+  for (const auto& [spelling, value] : kScopeNames) {
+    if (value == scope) return spelling;
+  }
+  QPIPE_CHECK(false, "unknown QScope ", static_cast<int>(scope));
+  return {};
+}
+
+double qmin(QDtype dtype) {
+  if (dtype == QDtype::kFp8E4m3) return -kFp8Max;
+  QPIPE_CHECK(isInt(dtype), "qmin of ", qdtypeName(dtype));
+  return -static_cast<double>(1 << (bitsOf(dtype) - 1));
+}
+
+double qmax(QDtype dtype) {
+  if (dtype == QDtype::kFp8E4m3) return kFp8Max;
+  QPIPE_CHECK(isInt(dtype), "qmax of ", qdtypeName(dtype));
+  return static_cast<double>((1 << (bitsOf(dtype) - 1)) - 1);
+}
+
+void QScheme::validate(std::string_view where) const {
+  QPIPE_REQUIRE(dtype != QDtype::kFp8E4m3 || symmetric, ErrorCode::kConfig, where,
+                ": fp8_e4m3 is symmetric only; set symmetric: true");
+  QPIPE_REQUIRE(scope != QScope::kPerGroup || groupSize > 0, ErrorCode::kConfig, where,
+                ": per_group needs group_size > 0, got ", groupSize);
+  QPIPE_REQUIRE(scope == QScope::kPerGroup || groupSize == 0, ErrorCode::kConfig, where, ": group_size ", groupSize,
+                " only applies to per_group, not ", qscopeName(scope));
+}
+
+std::string QScheme::name() const {
+  return std::string(qdtypeName(dtype)) + "_" + std::string(qscopeName(scope)) + (symmetric ? "_sym" : "_asym");
+}
+
+std::pair<at::Tensor, at::Tensor> minMax(const at::Tensor& x, const QScheme& scheme) {
+  // Reduced in the input's dtype (min and max select values exactly) and only then widened to
+  // fp32: no fp32 copy of a large activation.
+  const auto reduce = [](const at::Tensor& t, at::IntArrayRef dims, bool keepdim) -> std::pair<at::Tensor, at::Tensor> {
+    return {t.amin(dims, keepdim).to(at::kFloat), t.amax(dims, keepdim).to(at::kFloat)};
+  };
+  switch (scheme.scope) {
+    case QScope::kPerTensor: {
+      const auto [min, max] = reduce(x, {}, false);
+      return {min.reshape({1}), max.reshape({1})};
+    }
+    case QScope::kPerChannel: {
+      QPIPE_REQUIRE(x.dim() >= 2, ErrorCode::kConfig, "per_channel needs a weight [out, in], got shape ", shapeOf(x));
+      std::vector<int64_t> dims;
+      for (int64_t d = 1; d < x.dim(); ++d) dims.push_back(d);
+      return reduce(x, dims, true);
+    }
+    case QScope::kPerGroup:
+      return reduce(grouped(x, scheme), {-1}, false);
+    case QScope::kPerToken:
+      return reduce(x, {-1}, true);
+    case QScope::kPerHead:
+      QPIPE_REQUIRE(x.dim() == 4, ErrorCode::kConfig, "per_head needs [batch, heads, seq, head_dim], got shape ",
+                    shapeOf(x));
+      return reduce(x, {0, 2, 3}, true);
+  }
+  QPIPE_CHECK(false, "unknown QScope ", static_cast<int>(scheme.scope));
+  return {};
+}
+
+QParams computeQParams(const at::Tensor& min, const at::Tensor& max, const QScheme& scheme) {
+  const at::Tensor minF = min.to(at::kFloat);
+  const at::Tensor maxF = max.to(at::kFloat);
+  const auto zeros = [&] { return at::zeros_like(minF, minF.options().dtype(at::kInt)); };
+  if (scheme.dtype == QDtype::kFloat) return {at::ones_like(minF), zeros()};
+  if (scheme.dtype == QDtype::kFp8E4m3) {
+    return {at::maximum(minF.abs(), maxF.abs()).clamp_min(1e-12) / kFp8Max, zeros()};
+  }
+  // The range must contain 0 so that 0 is exactly representable (padding, ReLU zeros).
+  const at::Tensor lo = minF.clamp_max(0);
+  const at::Tensor hi = maxF.clamp_min(0);
+  const double eps = std::numeric_limits<float>::epsilon();
+  const int bits = bitsOf(scheme.dtype);
+  if (scheme.symmetric) {
+    const double range = (1 << (bits - 1)) - 1;
+    return {(at::maximum(-lo, hi) / range).clamp_min(eps), zeros()};
+  }
+  // msmodelslim writes max/qmax - min/qmax rather than (max - min)/qmax; kept for bit parity.
+  const double range = (1 << bits) - 1;
+  const at::Tensor scale = (hi / range - lo / range).clamp_min(eps);
+  const at::Tensor zeroPoint = at::round(-lo / scale) - static_cast<double>(1 << (bits - 1));
+  return {scale, zeroPoint.to(at::kInt)};
+}
+
+QParams computeQParams(const at::Tensor& x, const QScheme& scheme) {
+  const auto [min, max] = minMax(x, scheme);
+  return computeQParams(min, max, scheme);
+}
+
+at::Tensor toFp8E4m3(const at::Tensor& x) {
+  // Bit-level round-to-nearest-even on the fp32 pattern, as c10's fp8e4m3fn_from_fp32_value, in
+  // tensor ops so it runs on any device.
+  const at::Tensor bits = x.to(at::kFloat).clamp(-kFp8Max, kFp8Max).contiguous().view(at::kInt);
+  const at::Tensor sign = at::bitwise_and(at::bitwise_right_shift(bits, 24), 0x80);
+  const at::Tensor absBits = at::bitwise_and(bits, 0x7FFFFFFF);
+  // Normal: drop 20 mantissa bits with RNE (add 0x7FFFF plus the kept lsb), rebias 127 → 7.
+  const at::Tensor keptLsb = at::bitwise_and(at::bitwise_right_shift(absBits, 20), 1);
+  const at::Tensor normal = at::bitwise_right_shift(absBits + 0x7FFFF + keptLsb, 20) - (120 << 3);
+  // Below 2^-6 the code is the multiple of 2^-9; scaling by 512 is exact and at::round is RNE.
+  const at::Tensor absValue = absBits.view(at::kFloat);
+  const at::Tensor subnormal = at::round(absValue * 512.0f).to(at::kInt);
+  at::Tensor code = at::where(absValue < 0.015625f, subnormal, normal);
+  code = at::where(absBits > 0x7F800000, at::full_like(code, 0x7F), code);
+  return at::bitwise_or(code, sign).to(at::kByte).view(at::kFloat8_e4m3fn);
+}
+
+at::Tensor quantize(const at::Tensor& x, const QParams& params, const QScheme& scheme) {
+  if (scheme.dtype == QDtype::kFloat) return x;
+  const at::Tensor scaled = grouped(x.to(at::kFloat), scheme) / groupedParam(params.scale, scheme);
+  if (scheme.dtype == QDtype::kFp8E4m3) return toFp8E4m3(scaled).reshape(x.sizes());
+  const at::Tensor zeroPoint = groupedParam(params.zeroPoint, scheme).to(at::kFloat);
+  return at::round(scaled + zeroPoint).clamp(qmin(scheme.dtype), qmax(scheme.dtype)).to(at::kChar).reshape(x.sizes());
+}
+
+at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme& scheme) {
+  if (scheme.dtype == QDtype::kFloat) return q.to(at::kFloat);
+  const at::Tensor values = grouped(q.to(at::kFloat), scheme);
+  const at::Tensor scale = groupedParam(params.scale, scheme);
+  if (scheme.dtype == QDtype::kFp8E4m3) return (values * scale).reshape(q.sizes());
+  return ((values - groupedParam(params.zeroPoint, scheme).to(at::kFloat)) * scale).reshape(q.sizes());
+}
+
+at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QScheme& scheme) {
+  if (scheme.dtype == QDtype::kFloat) return x;
+  return dequantize(quantize(x, params, scheme), params, scheme).to(x.scalar_type());
+}
+
+namespace {
+constexpr int64_t kInt4PerWord = 8;
+
+at::Tensor nibbleShifts(const at::Tensor& like) {
+  return at::arange(0, 32, 4, like.options().dtype(at::kLong));
+}
+}  // namespace
+
+at::Tensor packInt4(const at::Tensor& q, int64_t dim) {
+  QPIPE_CHECK(q.dim() == 2 && (dim == 0 || dim == 1), "packInt4 takes a 2-D tensor and dim 0 or 1, got shape ",
+              shapeOf(q), " dim ", dim);
+  const at::Tensor rows = dim == 0 ? q.t() : q;
+  const at::Tensor u = rows.to(at::kLong) + 8;
+  QPIPE_CHECK(u.numel() == 0 || (u.min().item<int64_t>() >= 0 && u.max().item<int64_t>() <= 15),
+              "packInt4 values must lie in [-8, 7]");
+  const int64_t words = (rows.size(1) + kInt4PerWord - 1) / kInt4PerWord;
+  const at::Tensor padded = at::constant_pad_nd(u, {0, words * kInt4PerWord - rows.size(1)}, 0);
+  at::Tensor packed =
+      at::bitwise_left_shift(padded.reshape({rows.size(0), words, kInt4PerWord}), nibbleShifts(u)).sum(-1);
+  // The words are unsigned 32-bit patterns; int32 storage is a reinterpretation.
+  packed = at::where(packed >= (int64_t{1} << 31), packed - (int64_t{1} << 32), packed).to(at::kInt);
+  return dim == 0 ? packed.t().contiguous() : packed;
+}
+
+at::Tensor unpackInt4(const at::Tensor& packed, int64_t size, int64_t dim) {
+  QPIPE_CHECK(packed.dim() == 2 && (dim == 0 || dim == 1), "unpackInt4 takes a 2-D tensor and dim 0 or 1, got shape ",
+              shapeOf(packed), " dim ", dim);
+  const at::Tensor words = at::bitwise_and((dim == 0 ? packed.t() : packed).to(at::kLong), 0xFFFFFFFFLL);
+  QPIPE_CHECK(size <= words.size(1) * kInt4PerWord && size > (words.size(1) - 1) * kInt4PerWord, "unpackInt4 size ",
+              size, " does not match ", words.size(1), " packed words");
+  const at::Tensor u = at::bitwise_and(at::bitwise_right_shift(words.unsqueeze(-1), nibbleShifts(words)), 0xF);
+  const at::Tensor q = (u.reshape({words.size(0), -1}).narrow(1, 0, size) - 8).to(at::kChar);
+  return dim == 0 ? q.t().contiguous() : q;
+}
+
+QParams sszSearch(const at::Tensor& weight, const QScheme& scheme, int64_t iterations) {
+  // Reference: msmodelslim core/quantizer/impl/ssz.py::ssz_calculate_qparam (§c.1): a
+  // Lloyd-style alternation between the least-squares scale for fixed q and q for fixed scale.
+  QPIPE_REQUIRE(isInt(scheme.dtype) && scheme.scope == QScope::kPerChannel && scheme.symmetric, ErrorCode::kConfig,
+                "ssz supports int8/int4 per_channel symmetric weights only, got ", scheme.name());
+  QPIPE_REQUIRE(weight.dim() == 2, ErrorCode::kConfig, "ssz needs a weight [out, in], got shape ", shapeOf(weight));
+  const at::Tensor w = weight.to(at::kFloat);
+  const double lo = qmin(scheme.dtype);
+  const double hi = qmax(scheme.dtype);
+  at::Tensor scale = computeQParams(w, scheme).scale;
+  at::Tensor q = at::round(w / scale).clamp(lo, hi);
+  const auto mseOf = [&](const at::Tensor& s, const at::Tensor& qv) { return (w - qv * s).square().mean(1, true); };
+  at::Tensor bestScale = scale;
+  at::Tensor best = mseOf(scale, q);
+  for (int64_t i = 0; i < iterations; ++i) {
+    scale = (w * q).sum(1, true) / (q * q).sum(1, true).clamp_min(1e-30);
+    q = at::round(w / scale).clamp(lo, hi);
+    const at::Tensor mse = mseOf(scale, q);
+    const at::Tensor gain = best - mse;
+    if (((gain / best.clamp_min(1e-4) < 1e-10) | (gain.abs() < 1e-10)).all().item<bool>()) break;
+    const at::Tensor better = mse < best;
+    bestScale = at::where(better, scale, bestScale);
+    best = at::where(better, mse, best);
+  }
+  return {bestScale, at::zeros_like(bestScale, bestScale.options().dtype(at::kInt))};
+}
+
+}  // namespace qpipe::quant

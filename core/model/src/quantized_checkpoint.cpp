@@ -1,0 +1,486 @@
+#include "qpipe/quantized_checkpoint.h"
+
+#include <ATen/ATen.h>
+
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <vector>
+
+#include "qpipe/error.h"
+
+namespace qpipe::detail {
+
+namespace fs = std::filesystem;
+using quant::QDtype;
+using quant::QScheme;
+using quant::QScope;
+
+std::optional<ActivationQuant> writtenInputQuant(const QuantLinear& linear) {
+  const auto& input = linear.inputQuant();
+  if (!input || input->scheme.dtype == QDtype::kFloat) return std::nullopt;
+  return input;
+}
+
+std::string compressedTensorsFormat(const QScheme& weight, const std::optional<ActivationQuant>& input) {
+  const bool isFloat = weight.dtype == QDtype::kFp8E4m3;
+  if (input) return isFloat ? "float-quantized" : "int-quantized";
+  return isFloat ? "naive-quantized" : "pack-quantized";
+}
+
+namespace {
+
+SortedJson argsObject(QDtype dtype, const std::string& strategy, bool symmetric, int64_t groupSize, bool dynamic) {
+  return {{"actorder", nullptr},
+          {"block_structure", nullptr},
+          {"dynamic", dynamic},
+          {"group_size", groupSize > 0 ? SortedJson(groupSize) : SortedJson(nullptr)},
+          {"num_bits", dtype == QDtype::kInt4 ? 4 : 8},
+          // Informational for loaders; dynamic arguments carry none (compressed-tensors forces null).
+          {"observer", dynamic ? SortedJson(nullptr) : SortedJson("minmax")},
+          {"observer_kwargs", SortedJson::object()},
+          {"strategy", strategy},
+          {"symmetric", symmetric},
+          {"type", dtype == QDtype::kFp8E4m3 ? "float" : "int"}};
+}
+
+std::string shapeText(at::IntArrayRef shape) {
+  std::ostringstream os;
+  os << shape;
+  return os.str();
+}
+
+}  // namespace
+
+SortedJson compressedTensorsWeightArgs(const QScheme& weight) {
+  std::string strategy;
+  switch (weight.scope) {
+    case QScope::kPerTensor:
+      strategy = "tensor";
+      break;
+    case QScope::kPerChannel:
+      strategy = "channel";
+      break;
+    case QScope::kPerGroup:
+      strategy = "group";
+      break;
+    default:
+      QPIPE_REQUIRE(false, ErrorCode::kConfig, "compressed_tensors: weight scope ", quant::qscopeName(weight.scope),
+                    " cannot be saved; weights are per_tensor, per_channel or per_group");
+  }
+  return argsObject(weight.dtype, strategy, weight.symmetric, weight.groupSize, false);
+}
+
+SortedJson compressedTensorsInputArgs(const ActivationQuant& input) {
+  QPIPE_REQUIRE(input.scheme.scope == QScope::kPerTensor || input.scheme.scope == QScope::kPerToken, ErrorCode::kConfig,
+                "compressed_tensors: activation scope ", quant::qscopeName(input.scheme.scope),
+                " cannot be saved; activations are per_tensor (static) or per_token (dynamic)");
+  QPIPE_REQUIRE(input.scheme.dtype != QDtype::kInt4, ErrorCode::kConfig,
+                "compressed_tensors: int4 activations cannot be saved; use int8 or fp8_e4m3");
+  return argsObject(input.scheme.dtype, input.isDynamic() ? "token" : "tensor", input.scheme.symmetric, 0,
+                    input.isDynamic());
+}
+
+bool compressedTensorsMatches(const std::string& target, const std::string& moduleName) {
+  if (target == "Linear") return true;
+  if (target.rfind("re:", 0) == 0) {
+    return std::regex_search(moduleName, std::regex(target.substr(3)), std::regex_constants::match_continuous);
+  }
+  return target == moduleName;
+}
+
+at::Tensor packInt8(const at::Tensor& q, int64_t dim) {
+  QPIPE_CHECK(q.dim() == 2 && (dim == 0 || dim == 1), "packInt8 takes a 2-D tensor and dim 0 or 1");
+  const at::Tensor rows = (dim == 0 ? q.t() : q).to(at::kShort) + 128;
+  const int64_t words = (rows.size(1) + 3) / 4;
+  // Little-endian bytes of a word are its elements 0..3, so a byte view is the bit layout.
+  const at::Tensor bytes = at::constant_pad_nd(rows, {0, words * 4 - rows.size(1)}, 0).to(at::kByte).contiguous();
+  const at::Tensor packed = bytes.view(at::kInt);
+  return dim == 0 ? packed.t().contiguous() : packed;
+}
+
+at::Tensor unpackInt8(const at::Tensor& packed, int64_t size, int64_t dim) {
+  QPIPE_CHECK(packed.dim() == 2 && (dim == 0 || dim == 1), "unpackInt8 takes a 2-D tensor and dim 0 or 1");
+  const at::Tensor words = (dim == 0 ? packed.t() : packed).contiguous();
+  const at::Tensor q = (words.view(at::kByte).narrow(1, 0, size).to(at::kShort) - 128).to(at::kChar);
+  return dim == 0 ? q.t().contiguous() : q;
+}
+
+at::Tensor packInt4Rows(const at::Tensor& q) {
+  QPIPE_CHECK(q.dim() == 2 && q.size(0) % 2 == 0, "packInt4Rows takes [out, in] with out even");
+  const at::Tensor pairs = q.to(at::kInt).reshape({q.size(0) / 2, 2, q.size(1)});
+  const at::Tensor byte =
+      pairs.select(1, 1).bitwise_and(0xF).bitwise_left_shift(4).bitwise_or(pairs.select(1, 0).bitwise_and(0xF));
+  // 0..255 to the int8 of the same bits without relying on a narrowing conversion.
+  return (byte.bitwise_xor(0x80) - 0x80).to(at::kChar).contiguous();
+}
+
+at::Tensor unpackInt4Rows(const at::Tensor& packed) {
+  QPIPE_CHECK(packed.dim() == 2, "unpackInt4Rows takes a 2-D tensor");
+  const at::Tensor bytes = packed.to(at::kInt).bitwise_and(0xFF);
+  const auto signedNibble = [](const at::Tensor& n) { return n.bitwise_xor(8) - 8; };
+  const at::Tensor low = signedNibble(bytes.bitwise_and(0xF));
+  const at::Tensor high = signedNibble(bytes.bitwise_right_shift(4).bitwise_and(0xF));
+  return at::stack({low, high}, 1).reshape({packed.size(0) * 2, packed.size(1)}).to(at::kChar).contiguous();
+}
+
+at::Tensor deqScaleToInt64(const at::Tensor& deqScale) {
+  return deqScale.to(at::kFloat).contiguous().view(at::kInt).to(at::kLong);
+}
+
+at::Tensor deqScaleFromInt64(const at::Tensor& stored) {
+  return stored.to(at::kInt).contiguous().view(at::kFloat);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loading
+
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+Json readJson(const fs::path& path) {
+  std::ifstream in(path);
+  QPIPE_REQUIRE(in.good(), ErrorCode::kIo, "cannot read '", path.string(), "'");
+  try {
+    return Json::parse(in);
+  } catch (const Json::exception& e) {
+    throw Error(ErrorCode::kInput, concat(path.string(), ": not valid JSON (", e.what(), ")"));
+  }
+}
+
+// The expected [rows, cols] of a weight's scale for `scheme` and weight [out, in].
+std::vector<int64_t> scaleShape(const QScheme& scheme, int64_t out, int64_t in) {
+  switch (scheme.scope) {
+    case QScope::kPerTensor:
+      return {1};
+    case QScope::kPerChannel:
+      return {out, 1};
+    default:
+      return {out, in / scheme.groupSize};
+  }
+}
+
+// `stored` (any float dtype, any shape with the right element count) as fp32 of `shape`.
+at::Tensor asScale(const at::Tensor& stored, const std::vector<int64_t>& shape, const std::string& name,
+                   const std::string& dir) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  QPIPE_REQUIRE(stored.numel() == numel, ErrorCode::kInput, "checkpoint ", dir, ": '", name, "' has shape ",
+                shapeText(stored.sizes()), ", expected ", shapeText(shape));
+  return stored.to(at::kFloat).reshape(shape);
+}
+
+// ---- compressed-tensors
+
+struct CtScheme {
+  QScheme weight;
+  std::optional<ActivationQuant> input;
+  std::string format;
+  std::vector<std::string> targets;
+};
+
+class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
+ public:
+  CompressedTensorsCheckpoint(const fs::path& configPath, const Json& config)
+      : dir_(configPath.parent_path().string()) {
+    const std::string file = configPath.string();
+    const auto field = [&](const std::string& path) { return file + ": quantization_config." + path; };
+    const auto unsupported = [&](const std::string& path, const Json& value, const std::string& expected) {
+      throw Error(ErrorCode::kInput,
+                  concat(field(path), " ", value.dump(), " is not supported; qpipe loads ", expected));
+    };
+    QPIPE_REQUIRE(config.is_object(), ErrorCode::kInput, file, ": quantization_config is not a JSON object");
+    const std::string status = config.value("quantization_status", std::string("compressed"));
+    if (status != "compressed") {
+      unsupported("quantization_status", config["quantization_status"], "\"compressed\" checkpoints");
+    }
+    for (const char* key : {"sparsity_config", "transform_config"}) {
+      if (config.contains(key) && !config[key].is_null() && !config[key].empty()) {
+        unsupported(key, config[key], "checkpoints without sparsity or transforms");
+      }
+    }
+    if (config.contains("kv_cache_scheme") && !config["kv_cache_scheme"].is_null()) {
+      unsupported("kv_cache_scheme", config["kv_cache_scheme"], "checkpoints without KV-cache quantization");
+    }
+    const std::string globalFormat = config.value("format", std::string("dense"));
+    if (config.contains("ignore") && !config["ignore"].is_null()) {
+      QPIPE_REQUIRE(config["ignore"].is_array(), ErrorCode::kInput, field("ignore"), " is not a list");
+      for (const auto& name : config["ignore"]) ignore_.push_back(name.get<std::string>());
+    }
+    QPIPE_REQUIRE(config.contains("config_groups") && config["config_groups"].is_object(), ErrorCode::kInput,
+                  field("config_groups"), " is missing or not an object");
+    for (const auto& [groupName, group] : config["config_groups"].items()) {
+      const std::string at = "config_groups." + groupName;
+      QPIPE_REQUIRE(group.is_object() && group.contains("targets") && group["targets"].is_array(), ErrorCode::kInput,
+                    field(at), " is not a scheme object with a 'targets' list");
+      CtScheme scheme;
+      for (const auto& target : group["targets"]) scheme.targets.push_back(target.get<std::string>());
+      scheme.format =
+          group.contains("format") && group["format"].is_string() ? group["format"].get<std::string>() : globalFormat;
+      const std::string formatField = group.contains("format") ? at + ".format" : "format";
+      if (scheme.format != "int-quantized" && scheme.format != "float-quantized" &&
+          scheme.format != "naive-quantized" && scheme.format != "pack-quantized") {
+        unsupported(formatField, scheme.format, "int-quantized, float-quantized, naive-quantized and pack-quantized");
+      }
+      if (group.contains("output_activations") && !group["output_activations"].is_null()) {
+        unsupported(at + ".output_activations", group["output_activations"], "no output quantization");
+      }
+      QPIPE_REQUIRE(group.contains("weights") && group["weights"].is_object(), ErrorCode::kInput,
+                    field(at + ".weights"), " is missing; qpipe loads schemes that quantize weights");
+      scheme.weight = parseArgs(group["weights"], at + ".weights", field, unsupported, /*activation=*/false).scheme;
+      if (group.contains("input_activations") && !group["input_activations"].is_null()) {
+        scheme.input = parseArgs(group["input_activations"], at + ".input_activations", field, unsupported, true);
+      }
+      if (scheme.format == "pack-quantized" && scheme.weight.dtype == QDtype::kFp8E4m3) {
+        unsupported(formatField, scheme.format, "pack-quantized for int weights only");
+      }
+      schemes_.push_back(std::move(scheme));
+    }
+  }
+
+  std::string weightsPrefix() const override { return "model"; }
+
+  std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor, const HasFn&,
+                                      at::ScalarType computeDtype) const override {
+    for (const auto& entry : ignore_) {
+      if (compressedTensorsMatches(entry, name)) return nullptr;
+    }
+    const CtScheme* scheme = nullptr;
+    for (const auto& candidate : schemes_) {
+      for (const auto& target : candidate.targets) {
+        if (!scheme && compressedTensorsMatches(target, name)) scheme = &candidate;
+      }
+    }
+    if (scheme == nullptr) return nullptr;
+    const QScheme& w = scheme->weight;
+    at::Tensor q;
+    at::Tensor zeroPoint;
+    const auto weightShape = [&](int64_t out, int64_t in) {
+      QPIPE_REQUIRE(w.scope != QScope::kPerGroup || in % w.groupSize == 0, ErrorCode::kInput, "checkpoint ", dir_,
+                    ": '", name, "' has ", in, " input features, not a multiple of group_size ", w.groupSize);
+      return scaleShape(w, out, in);
+    };
+    std::vector<int64_t> paramShape;
+    if (scheme->format == "pack-quantized") {
+      const at::Tensor shape = tensor(name + ".weight_shape").to(at::kCPU).to(at::kLong);
+      QPIPE_REQUIRE(shape.numel() == 2, ErrorCode::kInput, "checkpoint ", dir_, ": '", name, ".weight_shape' has ",
+                    shape.numel(), " elements, expected 2");
+      const int64_t out = shape[0].item<int64_t>(), in = shape[1].item<int64_t>();
+      const at::Tensor packed = tensor(name + ".weight_packed");
+      const int64_t bits = w.dtype == QDtype::kInt4 ? 4 : 8;
+      const std::vector<int64_t> expected{out, (in * bits + 31) / 32};
+      QPIPE_REQUIRE(packed.scalar_type() == at::kInt && packed.sizes().vec() == expected, ErrorCode::kInput,
+                    "checkpoint ", dir_, ": '", name, ".weight_packed' is ", c10::toString(packed.scalar_type()), " ",
+                    shapeText(packed.sizes()), ", expected Int ", shapeText(expected));
+      q = bits == 4 ? quant::unpackInt4(packed, in) : unpackInt8(packed, in);
+      paramShape = weightShape(out, in);
+      if (!w.symmetric) {
+        const at::Tensor stored = tensor(name + ".weight_zero_point");
+        if (w.scope == QScope::kPerTensor) {
+          zeroPoint = stored.to(at::kInt).reshape(paramShape);
+        } else {
+          zeroPoint = (bits == 4 ? quant::unpackInt4(stored, out, 0) : unpackInt8(stored, out, 0)).to(at::kInt);
+        }
+      }
+    } else {
+      q = tensor(name + ".weight");
+      const at::ScalarType expected = w.dtype == QDtype::kFp8E4m3 ? at::kFloat8_e4m3fn : at::kChar;
+      QPIPE_REQUIRE(q.dim() == 2 && q.scalar_type() == expected, ErrorCode::kInput, "checkpoint ", dir_, ": '", name,
+                    ".weight' is ", c10::toString(q.scalar_type()), " ", shapeText(q.sizes()), ", expected 2-D ",
+                    c10::toString(expected), " for ", scheme->format);
+      paramShape = weightShape(q.size(0), q.size(1));
+      if (!w.symmetric) zeroPoint = tensor(name + ".weight_zero_point").to(at::kInt);
+    }
+    const at::Tensor scale = asScale(tensor(name + ".weight_scale"), paramShape, name + ".weight_scale", dir_);
+    zeroPoint =
+        zeroPoint.defined() ? zeroPoint.reshape(paramShape) : at::zeros_like(scale, scale.options().dtype(at::kInt));
+    std::optional<ActivationQuant> input = scheme->input;
+    if (input && !input->isDynamic()) {
+      const at::Tensor inputScale = asScale(tensor(name + ".input_scale"), {1}, name + ".input_scale", dir_);
+      input->params = {inputScale, input->scheme.symmetric
+                                       ? at::zeros_like(inputScale, inputScale.options().dtype(at::kInt))
+                                       : tensor(name + ".input_zero_point").to(at::kInt).reshape({1})};
+    }
+    const at::Tensor bias = hasBias ? tensor(name + ".bias").to(computeDtype) : at::Tensor();
+    return std::make_shared<QuantLinear>(q, quant::QParams{scale, zeroPoint}, w, std::move(input), bias, computeDtype);
+  }
+
+ private:
+  template <typename FieldFn, typename UnsupportedFn>
+  static ActivationQuant parseArgs(const Json& args, const std::string& at, const FieldFn& field,
+                                   const UnsupportedFn& unsupported, bool activation) {
+    QPIPE_REQUIRE(args.is_object(), ErrorCode::kInput, field(at), " is not an object");
+    const Json type = args.value("type", Json("int"));
+    const Json bits = args.value("num_bits", Json(8));
+    ActivationQuant out;
+    QScheme& s = out.scheme;
+    if (type == "int" && bits == 8) {
+      s.dtype = QDtype::kInt8;
+    } else if (type == "int" && bits == 4 && !activation) {
+      s.dtype = QDtype::kInt4;
+    } else if (type == "float" && bits == 8) {
+      s.dtype = QDtype::kFp8E4m3;
+    } else {
+      unsupported(at + ".num_bits", Json{{"num_bits", bits}, {"type", type}},
+                  activation ? "int8 and fp8 activations" : "int8, int4 and fp8 weights");
+    }
+    s.symmetric = args.value("symmetric", true);
+    const Json groupSize = args.contains("group_size") ? args["group_size"] : Json(nullptr);
+    const Json dynamic = args.value("dynamic", Json(false));
+    Json strategy = args.contains("strategy") ? args["strategy"] : Json(nullptr);
+    if (strategy.is_null()) {
+      // compressed-tensors' inference: no group_size → tensor, > 0 → group, -1 → channel.
+      strategy = groupSize.is_null() ? "tensor" : groupSize == -1 ? "channel" : "group";
+    }
+    for (const char* key : {"block_structure", "actorder"}) {
+      const Json value = args.contains(key) ? args[key] : Json(nullptr);
+      const bool harmless = value.is_null() || value == false || value == "weight" || value == "static";
+      if (!harmless) unsupported(at + "." + key, value, "schemes without blocks or activation-order indices");
+    }
+    if (activation) {
+      if (strategy == "tensor" && dynamic == false) {
+        s.scope = QScope::kPerTensor;
+      } else if (strategy == "token" && dynamic == true) {
+        s.scope = QScope::kPerToken;
+      } else {
+        unsupported(at, Json{{"dynamic", dynamic}, {"strategy", strategy}},
+                    "static per-tensor and dynamic per-token activations");
+      }
+      return out;
+    }
+    if (dynamic != false) unsupported(at + ".dynamic", dynamic, "static weights");
+    if (strategy == "tensor") {
+      s.scope = QScope::kPerTensor;
+    } else if (strategy == "channel") {
+      s.scope = QScope::kPerChannel;
+    } else if (strategy == "group" && groupSize.is_number_integer() && groupSize.get<int64_t>() > 0) {
+      s.scope = QScope::kPerGroup;
+      s.groupSize = groupSize.get<int64_t>();
+    } else {
+      unsupported(at + ".strategy", Json{{"group_size", groupSize}, {"strategy", strategy}},
+                  "tensor, channel and group (group_size > 0) weights");
+    }
+    QPIPE_REQUIRE(s.dtype != QDtype::kFp8E4m3 || s.symmetric, ErrorCode::kInput, field(at + ".symmetric"),
+                  " is false; fp8 weights are symmetric");
+    return out;
+  }
+
+  std::string dir_;
+  std::vector<std::string> ignore_;
+  std::vector<CtScheme> schemes_;
+};
+
+// ---- ascendv1
+
+class AscendV1Checkpoint final : public QuantizedCheckpoint {
+ public:
+  AscendV1Checkpoint(const fs::path& path, Json description)
+      : file_(path.string()), dir_(path.parent_path().string()), description_(std::move(description)) {
+    QPIPE_REQUIRE(description_.is_object(), ErrorCode::kInput, file_, ": not a JSON object");
+    const Json groupSize = description_.value("group_size", Json(0));
+    QPIPE_REQUIRE(groupSize.is_number_integer() && groupSize.get<int64_t>() >= 0, ErrorCode::kInput, file_,
+                  ": group_size ", groupSize.dump(), " is not a size");
+    groupSize_ = groupSize.get<int64_t>();
+    // vllm-ascend's rule: version "1.0.0" packs W4A8_DYNAMIC weights two per int8, older
+    // descriptions keep one int4 value per int8.
+    packedInt4_ = description_.value("version", Json("0")) == "1.0.0";
+  }
+
+  std::string weightsPrefix() const override { return kAscendWeightsPrefix; }
+
+  std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor, const HasFn& has,
+                                      at::ScalarType computeDtype) const override {
+    const std::string key = name + ".weight";
+    QPIPE_REQUIRE(description_.contains(key) && description_[key].is_string(), ErrorCode::kInput, file_,
+                  ": no quantization type for '", key, "'");
+    const std::string type = description_[key].get<std::string>();
+    if (type == "FLOAT") return nullptr;
+    const at::Tensor stored = tensor(key);
+    QPIPE_REQUIRE(stored.dim() == 2, ErrorCode::kInput, "checkpoint ", dir_, ": '", key, "' is not 2-D");
+    // W4A8_DYNAMIC holds two int4 rows per int8 row; the other types one value per element.
+    const bool packed = type == "W4A8_DYNAMIC" && packedInt4_;
+    const int64_t out = packed ? 2 * stored.size(0) : stored.size(0), in = stored.size(1);
+    QScheme w;
+    std::optional<ActivationQuant> input;
+    at::Tensor scale, offset;
+    if (type == "W8A8") {
+      // Static: the weight scale is only present folded into deq_scale = input_scale · weight_scale.
+      const at::Tensor inputScale = asScale(tensor(name + ".input_scale"), {1}, name + ".input_scale", dir_);
+      const at::Tensor inputOffset = tensor(name + ".input_offset").to(at::kFloat).reshape({1});
+      at::Tensor deq = tensor(name + ".deq_scale");
+      deq = deq.scalar_type() == at::kLong ? deqScaleFromInt64(deq) : deq.to(at::kFloat);
+      scale = asScale(deq, {out, 1}, name + ".deq_scale", dir_) / inputScale;
+      w = {.dtype = QDtype::kInt8, .scope = QScope::kPerChannel};
+      const bool symmetric = inputOffset.eq(0).all().item<bool>();
+      input = ActivationQuant{{.dtype = QDtype::kInt8, .scope = QScope::kPerTensor, .symmetric = symmetric},
+                              {inputScale, at::round(inputOffset).to(at::kInt)}};
+    } else if (type == "W8A8_DYNAMIC" || type == "W8A16" || type == "WFP8AFP8_DYNAMIC" || type == "W4A8_DYNAMIC") {
+      scale = tensor(name + ".weight_scale").to(at::kFloat);
+      offset = tensor(name + ".weight_offset").to(at::kFloat);
+      const bool int4 = type == "W4A8_DYNAMIC";
+      w.dtype = type == "WFP8AFP8_DYNAMIC" ? QDtype::kFp8E4m3 : int4 ? QDtype::kInt4 : QDtype::kInt8;
+      // W4A8_DYNAMIC is per-channel in msmodelslim's V1 layout; its scale_bias is a term of the
+      // NPU kernel that qpipe's forward does not need. The two-level per-group variant (older
+      // savers) multiplies a second scale in, which this loader does not.
+      QPIPE_REQUIRE(!int4 || !has(name + ".weight_scale_second"), ErrorCode::kInput, "checkpoint ", dir_, ": '", name,
+                    ".weight_scale_second' is a two-level per-group W4A8_DYNAMIC weight; qpipe loads "
+                    "per-channel W4A8_DYNAMIC");
+      if (scale.numel() == out || int4) {
+        w.scope = QScope::kPerChannel;
+      } else {
+        QPIPE_REQUIRE(groupSize_ > 0 && in % groupSize_ == 0, ErrorCode::kInput, "checkpoint ", dir_, ": '", name,
+                      ".weight_scale' has shape ", shapeText(scale.sizes()), " but ", file_, " gives group_size ",
+                      groupSize_);
+        w.scope = QScope::kPerGroup;
+        w.groupSize = groupSize_;
+      }
+      scale = asScale(scale, scaleShape(w, out, in), name + ".weight_scale", dir_);
+      offset = asScale(offset, scaleShape(w, out, in), name + ".weight_offset", dir_);
+      w.symmetric = offset.eq(0).all().item<bool>();
+      if (type != "W8A16") {
+        const QDtype act = type == "WFP8AFP8_DYNAMIC" ? QDtype::kFp8E4m3 : QDtype::kInt8;
+        input = ActivationQuant{{.dtype = act, .scope = QScope::kPerToken}, {}};
+      }
+    } else {
+      throw Error(ErrorCode::kInput,
+                  concat(file_, ": '", key, "' is ", type,
+                         "; qpipe loads FLOAT, W8A8, W8A8_DYNAMIC, W4A8_DYNAMIC, W8A16 and WFP8AFP8_DYNAMIC"));
+    }
+    const at::ScalarType expected = w.dtype == QDtype::kFp8E4m3 ? at::kFloat8_e4m3fn : at::kChar;
+    QPIPE_REQUIRE(stored.scalar_type() == expected, ErrorCode::kInput, "checkpoint ", dir_, ": '", key, "' is ",
+                  c10::toString(stored.scalar_type()), ", expected ", c10::toString(expected), " for ", type);
+    const at::Tensor q = packed ? unpackInt4Rows(stored) : stored;
+    const at::Tensor zeroPoint =
+        offset.defined() ? at::round(offset).to(at::kInt) : at::zeros_like(scale, scale.options().dtype(at::kInt));
+    const at::Tensor bias = hasBias ? tensor(name + ".bias").to(computeDtype) : at::Tensor();
+    return std::make_shared<QuantLinear>(q, quant::QParams{scale, zeroPoint}, w, std::move(input), bias, computeDtype);
+  }
+
+ private:
+  std::string file_;
+  std::string dir_;
+  Json description_;
+  int64_t groupSize_ = 0;
+  bool packedInt4_ = true;
+};
+
+}  // namespace
+
+std::unique_ptr<QuantizedCheckpoint> QuantizedCheckpoint::detect(const fs::path& dir) {
+  if (fs::exists(dir / kAscendDescription)) {
+    return std::make_unique<AscendV1Checkpoint>(dir / kAscendDescription, readJson(dir / kAscendDescription));
+  }
+  const fs::path configPath = dir / "config.json";
+  if (!fs::exists(configPath)) return nullptr;
+  const Json config = readJson(configPath);
+  if (!config.is_object() || !config.contains("quantization_config")) return nullptr;
+  const Json& quantization = config["quantization_config"];
+  const Json method = quantization.is_object() ? quantization.value("quant_method", Json(nullptr)) : Json(nullptr);
+  QPIPE_REQUIRE(method == "compressed-tensors", ErrorCode::kInput, configPath.string(),
+                ": quantization_config.quant_method ", method.dump(),
+                " is not supported; qpipe loads compressed-tensors and ascendv1 checkpoints");
+  return std::make_unique<CompressedTensorsCheckpoint>(configPath, quantization);
+}
+
+}  // namespace qpipe::detail

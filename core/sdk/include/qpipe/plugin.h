@@ -1,0 +1,139 @@
+// The SDK: what a plugin includes (docs/plugins.md). One header gives the processor lifecycle
+// (qpipe/processor.h: Processor, LayerRequest, ProcessorContext, forEach, calibrate), schemas and
+// configuration nodes, the logger, errors and their message builder (qpipe::concat), the module
+// tree with include/exclude matching, the process group, and the saver interface. Register
+// processor (and saver) types in a function and name it in QPIPE_PLUGIN; build the plugin with
+// qpipe_add_plugin() (cmake/QpipeHelpers.cmake):
+//
+//   void registerAll(qpipe::PluginRegistrar& r) { r.addProcessor({...}); }
+//   QPIPE_PLUGIN("my_plugin", "1.0.0", "What it does", registerAll)
+//
+// The host reads the C-layout descriptor first and checks the ABI version and the build
+// fingerprint; only then does any C++ type cross the library boundary. The host's own headers
+// (qpipe/host/: registries, loader, pipeline, runner, savers, report) are not on a plugin's
+// include path.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "qpipe/config_node.h"
+#include "qpipe/error.h"
+#include "qpipe/log.h"
+#include "qpipe/module.h"
+#include "qpipe/pattern.h"
+#include "qpipe/process_group.h"
+#include "qpipe/processor.h"
+#include "qpipe/saver.h"
+#include "qpipe/schema.h"
+#include "qpipe/version.h"
+
+#if __has_include(<torch/headeronly/version.h>)
+#include <torch/headeronly/version.h>
+#endif
+
+namespace qpipe {
+
+struct ProcessorInfo {
+  std::string type;  // the YAML `type` of a spec.process step
+  std::string description;
+  Schema schema;
+  ProcessorFactory factory;
+};
+
+// Collects what one plugin registers; the loader commits it all or nothing.
+class PluginRegistrar {
+ public:
+  explicit PluginRegistrar(std::shared_ptr<Logger> logger) : logger_(std::move(logger)) {}
+  void addProcessor(ProcessorInfo info) { processors_.push_back(std::move(info)); }
+  void addSaver(SaverInfo info) { savers_.push_back(std::move(info)); }
+  const std::shared_ptr<Logger>& logger() const { return logger_; }
+
+ private:
+  friend class PluginLoader;
+  std::shared_ptr<Logger> logger_;
+  std::vector<ProcessorInfo> processors_;
+  std::vector<SaverInfo> savers_;
+};
+
+}  // namespace qpipe
+
+// Bumped on any change to the descriptor or to a type that crosses the boundary: the major
+// for incompatible changes, the minor for additions a newer host still understands.
+// 3.0: the SDK (this header alone); ProcessorContext carries the process group, module filters
+// and configError; LayerRequest carries report values; plugins may register savers (addSaver);
+// the registrar exposes only add*.
+#define QPIPE_PLUGIN_ABI_MAJOR 3
+#define QPIPE_PLUGIN_ABI_MINOR 0
+
+#define QPIPE_STRINGIFY_IMPL(x) #x
+#define QPIPE_STRINGIFY(x) QPIPE_STRINGIFY_IMPL(x)
+
+#if defined(__clang__)
+#define QPIPE_COMPILER_ID "clang-" QPIPE_STRINGIFY(__clang_major__) "." QPIPE_STRINGIFY(__clang_minor__)
+#elif defined(__GNUC__)
+#define QPIPE_COMPILER_ID "gcc-" QPIPE_STRINGIFY(__GNUC__) "." QPIPE_STRINGIFY(__GNUC_MINOR__)
+#else
+#define QPIPE_COMPILER_ID "unknown-compiler"
+#endif
+
+#if defined(TORCH_VERSION_MAJOR)
+#define QPIPE_TORCH_ID \
+  QPIPE_STRINGIFY(TORCH_VERSION_MAJOR) "." QPIPE_STRINGIFY(TORCH_VERSION_MINOR) "." QPIPE_STRINGIFY(TORCH_VERSION_PATCH)
+#else
+#define QPIPE_TORCH_ID "unknown"
+#endif
+
+// What must be equal between host and plugin for C++ objects to cross: compiler, C++ ABI,
+// LibTorch and qpipe versions. Expanded in the including translation unit, so a plugin carries
+// the values it was compiled with.
+#define QPIPE_BUILD_FINGERPRINT                                                                   \
+  QPIPE_COMPILER_ID "|cxx11abi=" QPIPE_STRINGIFY(_GLIBCXX_USE_CXX11_ABI) "|torch=" QPIPE_TORCH_ID \
+                                                                         "|qpipe=" QPIPE_VERSION
+
+extern "C" {
+// Never changes shape within an ABI major version; fields are only appended.
+struct QpipePluginDescriptor {
+  uint32_t abiMajor;
+  uint32_t abiMinor;
+  const char* fingerprint;
+  const char* name;
+  const char* version;
+  const char* description;
+  // The C++ part: called only after the checks pass.
+  void (*registerProcessors)(qpipe::PluginRegistrar& registrar);
+};
+}
+static_assert(std::is_standard_layout_v<QpipePluginDescriptor>);
+
+// The exported entry point. A loadable plugin exports the fixed name below; the static build
+// of plugin <name> (qpipe_add_plugin's <name>_static) exports qpipe_plugin_descriptor_<name>
+// so several plugins can be linked into one test binary.
+#define QPIPE_PLUGIN_ENTRY_NAME "qpipe_plugin_descriptor_v1"
+#define QPIPE_PLUGIN_CONCAT_IMPL(a, b) a##b
+#define QPIPE_PLUGIN_CONCAT(a, b) QPIPE_PLUGIN_CONCAT_IMPL(a, b)
+#ifdef QPIPE_PLUGIN_STATIC_NAME
+#define QPIPE_PLUGIN_ENTRY QPIPE_PLUGIN_CONCAT(qpipe_plugin_descriptor_, QPIPE_PLUGIN_STATIC_NAME)
+#else
+#define QPIPE_PLUGIN_ENTRY qpipe_plugin_descriptor_v1
+#endif
+#define QPIPE_PLUGIN_EXPORT __attribute__((visibility("default")))
+
+// Declares the statically linked descriptor of plugin `name` (for tests).
+#define QPIPE_DECLARE_STATIC_PLUGIN(name) \
+  extern "C" const QpipePluginDescriptor* QPIPE_PLUGIN_CONCAT(qpipe_plugin_descriptor_, name)()
+
+#define QPIPE_PLUGIN(NAME, VERSION, DESCRIPTION, REGISTER_FN)                        \
+  extern "C" QPIPE_PLUGIN_EXPORT const QpipePluginDescriptor* QPIPE_PLUGIN_ENTRY() { \
+    static const QpipePluginDescriptor descriptor{QPIPE_PLUGIN_ABI_MAJOR,            \
+                                                  QPIPE_PLUGIN_ABI_MINOR,            \
+                                                  QPIPE_BUILD_FINGERPRINT,           \
+                                                  NAME,                              \
+                                                  VERSION,                           \
+                                                  DESCRIPTION,                       \
+                                                  &REGISTER_FN};                     \
+    return &descriptor;                                                              \
+  }

@@ -1,0 +1,154 @@
+// The processor API: msmodelslim's lifecycle, driven by the layer-wise runner (docs/plugins.md).
+//
+//   preRun()                       once, before the first layer
+//   for each decoder layer, then once for the non-layer modules:
+//     preprocess(request)          e.g. swap Linear modules for observing ones
+//     process(request)             the calibration forward over this rank's samples
+//     postprocess(request)         e.g. compute scales, deploy quantized modules
+//   postRun()                      once, after the last unit
+//
+// The last unit holds the modules outside the decoder layers (model.embed_tokens, model.norm,
+// lm_head): its name is "" and its module stands for the model's root without the decoder layers,
+// so module names below it are the HF names themselves, matched by include/exclude like any
+// module's. Its inputs are the final norm's (the last layer's outputs, {hidden} per sample); its
+// forward runs model.norm, and lm_head once a processor has replaced it (the logits feed nothing,
+// so only an observing replacement has a use for them), and fills no outputs. What a processor
+// puts in its slots replaces the model's own modules after the last postprocess.
+//
+// Static calibration runs in two phases (docs/quantization.md): modules that observe in the
+// forward register in preprocess, in `request.betweenForwards`, what fixes their parameters
+// (the cross-rank sync of their observers, then freezing). calibrate(request) — what the default
+// process() runs, and a `group` of processors with it — forwards once to observe, runs those
+// steps, and forwards again, so the outputs the next layer gets carry the final quantization.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "qpipe/error.h"
+#include "qpipe/module.h"
+#include "qpipe/pattern.h"
+#include "qpipe/process_group.h"
+
+namespace qpipe {
+
+class ConfigNode;
+class Logger;
+
+// The positional inputs of one forward call of a layer: one calibration sample.
+using TensorList = std::vector<at::Tensor>;
+
+// A number a processor adds to the report (quant_report.json, "values" of the unit).
+struct ReportValue {
+  std::string module;  // full HF name
+  std::string key;
+  double value = 0;
+};
+
+// One scheduled unit (a decoder layer, or the non-layer modules) with this rank's calibration data.
+struct LayerRequest {
+  std::string name;                 // HF module name, e.g. "model.layers.3"; "" for the non-layer unit
+  Module* module = nullptr;         // owned by the runner for the duration of the unit
+  std::vector<TensorList> inputs;   // one entry per calibration sample held by this rank
+  std::vector<TensorList> outputs;  // filled by a decoder layer's calibration forward, same order
+  // Runs the unit over `inputs` and, for a decoder layer, fills `outputs`; set by the runner.
+  std::function<void(LayerRequest&)> forward;
+  // Run by calibrate() between the observing forward and the propagating one, in order; every
+  // rank registers the same steps in the same order (they may call collectives).
+  std::vector<std::function<void()>> betweenForwards;
+  // What processors reported for this unit, in order (rank 0's land in quant_report.json).
+  std::vector<ReportValue> reportValues;
+
+  void report(std::string moduleName, std::string key, double value) {
+    reportValues.push_back({std::move(moduleName), std::move(key), value});
+  }
+};
+
+// True for the unit of the modules outside the decoder layers.
+inline bool isNonLayerUnit(const LayerRequest& request) {
+  return request.name.empty();
+}
+
+// The full HF name of the module at `path` below request.module ("" is the unit itself).
+inline std::string moduleName(const LayerRequest& request, const std::string& path) {
+  if (request.name.empty() || path.empty()) return request.name + path;
+  return request.name + "." + path;
+}
+
+// Calls fn(path, name, module) for every module of the unit that is a T (dynamic type) and whose
+// full HF name `filter` selects, in module order; `path` is below request.module, `name` the full
+// name. Only modules of type T are offered to the filter, so a pattern that matches no T stays
+// unmatched (the host warns about it at the end of the run). The modules are listed before the
+// first call, so fn may replace the module it is given (request.module->replace(path, ...)), but
+// nothing else of the tree.
+template <typename T, typename Fn>
+void forEach(LayerRequest& request, ModuleFilter& filter, Fn&& fn) {
+  for (auto& [path, module] : request.module->namedModules()) {
+    auto* typed = dynamic_cast<T*>(module);
+    if (typed == nullptr) continue;
+    const std::string name = moduleName(request, path);
+    if (filter.matches(name)) fn(path, name, *typed);
+  }
+}
+
+// The calibration forward: `forward`; then, when steps were registered in `betweenForwards`,
+// those steps (the list is emptied) and a second `forward` whose outputs replace the first's.
+void calibrate(LayerRequest& request);
+
+// What a processor is built with.
+struct ProcessorContext {
+  std::shared_ptr<Logger> logger;
+  // The ranks of the run: its rank and world size are final when the factory runs; collectives
+  // may be called from preRun() on (on a multi-rank run the group is joined after every
+  // processor was built and accepted).
+  std::shared_ptr<ProcessGroup> group = ProcessGroup::single();
+  // Where the step sits in the pipeline ("spec.process[2]"), for the field paths of the
+  // configuration errors a factory throws (configError; docs/plugins.md).
+  std::string configPath;
+  // The filters made by moduleFilter(); the host warns, after postRun(), about each of their
+  // patterns that matched no module.
+  std::shared_ptr<std::vector<std::shared_ptr<ModuleFilter>>> filters =
+      std::make_shared<std::vector<std::shared_ptr<ModuleFilter>>>();
+
+  int rank() const { return group->rank(); }
+  int worldSize() const { return group->worldSize(); }
+  // "<configPath>.<field>": the field path of configuration errors, and of nested parsers.
+  std::string fieldPath(std::string_view field) const;
+  // The step's `include`/`exclude` lists (Schema::includeExclude()) as a filter the host reports on.
+  std::shared_ptr<ModuleFilter> moduleFilter(const ConfigNode& config) const;
+  // Error(kConfig) "<file:line:col>: <configPath>.<field>: <what>" for a field of the step's
+  // configuration that the schema accepted but the processor cannot use.
+  Error configError(const ConfigNode& config, std::string_view field, std::string_view what) const;
+};
+
+class Processor {
+ public:
+  virtual ~Processor() = default;
+
+  virtual void preRun() {}
+  virtual void preprocess(LayerRequest& request) { (void)request; }
+  // The runner calls it only when needsCalibration(*this); the default is calibrate(request).
+  virtual void process(LayerRequest& request) { calibrate(request); }
+  virtual void postprocess(LayerRequest& request) { (void)request; }
+  virtual void postRun() {}
+
+  // True only when running on W ranks gives the same result as on one rank with all samples.
+  virtual bool supportDistributed() const { return false; }
+  // True when the processor needs no calibration forward (process() is then never called).
+  virtual bool isDataFree() const { return false; }
+};
+
+// Whether the runner runs the processor's process(): the one place this is decided.
+inline bool needsCalibration(const Processor& processor) {
+  return !processor.isDataFree();
+}
+
+// Builds a processor from its validated configuration (defaults filled in, `type` removed).
+using ProcessorFactory = std::function<std::unique_ptr<Processor>(const ConfigNode& config, const ProcessorContext&)>;
+
+}  // namespace qpipe

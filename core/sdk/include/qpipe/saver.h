@@ -1,0 +1,58 @@
+// Checkpoint savers: a quantized model streamed to disk layer by layer (docs/formats.md).
+// Savers are registered like processors (name → schema → factory, qpipe/plugin.h addSaver); the
+// host registers compressed_tensors (default; what vLLM and transformers load) and
+// ascendv1_saver (msmodelslim's layout), and a spec.save step names one by its `type`.
+//
+// Contract of every saver:
+// - Everything is written under partialDir(saveDir); `saveDir` appears (one rename) only when
+//   finish() has written the last byte, so an interrupted run never leaves a directory at
+//   `saveDir` that looks complete. A stale partial directory from a killed run is removed.
+// - A non-empty existing `saveDir` is Error(kInput) when the saver is created, before any work.
+// - Shards hold at most `part_file_size` GB each (0: one file) and are indexed as HF does.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "qpipe/schema.h"
+
+namespace qpipe {
+
+class CausalLM;
+class ConfigNode;
+class Module;
+
+class CheckpointSaver {
+ public:
+  virtual ~CheckpointSaver() = default;
+
+  // The hidden sibling a save to `saveDir` is written under until finish() renames it,
+  // `.<name>.qpipe-partial` (absolute); the launcher of a multi-rank run removes it when a rank
+  // was killed before its saver could.
+  static std::filesystem::path partialDir(const std::filesystem::path& saveDir);
+
+  // The runner's LayerSink: writes every parameter of decoder layer `index` (full name `name`).
+  virtual void writeLayer(int64_t index, const std::string& name, Module& layer) = 0;
+  // A file written beside the weights (e.g. the quantization report).
+  virtual void addFile(const std::string& fileName, const std::string& content) = 0;
+  // Writes the non-layer modules, the index and the metadata, copies the tokenizer and
+  // generation files, and renames the directory into place.
+  virtual void finish() = 0;
+};
+
+// Builds a saver from its validated spec.save step (defaults filled in, `type` removed).
+// `model` supplies the config, the source directory and, at finish(), the non-layer modules.
+using SaverFactory = std::function<std::unique_ptr<CheckpointSaver>(
+    const ConfigNode& config, CausalLM& model, const std::filesystem::path& saveDir)>;
+
+struct SaverInfo {
+  std::string type;  // the YAML `type` of a spec.save step
+  std::string description;
+  Schema schema;
+  SaverFactory factory;
+};
+
+}  // namespace qpipe

@@ -1,0 +1,45 @@
+// The out-of-line parts of the SDK (qpipe/processor.h, qpipe/saver.h).
+#include <filesystem>
+#include <utility>
+
+#include "qpipe/config_node.h"
+#include "qpipe/processor.h"
+#include "qpipe/saver.h"
+#include "qpipe/schema.h"
+
+namespace qpipe {
+
+void calibrate(LayerRequest& request) {
+  if (!request.forward) return;
+  request.forward(request);
+  if (request.betweenForwards.empty()) return;
+  const std::vector<std::function<void()>> steps = std::move(request.betweenForwards);
+  request.betweenForwards.clear();
+  for (const auto& step : steps) step();
+  request.forward(request);
+}
+
+std::shared_ptr<ModuleFilter> ProcessorContext::moduleFilter(const ConfigNode& config) const {
+  auto filter = std::make_shared<ModuleFilter>(config.at("include").asStringList(), config.at("exclude").asStringList());
+  filters->push_back(filter);
+  return filter;
+}
+
+Error ProcessorContext::configError(const ConfigNode& config, std::string_view field, std::string_view what) const {
+  const ConfigNode* node = config.find(field);
+  const ConfigNode& at = node != nullptr && !node->isNull() ? *node : config;
+  return qpipe::configError(at, fieldPath(field), what);
+}
+
+std::string ProcessorContext::fieldPath(std::string_view field) const {
+  return configPath.empty() ? std::string(field) : concat(configPath, ".", field);
+}
+
+std::filesystem::path CheckpointSaver::partialDir(const std::filesystem::path& saveDir) {
+  std::filesystem::path target = std::filesystem::absolute(saveDir).lexically_normal();
+  if (target.filename().empty()) target = target.parent_path();  // "out/" names "out"
+  // Hidden, beside the destination (same file system, so the final rename is atomic).
+  return target.parent_path() / ("." + target.filename().string() + ".qpipe-partial");
+}
+
+}  // namespace qpipe
