@@ -36,6 +36,7 @@ double reported(const QuantReport& report, const std::string& module, const std:
 TEST(Quantize, InProcessWithTheStatsExampleBeforeLinearQuant) {
   const fs::path model = test::tinyLlama("quantize-lib");
   const fs::path out = test::testDir() / "quantized";
+  fs::remove_all(out);
   const fs::path pipeline = test::writeTempFile("stats.yaml", R"(apiversion: modelslim_v1
 spec:
   process:

@@ -135,7 +135,7 @@ TEST_F(PipelineTest, SaverErrors) {
                       "compressed_tensors, test_saver"),
             std::string::npos);
   EXPECT_NE(loadError(head + "  save: [{type: ascendv1_saver, part_file_size: -1}]\n")
-                .find(":4:43: spec.save[0].part_file_size: must be >= 0, got -1"),
+                .find(":4:49: spec.save[0].part_file_size: must be >= 0, got -1"),
             std::string::npos);
   EXPECT_NE(loadError(head + "  save: [{type: ascendv1_saver}, {type: compressed_tensors}]\n")
                 .find(":4:9: spec.save: lists 2 savers; one per run is supported"),

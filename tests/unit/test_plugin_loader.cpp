@@ -127,14 +127,15 @@ TEST(PluginLoader, DirectoryScanLoadsGoodLibrariesAndRecordsEveryRejection) {
   std::vector<std::string> loaded;
   for (const auto& record : loader.loaded()) loaded.push_back(record.name);
   EXPECT_EQ(loaded, (std::vector<std::string>{"fault_duplicate_a", "fault_factory_throws", "fault_process_throws",
-                                              "log_layers"}));
+                                              "log_layers", "module_stats"}));
   std::vector<std::string> rejected;
   for (const auto& record : loader.rejected()) rejected.push_back(fs::path(record.path).filename().string());
   EXPECT_EQ(rejected,
             (std::vector<std::string>{"libfault_abi_major.so", "libfault_duplicate_b.so", "libfault_fingerprint.so",
                                       "libfault_no_descriptor.so", "libfault_not_elf.so"}));
   EXPECT_EQ(registry.processorTypes(),
-            (std::vector<std::string>{"duplicate_type", "factory_throws", "group", "log_layers", "process_throws"}));
+            (std::vector<std::string>{"duplicate_type", "factory_throws", "group", "log_layers", "module_stats",
+                                      "process_throws"}));
 }
 
 TEST(PluginLoader, EarlierSearchDirectoryShadowsASamePluginLater) {
@@ -144,7 +145,7 @@ TEST(PluginLoader, EarlierSearchDirectoryShadowsASamePluginLater) {
   Registry registry;
   PluginLoader loader(registry);
   loader.loadDirectories({{copy, "--plugin_dir"}, {kExample, "built-in"}});
-  ASSERT_EQ(loader.loaded().size(), 1u);
+  ASSERT_EQ(loader.loaded().size(), 2u);  // the copy of log_layers, then module_stats
   EXPECT_EQ(loader.loaded()[0].origin, (copy / "liblog_layers.so").string());
   ASSERT_EQ(loader.rejected().size(), 1u);
   EXPECT_EQ(loader.rejected()[0].reason, "plugin 'log_layers' is already loaded from " +
