@@ -505,10 +505,9 @@ std::optional<std::chrono::milliseconds> timeoutFromEnvironment() {
   if (!timeout) return std::nullopt;
   char* end = nullptr;
   const double secondsValue = std::strtod(timeout->c_str(), &end);
-  QPIPE_REQUIRE(!timeout->empty() && end == timeout->c_str() + timeout->size() && secondsValue > 0 &&
-                    secondsValue <= 86400.0 * 7,
-                ErrorCode::kDistributed, "QPIPE_DIST_TIMEOUT_S='", *timeout,
-                "' is not a number of seconds in (0, 604800]");
+  QPIPE_REQUIRE(
+      !timeout->empty() && end == timeout->c_str() + timeout->size() && secondsValue > 0 && secondsValue <= 86400.0 * 7,
+      ErrorCode::kDistributed, "QPIPE_DIST_TIMEOUT_S='", *timeout, "' is not a number of seconds in (0, 604800]");
   return milliseconds(static_cast<int64_t>(secondsValue * 1000.0 + 0.5));
 }
 

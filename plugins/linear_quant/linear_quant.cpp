@@ -45,7 +45,8 @@ class LinearQuant final : public Processor {
     synchronizeAll();
     for (Pending& p : pending_) {
       if (!p.quantizer) {
-        p.quantizer = std::make_shared<LinearQuantizer>(request.module->getSubmodule(p.path).as<Linear>(p.name), qconfig_);
+        p.quantizer =
+            std::make_shared<LinearQuantizer>(request.module->getSubmodule(p.path).as<Linear>(p.name), qconfig_);
       }
       request.module->replace(p.path, p.quantizer->deploy(p.name));
     }
@@ -72,7 +73,8 @@ class LinearQuant final : public Processor {
   // Merges every static observer of the layer across ranks and freezes its parameters.
   void synchronizeAll() {
     for (const Pending& p : pending_) {
-      if (p.quantizer && p.quantizer->observes() && !p.quantizer->frozen()) dist::synchronize(*context_.group, *p.quantizer);
+      if (p.quantizer && p.quantizer->observes() && !p.quantizer->frozen())
+        dist::synchronize(*context_.group, *p.quantizer);
     }
   }
 
@@ -90,9 +92,8 @@ void registerProcessors(PluginRegistrar& registrar) {
       .type = "linear_quant",
       .description = "quantizes Linear weights and input activations (int8, int4, fp8_e4m3)",
       .schema = std::move(schema),
-      .factory = [](const ConfigNode& config, const ProcessorContext& context) {
-        return std::make_unique<LinearQuant>(config, context);
-      },
+      .factory = [](const ConfigNode& config,
+                    const ProcessorContext& context) { return std::make_unique<LinearQuant>(config, context); },
   });
 }
 

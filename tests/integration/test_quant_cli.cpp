@@ -453,8 +453,8 @@ TEST(QuantCli, W4A8AscendV1RefusesRowParallelWidthNotMultipleOf16) {
 TEST(QuantCli, RunnersWriteTheSameCheckpointAndAnUnknownOneIsAConfigError) {
   const fs::path model = qpipe::test::tinyLlama("runners");
   const auto withRunner = [](const std::string& runner) {
-    return qpipe::test::writeTempFile(runner + ".yaml", "apiversion: modelslim_v1\nspec:\n  runner: " + runner +
-                                                            "\n  process:\n" + kStaticW8A8);
+    return qpipe::test::writeTempFile(
+        runner + ".yaml", "apiversion: modelslim_v1\nspec:\n  runner: " + runner + "\n  process:\n" + kStaticW8A8);
   };
   std::vector<fs::path> outs;
   for (const std::string runner : {"layer_wise", "model_wise", "dp_layer_wise", "auto"}) {

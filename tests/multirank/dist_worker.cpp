@@ -28,7 +28,6 @@ qpipe::ProcessGroup& world() {
   return *joined;
 }
 
-
 using namespace qpipe::dist;
 using qpipe::ProcessGroup;
 using qpipe::ReduceOp;

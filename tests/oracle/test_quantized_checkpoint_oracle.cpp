@@ -13,9 +13,9 @@
 #include <map>
 #include <optional>
 
+#include "qpipe/host/savers.h"
 #include "qpipe/model.h"
 #include "qpipe/quant_linear.h"
-#include "qpipe/host/savers.h"
 #include "replace_linears.h"
 #include "test_helpers.h"
 

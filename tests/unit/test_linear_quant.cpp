@@ -10,16 +10,16 @@
 #include <set>
 
 #include "qpipe/dist/observer_sync.h"
-#include "qpipe/linear_quantizer.h"
-#include "qpipe/log.h"
 #include "qpipe/host/pipeline.h"
-#include "qpipe/plugin.h"
 #include "qpipe/host/plugin_loader.h"
-#include "qpipe/qconfig.h"
-#include "qpipe/quant_linear.h"
 #include "qpipe/host/registry.h"
 #include "qpipe/host/report.h"
 #include "qpipe/host/runner.h"
+#include "qpipe/linear_quantizer.h"
+#include "qpipe/log.h"
+#include "qpipe/plugin.h"
+#include "qpipe/qconfig.h"
+#include "qpipe/quant_linear.h"
 #include "qpipe/schema.h"
 #include "test_helpers.h"
 #include "tiny_model.h"
@@ -305,13 +305,15 @@ TEST(Calibrate, ObservesRunsTheStepsThenForwardsAgain) {
 TEST_F(LinearQuantPlugin, UnmatchedPatternsWarnAtTheEnd) {
   run("    - {type: linear_quant, qconfig: {weight: {}}, include: ['*q_proj', '*experts*'], exclude: ['*lm_head', "
       "'*.9.*']}\n");
-  EXPECT_NE(std::find(logs_.begin(), logs_.end(), "linear_quant (spec.process[0]): include '*experts*' matched no module"),
-            logs_.end());
+  EXPECT_NE(
+      std::find(logs_.begin(), logs_.end(), "linear_quant (spec.process[0]): include '*experts*' matched no module"),
+      logs_.end());
   EXPECT_NE(std::find(logs_.begin(), logs_.end(), "linear_quant (spec.process[0]): exclude '*.9.*' matched no module"),
             logs_.end());
   // lm_head is offered with the non-layer modules: the pattern matched it.
-  EXPECT_EQ(std::find(logs_.begin(), logs_.end(), "linear_quant (spec.process[0]): exclude '*lm_head' matched no module"),
-            logs_.end());
+  EXPECT_EQ(
+      std::find(logs_.begin(), logs_.end(), "linear_quant (spec.process[0]): exclude '*lm_head' matched no module"),
+      logs_.end());
 }
 
 // ---- lm_head, offered in the non-layer unit
@@ -399,8 +401,9 @@ TEST_F(LinearQuantPlugin, DefaultPracticesLeaveLmHeadFloat) {
     });
     EXPECT_EQ(layerTypes, std::set<std::string>{"QuantLinear"}) << entry.path();
     EXPECT_EQ(model->root().getSubmodule("lm_head").typeName(), "Linear") << entry.path();
-    EXPECT_EQ(std::find(logs_.begin(), logs_.end(), "linear_quant (spec.process[0]): exclude 'lm_head' matched no module"),
-              logs_.end())
+    EXPECT_EQ(
+        std::find(logs_.begin(), logs_.end(), "linear_quant (spec.process[0]): exclude 'lm_head' matched no module"),
+        logs_.end())
         << entry.path();
   }
   EXPECT_GE(practices, 8);

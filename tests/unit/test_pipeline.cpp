@@ -1,10 +1,10 @@
 #include <gtest/gtest.h>
 
-#include "qpipe/log.h"
 #include "qpipe/host/pipeline.h"
-#include "qpipe/plugin.h"
 #include "qpipe/host/plugin_loader.h"
 #include "qpipe/host/registry.h"
+#include "qpipe/log.h"
+#include "qpipe/plugin.h"
 #include "test_helpers.h"
 
 QPIPE_DECLARE_STATIC_PLUGIN(log_layers);
@@ -140,8 +140,9 @@ TEST_F(PipelineTest, SaverErrors) {
   EXPECT_NE(loadError(head + "  save: [{type: ascendv1_saver}, {type: compressed_tensors}]\n")
                 .find(":4:9: spec.save: lists 2 savers; one per run is supported"),
             std::string::npos);
-  EXPECT_NE(loadError(head + "  save: [{part_file_size: 1}]\n").find(":4:10: spec.save[0]: missing required field 'type'"),
-            std::string::npos);
+  EXPECT_NE(
+      loadError(head + "  save: [{part_file_size: 1}]\n").find(":4:10: spec.save[0]: missing required field 'type'"),
+      std::string::npos);
   EXPECT_NE(loadError(head + "  process: []\n").find(":4:3: duplicate key 'process'"), std::string::npos);
 }
 
@@ -216,8 +217,9 @@ TEST_F(PipelineTest, DataFreeProcessorsNeedNoCalibrationAndTheHostWarnsAboutUnma
   processor.preprocess(request);
   processor.postRun();
   ASSERT_EQ(logged.size(), 4u);
-  EXPECT_EQ(logged[2], std::make_pair(LogLevel::kWarn,
-                                      std::string("log_layers (spec.process[0]): include 'vision.*' matched no module")));
+  EXPECT_EQ(logged[2],
+            std::make_pair(LogLevel::kWarn,
+                           std::string("log_layers (spec.process[0]): include 'vision.*' matched no module")));
   EXPECT_EQ(logged[3], std::make_pair(LogLevel::kWarn,
                                       std::string("log_layers (spec.process[0]): exclude '*.7' matched no module")));
 }

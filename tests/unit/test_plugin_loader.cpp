@@ -3,9 +3,9 @@
 #include <cstdlib>
 
 #include "qpipe/config_node.h"
+#include "qpipe/host/plugin_loader.h"
 #include "qpipe/log.h"
 #include "qpipe/plugin.h"
-#include "qpipe/host/plugin_loader.h"
 #include "test_helpers.h"
 
 QPIPE_DECLARE_STATIC_PLUGIN(log_layers);
@@ -82,9 +82,9 @@ TEST(PluginLoader, ThrowingFactoryBecomesOneErrorNamingTheProcessor) {
   PluginLoader loader(registry);
   loader.loadLibrary(fault("factory_throws"));
   const ConfigNode config = ConfigNode::parseYaml("{}", "f.yaml");
-  const std::string message =
-      test::errorOf([&] { registry.createProcessor("factory_throws", config, "spec.process[0]", {.logger = log::logger()}); },
-                    ErrorCode::kPlugin);
+  const std::string message = test::errorOf(
+      [&] { registry.createProcessor("factory_throws", config, "spec.process[0]", {.logger = log::logger()}); },
+      ErrorCode::kPlugin);
   EXPECT_EQ(message,
             "f.yaml:1:1: spec.process[0]: processor 'factory_throws' (plugin 'fault_factory_throws') could "
             "not be created: cannot build: no device");
@@ -133,9 +133,8 @@ TEST(PluginLoader, DirectoryScanLoadsGoodLibrariesAndRecordsEveryRejection) {
   EXPECT_EQ(rejected,
             (std::vector<std::string>{"libfault_abi_major.so", "libfault_duplicate_b.so", "libfault_fingerprint.so",
                                       "libfault_no_descriptor.so", "libfault_not_elf.so"}));
-  EXPECT_EQ(registry.processorTypes(),
-            (std::vector<std::string>{"duplicate_type", "factory_throws", "group", "log_layers", "module_stats",
-                                      "process_throws"}));
+  EXPECT_EQ(registry.processorTypes(), (std::vector<std::string>{"duplicate_type", "factory_throws", "group",
+                                                                 "log_layers", "module_stats", "process_throws"}));
 }
 
 TEST(PluginLoader, EarlierSearchDirectoryShadowsASamePluginLater) {

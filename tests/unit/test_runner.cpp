@@ -1,8 +1,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "qpipe/log.h"
 #include "qpipe/host/runner.h"
+#include "qpipe/log.h"
 #include "test_helpers.h"
 #include "tiny_model.h"
 

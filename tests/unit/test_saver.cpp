@@ -9,9 +9,9 @@
 #include <optional>
 #include <tuple>
 
+#include "qpipe/host/savers.h"
 #include "qpipe/model.h"
 #include "qpipe/quant_linear.h"
-#include "qpipe/host/savers.h"
 #include "replace_linears.h"
 #include "test_helpers.h"
 #include "tiny_model.h"

@@ -6,9 +6,9 @@
 #include "commands.h"
 #include "plugin_options.h"
 #include "qpipe/config_node.h"
-#include "qpipe/log.h"
 #include "qpipe/host/pipeline.h"
 #include "qpipe/host/registry.h"
+#include "qpipe/log.h"
 
 namespace qpipe::cli {
 

@@ -48,7 +48,7 @@ struct Role {
   std::optional<dist::GroupOptions> group;  // set for a rank
   int worldSize = 1;                        // ranks of the run (the launcher's children for a parent)
   bool launcher = false;
-  int localWorldSize = 1;                   // the ranks sharing this host's cores
+  int localWorldSize = 1;  // the ranks sharing this host's cores
 };
 
 Role roleOf(const QuantOptions& options, const DeviceList& devices) {

@@ -24,8 +24,8 @@
 #include <sstream>
 
 #include "qpipe/device.h"
-#include "qpipe/process_group.h"
 #include "qpipe/log.h"
+#include "qpipe/process_group.h"
 #include "qpipe/saver.h"
 
 extern char** environ;

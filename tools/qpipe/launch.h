@@ -58,8 +58,8 @@ void markGroup(std::shared_ptr<ProcessGroup> group);
 
 // The top-level error handler of qpipe: reports `message` and returns the exit code. A rank
 // also writes it to its error file (under our launcher), tells its peers
-// (ProcessGroup::reportFailure on the group of markGroup) and, under our launcher, leaves the final `qpipe:` line to the
-// parent.
+// (ProcessGroup::reportFailure on the group of markGroup) and, under our launcher, leaves the final `qpipe:` line to
+// the parent.
 int reportFailure(ErrorCode code, const std::string& message);
 
 }  // namespace qpipe::cli

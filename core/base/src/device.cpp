@@ -13,7 +13,9 @@
 namespace qpipe {
 
 namespace {
-int gpuCount() { return at::detail::getCUDAHooks().deviceCount(); }
+int gpuCount() {
+  return at::detail::getCUDAHooks().deviceCount();
+}
 }  // namespace
 
 bool cudaAvailable() {
@@ -42,8 +44,8 @@ c10::Device parseDevice(std::string_view text) {
   if (device.is_cuda()) {
     QPIPE_REQUIRE(cudaAvailable(), ErrorCode::kUsage, "device '", text,
                   "': CUDA is not available (no GPU, or LibTorch without CUDA)");
-    QPIPE_REQUIRE(!device.has_index() || device.index() < gpuCount(), ErrorCode::kUsage,
-                  "device '", text, "': only ", gpuCount(), " GPUs are visible");
+    QPIPE_REQUIRE(!device.has_index() || device.index() < gpuCount(), ErrorCode::kUsage, "device '", text, "': only ",
+                  gpuCount(), " GPUs are visible");
   }
   return device;
 }

@@ -98,7 +98,6 @@ std::string fieldPath(std::string_view path, std::string_view field) {
   return path.empty() ? std::string(field) : concat(path, ".", field);
 }
 
-
 bool isScalar(const ConfigNode& node) {
   return !node.isNull() && !node.isList() && !node.isMap();
 }
@@ -106,15 +105,16 @@ bool isScalar(const ConfigNode& node) {
 // A plain scalar read where a string is expected keeps the text it was written as.
 ConfigNode asStringNode(const ConfigNode& node, const std::string& path, std::string_view expected) {
   if (node.kind() == ConfigNode::Kind::kString) return node;
-  if (!isScalar(node))
-    failAt(node, path, concat("expected ", expected, ", got ", ConfigNode::kindName(node.kind())));
+  if (!isScalar(node)) failAt(node, path, concat("expected ", expected, ", got ", ConfigNode::kindName(node.kind())));
   return ConfigNode::string(node.sourceText(), node.location());
 }
 
 void checkRange(const FieldSpec& field, const ConfigNode& value, const std::string& path) {
   const double number = value.asFloat();
-  if (field.minimum && number < *field.minimum) failAt(value, path, concat("must be >= ", *field.minimum, ", got ", number));
-  if (field.maximum && number > *field.maximum) failAt(value, path, concat("must be <= ", *field.maximum, ", got ", number));
+  if (field.minimum && number < *field.minimum)
+    failAt(value, path, concat("must be >= ", *field.minimum, ", got ", number));
+  if (field.maximum && number > *field.maximum)
+    failAt(value, path, concat("must be <= ", *field.maximum, ", got ", number));
 }
 
 ConfigNode checkValue(const FieldSpec& field, const ConfigNode& value, const std::string& path) {
@@ -198,9 +198,9 @@ ConfigNode Schema::validate(const ConfigNode& node, std::string_view path) const
       if (distance < best) best = distance, closest = field.name;
     }
     failAt(value, fieldPath(path, key),
-           concat(
-               "unknown field", closest.empty() ? "" : "; did you mean '" + closest + "'?",
-               names.empty() ? std::string("; no fields are accepted here") : "; expected one of: " + joinNames(names)));
+           concat("unknown field", closest.empty() ? "" : "; did you mean '" + closest + "'?",
+                  names.empty() ? std::string("; no fields are accepted here")
+                                : "; expected one of: " + joinNames(names)));
   }
 
   ConfigNode out = ConfigNode::map({}, node.location());
@@ -215,7 +215,7 @@ ConfigNode Schema::validate(const ConfigNode& node, std::string_view path) const
     } else if (field.required) {
       failAt(node, where,
              concat("missing required field '", field.name, "' (", valueTypeName(field.type),
-                            field.help.empty() ? "" : ": " + field.help, ")"));
+                    field.help.empty() ? "" : ": " + field.help, ")"));
     } else if (field.defaultValue) {
       out.set(field.name, *field.defaultValue);
     } else if (field.type == ValueType::kMap && field.nested &&

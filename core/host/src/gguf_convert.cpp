@@ -297,8 +297,7 @@ void writeJson(const fs::path& path, const json& value) {
     text = value.dump(2);
   } catch (const json::type_error& e) {
     // Only text that is not UTF-8 fails to serialise: a token or the chat template.
-    throw Error(ErrorCode::kInput,
-                concat(path.filename().string(), ": metadata is not valid UTF-8 (", e.what(), ")"));
+    throw Error(ErrorCode::kInput, concat(path.filename().string(), ": metadata is not valid UTF-8 (", e.what(), ")"));
   }
   out << text << "\n";
   QPIPE_REQUIRE(out.good(), ErrorCode::kIo, path.string(), ": cannot write");

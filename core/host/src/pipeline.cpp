@@ -13,7 +13,6 @@ namespace {
 
 constexpr const char* kGroupType = "group";
 
-
 const Schema& documentSchema() {
   static const Schema kSchema = [] {
     Schema label;
@@ -81,13 +80,11 @@ ConfigNode withType(const std::string& type, const ConfigNode& config, const Sou
 
 ProcessStep parseStep(const ConfigNode& node, const std::string& path, const Registry& registry) {
   if (!node.isMap())
-    failAt(node, path,
-           concat("expected a processor mapping with a 'type', got ", ConfigNode::kindName(node.kind())));
+    failAt(node, path, concat("expected a processor mapping with a 'type', got ", ConfigNode::kindName(node.kind())));
   const ConfigNode* typeNode = node.find("type");
   if (typeNode == nullptr) failAt(node, path, "missing required field 'type' (the processor to run)");
   if (typeNode->kind() != ConfigNode::Kind::kString) {
-    failAt(*typeNode, path + ".type",
-           concat("expected a string, got ", ConfigNode::kindName(typeNode->kind())));
+    failAt(*typeNode, path + ".type", concat("expected a string, got ", ConfigNode::kindName(typeNode->kind())));
   }
   ProcessStep step;
   step.type = typeNode->asString();
@@ -105,15 +102,14 @@ ProcessStep parseStep(const ConfigNode& node, const std::string& path, const Reg
   if (entry == nullptr) {
     failAt(*typeNode, path + ".type",
            concat("unknown processor type '", step.type, "'; known types: ", joinNames(registry.processorTypes()),
-                          " (plugins are searched in --plugin_dir, QPIPE_PLUGIN_PATH, "
-                          "then the built-in folder; `qpipe plugins` lists them)"));
+                  " (plugins are searched in --plugin_dir, QPIPE_PLUGIN_PATH, "
+                  "then the built-in folder; `qpipe plugins` lists them)"));
   }
   step.config = entry->info.schema.validate(config, path);
   return step;
 }
 
-std::vector<ProcessStep> parseSteps(const ConfigNode& list, const std::string& path,
-                                    const Registry& registry) {
+std::vector<ProcessStep> parseSteps(const ConfigNode& list, const std::string& path, const Registry& registry) {
   if (!list.isList())
     failAt(list, path, concat("expected a list of processors, got ", ConfigNode::kindName(list.kind())));
   if (list.items().empty()) failAt(list, path, "the list of processors is empty");
@@ -233,7 +229,7 @@ ConfigNode validateDocument(const std::filesystem::path& file) {
   if (!document.isMap()) {
     failAt(document, "document",
            concat("expected a pipeline mapping (apiversion, metadata, spec), got ",
-                          ConfigNode::kindName(document.kind())));
+                  ConfigNode::kindName(document.kind())));
   }
   // Top-level keys outside the schema are allowed only as holders of YAML anchors, the way
   // msmodelslim's practice files define reusable qconfig blocks.

@@ -134,7 +134,7 @@ const PluginRecord& PluginLoader::load(const fs::path& path) {
   }
   if (!library->has(QPIPE_PLUGIN_ENTRY_NAME)) {
     reject(concat("no qpipe plugin descriptor (symbol '", QPIPE_PLUGIN_ENTRY_NAME,
-                          "' is not exported); build the plugin with qpipe_add_plugin() and QPIPE_PLUGIN(...)"));
+                  "' is not exported); build the plugin with qpipe_add_plugin() and QPIPE_PLUGIN(...)"));
   }
   const QpipePluginDescriptor* descriptor = nullptr;
   try {
@@ -156,13 +156,13 @@ const PluginRecord& PluginLoader::registerDescriptor(const QpipePluginDescriptor
   // Only the C-layout fields are read until the version and fingerprint checks pass.
   if (descriptor.abiMajor != QPIPE_PLUGIN_ABI_MAJOR || descriptor.abiMinor > QPIPE_PLUGIN_ABI_MINOR) {
     reject(concat("plugin ABI ", descriptor.abiMajor, ".", descriptor.abiMinor,
-                          " is not compatible with this qpipe (plugin ABI ", QPIPE_PLUGIN_ABI_MAJOR, ".",
-                          QPIPE_PLUGIN_ABI_MINOR, "); rebuild the plugin against qpipe ", QPIPE_VERSION));
+                  " is not compatible with this qpipe (plugin ABI ", QPIPE_PLUGIN_ABI_MAJOR, ".",
+                  QPIPE_PLUGIN_ABI_MINOR, "); rebuild the plugin against qpipe ", QPIPE_VERSION));
   }
   const char* fingerprint = descriptor.fingerprint != nullptr ? descriptor.fingerprint : "";
   if (std::strcmp(fingerprint, QPIPE_BUILD_FINGERPRINT) != 0) {
-    reject(concat("build fingerprint '", fingerprint, "' does not match this qpipe's '",
-                          QPIPE_BUILD_FINGERPRINT, "'; rebuild the plugin with the same compiler, LibTorch and qpipe"));
+    reject(concat("build fingerprint '", fingerprint, "' does not match this qpipe's '", QPIPE_BUILD_FINGERPRINT,
+                  "'; rebuild the plugin with the same compiler, LibTorch and qpipe"));
   }
   if (descriptor.name == nullptr || descriptor.name[0] == '\0') reject("the descriptor has no plugin name");
   if (descriptor.registerProcessors == nullptr) reject("the descriptor has no registration function");
@@ -170,7 +170,7 @@ const PluginRecord& PluginLoader::registerDescriptor(const QpipePluginDescriptor
   for (const auto& record : loaded_) {
     if (record.name == name) {
       reject(concat("plugin '", name, "' is already loaded from ", record.origin,
-                            ", which comes first in the search order; this copy is ignored"));
+                    ", which comes first in the search order; this copy is ignored"));
     }
   }
 

@@ -82,11 +82,11 @@ PracticeMatch findPractice(const fs::path& library, const std::string& modelType
   }
   std::string available;
   for (const auto& name : offered) available += (available.empty() ? "" : ", ") + name;
-  throw Error(ErrorCode::kUsage,
-              concat(
-                  "no practice in ", library.string(), " for --quant_type ", type.text, " and model type ", modelType,
-                  available.empty() ? "; the library has none for this model type" : "; available: " + available,
-                  " (or pass --config_path)"));
+  throw Error(
+      ErrorCode::kUsage,
+      concat("no practice in ", library.string(), " for --quant_type ", type.text, " and model type ", modelType,
+             available.empty() ? "; the library has none for this model type" : "; available: " + available,
+             " (or pass --config_path)"));
 }
 
 }  // namespace qpipe

@@ -91,8 +91,8 @@ struct Prepared {
   fs::path calibData;
 
   Prepared(Registry& registry, const QuantizeOptions& options) : loader(registry), registry(registry) {
-    QPIPE_REQUIRE(fs::is_directory(options.modelPath), ErrorCode::kInput, "--model_path '",
-                  options.modelPath.string(), "' is not a folder");
+    QPIPE_REQUIRE(fs::is_directory(options.modelPath), ErrorCode::kInput, "--model_path '", options.modelPath.string(),
+                  "' is not a folder");
     loadPlugins(loader, options.pluginPath);
     pipeline = loadPipeline(resolvePipeline(options), registry);
     mode = runnerMode(pipeline, options.worldSize);
@@ -104,7 +104,7 @@ struct Prepared {
                       pipeline.process[i].type, ") does not support multi-rank runs; use one device");
       }
     }
-    calibData = !options.calibData.empty()      ? options.calibData
+    calibData = !options.calibData.empty()  ? options.calibData
                 : !pipeline.dataset.empty() ? fs::path(pipeline.dataset)
                                             : options.defaultCalibData;
   }
@@ -139,9 +139,8 @@ QuantizeResult quantize(const QuantizeOptions& options) {
   std::unique_ptr<CheckpointSaver> saver;
   if (saves) saver = registry.createSaver(saving.type, saving.config, *model, options.savePath);
   const Tokenizer tokenizer = Tokenizer::fromFile(options.modelPath / "tokenizer.json");
-  const std::vector<at::Tensor> samples =
-      calibrationWindows(encodeDataset(prepared.calibData, tokenizer), prepared.calibData.string(),
-                         options.calibSamples, options.seqLen);
+  const std::vector<at::Tensor> samples = calibrationWindows(
+      encodeDataset(prepared.calibData, tokenizer), prepared.calibData.string(), options.calibSamples, options.seqLen);
   const std::vector<at::Tensor> share = rankShare(samples, group.rank(), group.worldSize());
   if (group.worldSize() > 1) {
     logger->info("calibration: ", share.size(), " of ", samples.size(), " samples x ", options.seqLen, " tokens from ",

@@ -107,18 +107,17 @@ void checkNew(const std::vector<Entry>& existing, const std::vector<Entry>& adde
   for (size_t i = 0; i < added.size(); ++i) {
     const std::string& type = added[i].info.type;
     const std::string& plugin = added[i].plugin;
-    QPIPE_REQUIRE(!type.empty(), ErrorCode::kPlugin, "plugin '", plugin, "' registers a ", kind,
-                  " with an empty type");
+    QPIPE_REQUIRE(!type.empty(), ErrorCode::kPlugin, "plugin '", plugin, "' registers a ", kind, " with an empty type");
     QPIPE_REQUIRE(static_cast<bool>(added[i].info.factory), ErrorCode::kPlugin, "plugin '", plugin, "' registers ",
                   kind, " type '", type, "' without a factory");
     if (const Entry* other = findIn(existing, type)) {
-      throw Error(ErrorCode::kPlugin, concat(kind, " type '", type, "' is registered by plugin '", plugin, "' (",
-                                             added[i].origin, ") and already by plugin '", other->plugin, "' (",
-                                             other->origin, ")"));
+      throw Error(ErrorCode::kPlugin,
+                  concat(kind, " type '", type, "' is registered by plugin '", plugin, "' (", added[i].origin,
+                         ") and already by plugin '", other->plugin, "' (", other->origin, ")"));
     }
     for (size_t j = 0; j < i; ++j) {
-      QPIPE_REQUIRE(added[j].info.type != type, ErrorCode::kPlugin, "plugin '", plugin, "' registers ", kind,
-                    " type '", type, "' twice");
+      QPIPE_REQUIRE(added[j].info.type != type, ErrorCode::kPlugin, "plugin '", plugin, "' registers ", kind, " type '",
+                    type, "' twice");
     }
   }
 }
@@ -187,12 +186,13 @@ std::unique_ptr<Processor> Registry::createProcessor(std::string_view type, cons
                                             std::move(scoped), entry->owner);
 }
 
-std::unique_ptr<CheckpointSaver> Registry::createSaver(std::string_view type, const ConfigNode& config,
-                                                       CausalLM& model, const std::filesystem::path& saveDir) const {
+std::unique_ptr<CheckpointSaver> Registry::createSaver(std::string_view type, const ConfigNode& config, CausalLM& model,
+                                                       const std::filesystem::path& saveDir) const {
   const SaverEntry* entry = findSaver(type);
   QPIPE_CHECK(entry != nullptr, "no factory for saver type '", type, "'");
   const std::string where = concat("saver '", type, "' (plugin '", entry->plugin, "') could not be created: ");
-  std::unique_ptr<CheckpointSaver> created = guardFactory(where, true, [&] { return entry->info.factory(config, model, saveDir); });
+  std::unique_ptr<CheckpointSaver> created =
+      guardFactory(where, true, [&] { return entry->info.factory(config, model, saveDir); });
   QPIPE_REQUIRE(created != nullptr, ErrorCode::kPlugin, where, "the factory returned no saver");
   return created;
 }

@@ -12,9 +12,9 @@
 #include <string_view>
 
 #include "qpipe/error.h"
+#include "qpipe/host/report.h"
 #include "qpipe/log.h"
 #include "qpipe/progress.h"
-#include "qpipe/host/report.h"
 
 namespace qpipe {
 
@@ -219,8 +219,8 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       for (const TensorList& input : r.inputs) r.outputs.push_back({forwardLayer(layer, input)});
     };
     LayerReport report{.name = request.name};
-    const bool forwarded = runUnit(
-        {request, [&layer](const TensorList& input) { return forwardLayer(layer, input); }, true}, report);
+    const bool forwarded =
+        runUnit({request, [&layer](const TensorList& input) { return forwardLayer(layer, input); }, true}, report);
     if (sink) sink(index, request.name, layer);
     // Lock-step: no rank runs ahead of rank 0's writing by more than one layer.
     group.barrier();

@@ -1,10 +1,9 @@
-#include "qpipe/host/savers.h"
-
 #include <ATen/ATen.h>
 
 #include <fstream>
 
 #include "qpipe/error.h"
+#include "qpipe/host/savers.h"
 #include "qpipe/log.h"
 #include "qpipe/quantized_checkpoint.h"
 #include "saver_internal.h"
@@ -38,8 +37,7 @@ SaverFactory factoryFor(std::string format) {
 
 std::vector<SaverInfo> builtinSavers() {
   return {
-      {kDefaultSaver, "compressed-tensors: what vLLM and transformers load", saverSchema(),
-       factoryFor(kDefaultSaver)},
+      {kDefaultSaver, "compressed-tensors: what vLLM and transformers load", saverSchema(), factoryFor(kDefaultSaver)},
       {"ascendv1_saver", "msmodelslim's ascendv1 layout (vllm-ascend)", saverSchema(), factoryFor("ascendv1_saver")},
   };
 }

@@ -11,10 +11,10 @@
 #include <set>
 #include <string>
 
+#include "qpipe/host/savers.h"
 #include "qpipe/model.h"
 #include "qpipe/quant_linear.h"
 #include "qpipe/safetensors.h"
-#include "qpipe/host/savers.h"
 
 namespace qpipe::detail {
 

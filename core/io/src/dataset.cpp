@@ -1,7 +1,6 @@
 #include "qpipe/dataset.h"
 
 #include <ATen/ATen.h>
-
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -52,7 +51,7 @@ bool isBlank(std::string_view text) {
   if (at != std::string::npos && column != std::string::npos && rest != std::string::npos) {
     const int64_t line = firstLine - 1 + std::stoll(message.substr(at + 9, column - at - 9));
     throw Error(ErrorCode::kInput, concat(path, ":", line, ":", message.substr(column + 9, rest - column - 9),
-                                                  ": invalid JSON: ", message.substr(rest + 2)));
+                                          ": invalid JSON: ", message.substr(rest + 2)));
   }
   throw Error(ErrorCode::kInput, concat(path, ":", firstLine, ": invalid JSON: ", message));
 }

@@ -110,8 +110,8 @@ TensorInfo parseEntry(const fs::path& file, const std::string& name, const Json&
     bytes *= static_cast<uint64_t>(dim);
   }
   if (bytes != info.end - info.begin) {
-    bad(concat(info.dtype, " ", shapeText(info.shape), " needs ", bytes, " bytes, but data_offsets [",
-                       info.begin, ", ", info.end, "] span ", info.end - info.begin));
+    bad(concat(info.dtype, " ", shapeText(info.shape), " needs ", bytes, " bytes, but data_offsets [", info.begin, ", ",
+               info.end, "] span ", info.end - info.begin));
   }
   return info;
 }
@@ -197,15 +197,15 @@ std::shared_ptr<const File> File::open(const fs::path& path) {
   for (const TensorInfo* info : byOffset) {
     if (info->begin < expected) {
       invalid(path, concat("tensor '", info->name, "': data_offsets [", info->begin, ", ", info->end,
-                                   "] overlap tensor '", previous->name, "' (which ends at ", expected, ")"));
+                           "] overlap tensor '", previous->name, "' (which ends at ", expected, ")"));
     }
     if (info->begin > expected) {
       invalid(path, concat("tensor '", info->name, "': data_offsets [", info->begin, ", ", info->end,
-                                   "] leave a gap of ", info->begin - expected, " bytes before it"));
+                           "] leave a gap of ", info->begin - expected, " bytes before it"));
     }
     if (info->end > dataSize) {
       invalid(path, concat("tensor '", info->name, "': data_offsets [", info->begin, ", ", info->end,
-                                   "] run past the end of the data (", dataSize, " bytes; file truncated?)"));
+                           "] run past the end of the data (", dataSize, " bytes; file truncated?)"));
     }
     expected = info->end;
     previous = info;

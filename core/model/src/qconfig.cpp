@@ -8,7 +8,6 @@ namespace qpipe::quant {
 
 namespace {
 
-
 Schema sideSchema(bool isAct) {
   Schema ext;
   ext.add(
@@ -193,7 +192,8 @@ LinearQConfig parseLinearQConfig(const ConfigNode& qconfig, std::string_view pat
 void LinearQConfig::checkFits(const std::string& moduleName, int64_t inFeatures) const {
   const int64_t group = weight.scheme.groupSize;
   QPIPE_REQUIRE(group == 0 || inFeatures % group == 0, ErrorCode::kConfig, moduleName, ": in_features ", inFeatures,
-                " is not a multiple of group_size ", group, "; choose a group_size that divides it or exclude the module");
+                " is not a multiple of group_size ", group,
+                "; choose a group_size that divides it or exclude the module");
 }
 
 }  // namespace qpipe::quant

@@ -31,8 +31,8 @@ std::shared_ptr<QuantLinear> QuantLinear::fromLinear(Linear& linear, const quant
                                                      const quant::QScheme& weightScheme,
                                                      std::optional<ActivationQuant> input) {
   const at::Tensor weight = linear.weight();
-  return std::make_shared<QuantLinear>(quant::quantize(weight, weightParams, weightScheme), weightParams,
-                                       weightScheme, std::move(input), linear.bias(), weight.scalar_type());
+  return std::make_shared<QuantLinear>(quant::quantize(weight, weightParams, weightScheme), weightParams, weightScheme,
+                                       std::move(input), linear.bias(), weight.scalar_type());
 }
 
 quant::QParams QuantLinear::weightParams() {

@@ -20,7 +20,8 @@ void calibrate(LayerRequest& request) {
 }
 
 std::shared_ptr<ModuleFilter> ProcessorContext::moduleFilter(const ConfigNode& config) const {
-  auto filter = std::make_shared<ModuleFilter>(config.at("include").asStringList(), config.at("exclude").asStringList());
+  auto filter =
+      std::make_shared<ModuleFilter>(config.at("include").asStringList(), config.at("exclude").asStringList());
   filters->push_back(filter);
   return filter;
 }

@@ -10,13 +10,13 @@ namespace qpipe {
 
 // What went wrong, as the CLI reports it: each value is the process exit code (docs/cli.md).
 enum class ErrorCode : int {
-  kInternal = 1,     // a bug in qpipe or a plugin: an invariant did not hold
-  kUsage = 2,        // command line: unknown option, missing argument, bad value
-  kConfig = 3,       // pipeline YAML: syntax, schema, unknown processor type
-  kPlugin = 4,       // a plugin library could not be loaded, or a plugin call failed
-  kInput = 5,        // model, checkpoint, tokenizer or calibration data
-  kIo = 6,           // reading or writing files
-  kDistributed = 7,  // ranks, process groups, rendezvous
+  kInternal = 1,       // a bug in qpipe or a plugin: an invariant did not hold
+  kUsage = 2,          // command line: unknown option, missing argument, bad value
+  kConfig = 3,         // pipeline YAML: syntax, schema, unknown processor type
+  kPlugin = 4,         // a plugin library could not be loaded, or a plugin call failed
+  kInput = 5,          // model, checkpoint, tokenizer or calibration data
+  kIo = 6,             // reading or writing files
+  kDistributed = 7,    // ranks, process groups, rendezvous
   kInterrupted = 130,  // SIGINT or SIGTERM stopped a multi-rank run (128 + SIGINT, as shells do)
 };
 
@@ -48,18 +48,18 @@ namespace detail {
 
 // An invariant of qpipe itself; a failure is a bug, reported with the source location.
 // The message arguments are streamed, and only evaluated when the check fails.
-#define QPIPE_CHECK(cond, ...)                                                                             \
-  do {                                                                                                     \
-    if (!(cond)) [[unlikely]] {                                                                            \
+#define QPIPE_CHECK(cond, ...)                                                                     \
+  do {                                                                                             \
+    if (!(cond)) [[unlikely]] {                                                                    \
       ::qpipe::detail::failInternalCheck(#cond, __FILE__, __LINE__, ::qpipe::concat(__VA_ARGS__)); \
-    }                                                                                                      \
+    }                                                                                              \
   } while (false)
 
 // A condition on user input; a failure throws qpipe::Error(code) whose message is exactly
 // the streamed arguments: one line that names the input and what to fix.
-#define QPIPE_REQUIRE(cond, code, ...)                                    \
-  do {                                                                    \
-    if (!(cond)) [[unlikely]] {                                           \
+#define QPIPE_REQUIRE(cond, code, ...)                            \
+  do {                                                            \
+    if (!(cond)) [[unlikely]] {                                   \
       throw ::qpipe::Error((code), ::qpipe::concat(__VA_ARGS__)); \
-    }                                                                     \
+    }                                                             \
   } while (false)

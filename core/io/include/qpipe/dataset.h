@@ -60,8 +60,8 @@ TokenStream encodeDataset(const std::filesystem::path& path, const Tokenizer& to
                           const DatasetOptions& options = {});
 
 // Calibration samples: the first `count` windows of `seqLen` tokens of the stream, each [1, seqLen]
-// int64, non-overlapping from the start (as perplexity windows are cut). Fewer, with a warning naming `origin`, when the stream
-// is short; Error(kInput) naming `origin` when not one window fits.
+// int64, non-overlapping from the start (as perplexity windows are cut). Fewer, with a warning naming `origin`, when
+// the stream is short; Error(kInput) naming `origin` when not one window fits.
 std::vector<at::Tensor> calibrationWindows(const TokenStream& stream, const std::string& origin, int64_t count,
                                            int64_t seqLen);
 

@@ -45,8 +45,8 @@ class CheckpointSaver {
 
 // Builds a saver from its validated spec.save step (defaults filled in, `type` removed).
 // `model` supplies the config, the source directory and, at finish(), the non-layer modules.
-using SaverFactory = std::function<std::unique_ptr<CheckpointSaver>(
-    const ConfigNode& config, CausalLM& model, const std::filesystem::path& saveDir)>;
+using SaverFactory = std::function<std::unique_ptr<CheckpointSaver>(const ConfigNode& config, CausalLM& model,
+                                                                    const std::filesystem::path& saveDir)>;
 
 struct SaverInfo {
   std::string type;  // the YAML `type` of a spec.save step

@@ -37,8 +37,8 @@ struct GroupOptions {
 std::optional<std::chrono::milliseconds> timeoutFromEnvironment();
 
 // From the torchrun variables MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
-// LOCAL_WORLD_SIZE (and QPIPE_DIST_TIMEOUT_S): the one place they are parsed; nullopt when RANK and WORLD_SIZE are unset. A malformed or
-// inconsistent value is Error(kDistributed) naming the variable.
+// LOCAL_WORLD_SIZE (and QPIPE_DIST_TIMEOUT_S): the one place they are parsed; nullopt when RANK and WORLD_SIZE are
+// unset. A malformed or inconsistent value is Error(kDistributed) naming the variable.
 std::optional<GroupOptions> optionsFromEnvironment();
 
 // Joins the group (a real one even for a world of one). One-line Error(kDistributed) for: the

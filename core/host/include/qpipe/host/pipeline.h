@@ -55,8 +55,8 @@ struct Pipeline {
   SourceLocation runnerLocation;
   std::vector<ProcessStep> process;
   std::vector<SaveStep> save;  // exactly one: compressed_tensors with its defaults when spec.save is empty
-  std::string dataset;  // empty: the CLI's --calib_data or the default set
-  ConfigNode resolved;  // the whole document with defaults, for printing
+  std::string dataset;         // empty: the CLI's --calib_data or the default set
+  ConfigNode resolved;         // the whole document with defaults, for printing
 };
 
 // Reads and validates `file`: the document, every process step against its processor's schema and

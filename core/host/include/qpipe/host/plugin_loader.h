@@ -17,7 +17,7 @@ struct PluginRecord {
   std::string name;
   std::string version;
   std::string description;
-  std::string origin;  // library path, or "static:<name>"
+  std::string origin;               // library path, or "static:<name>"
   std::vector<std::string> types;   // processor types it registered
   std::vector<std::string> savers;  // saver types it registered
 };
