@@ -81,6 +81,7 @@ void syncObserver(ProcessGroup& group, quant::HistogramObserver& observer) {
 }
 
 void synchronize(ProcessGroup& group, LinearQuantizer& quantizer) {
+  if (!quantizer.observes() || quantizer.frozen()) return;
   if (quant::MinMaxObserver* observer = quantizer.minMaxObserver()) syncObserver(group, *observer);
   if (quant::HistogramObserver* observer = quantizer.histogramObserver()) syncObserver(group, *observer);
   quantizer.freeze();

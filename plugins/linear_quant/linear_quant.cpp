@@ -73,8 +73,7 @@ class LinearQuant final : public Processor {
   // Merges every static observer of the layer across ranks and freezes its parameters.
   void synchronizeAll() {
     for (const Pending& p : pending_) {
-      if (p.quantizer && p.quantizer->observes() && !p.quantizer->frozen())
-        dist::synchronize(*context_.group, *p.quantizer);
+      if (p.quantizer) dist::synchronize(*context_.group, *p.quantizer);
     }
   }
 

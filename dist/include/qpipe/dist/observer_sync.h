@@ -21,9 +21,9 @@ void syncObserver(ProcessGroup& group, quant::MinMaxObserver& observer);
 // Histograms moved onto the largest power-of-two range, counts added, per-bin extremes reduced.
 void syncObserver(ProcessGroup& group, quant::HistogramObserver& observer);
 
-// Syncs the quantizer's activation observer (if any) and freezes its parameters
-// (LinearQuantizer::freeze): what a processor calls between the observing forward and the
-// propagating one.
+// Syncs the quantizer's activation observer and freezes its parameters (LinearQuantizer::freeze):
+// what a processor calls between the observing forward and the propagating one. A quantizer that
+// observes nothing, or is frozen already, is left as it is (on every rank alike: no collective).
 void synchronize(ProcessGroup& group, LinearQuantizer& quantizer);
 
 }  // namespace qpipe::dist
