@@ -32,6 +32,7 @@ using Json = nlohmann::json;
 const fs::path kSource = QPIPE_SOURCE_DIR;
 const fs::path kEvalData = kSource / "data" / "eval.jsonl";
 const fs::path kSmolLm = kSource / ".cache" / "models" / "smollm2-135m";
+const fs::path kExamplePlugins = fs::path(QPIPE_TEST_PLUGIN_DIR) / "example";
 // Small calibration: the tiny models see a few windows of the built-in set.
 const std::string kTinyCalib = " --calib_samples 4 --seq_len 32";
 
@@ -475,6 +476,27 @@ TEST(QuantCli, RunnersWriteTheSameCheckpointAndAnUnknownOneIsAConfigError) {
                      code(ErrorCode::kConfig),
                      "qpipe: configuration error: " + bogus.string() +
                          ":3:11: spec.runner: 'bogus' is not one of: auto, layer_wise, model_wise, dp_layer_wise");
+}
+
+// The first example plugin (docs/plugins.md) loaded from its folder and run by `qpipe quant` on the
+// tiny Llama before linear_quant; the host warns about its pattern that matched nothing.
+TEST(QuantCli, TheLogLayersExampleRunsBeforeLinearQuant) {
+  const fs::path out = qpipe::test::testDir() / "quantized";
+  fs::remove_all(out);
+  const fs::path config =
+      pipelineFile("log.yaml", "    - {type: log_layers, include: ['model.layers.*', 'vision.*'], exclude: ['*.1']}\n" +
+                                   kStaticW8A8);
+  const CommandResult r =
+      qpipe("quant --model_path " + quote(qpipe::test::tinyLlama("log-layers")) + " --save_path " + quote(out) +
+            " --config_path " + quote(config) + " --plugin_dir " + quote(kExamplePlugins) + kTinyCalib);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find("] [info] layer model.layers.0: 4 calibration samples\n"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("layer model.layers.1:"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("] [info] layer 1 layers logged\n"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("] [warning] log_layers (spec.process[0]): include 'vision.*' matched no module\n"),
+            std::string::npos)
+      << r.err;
+  EXPECT_TRUE(fs::exists(out / "config.json"));
 }
 
 TEST(QuantCli, NonEmptySavePathIsRefused) {
