@@ -28,7 +28,6 @@ function(qpipe_add_plugin name)
   add_library(${name} MODULE ${ARG_SOURCES})
   # The SDK's include path only: a plugin cannot include the host's headers.
   target_link_libraries(${name} PRIVATE qpipe::plugin_sdk ${ARG_LINK_LIBRARIES})
-  add_dependencies(${name} qpipe_core)
   target_link_options(${name} PRIVATE -Wl,-z,defs)
   set_target_properties(${name} PROPERTIES
     PREFIX "lib"
@@ -39,7 +38,6 @@ function(qpipe_add_plugin name)
   if(QPIPE_BUILD_TESTS AND NOT ARG_NO_STATIC)
     add_library(${name}_static STATIC ${ARG_SOURCES})
     target_link_libraries(${name}_static PUBLIC qpipe::plugin_sdk ${ARG_LINK_LIBRARIES})
-    add_dependencies(${name}_static qpipe_core)
     target_compile_definitions(${name}_static PRIVATE QPIPE_PLUGIN_STATIC_NAME=${name})
     set_target_properties(${name}_static PROPERTIES POSITION_INDEPENDENT_CODE ON)
   endif()

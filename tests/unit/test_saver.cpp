@@ -9,6 +9,7 @@
 #include <optional>
 #include <tuple>
 
+#include "qpipe/host/registry.h"
 #include "qpipe/host/savers.h"
 #include "qpipe/model.h"
 #include "qpipe/quant_linear.h"
@@ -430,6 +431,26 @@ TEST(SaverErrors, RefusesNonEmptyFolderAndFile) {
 // The schemes msmodelslim's ascendv1 saver has no handler for (save/ascendv1.py): per-group or
 // asymmetric W4A8 (its W4A8_DYNAMIC is int4_per_channel_sym), int4 weight-only (no W4A16) and
 // static fp8 activations (only WFP8AFP8_DYNAMIC).
+// A plugin's saver is guarded like a processor: its exceptions become one line naming it, and a
+// qpipe::Error keeps its code and message.
+TEST(SaverErrors, APluginSaversExceptionsBecomeOneLineNamingIt) {
+  struct Throwing final : CheckpointSaver {
+    void writeLayer(int64_t, const std::string&, Module&) override { throw Error(ErrorCode::kIo, "disk full"); }
+    void addFile(const std::string&, const std::string&) override {}
+    void finish() override { throw std::runtime_error("the format is on fire"); }
+  };
+  Registry registry;
+  registry.add({}, {{{nullptr, "mine", "static:mine"},
+                     {.type = "throwing", .factory = [](const ConfigNode&, CausalLM&, const fs::path&) {
+                        return std::make_unique<Throwing>();
+                      }}}});
+  auto lm = CausalLM::open(test::tinyLlama("guarded-src"));
+  auto saver = registry.createSaver("throwing", ConfigNode::map(), *lm, test::testDir() / "out");
+  EXPECT_EQ(test::errorOf([&] { saver->finish(); }, ErrorCode::kPlugin),
+            "saver 'throwing' (plugin 'mine') failed in finish: the format is on fire");
+  EXPECT_EQ(test::errorOf([&] { saver->writeLayer(0, "model.layers.0", lm->layer(0)); }, ErrorCode::kIo), "disk full");
+}
+
 TEST(SaverErrors, UnsavableSchemes) {
   const QScheme int4ChannelAsym{.dtype = QDtype::kInt4, .scope = QScope::kPerChannel, .symmetric = false};
   for (const auto& [spec, weights, activations] : std::vector<std::tuple<Spec, std::string, std::string>>{

@@ -46,6 +46,18 @@ TEST(Sdk, ForEachLetsTheCallbackReplaceTheModuleItVisits) {
   EXPECT_EQ(module->getSubmodule("self_attn.k_proj").typeName(), "HookPoint");
 }
 
+TEST(Sdk, ForEachVisitsNothingBelowAModuleTheCallbackReplaced) {
+  const auto module = layer();
+  LayerRequest request{.name = "model.layers.2", .module = module.get()};
+  ModuleFilter filter({"*"}, {});
+  std::vector<std::string> seen;
+  forEach<Module>(request, filter, [&](const std::string& path, const std::string&, Module&) {
+    seen.push_back(path);
+    if (path == "self_attn") request.module->replace(path, std::make_shared<HookPoint>());
+  });
+  EXPECT_EQ(seen, (std::vector<std::string>{"", "self_attn", "input_layernorm"}));
+}
+
 TEST(Sdk, CheckedCastNamesTheModuleItsTypeAndTheTypeAskedFor) {
   const auto module = layer();
   EXPECT_EQ(&module->getSubmodule("self_attn.q_proj").as<Linear>("q"), &module->getSubmodule("self_attn.q_proj"));

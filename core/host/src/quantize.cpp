@@ -79,8 +79,8 @@ RunnerMode runnerMode(const Pipeline& pipeline, int worldSize) {
   return runner == "model_wise" ? RunnerMode::kModelWise : RunnerMode::kLayerWise;
 }
 
-// What quantize() builds before it opens the model. The loader is declared first: the libraries
-// stay loaded until the processors made from them are gone.
+// What quantize() builds before it opens the model. The libraries stay loaded while a registry
+// entry, processor or saver made from them is alive.
 struct Prepared {
   PluginLoader loader;
   Registry& registry;

@@ -76,15 +76,15 @@ class GuardedProcessor final : public Processor {
   ProcessorContext context_;
 };
 
-// Runs `factory`, turning what it throws into one line naming `where`. A configuration error
-// already names its file, line and field, and a saver's errors name the save path: those pass
-// through.
+// Runs `body`, turning what it throws into one line naming `where`, copied at once so that nothing
+// thrown by plugin code outlives the call. A configuration error already names its file, line and
+// field, and a saver's errors name the save path: with `passErrors` those keep their message.
 template <typename F>
-auto guardFactory(const std::string& where, bool passErrors, F&& factory) -> decltype(factory()) {
+auto guardCall(const std::string& where, bool passErrors, F&& body) -> decltype(body()) {
   try {
-    return factory();
+    return body();
   } catch (const Error& e) {
-    if (passErrors || e.code() == ErrorCode::kConfig) throw;
+    if (passErrors || e.code() == ErrorCode::kConfig) throw Error(e.code(), e.what());
     throw Error(e.code() == ErrorCode::kInternal ? ErrorCode::kPlugin : e.code(), where + e.what());
   } catch (const std::exception& e) {
     throw Error(ErrorCode::kPlugin, where + e.what());
@@ -92,6 +92,28 @@ auto guardFactory(const std::string& where, bool passErrors, F&& factory) -> dec
     throw Error(ErrorCode::kPlugin, where + "unknown exception (not derived from std::exception)");
   }
 }
+
+// A saver whose calls are guarded like a processor's, keeping its library loaded.
+class GuardedSaver final : public CheckpointSaver {
+ public:
+  GuardedSaver(std::unique_ptr<CheckpointSaver> inner, std::string where, std::shared_ptr<const void> owner)
+      : owner_(std::move(owner)), inner_(std::move(inner)), where_(std::move(where)) {}
+
+  void writeLayer(int64_t index, const std::string& name, Module& layer) override {
+    guardCall(where_ + "writeLayer(" + name + "): ", true, [&] { inner_->writeLayer(index, name, layer); });
+  }
+  void addFile(const std::string& fileName, const std::string& content) override {
+    guardCall(where_ + "addFile(" + fileName + "): ", true, [&] { inner_->addFile(fileName, content); });
+  }
+  void finish() override {
+    guardCall(where_ + "finish: ", true, [&] { inner_->finish(); });
+  }
+
+ private:
+  std::shared_ptr<const void> owner_;  // outlives inner_: declared first, destroyed last
+  std::unique_ptr<CheckpointSaver> inner_;
+  std::string where_;
+};
 
 template <typename Entry>
 const Entry* findIn(const std::vector<Entry>& entries, std::string_view type) {
@@ -180,7 +202,7 @@ std::unique_ptr<Processor> Registry::createProcessor(std::string_view type, cons
   scoped.filters = std::make_shared<std::vector<std::shared_ptr<ModuleFilter>>>();
   const std::string where = concat(config.location().str(), ": ", path, ": processor '", type, "' (plugin '",
                                    entry->plugin, "') could not be created: ");
-  std::unique_ptr<Processor> created = guardFactory(where, false, [&] { return entry->info.factory(config, scoped); });
+  std::unique_ptr<Processor> created = guardCall(where, false, [&] { return entry->info.factory(config, scoped); });
   QPIPE_REQUIRE(created != nullptr, ErrorCode::kPlugin, where, "the factory returned no processor");
   return std::make_unique<GuardedProcessor>(std::move(created), std::string(type), entry->plugin, std::string(path),
                                             std::move(scoped), entry->owner);
@@ -190,11 +212,11 @@ std::unique_ptr<CheckpointSaver> Registry::createSaver(std::string_view type, co
                                                        const std::filesystem::path& saveDir) const {
   const SaverEntry* entry = findSaver(type);
   QPIPE_CHECK(entry != nullptr, "no factory for saver type '", type, "'");
-  const std::string where = concat("saver '", type, "' (plugin '", entry->plugin, "') could not be created: ");
+  const std::string where = concat("saver '", type, "' (plugin '", entry->plugin, "') ");
   std::unique_ptr<CheckpointSaver> created =
-      guardFactory(where, true, [&] { return entry->info.factory(config, model, saveDir); });
-  QPIPE_REQUIRE(created != nullptr, ErrorCode::kPlugin, where, "the factory returned no saver");
-  return created;
+      guardCall(where + "could not be created: ", true, [&] { return entry->info.factory(config, model, saveDir); });
+  QPIPE_REQUIRE(created != nullptr, ErrorCode::kPlugin, where, "could not be created: the factory returned no saver");
+  return std::make_unique<GuardedSaver>(std::move(created), where + "failed in ", entry->owner);
 }
 
 }  // namespace qpipe

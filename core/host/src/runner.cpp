@@ -179,10 +179,16 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     probe.emplace(embedSample(model_, samples.front().slice(1, 0, options_.probeTokens)));
   }
 
+  // This rank's collectives since `before`, into the unit's report.
+  const auto countTraffic = [&group](const ProcessGroup::Traffic& before, LayerReport& report) {
+    const ProcessGroup::Traffic after = group.traffic();
+    report.syncCollectives = after.collectives - before.collectives;
+    report.syncBytes = after.bytes - before.bytes;
+    report.syncSeconds = after.seconds - before.seconds;
+  };
   // Runs the unit; returns whether a calibration forward ran.
   const auto runUnit = [&](const UnitRun& unit, LayerReport& report) {
     LayerRequest& request = unit.request;
-    const ProcessGroup::Traffic before = group.traffic();
     if (probe) probe->recordFloat(*request.module, request.name, unit.probeForward);
     bool forwarded = false;
     for (auto& processor : processors_) {
@@ -197,10 +203,6 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     }
     if (probe) probe->compare(*request.module, request.name, unit.probeForward, unit.propagateProbe, report);
     report.values = std::move(request.reportValues);
-    const ProcessGroup::Traffic after = group.traffic();
-    report.syncCollectives = after.collectives - before.collectives;
-    report.syncBytes = after.bytes - before.bytes;
-    report.syncSeconds = after.seconds - before.seconds;
     return forwarded;
   };
 
@@ -212,6 +214,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
   ProgressBar bar("layers", layers, "layers");
   for (int64_t index = 0; index < layers; ++index) {
     const auto layerStart = Clock::now();
+    const ProcessGroup::Traffic trafficBefore = group.traffic();
     DecoderLayer& layer = model_.layer(index);
     LayerRequest request{.name = model_.layerName(index), .module = &layer, .inputs = std::move(inputs)};
     request.forward = [&layer](LayerRequest& r) {
@@ -237,6 +240,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       ::malloc_trim(0);
     }
     report.seconds = secondsSince(layerStart);
+    countTraffic(trafficBefore, report);  // the lock-step barrier included
     if (options_.report != nullptr) options_.report->layers.push_back(std::move(report));
     bar.update(index + 1);
   }
@@ -244,6 +248,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
   // The non-layer unit: the final norm's inputs are the last layer's outputs.
   {
     const auto unitStart = Clock::now();
+    const ProcessGroup::Traffic trafficBefore = group.traffic();
     model_.prepareHead();
     NonLayerUnit unit(model_.root());
     Module& module = unit.module();
@@ -267,6 +272,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     runUnit({request, probeForward, false}, report);
     unit.writeBack(model_.root());
     report.seconds = secondsSince(unitStart);
+    countTraffic(trafficBefore, report);
     // Listed only when a processor replaced or reported on one of its modules (default practices
     // leave them).
     if (options_.report != nullptr && (!report.modules.empty() || !report.values.empty())) {

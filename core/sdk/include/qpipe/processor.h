@@ -83,16 +83,20 @@ inline std::string moduleName(const LayerRequest& request, const std::string& pa
 // Calls fn(path, name, module) for every module of the unit that is a T (dynamic type) and whose
 // full HF name `filter` selects, in module order; `path` is below request.module, `name` the full
 // name. Only modules of type T are offered to the filter, so a pattern that matches no T stays
-// unmatched (the host warns about it at the end of the run). The modules are listed before the
-// first call, so fn may replace the module it is given (request.module->replace(path, ...)), but
-// nothing else of the tree.
+// unmatched (the host warns about it at the end of the run). fn may replace the module it is
+// given (request.module->replace(path, ...)), whose descendants are then not visited, but nothing
+// else of the tree.
 template <typename T, typename Fn>
 void forEach(LayerRequest& request, ModuleFilter& filter, Fn&& fn) {
+  std::string replaced;  // "<path>." of the last module fn replaced: its old descendants are gone
   for (auto& [path, module] : request.module->namedModules()) {
+    if (!replaced.empty() && path.starts_with(replaced)) continue;
     auto* typed = dynamic_cast<T*>(module);
     if (typed == nullptr) continue;
     const std::string name = moduleName(request, path);
-    if (filter.matches(name)) fn(path, name, *typed);
+    if (!filter.matches(name)) continue;
+    fn(path, name, *typed);
+    if (&request.module->getSubmodule(path) != module) replaced = path + ".";
   }
 }
 
