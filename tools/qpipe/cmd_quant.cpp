@@ -138,7 +138,7 @@ void run(const QuantOptions& options) {
   quant.device = rankDevice(devices, role);
   if (quant.device.is_cuda()) c10::impl::getDeviceGuardImpl(quant.device.type())->setDevice(quant.device);
   if (role.group || options.threadsPerRank) {
-    const int threads = options.threadsPerRank.value_or(std::max(1, usableCores() / std::max(1, role.localWorldSize)));
+    const int threads = options.threadsPerRank.value_or(std::max(1, usableCores() / role.localWorldSize));
     at::set_num_threads(threads);  // intra-op pool and OpenMP
     logger->info("device ", quant.device.str(), ", ", threads, " threads");
   }

@@ -82,15 +82,15 @@ RunnerMode runnerMode(const Pipeline& pipeline, int worldSize) {
 // What quantize() builds before it opens the model. The libraries stay loaded while a registry
 // entry, processor or saver made from them is alive.
 struct Prepared {
-  PluginLoader loader;
-  Registry& registry;
+  Registry registry;
+  PluginLoader loader{registry};
   Pipeline pipeline;
   std::shared_ptr<JoinedLater> group;
   std::vector<std::unique_ptr<Processor>> processors;
   RunnerMode mode = RunnerMode::kLayerWise;
   fs::path calibData;
 
-  Prepared(Registry& registry, const QuantizeOptions& options) : loader(registry), registry(registry) {
+  explicit Prepared(const QuantizeOptions& options) {
     QPIPE_REQUIRE(fs::is_directory(options.modelPath), ErrorCode::kInput, "--model_path '", options.modelPath.string(),
                   "' is not a folder");
     loadPlugins(loader, options.pluginPath);
@@ -113,15 +113,13 @@ struct Prepared {
 }  // namespace
 
 void checkQuantize(const QuantizeOptions& options) {
-  Registry registry;
-  const Prepared prepared(registry, options);
+  const Prepared prepared(options);
 }
 
 QuantizeResult quantize(const QuantizeOptions& options) {
   c10::InferenceMode inference;
   const auto logger = log::logger();
-  Registry registry;
-  Prepared prepared(registry, options);
+  Prepared prepared(options);
   if (options.worldSize > 1) {
     QPIPE_CHECK(static_cast<bool>(options.joinGroup), "a run of ", options.worldSize, " ranks without joinGroup");
     const auto joining = std::chrono::steady_clock::now();
@@ -137,7 +135,7 @@ QuantizeResult quantize(const QuantizeOptions& options) {
   auto model = CausalLM::open(options.modelPath, {.dtype = at::kFloat, .device = options.device});
   const SaveStep& saving = prepared.pipeline.save.front();
   std::unique_ptr<CheckpointSaver> saver;
-  if (saves) saver = registry.createSaver(saving.type, saving.config, *model, options.savePath);
+  if (saves) saver = prepared.registry.createSaver(saving.type, saving.config, *model, options.savePath);
   const Tokenizer tokenizer = Tokenizer::fromFile(options.modelPath / "tokenizer.json");
   const std::vector<at::Tensor> samples = calibrationWindows(
       encodeDataset(prepared.calibData, tokenizer), prepared.calibData.string(), options.calibSamples, options.seqLen);
