@@ -1,10 +1,11 @@
 // linear_quant: msmodelslim's LinearQuantProcessor (processor/quant/linear.py). Every Linear of a
 // unit (a decoder layer, or the non-layer modules: lm_head) that matches include/exclude is
 // quantized with one `qconfig`:
-//   preprocess   Linear → LinearQuantizer; with static activations, registers the sync of the
-//                layer's observers between the two calibration forwards
-//   process      calibrate(): observe forward → sync and freeze → propagate forward (static
-//                activations); skipped when the qconfig is data-free
+//   preprocess   Linear → LinearQuantizer; with static activations, each quantizer syncs and
+//                freezes its observer at its settle point (a staged forward), or all of them do
+//                between the two calibration forwards
+//   process      calibrate(): one staged forward, or observe → sync and freeze → propagate;
+//                skipped when the qconfig is data-free
 //   postprocess  LinearQuantizer → QuantLinear, what savers write and inference runs
 // Distributed-complete: the observers' merged states are the 1-rank states bit for bit
 // (qpipe/dist/observer_sync.h), so W ranks give the 1-rank checkpoint.
@@ -34,9 +35,14 @@ class LinearQuant final : public Processor {
       Pending& p = pending_.emplace_back(Pending{path, name, nullptr});
       if (isDataFree()) return;  // nothing observes: the quantizer is made from the Linear at postprocess
       p.quantizer = std::make_shared<LinearQuantizer>(linear, qconfig_);
+      if (request.staged) {
+        p.quantizer->settleInForward([this](LinearQuantizer& q) { dist::synchronize(*context_.group, q); });
+      }
       request.module->replace(path, p.quantizer);  // drops the float Linear
     });
-    if (!isDataFree() && !pending_.empty()) request.betweenForwards.emplace_back([this] { synchronizeAll(); });
+    if (!isDataFree() && !pending_.empty() && !request.staged) {
+      request.betweenForwards.emplace_back([this] { synchronizeAll(); });
+    }
   }
 
   void postprocess(LayerRequest& request) override {

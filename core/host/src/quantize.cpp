@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "qpipe/dataset.h"
@@ -143,10 +144,13 @@ QuantizeResult quantize(const QuantizeOptions& options) {
   if (group.worldSize() > 1) {
     logger->info("calibration: ", share.size(), " of ", samples.size(), " samples x ", options.seqLen, " tokens from ",
                  prepared.calibData.string());
-    if (share.empty()) {
-      logger->warn("no calibration sample for this rank: ", samples.size(), " samples for ", group.worldSize(),
-                   " ranks; give --calib_samples ", group.worldSize(), " or more");
-    }
+    // Every rank settles each observer at the same points of a staged forward (qpipe/staged.h),
+    // which a rank without samples never reaches. All ranks see the same count and stop together.
+    const bool calibrates = std::any_of(prepared.processors.begin(), prepared.processors.end(),
+                                        [](const auto& processor) { return needsCalibration(*processor); });
+    QPIPE_REQUIRE(!calibrates || !share.empty(), ErrorCode::kUsage, samples.size(), " calibration samples for ",
+                  group.worldSize(), " ranks: every rank needs one; give --calib_samples ", group.worldSize(),
+                  " or more, or use fewer devices");
   } else {
     logger->info("calibration: ", samples.size(), " samples x ", options.seqLen, " tokens from ",
                  prepared.calibData.string());

@@ -15,6 +15,7 @@
 #include "qpipe/host/report.h"
 #include "qpipe/log.h"
 #include "qpipe/progress.h"
+#include "qpipe/staged.h"
 
 namespace qpipe {
 
@@ -217,9 +218,17 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     const ProcessGroup::Traffic trafficBefore = group.traffic();
     DecoderLayer& layer = model_.layer(index);
     LayerRequest request{.name = model_.layerName(index), .module = &layer, .inputs = std::move(inputs)};
+    request.staged = layer.uniformForward();
     request.forward = [&layer](LayerRequest& r) {
-      r.outputs.clear();
-      for (const TensorList& input : r.inputs) r.outputs.push_back({forwardLayer(layer, input)});
+      r.outputs.assign(r.inputs.size(), {});
+      const auto sample = [&](int64_t s) {
+        r.outputs[static_cast<size_t>(s)] = {forwardLayer(layer, r.inputs[static_cast<size_t>(s)])};
+      };
+      if (r.staged) {
+        runStaged(static_cast<int64_t>(r.inputs.size()), sample);
+      } else {
+        for (size_t s = 0; s < r.inputs.size(); ++s) sample(static_cast<int64_t>(s));
+      }
     };
     LayerReport report{.name = request.name};
     const bool forwarded =

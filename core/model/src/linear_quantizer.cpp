@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "qpipe/error.h"
+#include "qpipe/staged.h"
 
 namespace qpipe {
 
@@ -34,11 +35,16 @@ at::Tensor LinearQuantizer::forward(const at::Tensor& input) {
     if (!frozen_) {
       if (minMax_) minMax_->update(x);
       if (histogram_) histogram_->update(x);
-    } else if (actParams_) {
-      x = quant::fakeQuantize(x, *actParams_, config_.act.scheme);
+      if (settle_) {
+        settlePoint(this, [this] {
+          settle_(*this);
+          QPIPE_CHECK(frozen_, "a LinearQuantizer's settle step did not freeze it");
+        });
+      }
     }
     // Frozen without parameters: no calibration data reached this module in the observing
     // forward; deploy() reports it by name.
+    if (frozen_ && actParams_) x = quant::fakeQuantize(x, *actParams_, config_.act.scheme);
   } else if (config_.act.enabled()) {
     x = quant::fakeQuantize(x, quant::computeQParams(x, config_.act.scheme), config_.act.scheme);
   }

@@ -38,7 +38,13 @@ class Mlp : public Module {
     up_ = addChild("up_proj", std::make_shared<Linear>(std::move(up)));
     down_ = addChild("down_proj", std::make_shared<Linear>(std::move(down)));
   }
-  at::Tensor forward(const at::Tensor& x) override { return child(down_)(at::silu(child(gate_)(x)) * child(up_)(x)); }
+  at::Tensor forward(const at::Tensor& x) override {
+    // In place and statement by statement: a staged calibration forward holds every sample's
+    // activations at down_proj's settle point, one intermediate-wide tensor each rather than four.
+    at::Tensor h = at::silu(child(gate_)(x));
+    h.mul_(child(up_)(x));
+    return child(down_)(h);
+  }
 
  private:
   size_t gate_, up_, down_;
@@ -146,7 +152,8 @@ class LlamaLayer final : public DecoderLayer {
     attention_ = addChild("self_attn", std::make_shared<Attention>(w, prefix + "self_attn.", c));
     postNorm_ = addChild("post_attention_layernorm",
                          std::make_shared<RMSNorm>(w.weight(prefix + "post_attention_layernorm.weight"), c.rmsNormEps));
-    if (c.isMoeLayer(index)) {
+    moe_ = c.isMoeLayer(index);
+    if (moe_) {
       mlp_ = addChild("mlp", std::make_shared<SparseMoe>(w, prefix + "mlp.", c));
     } else {
       mlp_ = addChild("mlp", std::make_shared<Mlp>(w, prefix + "mlp.", c.mlpBias));
@@ -159,8 +166,12 @@ class LlamaLayer final : public DecoderLayer {
     return h + child(mlp_)(child(postNorm_)(h));
   }
 
+  // A sparse MLP routes each token to some experts only.
+  bool uniformForward() const override { return !moe_; }
+
  private:
   size_t inputNorm_, attention_, postNorm_, mlp_;
+  bool moe_ = false;
 };
 
 // Stands in for a decoder layer that is not materialised.

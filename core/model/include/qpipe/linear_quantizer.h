@@ -4,7 +4,9 @@
 // - Weights are data-free: minmax or ssz parameters and the quantized weight are computed once,
 //   at construction; the float weight is not kept (the forward uses the dequantized one).
 // - Static activations (per_tensor minmax or histogram) calibrate in two phases:
-//     observing (from construction): forward observes x and passes it on unquantized;
+//     observing (from construction): forward observes x and passes it on unquantized — or, set
+//       up with settleInForward() inside a staged run (qpipe/staged.h), observes x, waits until
+//       every sample's input was observed and settled, and goes on frozen (one pass per layer);
 //     freeze(): the activation parameters are fixed from the observer as it is then — after a
 //       multi-rank run merged the observers (dist::synchronize does both);
 //     frozen: forward fake-quantizes x with those final parameters, exactly as the deployed
@@ -19,6 +21,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 
@@ -37,6 +40,11 @@ class LinearQuantizer : public Module {
 
   // True when the activations are static: calibration needs an observing forward and freeze().
   bool observes() const { return minMax_.has_value() || histogram_.has_value(); }
+  // One-pass calibration: while not frozen, each forward observes its input and then waits at a
+  // settle point of the staged run it is called in; `settle` runs once, when every sample has
+  // been observed, and must freeze the quantizer (dist::synchronize does). The forward then
+  // fake-quantizes with the final parameters.
+  void settleInForward(std::function<void(LinearQuantizer&)> settle) { settle_ = std::move(settle); }
   // Fixes the static activation parameters from the observer (its merged state on a multi-rank
   // run; see dist::synchronize). Calling it again recomputes them from the observer as it is.
   // An observer that saw nothing leaves the quantizer uncalibrated (deploy() says so).
@@ -63,6 +71,7 @@ class LinearQuantizer : public Module {
   std::optional<quant::MinMaxObserver> minMax_;
   std::optional<quant::HistogramObserver> histogram_;
   bool frozen_ = false;
+  std::function<void(LinearQuantizer&)> settle_;
   std::optional<quant::QParams> actParams_;  // static activations, set by freeze() from data
 };
 

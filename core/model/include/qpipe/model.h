@@ -74,6 +74,9 @@ class DecoderLayer : public Module {
   DecoderLayer() : Module("DecoderLayer") {}
   // hidden [batch, seq, hidden]; mask: additive [batch, 1, seq, seq], or undefined for causal.
   virtual at::Tensor forward(const at::Tensor& hidden, const Rotary& rotary, const at::Tensor& mask) = 0;
+  // True when every input runs through the same modules in the same order (no routing), so the
+  // calibration forward can run staged (qpipe/staged.h).
+  virtual bool uniformForward() const { return false; }
   using Module::forward;
 };
 

@@ -15,11 +15,16 @@
 // so only an observing replacement has a use for them), and fills no outputs. What a processor
 // puts in its slots replaces the model's own modules after the last postprocess.
 //
-// Static calibration runs in two phases (docs/quantization.md): modules that observe in the
-// forward register in preprocess, in `request.betweenForwards`, what fixes their parameters
-// (the cross-rank sync of their observers, then freezing). calibrate(request) — what the default
-// process() runs, and a `group` of processors with it — forwards once to observe, runs those
-// steps, and forwards again, so the outputs the next layer gets carry the final quantization.
+// Static calibration fixes each observer's parameters from every sample before any sample goes on
+// past it (docs/quantization.md), in one of two ways:
+// - staged (`request.staged`, a decoder layer whose modules run the same way for every sample):
+//   `forward` runs the samples as the tasks of a staged run (qpipe/staged.h), so a module can
+//   observe a sample's input and wait at a settle point, where its parameters are fixed (the
+//   cross-rank sync, then freezing) once every sample has been observed; one forward does it all.
+// - two passes (otherwise): modules that observe register in preprocess, in
+//   `request.betweenForwards`, what fixes their parameters. calibrate(request) — what the default
+//   process() runs, and a `group` of processors with it — forwards once to observe, runs those
+//   steps, and forwards again, so the outputs the next layer gets carry the final quantization.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -58,6 +63,9 @@ struct LayerRequest {
   std::vector<TensorList> outputs;  // filled by a decoder layer's calibration forward, same order
   // Runs the unit over `inputs` and, for a decoder layer, fills `outputs`; set by the runner.
   std::function<void(LayerRequest&)> forward;
+  // True when `forward` runs the samples as a staged run: modules may wait at settle points
+  // (qpipe/staged.h), and every rank reaches the same points in the same order.
+  bool staged = false;
   // Run by calibrate() between the observing forward and the propagating one, in order; every
   // rank registers the same steps in the same order (they may call collectives).
   std::vector<std::function<void()>> betweenForwards;
