@@ -34,6 +34,16 @@ TEST(Cli, VersionPrintsVersionAbiAndFingerprint) {
   EXPECT_NE(r.out.find("|torch=2.11.0|"), std::string::npos) << r.out;
 }
 
+TEST(Cli, OpenMpThreadsSleepWhenIdleUnlessTheUserChoseAPolicy) {
+  // libgomp prints its settings at start-up with OMP_DISPLAY_ENV: the policy qpipe set before it.
+  const CommandResult chosenByQpipe = qpipe::test::runQpipe("version", "-u OMP_WAIT_POLICY OMP_DISPLAY_ENV=true");
+  ASSERT_EQ(chosenByQpipe.exitCode, 0) << chosenByQpipe.err;
+  EXPECT_NE(chosenByQpipe.err.find("OMP_WAIT_POLICY = 'PASSIVE'"), std::string::npos) << chosenByQpipe.err;
+  const CommandResult chosenByUser = qpipe::test::runQpipe("version", "OMP_WAIT_POLICY=active OMP_DISPLAY_ENV=true");
+  ASSERT_EQ(chosenByUser.exitCode, 0) << chosenByUser.err;
+  EXPECT_NE(chosenByUser.err.find("OMP_WAIT_POLICY = 'ACTIVE'"), std::string::npos) << chosenByUser.err;
+}
+
 TEST(Cli, PluginsListsEveryBrokenFixtureWithItsReasonAndExitsZero) {
   const CommandResult r = qpipe("plugins --plugin_dir " + kFaults);
   EXPECT_EQ(r.exitCode, 0) << r.err;

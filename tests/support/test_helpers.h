@@ -55,11 +55,13 @@ struct CommandResult {
   std::string err;
 };
 
-// Runs the built `qpipe` with `args` as a user would (no stdin, QPIPE_PLUGIN_PATH unset).
-inline CommandResult runQpipe(const std::string& args) {
+// Runs the built `qpipe` with `args` as a user would (no stdin, QPIPE_PLUGIN_PATH unset);
+// `env` holds more arguments of env(1), e.g. "-u OMP_WAIT_POLICY".
+inline CommandResult runQpipe(const std::string& args, const std::string& env = "") {
   const std::filesystem::path dir = testDir();
   // Appended piecewise: GCC 12 warns falsely (-Warray-bounds) on one long concatenation.
   std::string command = "env -u QPIPE_PLUGIN_PATH ";
+  command += env + " ";
   command += QPIPE_BINARY;
   command += " " + args + " >" + (dir / "out").string() + " 2>" + (dir / "err").string() + " </dev/null";
   const int status = std::system(command.c_str());

@@ -1,7 +1,9 @@
 // qpipe: the command-line front door. Every failure ends as one line on stderr and an exit
 // code from qpipe::ErrorCode (docs/cli.md).
 #include <CLI/CLI.hpp>
+#include <stdlib.h>
 
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -23,6 +25,16 @@ std::string usageMessage(CLI::App& app, const CLI::ParseError& e) {
   }
   return e.what();
 }
+
+// OpenMP threads that spin between parallel regions stall every op while another process holds
+// a core: a data-free W8A8 run took 56 s instead of 3 s beside one busy process
+// (docs/benchmarks.md). libgomp reads OMP_WAIT_POLICY once, in its initializer, so unless the
+// user chose a policy it is set here, from the executable's .preinit_array, which the dynamic
+// loader runs before the initializer of any shared library.
+void preferPassiveOpenMp(int, char**, char**) {
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) ::setenv("OMP_WAIT_POLICY", "passive", 1);
+}
+[[gnu::section(".preinit_array"), gnu::used]] void (*const preferPassive)(int, char**, char**) = preferPassiveOpenMp;
 
 }  // namespace
 
