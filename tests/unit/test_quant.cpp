@@ -222,6 +222,37 @@ TEST(QuantFake, KeepsInputDtype) {
   EXPECT_EQ(valuesOf<float>(y.to(at::kFloat)), (std::vector<float>{-254, 4}));
 }
 
+// fakeQuantize's one-pass kernel (float per_tensor and per_token int schemes) against the
+// composed dequantize(quantize(x)), which every other scheme runs: the same bits.
+TEST(QuantFake, OnePassKernelIsTheComposedMathBitForBit) {
+  at::manual_seed(11);
+  // Rows: random, ties at .5 after scaling, saturating both ends, an all-zero token (its
+  // per-token scale is the epsilon floor), large values; odd widths leave a vector tail.
+  at::Tensor x = at::randn({7, 37}) * 3;
+  x[1] = at::arange(37, at::kFloat) * 0.5 - 9;
+  x[2] = at::linspace(-1e4, 1e4, 37);
+  x[3].zero_();
+  x[4] = at::randn({37}) * 1e30;
+  const at::Tensor wide = at::randn({3, 2, 1029});
+  for (const QDtype dtype : {QDtype::kInt8, QDtype::kInt4}) {
+    for (const QScope scope : {QScope::kPerTensor, QScope::kPerToken}) {
+      for (const bool symmetric : {true, false}) {
+        const QScheme s = scheme(dtype, scope, symmetric);
+        for (const at::Tensor& input : {x, wide, x.t()}) {  // x.t(): not contiguous
+          const QParams p = computeQParams(input, s);
+          // Static: parameters fixed on other data, so that values saturate.
+          const QParams fixed = computeQParams(input * 0.25, s);
+          for (const QParams& params : {p, fixed}) {
+            const at::Tensor fast = fakeQuantize(input, params, s);
+            const at::Tensor composed = dequantize(quantize(input, params, s), params, s);
+            EXPECT_TRUE(at::equal(fast.view(at::kInt), composed.contiguous().view(at::kInt))) << s.name();
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(QuantPack, Int4HandComputed) {
   // u = q + 8 = 0, 1, 8, 15, 9, 10, 11, 12 | 13. Word 0, element k in bits 4k..4k+3 (element 0
   // least significant): nibbles from the top C B A 9 F 8 1 0 → 0xCBA9F810; word 1 = 0xD, the

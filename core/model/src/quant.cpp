@@ -3,6 +3,10 @@
 // (formats_and_peers.md §A3.1); int4 packing: compressed-tensors pack_quantized/helpers.py (§A1.7).
 #include "qpipe/quant.h"
 
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <array>
 #include <limits>
 #include <sstream>
@@ -216,8 +220,54 @@ at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme&
   return ((values - groupedParam(params.zeroPoint, scheme).to(at::kFloat)) * scale).reshape(q.sizes());
 }
 
+namespace {
+
+// out = (clamp(round(x / s + z), lo, hi) - z) * s over rows of `cols` elements, each row with its
+// own s and z (perRow) or all with the first. The same IEEE operations, in the same order, as
+// dequantize(quantize(x)) (clamping before rounding to integer bounds gives the same integer),
+// so the result is bit for bit the composed one, in one pass instead of nine. Compiled for AVX2
+// beside the baseline, chosen at load time.
+[[gnu::target_clones("avx2", "default")]] void fakeQuantizeRows(const float* x, float* out, int64_t begin, int64_t end,
+                                                                int64_t cols, const float* scale, const float* zero,
+                                                                bool perRow, float lo, float hi) {
+  // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer, ties to even, for |v| < 2^22.
+  constexpr float kRound = 12582912.0f;
+  for (int64_t r = begin; r < end; ++r) {
+    const float s = scale[perRow ? r : 0];
+    const float z = zero[perRow ? r : 0];
+    const float* in = x + r * cols;
+    float* o = out + r * cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = std::min(std::max(in[c] / s + z, lo), hi);
+      o[c] = ((v + kRound) - kRound - z) * s;
+    }
+  }
+}
+
+}  // namespace
+
 at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QScheme& scheme) {
   if (scheme.dtype == QDtype::kFloat) return x;
+  const bool rowwise = scheme.scope == QScope::kPerTensor || scheme.scope == QScope::kPerToken;
+  if (isInt(scheme.dtype) && rowwise && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() > 0 &&
+      x.size(-1) > 0) {
+    const at::Tensor input = x.contiguous();
+    const int64_t cols = input.size(-1);
+    const int64_t rows = input.numel() / cols;
+    const at::Tensor scale = params.scale.to(at::kFloat).contiguous();
+    const at::Tensor zero = params.zeroPoint.to(at::kFloat).contiguous();
+    const bool perRow = scale.numel() != 1;
+    if (!perRow || (scale.numel() == rows && zero.numel() == rows)) {
+      at::Tensor out = at::empty_like(input);
+      const float lo = static_cast<float>(qmin(scheme.dtype)), hi = static_cast<float>(qmax(scheme.dtype));
+      const int64_t grain = std::max<int64_t>(1, 16384 / cols);
+      at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+        fakeQuantizeRows(input.const_data_ptr<float>(), out.mutable_data_ptr<float>(), begin, end, cols,
+                         scale.const_data_ptr<float>(), zero.const_data_ptr<float>(), perRow, lo, hi);
+      });
+      return out;
+    }
+  }
   return dequantize(quantize(x, params, scheme), params, scheme).to(x.scalar_type());
 }
 
