@@ -222,7 +222,7 @@ TEST(QuantFake, KeepsInputDtype) {
   EXPECT_EQ(valuesOf<float>(y.to(at::kFloat)), (std::vector<float>{-254, 4}));
 }
 
-// fakeQuantize's one-pass kernel (float per_tensor and per_token int schemes) against the
+// fakeQuantize's one-pass kernels (float per_tensor and per_token int and FP8 schemes) against the
 // composed dequantize(quantize(x)), which every other scheme runs: the same bits.
 TEST(QuantFake, OnePassKernelIsTheComposedMathBitForBit) {
   at::manual_seed(11);
@@ -234,9 +234,10 @@ TEST(QuantFake, OnePassKernelIsTheComposedMathBitForBit) {
   x[3].zero_();
   x[4] = at::randn({37}) * 1e30;
   const at::Tensor wide = at::randn({3, 2, 1029});
-  for (const QDtype dtype : {QDtype::kInt8, QDtype::kInt4}) {
+  for (const QDtype dtype : {QDtype::kInt8, QDtype::kInt4, QDtype::kFp8E4m3}) {
     for (const QScope scope : {QScope::kPerTensor, QScope::kPerToken}) {
       for (const bool symmetric : {true, false}) {
+        if (dtype == QDtype::kFp8E4m3 && !symmetric) continue;
         const QScheme s = scheme(dtype, scope, symmetric);
         for (const at::Tensor& input : {x, wide, x.t()}) {  // x.t(): not contiguous
           const QParams p = computeQParams(input, s);

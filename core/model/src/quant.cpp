@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <array>
@@ -244,13 +245,29 @@ namespace {
   }
 }
 
+// The same for FP8 E4M3: out = fp8(clamp(x / s, -448, 448)) * s, with c10's round-to-nearest-even
+// conversion, which toFp8E4m3 reproduces in tensor ops.
+void fakeQuantizeFp8Rows(const float* x, float* out, int64_t begin, int64_t end, int64_t cols, const float* scale,
+                         bool perRow) {
+  constexpr float max = kFp8Max;
+  for (int64_t r = begin; r < end; ++r) {
+    const float s = scale[perRow ? r : 0];
+    const float* in = x + r * cols;
+    float* o = out + r * cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = std::min(std::max(in[c] / s, -max), max);
+      o[c] = static_cast<float>(c10::Float8_e4m3fn(v)) * s;
+    }
+  }
+}
+
 }  // namespace
 
 at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QScheme& scheme) {
   if (scheme.dtype == QDtype::kFloat) return x;
   const bool rowwise = scheme.scope == QScope::kPerTensor || scheme.scope == QScope::kPerToken;
-  if (isInt(scheme.dtype) && rowwise && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() > 0 &&
-      x.size(-1) > 0) {
+  if ((isInt(scheme.dtype) || scheme.dtype == QDtype::kFp8E4m3) && rowwise && x.scalar_type() == at::kFloat &&
+      x.device().is_cpu() && x.dim() > 0 && x.size(-1) > 0) {
     const at::Tensor input = x.contiguous();
     const int64_t cols = input.size(-1);
     const int64_t rows = input.numel() / cols;
@@ -259,11 +276,18 @@ at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QSchem
     const bool perRow = scale.numel() != 1;
     if (!perRow || (scale.numel() == rows && zero.numel() == rows)) {
       at::Tensor out = at::empty_like(input);
-      const float lo = static_cast<float>(qmin(scheme.dtype)), hi = static_cast<float>(qmax(scheme.dtype));
+      const bool fp8 = scheme.dtype == QDtype::kFp8E4m3;
+      const float lo = fp8 ? 0 : static_cast<float>(qmin(scheme.dtype));
+      const float hi = fp8 ? 0 : static_cast<float>(qmax(scheme.dtype));
       const int64_t grain = std::max<int64_t>(1, 16384 / cols);
       at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-        fakeQuantizeRows(input.const_data_ptr<float>(), out.mutable_data_ptr<float>(), begin, end, cols,
-                         scale.const_data_ptr<float>(), zero.const_data_ptr<float>(), perRow, lo, hi);
+        if (scheme.dtype == QDtype::kFp8E4m3) {
+          fakeQuantizeFp8Rows(input.const_data_ptr<float>(), out.mutable_data_ptr<float>(), begin, end, cols,
+                              scale.const_data_ptr<float>(), perRow);
+        } else {
+          fakeQuantizeRows(input.const_data_ptr<float>(), out.mutable_data_ptr<float>(), begin, end, cols,
+                           scale.const_data_ptr<float>(), zero.const_data_ptr<float>(), perRow, lo, hi);
+        }
       });
       return out;
     }
