@@ -1,7 +1,7 @@
 """llm-compressor's side of tools/bench/vs_llmcompressor.sh, and the helpers the script needs.
 
     python vs_llmcompressor.py quantize MODEL OUT RECIPE IDS_JSON   (in .venv-bench)
-        RECIPE: w8a8_dynamic | w8a8_static. Loads MODEL (its own dtype), runs llm-compressor's
+        RECIPE: w8a8_dynamic | w8a8_static | fp8_static | w4a16. Loads MODEL (its own dtype), runs llm-compressor's
         oneshot with a QuantizationModifier of the scheme on the token ids of IDS_JSON
         ([[id, ...], ...], one list per calibration sample, fed as they are: no shuffling,
         truncation or padding), saves compressed-tensors into OUT and prints one JSON line of
@@ -58,6 +58,25 @@ def recipe(name):
                 }
             },
         )
+    if name == "fp8_static":
+        # configs/default/w8a8_fp8_static.yaml: FP8 E4M3 per-tensor weights and per-tensor static
+        # activations from the min/max over all calibration tokens.
+        return QuantizationModifier(
+            ignore=["lm_head"],
+            config_groups={
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
+                                "dynamic": False, "observer": "minmax"},
+                    "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
+                                          "dynamic": False, "observer": "static_minmax"},
+                }
+            },
+        )
+    if name == "w4a16":
+        # compressed-tensors' W4A16 preset: int4 symmetric weights in groups of 128 (minmax), as
+        # configs/default/w4a16.yaml; data-free on both sides.
+        return QuantizationModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])
     raise SystemExit(f"unknown recipe {name}")
 
 

@@ -4,19 +4,22 @@
 # SmolLM2, .venv-test). Creates .venv-bench (llm-compressor; it sees .venv's torch 2.11.0, the one
 # LibTorch comes from, through a .pth file, so both sides run the same ATen kernels).
 #   tools/bench/vs_llmcompressor.sh [MODEL_DIR] [SAMPLES] [SEQ_LEN]
-# Environment: QPIPE (default build/bin/qpipe), RECIPES (default "dynamic static").
-#   dynamic  W8A8: int8 per-channel symmetric weights (minmax), dynamic per-token int8
-#            activations, lm_head kept; data-free on both sides
-#   static   the same weights, per-tensor asymmetric static int8 activations from the min/max
-#            over every calibration token (configs/default/w8a8_static.yaml, msmodelslim's
-#            default_w8a8): a calibration forward per layer on both sides
+# Environment: QPIPE (default build/bin/qpipe), RECIPES (default "dynamic static fp8_static w4a16").
+#   dynamic     W8A8: int8 per-channel symmetric weights (minmax), dynamic per-token int8
+#               activations, lm_head kept; data-free on both sides
+#   static      the same weights, per-tensor asymmetric static int8 activations from the min/max
+#               over every calibration token (configs/default/w8a8_static.yaml, msmodelslim's
+#               default_w8a8): calibration forwards on both sides
+#   fp8_static  FP8 E4M3 per-tensor weights and static per-tensor activations
+#               (configs/default/w8a8_fp8_static.yaml)
+#   w4a16       int4 symmetric weights in groups of 128 (configs/default/w4a16.yaml); data-free
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 model=$(realpath "${1:-$root/.cache/models/smollm2-135m}")
 samples=${2:-128}
 seq=${3:-512}
 qpipe=${QPIPE:-$root/build/bin/qpipe}
-recipes=${RECIPES:-dynamic static}
+recipes=${RECIPES:-dynamic static fp8_static w4a16}
 data=$root/data/calib.jsonl
 work=$root/.cache/bench/vs_llmcompressor
 bench_py=$root/tools/bench/vs_llmcompressor.py
@@ -59,15 +62,18 @@ timed() {
 
 rows=()
 for recipe in $recipes; do
-  qpipe_args=(--quant_type w8a8)
-  if [[ $recipe == static ]]; then
-    qpipe_args=(--config_path "$static_config")
-  fi
+  case $recipe in
+    dynamic) qpipe_args=(--quant_type w8a8) llmc_recipe=w8a8_dynamic ;;
+    static) qpipe_args=(--config_path "$static_config") llmc_recipe=w8a8_static ;;
+    fp8_static) qpipe_args=(--config_path "$root/configs/default/w8a8_fp8_static.yaml") llmc_recipe=fp8_static ;;
+    w4a16) qpipe_args=(--config_path "$root/configs/default/w4a16.yaml") llmc_recipe=w4a16 ;;
+    *) echo "unknown recipe $recipe" >&2; exit 2 ;;
+  esac
 
   out_l=$work/llmc-$recipe
   rm -rf "$out_l"
   read -r wall_l rss_l cpu_l < <(timed "$work/llmc-$recipe.log" env PYTHONWARNINGS=ignore "$venv/bin/python" "$bench_py" \
-    quantize "$model" "$out_l" "w8a8_$recipe" "$ids")
+    quantize "$model" "$out_l" "$llmc_recipe" "$ids")
   timings=$(grep '^{"load_s"' "$work/llmc-$recipe.log")
   oneshot_l=$(echo "$timings" | python3 -c 'import json,sys; print("%.2f" % json.load(sys.stdin)["oneshot_s"])')
   save_l=$(echo "$timings" | python3 -c 'import json,sys; print("%.2f" % json.load(sys.stdin)["save_s"])')
