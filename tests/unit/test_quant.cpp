@@ -222,9 +222,9 @@ TEST(QuantFake, KeepsInputDtype) {
   EXPECT_EQ(valuesOf<float>(y.to(at::kFloat)), (std::vector<float>{-254, 4}));
 }
 
-// fakeQuantize's one-pass kernels (float per_tensor and per_token int and FP8 schemes) against the
-// composed dequantize(quantize(x)), which every other scheme runs: the same bits.
-TEST(QuantFake, OnePassKernelIsTheComposedMathBitForBit) {
+// quantize's and fakeQuantize's one-pass kernels (fp32 per_tensor and per_token int and FP8
+// schemes) against the definition in tensor ops: the same bits.
+TEST(QuantFake, OnePassKernelsAreTheTensorOpMathBitForBit) {
   at::manual_seed(11);
   // Rows: random, ties at .5 after scaling, saturating both ends, an all-zero token (its
   // per-token scale is the epsilon floor), large values; odd widths leave a vector tail.
@@ -240,13 +240,20 @@ TEST(QuantFake, OnePassKernelIsTheComposedMathBitForBit) {
         if (dtype == QDtype::kFp8E4m3 && !symmetric) continue;
         const QScheme s = scheme(dtype, scope, symmetric);
         for (const at::Tensor& input : {x, wide, x.t()}) {  // x.t(): not contiguous
-          const QParams p = computeQParams(input, s);
           // Static: parameters fixed on other data, so that values saturate.
-          const QParams fixed = computeQParams(input * 0.25, s);
-          for (const QParams& params : {p, fixed}) {
-            const at::Tensor fast = fakeQuantize(input, params, s);
-            const at::Tensor composed = dequantize(quantize(input, params, s), params, s);
-            EXPECT_TRUE(at::equal(fast.view(at::kInt), composed.contiguous().view(at::kInt))) << s.name();
+          for (const QParams& params : {computeQParams(input, s), computeQParams(input * 0.25, s)}) {
+            const at::Tensor scale = params.scale.to(at::kFloat);
+            const at::Tensor zero = params.zeroPoint.to(at::kFloat);
+            at::Tensor fake;
+            if (dtype == QDtype::kFp8E4m3) {
+              fake = toFp8E4m3(input / scale).to(at::kFloat) * scale;
+            } else {
+              const at::Tensor codes = at::round(input / scale + zero).clamp(qmin(dtype), qmax(dtype)).to(at::kChar);
+              EXPECT_TRUE(at::equal(quantize(input, params, s), codes)) << s.name();
+              fake = (codes.to(at::kFloat) - zero) * scale;  // through int8: zeros lose their sign
+            }
+            EXPECT_TRUE(at::equal(fakeQuantize(input, params, s).view(at::kInt), fake.contiguous().view(at::kInt)))
+                << s.name();
           }
         }
       }

@@ -11,6 +11,7 @@
 #include <array>
 #include <limits>
 #include <sstream>
+#include <type_traits>
 
 #include "qpipe/error.h"
 
@@ -205,44 +206,44 @@ at::Tensor toFp8E4m3(const at::Tensor& x) {
   return at::bitwise_or(code, sign).to(at::kByte).view(at::kFloat8_e4m3fn);
 }
 
-at::Tensor quantize(const at::Tensor& x, const QParams& params, const QScheme& scheme) {
-  if (scheme.dtype == QDtype::kFloat) return x;
-  const at::Tensor scaled = grouped(x.to(at::kFloat), scheme) / groupedParam(params.scale, scheme);
-  if (scheme.dtype == QDtype::kFp8E4m3) return toFp8E4m3(scaled).reshape(x.sizes());
-  const at::Tensor zeroPoint = groupedParam(params.zeroPoint, scheme).to(at::kFloat);
-  return at::round(scaled + zeroPoint).clamp(qmin(scheme.dtype), qmax(scheme.dtype)).to(at::kChar).reshape(x.sizes());
-}
-
-at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme& scheme) {
-  if (scheme.dtype == QDtype::kFloat) return q.to(at::kFloat);
-  const at::Tensor values = grouped(q.to(at::kFloat), scheme);
-  const at::Tensor scale = groupedParam(params.scale, scheme);
-  if (scheme.dtype == QDtype::kFp8E4m3) return (values * scale).reshape(q.sizes());
-  return ((values - groupedParam(params.zeroPoint, scheme).to(at::kFloat)) * scale).reshape(q.sizes());
-}
-
 namespace {
 
-// out = (clamp(round(x / s + z), lo, hi) - z) * s over rows of `cols` elements, each row with its
-// own s and z (perRow) or all with the first. The same IEEE operations, in the same order, as
-// dequantize(quantize(x)) (clamping before rounding to integer bounds gives the same integer),
-// so the result is bit for bit the composed one, in one pass instead of nine. Compiled for AVX2
-// beside the baseline, chosen at load time.
-[[gnu::target_clones("avx2", "default")]] void fakeQuantizeRows(const float* x, float* out, int64_t begin, int64_t end,
-                                                                int64_t cols, const float* scale, const float* zero,
-                                                                bool perRow, float lo, float hi) {
+// Over rows of `cols` elements, each row with its own s and z (perRow) or all with the first:
+// the code q = clamp(round(x / s + z), lo, hi) (Out = int8_t), or the fake-quantized value
+// (q - z) * s (Out = float). The same IEEE operations, in the same order, as quantize() and
+// dequantize(quantize()) in tensor ops (clamping before rounding to integer bounds gives the same
+// integer), so the same bits in one pass instead of five or nine.
+template <typename Out>
+[[gnu::always_inline]] inline void intRows(const float* x, Out* out, int64_t begin, int64_t end, int64_t cols,
+                                           const float* scale, const float* zero, bool perRow, float lo, float hi) {
   // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer, ties to even, for |v| < 2^22.
   constexpr float kRound = 12582912.0f;
   for (int64_t r = begin; r < end; ++r) {
     const float s = scale[perRow ? r : 0];
     const float z = zero[perRow ? r : 0];
     const float* in = x + r * cols;
-    float* o = out + r * cols;
+    Out* o = out + r * cols;
     for (int64_t c = 0; c < cols; ++c) {
-      const float v = std::min(std::max(in[c] / s + z, lo), hi);
-      o[c] = ((v + kRound) - kRound - z) * s;
+      const float q = (std::min(std::max(in[c] / s + z, lo), hi) + kRound) - kRound;
+      if constexpr (std::is_same_v<Out, float>) {
+        o[c] = (q - z) * s;
+      } else {
+        o[c] = static_cast<Out>(q);
+      }
     }
   }
+}
+
+// Compiled for AVX2 beside the baseline, chosen at load time.
+[[gnu::target_clones("avx2", "default")]] void fakeQuantizeRows(const float* x, float* out, int64_t begin, int64_t end,
+                                                                int64_t cols, const float* scale, const float* zero,
+                                                                bool perRow, float lo, float hi) {
+  intRows(x, out, begin, end, cols, scale, zero, perRow, lo, hi);
+}
+[[gnu::target_clones("avx2", "default")]] void quantizeRows(const float* x, int8_t* out, int64_t begin, int64_t end,
+                                                            int64_t cols, const float* scale, const float* zero,
+                                                            bool perRow, float lo, float hi) {
+  intRows(x, out, begin, end, cols, scale, zero, perRow, lo, hi);
 }
 
 // The same for FP8 E4M3: out = fp8(clamp(x / s, -448, 448)) * s, with c10's round-to-nearest-even
@@ -261,37 +262,63 @@ void fakeQuantizeFp8Rows(const float* x, float* out, int64_t begin, int64_t end,
   }
 }
 
+// The fast paths of quantize() and fakeQuantize(): an fp32 CPU tensor whose scheme's parameters
+// are per row of its last dimension (per_tensor or per_token). Returns false when they do not apply.
+bool rowKernel(const at::Tensor& x, const QParams& params, const QScheme& scheme, at::Tensor& out, bool codes) {
+  const bool rowwise = scheme.scope == QScope::kPerTensor || scheme.scope == QScope::kPerToken;
+  const bool fp8 = scheme.dtype == QDtype::kFp8E4m3;
+  if (!(isInt(scheme.dtype) || (fp8 && !codes)) || !rowwise || x.scalar_type() != at::kFloat || !x.device().is_cpu() ||
+      x.dim() == 0 || x.size(-1) == 0) {
+    return false;
+  }
+  const at::Tensor input = x.contiguous();
+  const int64_t cols = input.size(-1);
+  const int64_t rows = input.numel() / cols;
+  const at::Tensor scale = params.scale.to(at::kFloat).contiguous();
+  const at::Tensor zero = params.zeroPoint.to(at::kFloat).contiguous();
+  const bool perRow = scale.numel() != 1;
+  if (perRow && (scale.numel() != rows || zero.numel() != rows)) return false;
+  out = at::empty(input.sizes(), input.options().dtype(codes ? at::kChar : at::kFloat));
+  const float lo = fp8 ? 0 : static_cast<float>(qmin(scheme.dtype));
+  const float hi = fp8 ? 0 : static_cast<float>(qmax(scheme.dtype));
+  const float* in = input.const_data_ptr<float>();
+  const float* s = scale.const_data_ptr<float>();
+  const float* z = zero.const_data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t begin, int64_t end) {
+    if (codes) {
+      quantizeRows(in, out.mutable_data_ptr<int8_t>(), begin, end, cols, s, z, perRow, lo, hi);
+    } else if (fp8) {
+      fakeQuantizeFp8Rows(in, out.mutable_data_ptr<float>(), begin, end, cols, s, perRow);
+    } else {
+      fakeQuantizeRows(in, out.mutable_data_ptr<float>(), begin, end, cols, s, z, perRow, lo, hi);
+    }
+  });
+  return true;
+}
+
 }  // namespace
+
+at::Tensor quantize(const at::Tensor& x, const QParams& params, const QScheme& scheme) {
+  if (scheme.dtype == QDtype::kFloat) return x;
+  if (at::Tensor out; rowKernel(x, params, scheme, out, /*codes=*/true)) return out;
+  const at::Tensor scaled = grouped(x.to(at::kFloat), scheme) / groupedParam(params.scale, scheme);
+  if (scheme.dtype == QDtype::kFp8E4m3) return toFp8E4m3(scaled).reshape(x.sizes());
+  const at::Tensor zeroPoint = groupedParam(params.zeroPoint, scheme).to(at::kFloat);
+  return at::round(scaled + zeroPoint).clamp(qmin(scheme.dtype), qmax(scheme.dtype)).to(at::kChar).reshape(x.sizes());
+}
+
+at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme& scheme) {
+  if (scheme.dtype == QDtype::kFloat) return q.to(at::kFloat);
+  const at::Tensor values = grouped(q.to(at::kFloat), scheme);
+  const at::Tensor scale = groupedParam(params.scale, scheme);
+  if (scheme.dtype == QDtype::kFp8E4m3) return (values * scale).reshape(q.sizes());
+  return ((values - groupedParam(params.zeroPoint, scheme).to(at::kFloat)) * scale).reshape(q.sizes());
+}
+
 
 at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QScheme& scheme) {
   if (scheme.dtype == QDtype::kFloat) return x;
-  const bool rowwise = scheme.scope == QScope::kPerTensor || scheme.scope == QScope::kPerToken;
-  if ((isInt(scheme.dtype) || scheme.dtype == QDtype::kFp8E4m3) && rowwise && x.scalar_type() == at::kFloat &&
-      x.device().is_cpu() && x.dim() > 0 && x.size(-1) > 0) {
-    const at::Tensor input = x.contiguous();
-    const int64_t cols = input.size(-1);
-    const int64_t rows = input.numel() / cols;
-    const at::Tensor scale = params.scale.to(at::kFloat).contiguous();
-    const at::Tensor zero = params.zeroPoint.to(at::kFloat).contiguous();
-    const bool perRow = scale.numel() != 1;
-    if (!perRow || (scale.numel() == rows && zero.numel() == rows)) {
-      at::Tensor out = at::empty_like(input);
-      const bool fp8 = scheme.dtype == QDtype::kFp8E4m3;
-      const float lo = fp8 ? 0 : static_cast<float>(qmin(scheme.dtype));
-      const float hi = fp8 ? 0 : static_cast<float>(qmax(scheme.dtype));
-      const int64_t grain = std::max<int64_t>(1, 16384 / cols);
-      at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-        if (scheme.dtype == QDtype::kFp8E4m3) {
-          fakeQuantizeFp8Rows(input.const_data_ptr<float>(), out.mutable_data_ptr<float>(), begin, end, cols,
-                              scale.const_data_ptr<float>(), perRow);
-        } else {
-          fakeQuantizeRows(input.const_data_ptr<float>(), out.mutable_data_ptr<float>(), begin, end, cols,
-                           scale.const_data_ptr<float>(), zero.const_data_ptr<float>(), perRow, lo, hi);
-        }
-      });
-      return out;
-    }
-  }
+  if (at::Tensor out; rowKernel(x, params, scheme, out, /*codes=*/false)) return out;
   return dequantize(quantize(x, params, scheme), params, scheme).to(x.scalar_type());
 }
 
