@@ -44,11 +44,22 @@ at::Tensor LinearQuantizer::forward(const at::Tensor& input) {
     }
     // Frozen without parameters: no calibration data reached this module in the observing
     // forward; deploy() reports it by name.
-    if (frozen_ && actParams_) x = quant::fakeQuantize(x, *actParams_, config_.act.scheme);
+    if (frozen_ && actParams_) {
+      if (std::optional<at::Tensor> y = int8Forward(x)) return *y;
+      x = quant::fakeQuantize(x, *actParams_, config_.act.scheme);
+    }
   } else if (config_.act.enabled()) {
+    if (std::optional<at::Tensor> y = int8Forward(x)) return *y;
     x = quant::fakeQuantize(x, quant::computeQParams(x, config_.act.scheme), config_.act.scheme);
   }
   return at::linear(x, fakeWeight_, bias_);
+}
+
+std::optional<at::Tensor> LinearQuantizer::int8Forward(const at::Tensor& x) {
+  const std::optional<ActivationQuant> act = activationQuant();
+  if (!Int8Linear::supports(config_.weight.scheme, act)) return std::nullopt;
+  if (!int8_) int8_.emplace(qweight_, weightParams_.scale);
+  return int8_->forward(x, *act, bias_);
 }
 
 void LinearQuantizer::freeze() {

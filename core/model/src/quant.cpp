@@ -189,6 +189,36 @@ QParams computeQParams(const at::Tensor& x, const QScheme& scheme) {
   return computeQParams(min, max, scheme);
 }
 
+namespace {
+
+// Without VNNI, oneDNN's s8 GEMM shifts one side to u8 and adds pairs of products in int16, which
+// saturates; so try the worst case once rather than trust CPU flags (an ISA cap set in the
+// environment, ONEDNN_MAX_CPU_ISA, is caught too).
+bool intMmIsExact() {
+  static const bool exact = [] {
+    at::Tensor a = at::full({8, 64}, 127, at::kChar);
+    at::Tensor b = at::full({64, 8}, 127, at::kChar);
+    a[1].fill_(-128);
+    b.select(1, 1).fill_(-128);
+    try {
+      return at::equal(at::_int_mm(a, b).to(at::kLong), at::matmul(a.to(at::kLong), b.to(at::kLong)));
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return exact;
+}
+
+}  // namespace
+
+at::Tensor int8Matmul(const at::Tensor& a, const at::Tensor& b) {
+  QPIPE_CHECK(a.scalar_type() == at::kChar && b.scalar_type() == at::kChar && a.dim() == 2 && b.dim() == 2,
+              "int8Matmul takes two 2-D int8 tensors");
+  if (a.device().is_cpu() && intMmIsExact()) return at::_int_mm(a, b);
+  // |product| < 2^15, so a sum of up to 2^38 of them is an exact double.
+  return at::matmul(a.to(at::kDouble), b.to(at::kDouble)).to(at::kInt);
+}
+
 at::Tensor toFp8E4m3(const at::Tensor& x) {
   // Bit-level round-to-nearest-even on the fp32 pattern, as c10's fp8e4m3fn_from_fp32_value, in
   // tensor ops so it runs on any device.
@@ -314,7 +344,6 @@ at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme&
   if (scheme.dtype == QDtype::kFp8E4m3) return (values * scale).reshape(q.sizes());
   return ((values - groupedParam(params.zeroPoint, scheme).to(at::kFloat)) * scale).reshape(q.sizes());
 }
-
 
 at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QScheme& scheme) {
   if (scheme.dtype == QDtype::kFloat) return x;

@@ -61,6 +61,8 @@ class LinearQuantizer : public Module {
 
  private:
   std::optional<ActivationQuant> activationQuant() const;
+  // The forward by Int8Linear, where it applies (the activations' parameters known).
+  std::optional<at::Tensor> int8Forward(const at::Tensor& x);
 
   quant::LinearQConfig config_;
   quant::QParams weightParams_;
@@ -73,6 +75,7 @@ class LinearQuantizer : public Module {
   bool frozen_ = false;
   std::function<void(LinearQuantizer&)> settle_;
   std::optional<quant::QParams> actParams_;  // static activations, set by freeze() from data
+  std::optional<Int8Linear> int8_;
 };
 
 }  // namespace qpipe

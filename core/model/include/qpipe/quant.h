@@ -68,6 +68,10 @@ at::Tensor quantize(const at::Tensor& x, const QParams& params, const QScheme& s
 at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme& scheme);
 // dequantize(quantize(x)) in x's dtype.
 at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QScheme& scheme);
+// a [M, K] int8 · b [K, N] int8 → int32 [M, N], exactly: at::_int_mm where it accumulates in
+// int32 without saturating (checked once on the worst case: CPUs with VNNI), else in double,
+// where every partial sum is an exact integer.
+at::Tensor int8Matmul(const at::Tensor& a, const at::Tensor& b);
 
 // Clamps to ±448 and rounds to nearest even into E4M3FN. ±inf saturate to ±448 (as the clamp
 // does); NaN stays NaN (0x7F, or 0xFF with the sign bit), as LibTorch's cast.

@@ -23,6 +23,26 @@ struct ActivationQuant {
   at::Tensor apply(const at::Tensor& x) const;
 };
 
+// The int8 GEMM of a Linear whose weight is int8 per_channel symmetric and whose input is
+// quantized to int8 (per_tensor static or per_token dynamic), for fp32 inputs on the CPU:
+//   y[m, n] = float(Σ_k qx[m, k]·qw[n, k] − zx[m]·Σ_k qw[n, k]) · (sx[m]·sw[n]) + b[n]
+// with the integer sums exact (quant::int8Matmul). Fake quantization computes the same real
+// number through an fp32 GEMM of dequantized values; the two differ only by that GEMM's rounding
+// (docs/quantization.md).
+class Int8Linear {
+ public:
+  static bool supports(const quant::QScheme& weight, const std::optional<ActivationQuant>& input);
+  // qweight int8 [N, K], scale fp32 with N elements.
+  Int8Linear(const at::Tensor& qweight, const at::Tensor& scale);
+  // Empty when x is not an fp32 CPU tensor (the caller fake-quantizes then).
+  std::optional<at::Tensor> forward(const at::Tensor& x, const ActivationQuant& input, const at::Tensor& bias) const;
+
+ private:
+  at::Tensor weightT_;  // [K, N] view of qweight
+  at::Tensor rowSums_;  // int64 [N]: Σ_k qw[n, k]
+  at::Tensor scale_;    // fp32 [N]
+};
+
 // typeName "QuantLinear". Its parameters carry compressed-tensors' names:
 //   weight             kChar (int8, or int4 values in [-8, 7], unpacked) or kFloat8_e4m3fn
 //   weight_scale       fp32, the weight scope's shape (quant.h)
@@ -30,8 +50,9 @@ struct ActivationQuant {
 //   input_scale        fp32 [1]; static activations only
 //   input_zero_point   int32 [1]; static asymmetric activations only
 //   bias               compute dtype; when the layer has one
-// forward: y = actQuant(x) · dequantize(weight)ᵀ + b in the compute dtype. The dequantized weight
-// is cached on first use (it is not a parameter, so savers never see it).
+// forward: y = actQuant(x) · dequantize(weight)ᵀ + b in the compute dtype; by Int8Linear where it
+// applies. The dequantized weight is cached on first use (it is not a parameter, so savers never
+// see it).
 class QuantLinear : public Module {
  public:
   QuantLinear(at::Tensor qweight, quant::QParams weightParams, quant::QScheme weightScheme,
@@ -57,6 +78,7 @@ class QuantLinear : public Module {
   std::optional<ActivationQuant> input_;
   at::ScalarType computeDtype_;
   at::Tensor dequantized_;
+  std::optional<Int8Linear> int8_;  // made on the first forward where Int8Linear::supports
 };
 
 }  // namespace qpipe
