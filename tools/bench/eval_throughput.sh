@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# `qpipe eval` tokens/s on the float model and on its W8A8 (dynamic) and W4A16 checkpoints, and
-# transformers scoring the same windows of the float model, in one run. Prints a table; needs
-# tools/setup.sh --test (built qpipe, SmolLM2, .venv-test).
+# `qpipe eval` tokens/s on the float model and on its W8A8 (dynamic) and W4A16 (groups of 64)
+# checkpoints, and transformers scoring the same windows of the float model, in one run. Prints a
+# table; needs tools/setup.sh --test (built qpipe, SmolLM2, .venv-test).
 #   tools/bench/eval_throughput.sh [MODEL_DIR] [TEXTS]
 # TEXTS: how many texts of data/eval.jsonl to score (default 40: about 12 windows of 512).
 set -euo pipefail
@@ -15,11 +15,12 @@ work=$root/.cache/bench/eval_throughput
 mkdir -p "$work"
 
 declare -A checkpoints=([float]=$model)
+declare -A configs=([w8a8]=$root/configs/default/w8a8.yaml [w4a16]=$root/tools/bench/w4a16_g64.yaml)
 for practice in w8a8 w4a16; do
   out=$work/$practice
   if [[ ! -f $out/config.json ]]; then
-    "$qpipe" quant --model_path "$model" --save_path "$out" --config_path "$root/configs/default/$practice.yaml" \
-      --device cpu --log_level warn >/dev/null
+    "$qpipe" quant --model_path "$model" --save_path "$out" --config_path "${configs[$practice]}" --device cpu \
+      --log_level warn >/dev/null
   fi
   checkpoints[$practice]=$out
 done

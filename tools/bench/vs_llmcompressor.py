@@ -74,9 +74,18 @@ def recipe(name):
             },
         )
     if name == "w4a16":
-        # compressed-tensors' W4A16 preset: int4 symmetric weights in groups of 128 (minmax), as
-        # configs/default/w4a16.yaml; data-free on both sides.
-        return QuantizationModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])
+        # tools/bench/w4a16_g64.yaml: int4 symmetric weights in groups of 64 (minmax); data-free
+        # on both sides.
+        return QuantizationModifier(
+            ignore=["lm_head"],
+            config_groups={
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                "group_size": 64, "dynamic": False, "observer": "minmax"},
+                }
+            },
+        )
     raise SystemExit(f"unknown recipe {name}")
 
 

@@ -12,7 +12,8 @@
 #               default_w8a8): calibration forwards on both sides
 #   fp8_static  FP8 E4M3 per-tensor weights and static per-tensor activations
 #               (configs/default/w8a8_fp8_static.yaml)
-#   w4a16       int4 symmetric weights in groups of 128 (configs/default/w4a16.yaml); data-free
+#   w4a16       int4 symmetric weights in groups of 64 (tools/bench/w4a16_g64.yaml: SmolLM2's
+#               width 576 is no multiple of the practice's 128); data-free
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 model=$(realpath "${1:-$root/.cache/models/smollm2-135m}")
@@ -66,7 +67,7 @@ for recipe in $recipes; do
     dynamic) qpipe_args=(--quant_type w8a8) llmc_recipe=w8a8_dynamic ;;
     static) qpipe_args=(--config_path "$static_config") llmc_recipe=w8a8_static ;;
     fp8_static) qpipe_args=(--config_path "$root/configs/default/w8a8_fp8_static.yaml") llmc_recipe=fp8_static ;;
-    w4a16) qpipe_args=(--config_path "$root/configs/default/w4a16.yaml") llmc_recipe=w4a16 ;;
+    w4a16) qpipe_args=(--config_path "$root/tools/bench/w4a16_g64.yaml") llmc_recipe=w4a16 ;;
     *) echo "unknown recipe $recipe" >&2; exit 2 ;;
   esac
 
