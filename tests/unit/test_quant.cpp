@@ -306,5 +306,53 @@ TEST(QuantSsz, HandComputedTwoChannels) {
             "ssz supports int8/int4 per_channel symmetric weights only, got int4_per_channel_asym");
 }
 
+// The SSZ search as msmodelslim writes it, in tensor ops: the definition the cache-resident
+// kernel of sszSearch must reproduce bit for bit.
+at::Tensor sszReference(const at::Tensor& weight, const QScheme& scheme, int64_t iterations) {
+  const at::Tensor w = weight.to(at::kFloat);
+  const double lo = qmin(scheme.dtype), hi = qmax(scheme.dtype);
+  at::Tensor scale = computeQParams(w, scheme).scale;
+  at::Tensor q = at::round(w / scale).clamp(lo, hi);
+  const auto mseOf = [&](const at::Tensor& s, const at::Tensor& qv) { return (w - qv * s).square().mean(1, true); };
+  at::Tensor bestScale = scale;
+  at::Tensor best = mseOf(scale, q);
+  for (int64_t i = 0; i < iterations; ++i) {
+    scale = (w * q).sum(1, true) / (q * q).sum(1, true).clamp_min(1e-30);
+    q = at::round(w / scale).clamp(lo, hi);
+    const at::Tensor mse = mseOf(scale, q);
+    const at::Tensor gain = best - mse;
+    if (((gain / best.clamp_min(1e-4) < 1e-10) | (gain.abs() < 1e-10)).all().item<bool>()) break;
+    const at::Tensor better = mse < best;
+    bestScale = at::where(better, scale, bestScale);
+    best = at::where(better, mse, best);
+  }
+  return bestScale;
+}
+
+TEST(QuantSsz, KernelIsTheTensorFormulationBitForBit) {
+  at::manual_seed(8);
+  // SmolLM2's shapes (k/v, q/o, gate/up, down), short rows, and rows that stress the search: all
+  // zero (its scale goes to NaN, so the global early break never comes), one outlier, all equal.
+  std::vector<at::Tensor> weights{at::randn({192, 576}) * 0.05, at::randn({96, 1536}) * 0.02, at::randn({5, 7}),
+                                  at::randn({33, 100}).to(at::kBFloat16)};
+  at::Tensor edges = at::randn({6, 576});
+  edges[0].zero_();
+  edges[1][17] = 40;
+  edges[2].fill_(0.3);
+  weights.push_back(edges);
+  weights.push_back(at::randn({576, 64}).t());  // not contiguous
+  for (const QDtype dtype : {QDtype::kInt4, QDtype::kInt8}) {
+    const QScheme s = scheme(dtype, QScope::kPerChannel);
+    for (const at::Tensor& w : weights) {
+      for (const int64_t iterations : {0, 1, 50}) {
+        const at::Tensor expected = sszReference(w, s, iterations);
+        const at::Tensor got = sszSearch(w, s, iterations).scale;
+        EXPECT_TRUE(at::equal(got.view(at::kInt), expected.view(at::kInt)))
+            << s.name() << " " << w.sizes() << " iterations " << iterations;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace qpipe::quant

@@ -386,31 +386,4 @@ at::Tensor unpackInt4(const at::Tensor& packed, int64_t size, int64_t dim) {
   return dim == 0 ? q.t().contiguous() : q;
 }
 
-QParams sszSearch(const at::Tensor& weight, const QScheme& scheme, int64_t iterations) {
-  // Reference: msmodelslim core/quantizer/impl/ssz.py::ssz_calculate_qparam (§c.1): a
-  // Lloyd-style alternation between the least-squares scale for fixed q and q for fixed scale.
-  QPIPE_REQUIRE(isInt(scheme.dtype) && scheme.scope == QScope::kPerChannel && scheme.symmetric, ErrorCode::kConfig,
-                "ssz supports int8/int4 per_channel symmetric weights only, got ", scheme.name());
-  QPIPE_REQUIRE(weight.dim() == 2, ErrorCode::kConfig, "ssz needs a weight [out, in], got shape ", shapeOf(weight));
-  const at::Tensor w = weight.to(at::kFloat);
-  const double lo = qmin(scheme.dtype);
-  const double hi = qmax(scheme.dtype);
-  at::Tensor scale = computeQParams(w, scheme).scale;
-  at::Tensor q = at::round(w / scale).clamp(lo, hi);
-  const auto mseOf = [&](const at::Tensor& s, const at::Tensor& qv) { return (w - qv * s).square().mean(1, true); };
-  at::Tensor bestScale = scale;
-  at::Tensor best = mseOf(scale, q);
-  for (int64_t i = 0; i < iterations; ++i) {
-    scale = (w * q).sum(1, true) / (q * q).sum(1, true).clamp_min(1e-30);
-    q = at::round(w / scale).clamp(lo, hi);
-    const at::Tensor mse = mseOf(scale, q);
-    const at::Tensor gain = best - mse;
-    if (((gain / best.clamp_min(1e-4) < 1e-10) | (gain.abs() < 1e-10)).all().item<bool>()) break;
-    const at::Tensor better = mse < best;
-    bestScale = at::where(better, scale, bestScale);
-    best = at::where(better, mse, best);
-  }
-  return {bestScale, at::zeros_like(bestScale, bestScale.options().dtype(at::kInt))};
-}
-
 }  // namespace qpipe::quant
