@@ -36,8 +36,7 @@ print("| qpipe | %s | %d | %.2f | %.1f | %.6f |" % (sys.argv[2], r["tokens"], r[
 done
 
 # transformers on the float model: the same windows (every text joined with "\n\n", encoded once,
-# consecutive windows of 512; tests/oracle/smollm2_oracle.py's definition), each window's forward
-# and log-softmax timed.
+# consecutive whole windows of 512, as qpipe eval), each window's forward and cross-entropy timed.
 rows+=("$(PYTHONWARNINGS=ignore "$root/.venv-test/bin/python" - "$model" "$data" "$texts" $seq 2>/dev/null <<'PY'
 import json, math, sys, time
 import torch, transformers as tf
@@ -45,7 +44,7 @@ from tokenizers import Tokenizer
 model, data, texts, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 lines = [json.loads(l)["text"] for l in open(data, encoding="utf-8") if l.strip()][:texts]
 ids = Tokenizer.from_file(model + "/tokenizer.json").encode("\n\n".join(lines), add_special_tokens=False).ids
-windows = [ids[i:i + seq] for i in range(0, len(ids) - 1, seq) if len(ids[i:i + seq]) > 1]
+windows = [ids[i:i + seq] for i in range(0, len(ids) - seq + 1, seq)]  # whole windows, as qpipe eval
 lm = tf.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 nll, tokens = 0.0, 0
 with torch.inference_mode():

@@ -2,12 +2,13 @@
 # Data-free weight quantization throughput: GB/s of decoder-layer weights read by the processors
 # of `qpipe quant` (the report's processor seconds) against this machine's memcpy bandwidth,
 # measured in the same run, and the whole run of each practice. Prints a table.
-#   tools/bench/weight_quant_throughput.sh [MODEL_DIR] [PRACTICES]
-# PRACTICES: configs/default names (default "w8a8 w4a16 w4a8"; w4a8 is the SSZ search).
+#   tools/bench/weight_quant_throughput.sh [MODEL_DIR] [CONFIGS]
+# CONFIGS: pipeline files relative to the repository (default: configs/default/w8a8.yaml,
+# tools/bench/w4a16_g64.yaml, configs/default/w4a8.yaml, the last the SSZ search).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 model=$(realpath "${1:-$root/.cache/models/smollm2-135m}")
-practices=${2:-w8a8 w4a16 w4a8}
+configs=${2:-configs/default/w8a8.yaml tools/bench/w4a16_g64.yaml configs/default/w4a8.yaml}
 qpipe=${QPIPE:-$root/build/bin/qpipe}
 work=$root/.cache/bench/weight_quant
 mkdir -p "$work"
@@ -37,11 +38,12 @@ PY
 )
 
 rows=()
-for practice in $practices; do
+for config in $configs; do
+  practice=$(basename "$config" .yaml)
   out=$work/$practice
   rm -rf "$out"
   /usr/bin/time -f "%e" -o "$work/time.txt" "$qpipe" quant --model_path "$model" --save_path "$out" \
-    --config_path "$root/configs/default/$practice.yaml" --device cpu --log_level warn >/dev/null
+    --config_path "$root/$config" --device cpu --log_level warn >/dev/null
   rows+=("$(python3 -c 'import json, sys
 r = json.load(open(sys.argv[1]))
 seconds = sum(sum(l["processor_seconds"]) for l in r["layers"])

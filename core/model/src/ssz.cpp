@@ -64,7 +64,7 @@ int64_t levelPower(int64_t groups) {
 // multi_row_sum's carry after `done` complete groups: level j takes level j-1 while the group count is a multiple
 // of the j-th power of the chunk length. The width is a constant so that the loops vectorize.
 template <int64_t kWidth>
-void cascadeLevels(float* acc, int64_t done, int64_t power) {
+[[gnu::always_inline]] inline void cascadeLevels(float* acc, int64_t done, int64_t power) {
   const int64_t mask = (int64_t{1} << power) - 1;
   for (int64_t j = 1; j < kLevels; ++j) {
     for (int64_t k = 0; k < kWidth; ++k) {
@@ -79,8 +79,9 @@ void cascadeLevels(float* acc, int64_t done, int64_t power) {
 // level holds zeros, and adding +0 to a sum that started at +0 changes nothing): levels into level 0, then the units
 // left after the last group into the first partial, then the other three partials into it.
 template <int64_t kLanes>
-void foldPartials(const float* __restrict acc, int64_t levels, const float* __restrict rest, int64_t leftoverUnits,
-                  float* __restrict partial) {
+[[gnu::always_inline]] inline void foldPartials(const float* __restrict acc, int64_t levels,
+                                                const float* __restrict rest, int64_t leftoverUnits,
+                                                float* __restrict partial) {
   constexpr int64_t kWidth = kIlp * kLanes;
   alignas(64) float level0[kWidth];
   for (int64_t k = 0; k < kWidth; ++k) level0[k] = acc[k];
@@ -97,7 +98,7 @@ void foldPartials(const float* __restrict acc, int64_t levels, const float* __re
 }
 
 // scalar_inner_sum of a row shorter than one vector: under 4 groups of 4, so no level ever cascades.
-float shortRowSum(const float* p, int64_t n) {
+[[gnu::always_inline]] inline float shortRowSum(const float* p, int64_t n) {
   float acc[kIlp] = {0.0f, 0.0f, 0.0f, 0.0f};
   const int64_t groups = n / kIlp;
   for (int64_t g = 0; g < groups; ++g) {
@@ -124,7 +125,7 @@ struct PassSums {
 // default -ffp-contract=fast fuses them into FMAs once the target ISA has FMA (aarch64, -march=native); then
 // fastPathLanes() finds the mismatch and sszSearch keeps the tensor formulation (build with -ffp-contract=off).
 template <int64_t kLanes>
-PassSums rowPass(const float* __restrict w, int64_t n, float scale, float lo, float hi) {
+[[gnu::always_inline]] inline PassSums rowPass(const float* __restrict w, int64_t n, float scale, float lo, float hi) {
   constexpr int64_t kWidth = kIlp * kLanes;
   constexpr float kRound = 12582912.0f;  // 1.5·2^23: x + kRound has unit spacing for |x| <= 2^22
   const auto quantized = [&](float wv) {
@@ -261,7 +262,7 @@ bool breakCondition(float best, float mse) {
 // scale, as amin, amax, maximum and clamp_min propagate it, but not ATen's payload bits (its vector kernels
 // substitute all-ones depending on where they meet the NaN): sszSearch redoes such weights with the tensor
 // formulation. Zero signs do not matter: zero ranges become epsilon.
-float minMaxScale(const float* w, int64_t n, float qmax) {
+[[gnu::always_inline]] inline float minMaxScale(const float* w, int64_t n, float qmax) {
   float lo = 0.0f;
   float hi = 0.0f;
   for (int64_t t = 0; t < n; ++t) {
@@ -291,8 +292,8 @@ struct RowState {
 // Iterations [first, last) of one row. Records per iteration the row's break condition and its best scale before
 // that iteration's update, which is the row's result if the global break falls there.
 template <int64_t kLanes>
-void sszRowWindow(const float* w, int64_t n, float lo, float hi, int64_t first, int64_t last, RowState& row,
-                  float* bestBefore, uint8_t* condition) {
+[[gnu::always_inline]] inline void sszRowWindow(const float* w, int64_t n, float lo, float hi, int64_t first,
+                                                int64_t last, RowState& row, float* bestBefore, uint8_t* condition) {
   const float count = static_cast<float>(n);  // mean = sum / numel in float, as ATen's CPU mean
   int64_t i = first;
   if (!row.frozen) {
@@ -330,11 +331,38 @@ void sszRowWindow(const float* w, int64_t n, float lo, float hi, int64_t first, 
   }
 }
 
+// sszRowWindow over a chunk of rows, compiled for AVX2 beside the baseline and chosen at load time.
+// Not with FMA: contracted multiply-adds would round differently from ATen's separate ones.
+template <int64_t kLanes>
+[[gnu::always_inline]] inline void rowChunk(const float* w, int64_t n, float lo, float hi, int64_t first, int64_t last,
+                                            RowState* rows, int64_t begin, int64_t end, float* bestBefore,
+                                            uint8_t* condition, int64_t window) {
+  for (int64_t r = begin; r < end; ++r) {
+    sszRowWindow<kLanes>(w + r * n, n, lo, hi, first, last, rows[r], bestBefore + r * window, condition + r * window);
+  }
+}
+using RowChunkFn = void (*)(const float*, int64_t, float, float, int64_t, int64_t, RowState*, int64_t, int64_t, float*,
+                            uint8_t*, int64_t);
+[[gnu::target_clones("avx2", "default")]] void rowChunk4(const float* w, int64_t n, float lo, float hi, int64_t first,
+                                                         int64_t last, RowState* rows, int64_t begin, int64_t end,
+                                                         float* bestBefore, uint8_t* condition, int64_t window) {
+  rowChunk<4>(w, n, lo, hi, first, last, rows, begin, end, bestBefore, condition, window);
+}
+[[gnu::target_clones("avx2", "default")]] void rowChunk8(const float* w, int64_t n, float lo, float hi, int64_t first,
+                                                         int64_t last, RowState* rows, int64_t begin, int64_t end,
+                                                         float* bestBefore, uint8_t* condition, int64_t window) {
+  rowChunk<8>(w, n, lo, hi, first, last, rows, begin, end, bestBefore, condition, window);
+}
+[[gnu::target_clones("avx2", "default")]] void rowChunk16(const float* w, int64_t n, float lo, float hi, int64_t first,
+                                                          int64_t last, RowState* rows, int64_t begin, int64_t end,
+                                                          float* bestBefore, uint8_t* condition, int64_t window) {
+  rowChunk<16>(w, n, lo, hi, first, last, rows, begin, end, bestBefore, condition, window);
+}
+
 // Rows run all their iterations one after another with the row in cache; the only coupling, the global break
 // (the first iteration at which every row's condition holds), is resolved afterwards from the recorded conditions.
 // Windows of iterations bound the records for large iteration counts.
-template <int64_t kLanes>
-at::Tensor sszRows(const at::Tensor& w, float lo, float hi, int64_t iterations) {
+at::Tensor sszRows(const at::Tensor& w, float lo, float hi, int64_t iterations, RowChunkFn rowChunkFn) {
   constexpr int64_t kWindow = 64;
   const int64_t rows = w.size(0);
   const int64_t n = w.size(1);
@@ -358,10 +386,8 @@ at::Tensor sszRows(const at::Tensor& w, float lo, float hi, int64_t iterations) 
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), (rows + chunk - 1) / chunk), 1, [&](int64_t, int64_t) {
       for (int64_t begin = next.fetch_add(chunk); begin < rows; begin = next.fetch_add(chunk)) {
-        for (int64_t r = begin; r < std::min(begin + chunk, rows); ++r) {
-          sszRowWindow<kLanes>(wData + r * n, n, lo, hi, first, last, state[r], &bestBefore[r * window],
-                               &condition[r * window]);
-        }
+        rowChunkFn(wData, n, lo, hi, first, last, state.data(), begin, std::min(begin + chunk, rows), bestBefore.data(),
+                   condition.data(), window);
       }
     });
     for (int64_t t = 0; t < last - first; ++t) {
@@ -395,9 +421,10 @@ QParams sszSearch(const at::Tensor& weight, const QScheme& scheme, int64_t itera
   if (lanes == 0) return sszSearchTensor(w, scheme, iterations);
   const float lo = static_cast<float>(qmin(scheme.dtype));
   const float hi = static_cast<float>(qmax(scheme.dtype));
-  const at::Tensor bestScale = lanes == 16  ? sszRows<16>(w, lo, hi, iterations)
-                               : lanes == 8 ? sszRows<8>(w, lo, hi, iterations)
-                                            : sszRows<4>(w, lo, hi, iterations);
+  const at::Tensor bestScale = sszRows(w, lo, hi, iterations,
+                                       lanes == 16  ? rowChunk16
+                                       : lanes == 8 ? rowChunk8
+                                                    : rowChunk4);
   // Only a NaN minmax scale can end NaN (a NaN scale never lowers the mse); see minMaxScale.
   const float* scales = bestScale.const_data_ptr<float>();
   if (std::any_of(scales, scales + bestScale.numel(), [](float s) { return std::isnan(s); })) {
