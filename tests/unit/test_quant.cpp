@@ -222,8 +222,8 @@ TEST(QuantFake, KeepsInputDtype) {
   EXPECT_EQ(valuesOf<float>(y.to(at::kFloat)), (std::vector<float>{-254, 4}));
 }
 
-// quantize's and fakeQuantize's one-pass kernels (fp32 per_tensor and per_token int and FP8
-// schemes) against the definition in tensor ops: the same bits.
+// quantize's and fakeQuantize's one-pass kernels (fp32, every int and FP8 scope) against the
+// definition in tensor ops: the same bits.
 TEST(QuantFake, OnePassKernelsAreTheTensorOpMathBitForBit) {
   at::manual_seed(11);
   // Rows: random, ties at .5 after scaling, saturating both ends, an all-zero token (its
@@ -234,24 +234,33 @@ TEST(QuantFake, OnePassKernelsAreTheTensorOpMathBitForBit) {
   x[3].zero_();
   x[4] = at::randn({37}) * 1e30;
   const at::Tensor wide = at::randn({3, 2, 1029});
+  const at::Tensor weight = at::randn({24, 64});
   for (const QDtype dtype : {QDtype::kInt8, QDtype::kInt4, QDtype::kFp8E4m3}) {
-    for (const QScope scope : {QScope::kPerTensor, QScope::kPerToken}) {
+    for (const QScope scope : {QScope::kPerTensor, QScope::kPerToken, QScope::kPerChannel, QScope::kPerGroup}) {
       for (const bool symmetric : {true, false}) {
-        if (dtype == QDtype::kFp8E4m3 && !symmetric) continue;
-        const QScheme s = scheme(dtype, scope, symmetric);
-        for (const at::Tensor& input : {x, wide, x.t()}) {  // x.t(): not contiguous
+        if (dtype == QDtype::kFp8E4m3 && (!symmetric || scope == QScope::kPerGroup)) continue;
+        const QScheme s = scheme(dtype, scope, symmetric, scope == QScope::kPerGroup ? 16 : 0);
+        const bool weightScope = scope == QScope::kPerChannel || scope == QScope::kPerGroup;
+        const std::vector<at::Tensor> inputs = weightScope
+                                                   ? std::vector<at::Tensor>{weight, weight.t().contiguous().t()}
+                                                   : std::vector<at::Tensor>{x, wide, x.t()};  // .t(): not contiguous
+        for (const at::Tensor& input : inputs) {
           // Static: parameters fixed on other data, so that values saturate.
           for (const QParams& params : {computeQParams(input, s), computeQParams(input * 0.25, s)}) {
-            const at::Tensor scale = params.scale.to(at::kFloat);
-            const at::Tensor zero = params.zeroPoint.to(at::kFloat);
+            // per_group parameters [out, in / group] apply to [out, in / group, group].
+            const auto widen = [&](const at::Tensor& t) { return scope == QScope::kPerGroup ? t.unsqueeze(-1) : t; };
+            const at::Tensor scale = widen(params.scale.to(at::kFloat));
+            const at::Tensor zero = widen(params.zeroPoint.to(at::kFloat));
+            const at::Tensor in = scope == QScope::kPerGroup ? input.reshape({24, 4, 16}) : input;
             at::Tensor fake;
             if (dtype == QDtype::kFp8E4m3) {
-              fake = toFp8E4m3(input / scale).to(at::kFloat) * scale;
+              fake = toFp8E4m3(in / scale).to(at::kFloat) * scale;
             } else {
-              const at::Tensor codes = at::round(input / scale + zero).clamp(qmin(dtype), qmax(dtype)).to(at::kChar);
-              EXPECT_TRUE(at::equal(quantize(input, params, s), codes)) << s.name();
+              const at::Tensor codes = at::round(in / scale + zero).clamp(qmin(dtype), qmax(dtype)).to(at::kChar);
+              EXPECT_TRUE(at::equal(quantize(input, params, s), codes.reshape(input.sizes()))) << s.name();
               fake = (codes.to(at::kFloat) - zero) * scale;  // through int8: zeros lose their sign
             }
+            fake = fake.reshape(input.sizes());
             EXPECT_TRUE(at::equal(fakeQuantize(input, params, s).view(at::kInt), fake.contiguous().view(at::kInt)))
                 << s.name();
           }

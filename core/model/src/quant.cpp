@@ -134,6 +134,10 @@ std::pair<at::Tensor, at::Tensor> minMax(const at::Tensor& x, const QScheme& sch
   // Reduced in the input's dtype (min and max select values exactly) and only then widened to
   // fp32: no fp32 copy of a large activation.
   const auto reduce = [](const at::Tensor& t, at::IntArrayRef dims, bool keepdim) -> std::pair<at::Tensor, at::Tensor> {
+    if (dims.size() == 1) {  // one pass for both
+      const auto [min, max] = at::aminmax(t, dims[0], keepdim);
+      return {min.to(at::kFloat), max.to(at::kFloat)};
+    }
     return {t.amin(dims, keepdim).to(at::kFloat), t.amax(dims, keepdim).to(at::kFloat)};
   };
   switch (scheme.scope) {
@@ -293,16 +297,22 @@ void fakeQuantizeFp8Rows(const float* x, float* out, int64_t begin, int64_t end,
 }
 
 // The fast paths of quantize() and fakeQuantize(): an fp32 CPU tensor whose scheme's parameters
-// are per row of its last dimension (per_tensor or per_token). Returns false when they do not apply.
+// are per row (per_tensor, per_token, per_channel, per_group). Returns false when they do not apply.
 bool rowKernel(const at::Tensor& x, const QParams& params, const QScheme& scheme, at::Tensor& out, bool codes) {
-  const bool rowwise = scheme.scope == QScope::kPerTensor || scheme.scope == QScope::kPerToken;
+  // Rows of the last dimension share parameters (per_tensor: all of them); per_group cuts each
+  // weight row into rows of group_size.
+  const bool weightRows =
+      x.dim() == 2 &&
+      (scheme.scope == QScope::kPerChannel ||
+       (scheme.scope == QScope::kPerGroup && scheme.groupSize > 0 && x.size(1) % scheme.groupSize == 0));
+  const bool rowwise = scheme.scope == QScope::kPerTensor || scheme.scope == QScope::kPerToken || weightRows;
   const bool fp8 = scheme.dtype == QDtype::kFp8E4m3;
   if (!(isInt(scheme.dtype) || (fp8 && !codes)) || !rowwise || x.scalar_type() != at::kFloat || !x.device().is_cpu() ||
       x.dim() == 0 || x.size(-1) == 0) {
     return false;
   }
   const at::Tensor input = x.contiguous();
-  const int64_t cols = input.size(-1);
+  const int64_t cols = scheme.scope == QScope::kPerGroup ? scheme.groupSize : input.size(-1);
   const int64_t rows = input.numel() / cols;
   const at::Tensor scale = params.scale.to(at::kFloat).contiguous();
   const at::Tensor zero = params.zeroPoint.to(at::kFloat).contiguous();
