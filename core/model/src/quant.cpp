@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <limits>
 #include <sstream>
 #include <type_traits>
@@ -372,16 +373,32 @@ at::Tensor nibbleShifts(const at::Tensor& like) {
 at::Tensor packInt4(const at::Tensor& q, int64_t dim) {
   QPIPE_CHECK(q.dim() == 2 && (dim == 0 || dim == 1), "packInt4 takes a 2-D tensor and dim 0 or 1, got shape ",
               shapeOf(q), " dim ", dim);
-  const at::Tensor rows = dim == 0 ? q.t() : q;
-  const at::Tensor u = rows.to(at::kLong) + 8;
-  QPIPE_CHECK(u.numel() == 0 || (u.min().item<int64_t>() >= 0 && u.max().item<int64_t>() <= 15),
-              "packInt4 values must lie in [-8, 7]");
-  const int64_t words = (rows.size(1) + kInt4PerWord - 1) / kInt4PerWord;
-  const at::Tensor padded = at::constant_pad_nd(u, {0, words * kInt4PerWord - rows.size(1)}, 0);
-  at::Tensor packed =
-      at::bitwise_left_shift(padded.reshape({rows.size(0), words, kInt4PerWord}), nibbleShifts(u)).sum(-1);
-  // The words are unsigned 32-bit patterns; int32 storage is a reinterpretation.
-  packed = at::where(packed >= (int64_t{1} << 31), packed - (int64_t{1} << 32), packed).to(at::kInt);
+  // One pass over the codes in C++: the tensor-op form made int64 copies eight values wide, which
+  // was most of a W4A16 save.
+  const at::Tensor rows = (dim == 0 ? q.t() : q).to(at::kCPU).to(at::kChar).contiguous();
+  const int64_t count = rows.size(0), size = rows.size(1);
+  const int64_t words = (size + kInt4PerWord - 1) / kInt4PerWord;
+  at::Tensor packed = at::empty({count, words}, rows.options().dtype(at::kInt));
+  const int8_t* in = rows.const_data_ptr<int8_t>();
+  int32_t* out = packed.mutable_data_ptr<int32_t>();
+  std::atomic<bool> inRange = true;
+  at::parallel_for(0, count, std::max<int64_t>(1, 65536 / std::max<int64_t>(size, 1)), [&](int64_t begin, int64_t end) {
+    bool ok = true;
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t w = 0; w < words; ++w) {
+        uint32_t word = 0;
+        for (int64_t k = 0; k < kInt4PerWord && w * kInt4PerWord + k < size; ++k) {
+          const int32_t v = in[r * size + w * kInt4PerWord + k];
+          ok = ok && v >= -8 && v <= 7;
+          word |= static_cast<uint32_t>(v + 8) << (4 * k);  // padding nibbles stay 0
+        }
+        out[r * words + w] = static_cast<int32_t>(word);  // the unsigned pattern, stored as int32
+      }
+    }
+    if (!ok) inRange.store(false);
+  });
+  QPIPE_CHECK(inRange, "packInt4 values must lie in [-8, 7]");
+  packed = packed.to(q.device());
   return dim == 0 ? packed.t().contiguous() : packed;
 }
 
