@@ -388,6 +388,33 @@ TEST(QuantMultirank, OccupiedSavePathFailsOnRankZeroAndStopsTheOthers) {
   EXPECT_EQ(qpipe::test::slurp(out / "keep.txt"), "mine\n");
 }
 
+TEST(QuantMultirank, AStaticRunNeedsACalibrationSampleOnEveryRank) {
+  // A rank without samples would never reach the settle points of the staged forward, where the
+  // others wait for its observers: every rank stops before the first layer.
+  const fs::path out = qpipe::test::testDir() / "one_sample";
+  const fs::path pipeline = pipelineFile("static.yaml", R"(    - type: linear_quant
+      qconfig:
+        act: {dtype: int8, scope: per_tensor, symmetric: False, method: minmax}
+        weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}
+      include: ["*"]
+)");
+  const auto begin = Clock::now();
+  const CommandResult r =
+      qpipe::test::runQpipe("quant --model_path " + quote(qpipe::test::tinyLlama("llama")) + " --save_path " +
+                            quote(out) + " --config_path " + quote(pipeline) +
+                            " --device cpu:0,1 --calib_samples 1 --seq_len 32 --threads_per_rank 1 --dist_timeout 10");
+  EXPECT_LT(Clock::now() - begin, kTimeout);
+  EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage)) << r.err;
+  // Both ranks stop at the same check; the launcher names the one it heard from first.
+  const std::string line = lastLine(r.err);
+  EXPECT_TRUE(line.starts_with("qpipe: usage error: rank ")) << r.err;
+  EXPECT_TRUE(
+      line.ends_with(" failed: 1 calibration samples for 2 ranks: every rank needs one; give "
+                     "--calib_samples 2 or more, or use fewer devices"))
+      << r.err;
+  expectNothingSaved(out);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Failures midway.
 
