@@ -35,57 +35,37 @@ def calibration_ids(model, data, samples, seq_len):
     return [ids[i * seq_len:(i + 1) * seq_len] for i in range(count)]
 
 
+def scheme(num_bits, kind, strategy, symmetric=True, observer="minmax", **extra):
+    """A compressed-tensors QuantizationArgs dict: static, with llm-compressor's observer name."""
+    return {"num_bits": num_bits, "type": kind, "symmetric": symmetric, "strategy": strategy, "dynamic": False,
+            "observer": observer, **extra}
+
+
 def recipe(name):
     from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    def groups(weights, input_activations=None):
+        group = {"targets": ["Linear"], "weights": weights}
+        if input_activations:
+            group["input_activations"] = input_activations
+        return QuantizationModifier(ignore=["lm_head"], config_groups={"group_0": group})
 
     if name == "w8a8_dynamic":
         # compressed-tensors' W8A8 preset: int8 per-channel symmetric weights (minmax), int8
         # per-token symmetric dynamic activations.
         return QuantizationModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])
+    # Static activations from the min/max over all calibration tokens: static_minmax
+    # (llm-compressor's default "minmax" is a moving average instead).
     if name == "w8a8_static":
-        # qpipe's configs/default/w8a8_static.yaml (msmodelslim's default_w8a8): per-tensor
-        # asymmetric static int8 activations from the min/max over all calibration tokens
-        # (static_minmax: llm-compressor's default "minmax" is a moving average instead).
-        return QuantizationModifier(
-            ignore=["lm_head"],
-            config_groups={
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
-                                "dynamic": False, "observer": "minmax"},
-                    "input_activations": {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "tensor",
-                                          "dynamic": False, "observer": "static_minmax"},
-                }
-            },
-        )
+        # configs/default/w8a8_static.yaml (msmodelslim's default_w8a8): int8 per-channel weights,
+        # per-tensor asymmetric int8 activations.
+        return groups(scheme(8, "int", "channel"), scheme(8, "int", "tensor", False, "static_minmax"))
     if name == "fp8_static":
-        # configs/default/w8a8_fp8_static.yaml: FP8 E4M3 per-tensor weights and per-tensor static
-        # activations from the min/max over all calibration tokens.
-        return QuantizationModifier(
-            ignore=["lm_head"],
-            config_groups={
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
-                                "dynamic": False, "observer": "minmax"},
-                    "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
-                                          "dynamic": False, "observer": "static_minmax"},
-                }
-            },
-        )
+        # configs/default/w8a8_fp8_static.yaml: FP8 E4M3 per-tensor weights and activations.
+        return groups(scheme(8, "float", "tensor"), scheme(8, "float", "tensor", observer="static_minmax"))
     if name == "w4a16":
-        # tools/bench/w4a16_g64.yaml: int4 symmetric weights in groups of 64 (minmax); data-free
-        # on both sides.
-        return QuantizationModifier(
-            ignore=["lm_head"],
-            config_groups={
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                                "group_size": 64, "dynamic": False, "observer": "minmax"},
-                }
-            },
-        )
+        # tools/bench/w4a16_g64.yaml: int4 symmetric weights in groups of 64; data-free.
+        return groups(scheme(4, "int", "group", group_size=64))
     raise SystemExit(f"unknown recipe {name}")
 
 
