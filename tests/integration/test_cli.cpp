@@ -30,7 +30,7 @@ TEST(Cli, VersionPrintsVersionAbiAndFingerprint) {
   const CommandResult r = qpipe("version");
   EXPECT_EQ(r.exitCode, 0);
   EXPECT_NE(r.out.find("qpipe 0.1.0"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("plugin ABI 3.0"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("plugin ABI 4.0"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("|torch=2.11.0|"), std::string::npos) << r.out;
 }
 
@@ -49,7 +49,7 @@ TEST(Cli, PluginsListsEveryBrokenFixtureWithItsReasonAndExitsZero) {
   EXPECT_EQ(r.exitCode, 0) << r.err;
   for (const char* expected : {
            "Rejected libraries (5):",
-           "libfault_abi_major.so\n    plugin ABI 4.0 is not compatible",
+           "libfault_abi_major.so\n    plugin ABI 5.0 is not compatible",
            "libfault_duplicate_b.so\n    processor type 'duplicate_type' is registered by plugin 'fault_duplicate_b'",
            "libfault_fingerprint.so\n    build fingerprint 'gcc-4.8|cxx11abi=0|torch=1.13.1|qpipe=0.0.1' does not "
            "match",

@@ -66,7 +66,9 @@ class PluginRegistrar {
 // 3.0: the SDK (this header alone); ProcessorContext carries the process group, module filters
 // and configError; LayerRequest carries report values; plugins may register savers (addSaver);
 // the registrar exposes only add*.
-#define QPIPE_PLUGIN_ABI_MAJOR 3
+// 4.0: LayerRequest carries `staged` (staged calibration forwards, qpipe/staged.h);
+// LinearQuantizer and QuantLinear hold their int8 GEMM state.
+#define QPIPE_PLUGIN_ABI_MAJOR 4
 #define QPIPE_PLUGIN_ABI_MINOR 0
 
 #define QPIPE_STRINGIFY_IMPL(x) #x
