@@ -331,8 +331,10 @@ template <int64_t kLanes>
   }
 }
 
-// sszRowWindow over a chunk of rows, compiled for AVX2 beside the baseline and chosen at load time.
-// Not with FMA: contracted multiply-adds would round differently from ATen's separate ones.
+// sszRowWindow over a chunk of rows, compiled for AVX-512 and AVX2 beside the baseline and chosen
+// at load time. The file is built with -ffp-contract=off: contracted multiply-adds would round
+// differently from ATen's separate ones. Wider registers change nothing else: every lane keeps
+// its own accumulators in the order ATen's 8-lane sum uses.
 template <int64_t kLanes>
 [[gnu::always_inline]] inline void rowChunk(const float* w, int64_t n, float lo, float hi, int64_t first, int64_t last,
                                             RowState* rows, int64_t begin, int64_t end, float* bestBefore,
@@ -343,17 +345,17 @@ template <int64_t kLanes>
 }
 using RowChunkFn = void (*)(const float*, int64_t, float, float, int64_t, int64_t, RowState*, int64_t, int64_t, float*,
                             uint8_t*, int64_t);
-[[gnu::target_clones("avx2", "default")]] void rowChunk4(const float* w, int64_t n, float lo, float hi, int64_t first,
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void rowChunk4(const float* w, int64_t n, float lo, float hi, int64_t first,
                                                          int64_t last, RowState* rows, int64_t begin, int64_t end,
                                                          float* bestBefore, uint8_t* condition, int64_t window) {
   rowChunk<4>(w, n, lo, hi, first, last, rows, begin, end, bestBefore, condition, window);
 }
-[[gnu::target_clones("avx2", "default")]] void rowChunk8(const float* w, int64_t n, float lo, float hi, int64_t first,
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void rowChunk8(const float* w, int64_t n, float lo, float hi, int64_t first,
                                                          int64_t last, RowState* rows, int64_t begin, int64_t end,
                                                          float* bestBefore, uint8_t* condition, int64_t window) {
   rowChunk<8>(w, n, lo, hi, first, last, rows, begin, end, bestBefore, condition, window);
 }
-[[gnu::target_clones("avx2", "default")]] void rowChunk16(const float* w, int64_t n, float lo, float hi, int64_t first,
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void rowChunk16(const float* w, int64_t n, float lo, float hi, int64_t first,
                                                           int64_t last, RowState* rows, int64_t begin, int64_t end,
                                                           float* bestBefore, uint8_t* condition, int64_t window) {
   rowChunk<16>(w, n, lo, hi, first, last, rows, begin, end, bestBefore, condition, window);
