@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "qpipe/quant.h"
@@ -268,6 +269,30 @@ TEST(QuantFake, OnePassKernelsAreTheTensorOpMathBitForBit) {
       }
     }
   }
+}
+
+TEST(QuantWeight, OnePassIsComputeQParamsThenQuantizeBitForBit) {
+  at::manual_seed(12);
+  at::Tensor w = at::randn({9, 577}) * 0.05;
+  w[1].zero_();
+  w[2].fill_(-0.3);
+  w[3][100] = 25;
+  w[4] = w[4].abs();  // no negative value: the range still contains 0
+  for (const QDtype dtype : {QDtype::kInt8, QDtype::kInt4}) {
+    const QScheme s = scheme(dtype, QScope::kPerChannel);
+    for (const at::Tensor& weight : {w, w.t().contiguous().t(), w.to(at::kBFloat16)}) {
+      const auto [params, codes] = quantizeWeight(weight, s);
+      const QParams reference = computeQParams(weight, s);
+      EXPECT_TRUE(at::equal(params.scale.view(at::kInt), reference.scale.view(at::kInt))) << s.name();
+      EXPECT_TRUE(at::equal(params.zeroPoint, reference.zeroPoint)) << s.name();
+      EXPECT_TRUE(at::equal(
+          codes, at::round(weight.to(at::kFloat) / reference.scale).clamp(qmin(dtype), qmax(dtype)).to(at::kChar)))
+          << s.name();
+    }
+  }
+  // A NaN takes the tensor-op path, whose NaN the scale keeps.
+  w[5][3] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(quantizeWeight(w, scheme(QDtype::kInt8, QScope::kPerChannel)).first.scale[5].item<float>()));
 }
 
 TEST(QuantPack, Int4HandComputed) {

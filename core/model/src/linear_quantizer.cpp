@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <tuple>
+
 #include "qpipe/error.h"
 #include "qpipe/staged.h"
 
@@ -12,10 +14,12 @@ using quant::QMethod;
 LinearQuantizer::LinearQuantizer(Linear& linear, const quant::LinearQConfig& config)
     : Module("LinearQuantizer"), config_(config), bias_(linear.bias()), dtype_(linear.weight().scalar_type()) {
   const at::Tensor& weight = linear.weight();
-  weightParams_ = config_.weight.method == QMethod::kSsz
-                      ? quant::sszSearch(weight, config_.weight.scheme, config_.weight.sszSteps)
-                      : quant::computeQParams(weight, config_.weight.scheme);
-  qweight_ = quant::quantize(weight, weightParams_, config_.weight.scheme);
+  if (config_.weight.method == QMethod::kSsz) {
+    weightParams_ = quant::sszSearch(weight, config_.weight.scheme, config_.weight.sszSteps);
+    qweight_ = quant::quantize(weight, weightParams_, config_.weight.scheme);
+  } else {
+    std::tie(weightParams_, qweight_) = quant::quantizeWeight(weight, config_.weight.scheme);
+  }
   const quant::QConfig& act = config_.act;
   if (act.enabled() && !act.isDynamic()) {
     if (act.method == QMethod::kHistogram) {

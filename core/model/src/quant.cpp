@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <limits>
 #include <sstream>
 #include <type_traits>
@@ -346,6 +347,70 @@ at::Tensor quantize(const at::Tensor& x, const QParams& params, const QScheme& s
   if (scheme.dtype == QDtype::kFp8E4m3) return toFp8E4m3(scaled).reshape(x.sizes());
   const at::Tensor zeroPoint = groupedParam(params.zeroPoint, scheme).to(at::kFloat);
   return at::round(scaled + zeroPoint).clamp(qmin(scheme.dtype), qmax(scheme.dtype)).to(at::kChar).reshape(x.sizes());
+}
+
+namespace {
+
+// lo = min(0, row), hi = max(0, row); true when the row holds a NaN. Min and max are exact in any
+// order, so the row is reduced in independent lanes that vectorize.
+[[gnu::target_clones("avx2", "default")]] bool rowMinMax(const float* row, int64_t cols, float& lo, float& hi) {
+  constexpr int64_t kLanes = 16;
+  float los[kLanes] = {}, his[kLanes] = {};
+  int32_t nans[kLanes] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= cols; c += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float v = row[c + l];
+      los[l] = v < los[l] ? v : los[l];
+      his[l] = v > his[l] ? v : his[l];
+      nans[l] |= v != v;
+    }
+  }
+  bool nan = false;
+  for (; c < cols; ++c) {
+    lo = std::min(lo, row[c]);
+    hi = std::max(hi, row[c]);
+    nan = nan || std::isnan(row[c]);
+  }
+  for (int64_t l = 0; l < kLanes; ++l) {
+    lo = std::min(lo, los[l]);
+    hi = std::max(hi, his[l]);
+    nan = nan || nans[l] != 0;
+  }
+  return nan;
+}
+
+}  // namespace
+
+std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme& scheme) {
+  const bool fast = isInt(scheme.dtype) && scheme.scope == QScope::kPerChannel && scheme.symmetric && w.dim() == 2 &&
+                    w.scalar_type() == at::kFloat && w.device().is_cpu() && w.size(0) > 0 && w.size(1) > 0;
+  if (fast) {
+    const at::Tensor input = w.contiguous();
+    const int64_t rows = input.size(0), cols = input.size(1);
+    at::Tensor scale = at::empty({rows, 1}, input.options());
+    at::Tensor codes = at::empty({rows, cols}, input.options().dtype(at::kChar));
+    const float qmaxF = static_cast<float>(qmax(scheme.dtype)), qminF = static_cast<float>(qmin(scheme.dtype));
+    const float eps = std::numeric_limits<float>::epsilon();
+    const float zero = 0.0f;
+    std::atomic<bool> nan = false;
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* row = input.const_data_ptr<float>() + r * cols;
+        // computeQParams: max(-min(rowMin, 0), max(rowMax, 0)) / qmax, at least FLT_EPSILON.
+        float lo = 0.0f, hi = 0.0f;
+        if (rowMinMax(row, cols, lo, hi)) nan.store(true);
+        const float s = std::max(std::max(-lo, hi) / qmaxF, eps);
+        scale.mutable_data_ptr<float>()[r] = s;
+        quantizeRows(row, codes.mutable_data_ptr<int8_t>() + r * cols, 0, 1, cols, &s, &zero, false, qminF, qmaxF);
+      }
+    });
+    // NaN: ATen's reductions carry payload bits this loop does not reproduce.
+    if (!nan.load()) return {QParams{scale, at::zeros_like(scale, scale.options().dtype(at::kInt))}, codes};
+  }
+  QParams params = computeQParams(w, scheme);
+  at::Tensor codes = quantize(w, params, scheme);
+  return {std::move(params), std::move(codes)};
 }
 
 at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme& scheme) {

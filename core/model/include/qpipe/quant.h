@@ -68,6 +68,10 @@ at::Tensor quantize(const at::Tensor& x, const QParams& params, const QScheme& s
 at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme& scheme);
 // dequantize(quantize(x)) in x's dtype.
 at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QScheme& scheme);
+// computeQParams(w) and quantize(w) of a weight: {params, codes}. For fp32 CPU [out, in] weights
+// with int8/int4 per_channel symmetric schemes each row is reduced and quantized while it is in
+// cache, one pass over memory instead of two, with the same bits.
+std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme& scheme);
 // a [M, K] int8 · b [K, N] int8 → int32 [M, N], exactly: at::_int_mm where it accumulates in
 // int32 without saturating (checked once on the worst case: CPUs with VNNI), else in double,
 // where every partial sum is an exact integer.
