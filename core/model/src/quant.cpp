@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "qpipe/error.h"
+#include "weight_rows.h"
 
 namespace qpipe::quant {
 namespace {
@@ -349,10 +350,9 @@ at::Tensor quantize(const at::Tensor& x, const QParams& params, const QScheme& s
   return at::round(scaled + zeroPoint).clamp(qmin(scheme.dtype), qmax(scheme.dtype)).to(at::kChar).reshape(x.sizes());
 }
 
-namespace {
+namespace detail {
 
-// lo = min(0, row), hi = max(0, row); true when the row holds a NaN. Min and max are exact in any
-// order, so the row is reduced in independent lanes that vectorize.
+// Min and max are exact in any order, so the row is reduced in independent lanes that vectorize.
 [[gnu::target_clones("avx2", "default")]] bool rowMinMax(const float* row, int64_t cols, float& lo, float& hi) {
   constexpr int64_t kLanes = 16;
   float los[kLanes] = {}, his[kLanes] = {};
@@ -380,7 +380,7 @@ namespace {
   return nan;
 }
 
-}  // namespace
+}  // namespace detail
 
 std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme& scheme) {
   const bool fast = isInt(scheme.dtype) && scheme.scope == QScope::kPerChannel && scheme.symmetric && w.dim() == 2 &&
@@ -391,16 +391,14 @@ std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme
     at::Tensor scale = at::empty({rows, 1}, input.options());
     at::Tensor codes = at::empty({rows, cols}, input.options().dtype(at::kChar));
     const float qmaxF = static_cast<float>(qmax(scheme.dtype)), qminF = static_cast<float>(qmin(scheme.dtype));
-    const float eps = std::numeric_limits<float>::epsilon();
     const float zero = 0.0f;
     std::atomic<bool> nan = false;
     at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const float* row = input.const_data_ptr<float>() + r * cols;
-        // computeQParams: max(-min(rowMin, 0), max(rowMax, 0)) / qmax, at least FLT_EPSILON.
         float lo = 0.0f, hi = 0.0f;
-        if (rowMinMax(row, cols, lo, hi)) nan.store(true);
-        const float s = std::max(std::max(-lo, hi) / qmaxF, eps);
+        if (detail::rowMinMax(row, cols, lo, hi)) nan.store(true);
+        const float s = detail::symmetricScale(lo, hi, qmaxF);
         scale.mutable_data_ptr<float>()[r] = s;
         quantizeRows(row, codes.mutable_data_ptr<int8_t>() + r * cols, 0, 1, cols, &s, &zero, false, qminF, qmaxF);
       }

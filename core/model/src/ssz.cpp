@@ -16,6 +16,7 @@
 
 #include "qpipe/error.h"
 #include "qpipe/quant.h"
+#include "weight_rows.h"
 
 namespace qpipe::quant {
 
@@ -263,18 +264,9 @@ bool breakCondition(float best, float mse) {
 // substitute all-ones depending on where they meet the NaN): sszSearch redoes such weights with the tensor
 // formulation. Zero signs do not matter: zero ranges become epsilon.
 [[gnu::always_inline]] inline float minMaxScale(const float* w, int64_t n, float qmax) {
-  float lo = 0.0f;
-  float hi = 0.0f;
-  for (int64_t t = 0; t < n; ++t) {
-    if (std::isnan(w[t])) {
-      lo = w[t];
-      break;
-    }
-    lo = w[t] < lo ? w[t] : lo;
-    hi = w[t] > hi ? w[t] : hi;
-  }
-  const float range = std::isnan(lo) ? lo : std::max(-lo, hi);
-  return std::max(range / qmax, std::numeric_limits<float>::epsilon());
+  float lo = 0.0f, hi = 0.0f;
+  if (detail::rowMinMax(w, n, lo, hi)) return std::numeric_limits<float>::quiet_NaN();
+  return detail::symmetricScale(lo, hi, qmax);
 }
 
 struct RowState {
@@ -345,19 +337,25 @@ template <int64_t kLanes>
 }
 using RowChunkFn = void (*)(const float*, int64_t, float, float, int64_t, int64_t, RowState*, int64_t, int64_t, float*,
                             uint8_t*, int64_t);
-[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void rowChunk4(const float* w, int64_t n, float lo, float hi, int64_t first,
-                                                         int64_t last, RowState* rows, int64_t begin, int64_t end,
-                                                         float* bestBefore, uint8_t* condition, int64_t window) {
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void rowChunk4(const float* w, int64_t n, float lo,
+                                                                           float hi, int64_t first, int64_t last,
+                                                                           RowState* rows, int64_t begin, int64_t end,
+                                                                           float* bestBefore, uint8_t* condition,
+                                                                           int64_t window) {
   rowChunk<4>(w, n, lo, hi, first, last, rows, begin, end, bestBefore, condition, window);
 }
-[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void rowChunk8(const float* w, int64_t n, float lo, float hi, int64_t first,
-                                                         int64_t last, RowState* rows, int64_t begin, int64_t end,
-                                                         float* bestBefore, uint8_t* condition, int64_t window) {
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void rowChunk8(const float* w, int64_t n, float lo,
+                                                                           float hi, int64_t first, int64_t last,
+                                                                           RowState* rows, int64_t begin, int64_t end,
+                                                                           float* bestBefore, uint8_t* condition,
+                                                                           int64_t window) {
   rowChunk<8>(w, n, lo, hi, first, last, rows, begin, end, bestBefore, condition, window);
 }
-[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void rowChunk16(const float* w, int64_t n, float lo, float hi, int64_t first,
-                                                          int64_t last, RowState* rows, int64_t begin, int64_t end,
-                                                          float* bestBefore, uint8_t* condition, int64_t window) {
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void rowChunk16(const float* w, int64_t n, float lo,
+                                                                            float hi, int64_t first, int64_t last,
+                                                                            RowState* rows, int64_t begin, int64_t end,
+                                                                            float* bestBefore, uint8_t* condition,
+                                                                            int64_t window) {
   rowChunk<16>(w, n, lo, hi, first, last, rows, begin, end, bestBefore, condition, window);
 }
 
