@@ -63,6 +63,7 @@ struct TinySpec {
   std::string modelType;
   int64_t hidden, intermediate, heads, kvHeads, headDim;
   bool explicitHeadDim, qkNorm, tied;
+  bool qkvBias = false;  // qwen2's q/k/v projection biases
 };
 
 inline std::string tinyConfigJson(const TinySpec& s) {
@@ -102,6 +103,11 @@ inline std::filesystem::path writeTinyCheckpoint(const std::string& name, const 
     add(p + "self_attn.k_proj.weight", {kvOut, s.hidden});
     add(p + "self_attn.v_proj.weight", {kvOut, s.hidden});
     add(p + "self_attn.o_proj.weight", {s.hidden, qOut});
+    if (s.qkvBias) {
+      add(p + "self_attn.q_proj.bias", {qOut});
+      add(p + "self_attn.k_proj.bias", {kvOut});
+      add(p + "self_attn.v_proj.bias", {kvOut});
+    }
     add(p + "mlp.gate_proj.weight", {s.intermediate, s.hidden});
     add(p + "mlp.up_proj.weight", {s.intermediate, s.hidden});
     add(p + "mlp.down_proj.weight", {s.hidden, s.intermediate});
@@ -145,6 +151,61 @@ inline std::filesystem::path tinyQwen3(const std::string& name, const std::vecto
                                       .qkNorm = true,
                                       .tied = false},
                                      skip);
+}
+
+// Qwen2, 2 layers: the Llama shapes with q/k/v biases, untied lm_head.
+inline std::filesystem::path tinyQwen2(const std::string& name) {
+  return detail::writeTinyCheckpoint(name,
+                                     {.modelType = "qwen2",
+                                      .hidden = kTinyHidden,
+                                      .intermediate = kTinyInter,
+                                      .heads = 4,
+                                      .kvHeads = 2,
+                                      .headDim = kTinyHidden / 4,
+                                      .explicitHeadDim = false,
+                                      .qkNorm = false,
+                                      .tied = false,
+                                      .qkvBias = true},
+                                     {});
+}
+
+// Qwen3-MoE, 2 layers of 4 experts (top 2, renormalised), hidden 16, 4 heads of 4, 2 KV heads,
+// tied embeddings, unit norms.
+inline std::filesystem::path tinyMoe(const std::string& name = "tiny_moe") {
+  const std::filesystem::path dir = testDir() / name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const int64_t hidden = 16, heads = 4, kvHeads = 2, headDim = 4, experts = 4, inter = 8;
+  std::ofstream(dir / "config.json") << R"({"model_type": "qwen3_moe", "vocab_size": )" << kTinyVocab
+                                     << R"(, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "rms_norm_eps": 1e-6,
+      "tie_word_embeddings": true, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+      "norm_topk_prob": true, "torch_dtype": "float32"})";
+  at::manual_seed(4);
+  safetensors::Writer writer(dir);
+  writer.add("model.embed_tokens.weight", at::randn({kTinyVocab, hidden}) * 0.2);
+  writer.add("model.norm.weight", at::ones({hidden}));
+  for (int64_t i = 0; i < 2; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    writer.add(p + "input_layernorm.weight", at::ones({hidden}));
+    writer.add(p + "post_attention_layernorm.weight", at::ones({hidden}));
+    writer.add(p + "self_attn.q_proj.weight", at::randn({heads * headDim, hidden}) * 0.2);
+    writer.add(p + "self_attn.k_proj.weight", at::randn({kvHeads * headDim, hidden}) * 0.2);
+    writer.add(p + "self_attn.v_proj.weight", at::randn({kvHeads * headDim, hidden}) * 0.2);
+    writer.add(p + "self_attn.o_proj.weight", at::randn({hidden, heads * headDim}) * 0.2);
+    writer.add(p + "self_attn.q_norm.weight", at::ones({headDim}));
+    writer.add(p + "self_attn.k_norm.weight", at::ones({headDim}));
+    writer.add(p + "mlp.gate.weight", at::randn({experts, hidden}) * 0.2);
+    for (int64_t e = 0; e < experts; ++e) {
+      const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+      writer.add(x + "gate_proj.weight", at::randn({inter, hidden}) * 0.2);
+      writer.add(x + "up_proj.weight", at::randn({inter, hidden}) * 0.2);
+      writer.add(x + "down_proj.weight", at::randn({hidden, inter}) * 0.2);
+    }
+  }
+  writer.finish();
+  writeTinyTokenizer(dir);
+  return dir;
 }
 
 }  // namespace qpipe::test

@@ -288,44 +288,6 @@ TEST_F(LinearQuantPlugin, OnePassCalibrationDoesNotDependOnHowThePipelineSplitsT
   expectSameTensors(deployed(steps, tinySamples()), one, "one step per Linear");
 }
 
-// A tiny Qwen3-MoE (2 layers, 4 experts, top 2) in a fresh folder.
-std::filesystem::path tinyMoe() {
-  const std::filesystem::path dir = test::testDir() / "tiny_moe";
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  const int64_t hidden = 16, heads = 4, kvHeads = 2, headDim = 4, experts = 4, inter = 8;
-  std::ofstream(dir / "config.json") << R"({"model_type": "qwen3_moe", "vocab_size": )" << test::kTinyVocab
-                                     << R"(, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
-      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "rms_norm_eps": 1e-6,
-      "tie_word_embeddings": true, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
-      "norm_topk_prob": true, "torch_dtype": "float32"})";
-  at::manual_seed(4);
-  safetensors::Writer writer(dir);
-  writer.add("model.embed_tokens.weight", at::randn({test::kTinyVocab, hidden}) * 0.2);
-  writer.add("model.norm.weight", at::ones({hidden}));
-  for (int64_t i = 0; i < 2; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    writer.add(p + "input_layernorm.weight", at::ones({hidden}));
-    writer.add(p + "post_attention_layernorm.weight", at::ones({hidden}));
-    writer.add(p + "self_attn.q_proj.weight", at::randn({heads * headDim, hidden}) * 0.2);
-    writer.add(p + "self_attn.k_proj.weight", at::randn({kvHeads * headDim, hidden}) * 0.2);
-    writer.add(p + "self_attn.v_proj.weight", at::randn({kvHeads * headDim, hidden}) * 0.2);
-    writer.add(p + "self_attn.o_proj.weight", at::randn({hidden, heads * headDim}) * 0.2);
-    writer.add(p + "self_attn.q_norm.weight", at::ones({headDim}));
-    writer.add(p + "self_attn.k_norm.weight", at::ones({headDim}));
-    writer.add(p + "mlp.gate.weight", at::randn({experts, hidden}) * 0.2);
-    for (int64_t e = 0; e < experts; ++e) {
-      const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
-      writer.add(x + "gate_proj.weight", at::randn({inter, hidden}) * 0.2);
-      writer.add(x + "up_proj.weight", at::randn({inter, hidden}) * 0.2);
-      writer.add(x + "down_proj.weight", at::randn({hidden, inter}) * 0.2);
-    }
-  }
-  writer.finish();
-  test::writeTinyTokenizer(dir);
-  return dir;
-}
-
 TEST_F(LinearQuantPlugin, MoeLayersCalibrateInTwoForwardsWhateverTheSampleOrder) {
   // Routing sends each token to some experts only, so MoE layers do not run staged: observe,
   // sync and freeze every quantizer, propagate. The statistics are still those of the set of
@@ -335,9 +297,9 @@ TEST_F(LinearQuantPlugin, MoeLayersCalibrateInTwoForwardsWhateverTheSampleOrder)
       "exclude: ['*mlp.gate']}\n";
   const std::vector<at::Tensor> samples = tinySamples();
   const std::vector<at::Tensor> reversed(samples.rbegin(), samples.rend());
-  const auto forward = deployed(process, samples, tinyMoe());
+  const auto forward = deployed(process, samples, test::tinyMoe());
   EXPECT_EQ(forward.count("model.layers.1.mlp.experts.3.down_proj.input_scale"), 1u);
-  expectSameTensors(deployed(process, reversed, tinyMoe()), forward, "reversed");
+  expectSameTensors(deployed(process, reversed, test::tinyMoe()), forward, "reversed");
 }
 
 TEST(Calibrate, ObservesRunsTheStepsThenForwardsAgain) {

@@ -44,7 +44,7 @@ TEST(PluginLoader, LibraryWithoutDescriptorIsRejected) {
 TEST(PluginLoader, AbiMajorMismatchIsRejectedBeforeAnyPluginCode) {
   EXPECT_EQ(loadError(fault("abi_major")),
             prefix(fault("abi_major")) +
-                "plugin ABI 5.0 is not compatible with this qpipe (plugin ABI 4.0); rebuild "
+                "plugin ABI 6.0 is not compatible with this qpipe (plugin ABI 5.0); rebuild "
                 "the plugin against qpipe " QPIPE_VERSION);
 }
 

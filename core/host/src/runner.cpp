@@ -219,6 +219,8 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     DecoderLayer& layer = model_.layer(index);
     LayerRequest request{.name = model_.layerName(index), .module = &layer, .inputs = std::move(inputs)};
     request.staged = layer.uniformForward();
+    request.family = layer.family();
+    request.subgraphs = layer.subgraphs();
     request.forward = [&layer](LayerRequest& r) {
       r.outputs.assign(r.inputs.size(), {});
       const auto sample = [&](int64_t s) {

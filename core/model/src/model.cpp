@@ -146,7 +146,12 @@ class Attention : public Module {
 
 class LlamaLayer final : public DecoderLayer {
  public:
-  LlamaLayer(const LayerSource& w, const std::string& prefix, int64_t index, const ModelConfig& c) {
+  LlamaLayer(const LayerSource& w, const std::string& prefix, int64_t index, const ModelConfig& c)
+      : DecoderLayer(c.modelType),
+        heads_(c.numHeads),
+        kvHeads_(c.numKvHeads),
+        headDim_(c.headDim),
+        experts_(c.numExperts) {
     inputNorm_ = addChild("input_layernorm",
                           std::make_shared<RMSNorm>(w.weight(prefix + "input_layernorm.weight"), c.rmsNormEps));
     attention_ = addChild("self_attn", std::make_shared<Attention>(w, prefix + "self_attn.", c));
@@ -169,14 +174,45 @@ class LlamaLayer final : public DecoderLayer {
   // A sparse MLP routes each token to some experts only.
   bool uniformForward() const override { return !moe_; }
 
+  // transformers' Llama/Qwen2/Qwen3 layer: both norms feed Linears only, v_proj reaches o_proj
+  // through attention, up_proj reaches down_proj through the gated product. In a sparse MLP the
+  // router reads the norm's output too (it goes first: it sees every token), and each expert has
+  // its own up-down.
+  std::vector<Subgraph> subgraphs() const override {
+    using T = SubgraphType;
+    std::vector<Subgraph> graphs{
+        {T::kNormLinear, "input_layernorm", {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}},
+        {T::kOv, "self_attn.v_proj", {"self_attn.o_proj"}, heads_, kvHeads_, headDim_},
+    };
+    if (!moe_) {
+      graphs.push_back({T::kNormLinear, "post_attention_layernorm", {"mlp.gate_proj", "mlp.up_proj"}});
+      graphs.push_back({T::kUpDown, "mlp.up_proj", {"mlp.down_proj"}});
+      return graphs;
+    }
+    Subgraph experts{T::kNormLinear, "post_attention_layernorm", {"mlp.gate"}};
+    for (int64_t e = 0; e < experts_; ++e) {
+      const std::string expert = "mlp.experts." + std::to_string(e) + ".";
+      experts.targets.push_back(expert + "gate_proj");
+      experts.targets.push_back(expert + "up_proj");
+    }
+    graphs.push_back(std::move(experts));
+    for (int64_t e = 0; e < experts_; ++e) {
+      const std::string expert = "mlp.experts." + std::to_string(e) + ".";
+      graphs.push_back({T::kUpDown, expert + "up_proj", {expert + "down_proj"}});
+    }
+    return graphs;
+  }
+
  private:
   size_t inputNorm_, attention_, postNorm_, mlp_;
   bool moe_ = false;
+  int64_t heads_, kvHeads_, headDim_, experts_;
 };
 
 // Stands in for a decoder layer that is not materialised.
 class UnloadedLayer final : public DecoderLayer {
  public:
+  UnloadedLayer() : DecoderLayer("unloaded") {}
   at::Tensor forward(const at::Tensor&, const Rotary&, const at::Tensor&) override {
     QPIPE_CHECK(false, "forward through an unloaded decoder layer");
     return {};

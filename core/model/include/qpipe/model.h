@@ -17,6 +17,7 @@
 
 #include "qpipe/module.h"
 #include "qpipe/safetensors.h"
+#include "qpipe/subgraph.h"
 
 namespace qpipe {
 
@@ -71,13 +72,21 @@ struct Rotary {
 
 class DecoderLayer : public Module {
  public:
-  DecoderLayer() : Module("DecoderLayer") {}
+  // `family`: the config.json model_type the layer implements.
+  explicit DecoderLayer(std::string family) : Module("DecoderLayer"), family_(std::move(family)) {}
   // hidden [batch, seq, hidden]; mask: additive [batch, 1, seq, seq], or undefined for causal.
   virtual at::Tensor forward(const at::Tensor& hidden, const Rotary& rotary, const at::Tensor& mask) = 0;
   // True when every input runs through the same modules in the same order (no routing), so the
   // calibration forward can run staged (qpipe/staged.h).
   virtual bool uniformForward() const { return false; }
+  const std::string& family() const { return family_; }
+  // The smoothing subgraphs the family declares for this layer (qpipe/subgraph.h), in forward
+  // order; empty when it declares none.
+  virtual std::vector<Subgraph> subgraphs() const { return {}; }
   using Module::forward;
+
+ private:
+  std::string family_;
 };
 
 struct ModelOptions {

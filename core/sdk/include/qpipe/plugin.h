@@ -1,9 +1,9 @@
 // The SDK: what a plugin includes (docs/plugins.md). One header gives the processor lifecycle
 // (qpipe/processor.h: Processor, LayerRequest, ProcessorContext, forEach, calibrate), schemas and
 // configuration nodes, the logger, errors and their message builder (qpipe::concat), the module
-// tree with include/exclude matching, the process group, and the saver interface. Register
-// processor (and saver) types in a function and name it in QPIPE_PLUGIN; build the plugin with
-// qpipe_add_plugin() (cmake/QpipeHelpers.cmake):
+// tree with include/exclude matching, the smoothing subgraphs, the process group, and the saver
+// interface. Register processor (and saver) types in a function and name it in QPIPE_PLUGIN;
+// build the plugin with qpipe_add_plugin() (cmake/QpipeHelpers.cmake):
 //
 //   void registerAll(qpipe::PluginRegistrar& r) { r.addProcessor({...}); }
 //   QPIPE_PLUGIN("my_plugin", "1.0.0", "What it does", registerAll)
@@ -29,6 +29,7 @@
 #include "qpipe/processor.h"
 #include "qpipe/saver.h"
 #include "qpipe/schema.h"
+#include "qpipe/subgraph.h"
 #include "qpipe/version.h"
 
 #if __has_include(<torch/headeronly/version.h>)
@@ -68,7 +69,9 @@ class PluginRegistrar {
 // the registrar exposes only add*.
 // 4.0: LayerRequest carries `staged` (staged calibration forwards, qpipe/staged.h);
 // LinearQuantizer and QuantLinear hold their int8 GEMM state.
-#define QPIPE_PLUGIN_ABI_MAJOR 4
+// 5.0: LayerRequest carries the layer's family and smoothing subgraphs (qpipe/subgraph.h);
+// DecoderLayer declares them.
+#define QPIPE_PLUGIN_ABI_MAJOR 5
 #define QPIPE_PLUGIN_ABI_MINOR 0
 
 #define QPIPE_STRINGIFY_IMPL(x) #x

@@ -39,6 +39,7 @@
 #include "qpipe/module.h"
 #include "qpipe/pattern.h"
 #include "qpipe/process_group.h"
+#include "qpipe/subgraph.h"
 
 namespace qpipe {
 
@@ -69,6 +70,10 @@ struct LayerRequest {
   // Run by calibrate() between the observing forward and the propagating one, in order; every
   // rank registers the same steps in the same order (they may call collectives).
   std::vector<std::function<void()>> betweenForwards;
+  // A decoder layer's model family (config.json model_type) and the smoothing subgraphs it
+  // declares (qpipe/subgraph.h), in forward order; both empty for the non-layer unit.
+  std::string family;
+  std::vector<Subgraph> subgraphs;
   // What processors reported for this unit, in order (rank 0's land in quant_report.json).
   std::vector<ReportValue> reportValues;
 

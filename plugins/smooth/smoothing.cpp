@@ -1,0 +1,205 @@
+#include "smoothing.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+namespace qpipe::smooth {
+
+namespace {
+
+// msmodelslim's order within a layer: a module that produces for one subgraph and consumes for
+// another (up_proj, v_proj) has its rows scaled first, so the norm-linear weight statistic sees
+// the weights as they will be quantized.
+int priority(SubgraphType type) {
+  switch (type) {
+    case SubgraphType::kUpDown:
+      return 1;
+    case SubgraphType::kOv:
+      return 2;
+    case SubgraphType::kLinearLinear:
+      return 3;
+    case SubgraphType::kNormLinear:
+      return 4;
+  }
+  return 5;
+}
+
+// "norm-linear model.layers.0.input_layernorm → self_attn.q_proj, self_attn.k_proj".
+std::string describe(const std::string& sourceName, const Subgraph& graph) {
+  std::string text = concat(subgraphTypeName(graph.type), " ", sourceName, " →");
+  for (size_t i = 0; i < graph.targets.size(); ++i) text += (i == 0 ? " " : ", ") + graph.targets[i];
+  return text;
+}
+
+// tensor·factor or tensor / factor, computed in fp32 and stored in the tensor's own dtype.
+at::Tensor multiplied(const at::Tensor& tensor, const at::Tensor& factor) {
+  return (tensor.to(at::kFloat) * factor.to(tensor.device())).to(tensor.scalar_type());
+}
+at::Tensor divided(const at::Tensor& tensor, const at::Tensor& factor) {
+  return (tensor.to(at::kFloat) / factor.to(tensor.device())).to(tensor.scalar_type());
+}
+
+}  // namespace
+
+struct SmoothingProcessor::Watched {
+  Subgraph graph;
+  std::string name;         // the source's full name
+  std::string firstPath;    // targets[0] below the layer
+  Linear* first = nullptr;  // its input is what the statistics describe
+  Module::HookHandle hook = 0;
+  at::Tensor min;  // fp32 [channels] on the CPU; +inf / -inf until a token arrives
+  at::Tensor max;
+};
+
+Schema& SmoothingProcessor::addCommonFields(Schema& schema, const std::vector<SubgraphType>& defaults) {
+  std::vector<std::string> all, byDefault;
+  for (SubgraphType type : allSubgraphTypes()) all.emplace_back(subgraphTypeName(type));
+  for (SubgraphType type : defaults) byDefault.emplace_back(subgraphTypeName(type));
+  return schema
+      .optional("enable_subgraph_type", ValueType::kStringList, ConfigNode::stringList(byDefault),
+                "subgraph types to smooth, of " + joinNames(all))
+      .includeExclude();
+}
+
+SmoothingProcessor::SmoothingProcessor(std::string type, const ConfigNode& config, const ProcessorContext& context)
+    : type_(std::move(type)), context_(context), filter_(context.moduleFilter(config)) {
+  for (const ConfigNode& item : config.at("enable_subgraph_type").items()) {
+    const std::optional<SubgraphType> parsed = parseSubgraphType(item.asString());
+    if (!parsed) {
+      std::vector<std::string> names;
+      for (SubgraphType t : allSubgraphTypes()) names.emplace_back(subgraphTypeName(t));
+      throw configError(item, context.fieldPath("enable_subgraph_type"),
+                        concat("unknown subgraph type '", item.asString(), "'; expected one of ", joinNames(names)));
+    }
+    if (std::find(types_.begin(), types_.end(), *parsed) == types_.end()) types_.push_back(*parsed);
+  }
+}
+
+SmoothingProcessor::~SmoothingProcessor() = default;
+
+void SmoothingProcessor::preprocess(LayerRequest& request) {
+  watched_.clear();
+  if (isNonLayerUnit(request)) return;
+  QPIPE_REQUIRE(!request.subgraphs.empty(), ErrorCode::kConfig, "model family '", request.family,
+                "' declares no smoothing subgraphs (", request.name,
+                "), so there is nothing to smooth; docs/smoothing.md lists the families that do");
+  for (const Subgraph& graph : request.subgraphs) {
+    if (std::find(types_.begin(), types_.end(), graph.type) == types_.end()) continue;
+    const std::string name = moduleName(request, graph.source);
+    if (!filter_->matches(name)) continue;
+    auto watched = std::make_unique<Watched>(Watched{graph, name, graph.targets.front()});
+    try {
+      Module& source = request.module->getSubmodule(graph.source);
+      if (graph.type == SubgraphType::kNormLinear) {
+        source.as<RMSNorm>(name);
+      } else {
+        source.as<Linear>(name);
+      }
+      for (const std::string& target : graph.targets) {
+        Linear& linear = request.module->getSubmodule(target).as<Linear>(moduleName(request, target));
+        if (watched->first == nullptr) watched->first = &linear;
+      }
+    } catch (const Error& e) {
+      throw Error(e.code(), concat("subgraph ", describe(name, graph), ": ", e.what()));
+    }
+    const int64_t channels = watched->first->inFeatures();
+    watched->min = at::full({channels}, std::numeric_limits<float>::infinity(), at::kFloat);
+    watched->max = at::full({channels}, -std::numeric_limits<float>::infinity(), at::kFloat);
+    Watched* w = watched.get();
+    w->hook = w->first->addForwardPreHook([w](Module&, const at::Tensor& x) {
+      if (x.numel() == 0) return at::Tensor();
+      const auto [lo, hi] = at::aminmax(x.reshape({-1, x.size(-1)}).to(at::kFloat), 0);
+      w->min = at::minimum(w->min, lo.cpu());
+      w->max = at::maximum(w->max, hi.cpu());
+      return at::Tensor();
+    });
+    watched_.push_back(std::move(watched));
+  }
+}
+
+void SmoothingProcessor::postprocess(LayerRequest& request) {
+  if (watched_.empty()) return;
+  std::vector<at::Tensor> parts;
+  for (const auto& w : watched_) {
+    QPIPE_REQUIRE(&request.module->getSubmodule(w->firstPath) == w->first, ErrorCode::kConfig,
+                  moduleName(request, w->firstPath),
+                  " was replaced before its statistics were read; run ", type_, " as its own step, before quantization");
+    w->first->removeHook(w->hook);
+    parts.push_back(-w->min);
+    parts.push_back(w->max);
+  }
+  // One collective per layer, the same on every rank: the subgraphs come from the family's
+  // declaration, and each holds ±inf where this rank saw no token.
+  at::Tensor merged = at::cat(parts);
+  context_.group->allReduce(merged, ReduceOp::kMax);
+  int64_t offset = 0;
+  for (const auto& w : watched_) {
+    const int64_t n = w->min.numel();
+    w->min = -merged.slice(0, offset, offset + n);
+    w->max = merged.slice(0, offset + n, offset + 2 * n);
+    offset += 2 * n;
+  }
+  std::stable_sort(watched_.begin(), watched_.end(),
+                   [](const auto& a, const auto& b) { return priority(a->graph.type) < priority(b->graph.type); });
+  for (const auto& w : watched_) smooth(request, *w);
+  watched_.clear();
+}
+
+void SmoothingProcessor::smooth(LayerRequest& request, Watched& w) {
+  const Subgraph& graph = w.graph;
+  if (!w.max.ge(w.min).all().item<bool>()) {
+    context_.logger->warn(type_, ": no calibration token reached ", moduleName(request, w.firstPath), "; ",
+                          describe(w.name, graph), " is left unsmoothed");
+    return;
+  }
+  std::vector<Linear*> consumers;
+  std::vector<at::Tensor> weights;
+  for (const std::string& target : graph.targets) {
+    auto& linear = request.module->getSubmodule(target).as<Linear>(moduleName(request, target));
+    consumers.push_back(&linear);
+    weights.push_back(linear.weight().to(at::kCPU, at::kFloat));
+  }
+  const at::Tensor activation = activationStatistic({w.min, w.max});
+  const at::Tensor weight = weightStatistic(weights);
+  at::Tensor producer;  // divides the producer's output channels
+  at::Tensor consumer;  // multiplies the consumers' input columns
+  if (graph.type == SubgraphType::kOv) {
+    const int64_t kv = graph.kvHeads, dim = graph.headDim;
+    producer = groupReduction() == GroupReduction::kMaxOfStatistics
+                   ? scale(reduceGroups(activation, kv, dim, false), reduceGroups(weight, kv, dim, false))
+                   : reduceGroups(scale(activation, weight), kv, dim, true);
+    consumer = expandGroups(producer, graph.heads, kv, dim);
+  } else {
+    producer = consumer = scale(activation, weight);
+  }
+  for (Linear* linear : consumers) linear->weight() = multiplied(linear->weight(), consumer.unsqueeze(0));
+  Module& source = request.module->getSubmodule(graph.source);
+  at::Tensor& sourceWeight = source.parameter("weight");
+  sourceWeight = divided(sourceWeight, graph.type == SubgraphType::kNormLinear ? producer : producer.unsqueeze(1));
+  if (source.hasParameter("bias")) {
+    at::Tensor& bias = source.parameter("bias");
+    if (bias.defined()) bias = divided(bias, producer);
+  }
+  request.report(w.name, "scale_min", producer.min().item<double>());
+  request.report(w.name, "scale_max", producer.max().item<double>());
+  for (const auto& [key, value] : reportValues()) request.report(w.name, key, value);
+  ++smoothed_;
+}
+
+void SmoothingProcessor::postRun() {
+  context_.logger->info(type_, ": ", smoothed_, " subgraphs smoothed");
+}
+
+at::Tensor reduceGroups(const at::Tensor& perHead, int64_t kvHeads, int64_t headDim, bool mean) {
+  const at::Tensor grouped = perHead.view({kvHeads, -1, headDim});
+  return (mean ? grouped.mean(1) : grouped.amax(1)).reshape({-1});
+}
+
+at::Tensor expandGroups(const at::Tensor& perGroup, int64_t heads, int64_t kvHeads, int64_t headDim) {
+  return perGroup.view({kvHeads, 1, headDim}).expand({kvHeads, heads / kvHeads, headDim}).reshape({-1});
+}
+
+}  // namespace qpipe::smooth
