@@ -7,14 +7,20 @@
 //                 floored at scale_min; ov reduces the statistics over each KV group (max)
 //   iter_smooth   msmodelslim's IterSmooth: s = max|X|^α / max|W|^(1−α) floored at scale_min,
 //                 with |W| for every subgraph type; ov averages the heads' scales per KV group
+//   flex_smooth_quant  msmodelslim's FlexSmoothQuant: s = max|X|^α / max|W|^β, α and β searched
+//                 per subgraph on the int8 error of the smoothed product
 #include <ATen/ATen.h>
 
+#include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "qpipe/plugin.h"
+#include "qpipe/quant.h"
+#include "qpipe/quant_linear.h"
 #include "smoothing.h"
 
 namespace qpipe::smooth {
@@ -33,20 +39,32 @@ class SmoothQuant final : public SmoothingProcessor {
         scaleMin_(config.at("scale_min").asFloat()) {}
 
  protected:
-  at::Tensor activationStatistic(const ChannelStats& stats) const override { return stats.max - stats.min; }
-  at::Tensor weightStatistic(const std::vector<at::Tensor>& weights) const override {
-    return 2.0 * columnAbsMax(weights);
+  Scales scales(const SubgraphInput& in, std::vector<std::pair<std::string, double>>& report) const override {
+    report.emplace_back("alpha", alpha_);
+    const ScaleFormula formula = [this](const at::Tensor& a, const at::Tensor& w) {
+      return at::where(w > 0, a.pow(alpha_) / w.pow(1.0 - alpha_), a).clamp_min(scaleMin_);
+    };
+    return grouped(in.graph, in.max - in.min, 2.0 * columnAbsMax(in.weights), formula,
+                   GroupReduction::kMaxOfStatistics);
   }
-  at::Tensor scale(const at::Tensor& activation, const at::Tensor& weight) const override {
-    const at::Tensor s = activation.pow(alpha_) / weight.pow(1.0 - alpha_);
-    return at::where(weight > 0, s, activation).clamp_min(scaleMin_);
-  }
-  GroupReduction groupReduction() const override { return GroupReduction::kMaxOfStatistics; }
-  std::vector<std::pair<std::string, double>> reportValues() const override { return {{"alpha", alpha_}}; }
 
  private:
   double alpha_, scaleMin_;
 };
+
+// max|X| per channel.
+at::Tensor absMax(const SubgraphInput& in) {
+  return at::maximum(in.min.abs(), in.max.abs());
+}
+
+// s = max|X|^α / max|W|^β floored at `floor`; a column that is zero in every consumer takes any
+// scale, and 1 leaves it alone.
+ScaleFormula powerFormula(double alpha, double beta, double floor) {
+  return [alpha, beta, floor](const at::Tensor& a, const at::Tensor& w) {
+    const at::Tensor s = (a.pow(alpha) / w.pow(beta)).clamp_min(floor);
+    return at::where(w > 0, s, at::ones_like(s));
+  };
+}
 
 class IterSmooth final : public SmoothingProcessor {
  public:
@@ -62,20 +80,100 @@ class IterSmooth final : public SmoothingProcessor {
   }
 
  protected:
-  at::Tensor activationStatistic(const ChannelStats& stats) const override {
-    return at::maximum(stats.min.abs(), stats.max.abs());
+  Scales scales(const SubgraphInput& in, std::vector<std::pair<std::string, double>>& report) const override {
+    report.emplace_back("alpha", alpha_);
+    return grouped(in.graph, absMax(in), columnAbsMax(in.weights), powerFormula(alpha_, 1.0 - alpha_, scaleMin_),
+                   GroupReduction::kMeanOfScales);
   }
-  at::Tensor weightStatistic(const std::vector<at::Tensor>& weights) const override { return columnAbsMax(weights); }
-  // A column that is zero in every consumer takes any scale; 1 leaves it alone.
-  at::Tensor scale(const at::Tensor& activation, const at::Tensor& weight) const override {
-    const at::Tensor s = (activation.pow(alpha_) / weight.pow(1.0 - alpha_)).clamp_min(scaleMin_);
-    return at::where(weight > 0, s, at::ones_like(s));
-  }
-  GroupReduction groupReduction() const override { return GroupReduction::kMeanOfScales; }
-  std::vector<std::pair<std::string, double>> reportValues() const override { return {{"alpha", alpha_}}; }
 
  private:
   double alpha_, scaleMin_;
+};
+
+// rms(y_q − y) / rms(y) for y = X·Wᵀ and y_q the product of X/s quantized to int8 per token and
+// W·s quantized to int8 per output channel (both symmetric, absmax / 127): msmodelslim's
+// flex_smooth_quant loss, through the exact int8 GEMM (qpipe/quant_linear.h).
+class SmoothedInt8Loss {
+ public:
+  SmoothedInt8Loss(at::Tensor tokens, at::Tensor weight)
+      : tokens_(std::move(tokens)), weight_(std::move(weight)), reference_(at::matmul(tokens_, weight_.t())),
+        norm_(reference_.square().mean().sqrt().item<double>()) {}
+
+  double operator()(const at::Tensor& consumerScale) const {
+    using quant::QDtype, quant::QScope;
+    const quant::QScheme perChannel{QDtype::kInt8, QScope::kPerChannel, true, 0};
+    const ActivationQuant perToken{{QDtype::kInt8, QScope::kPerToken, true, 0}, {}};
+    auto [params, qweight] = quant::quantizeWeight(weight_ * consumerScale.unsqueeze(0), perChannel);
+    const Int8Linear linear(qweight, params.scale);
+    const at::Tensor y = *linear.forward(tokens_ / consumerScale.unsqueeze(0), perToken, at::Tensor());
+    const double error = (y - reference_).square().mean().sqrt().item<double>();
+    return norm_ > 0 ? error / norm_ : error;
+  }
+
+ private:
+  at::Tensor tokens_, weight_, reference_;
+  double norm_;
+};
+
+// msmodelslim's flex_smooth_quant: s = max|X|^α / max|W|^β floored at 1e-5, with α and β given or
+// found per subgraph by a two-phase grid search (step 0.05) on the int8 loss above: α over [0, 1]
+// with β = 1 − α, then β over [0, 1] with the best α (a later value wins a tie). The loss weights
+// are the consumers' concatenated for norm-linear, o_proj for ov, down_proj for up-down; the
+// tokens are up to `search_tokens` of the consumers' inputs in sample order, the same on any
+// number of ranks. ov averages the heads' scales per KV group.
+class FlexSmoothQuant final : public SmoothingProcessor {
+ public:
+  FlexSmoothQuant(const ConfigNode& config, const ProcessorContext& context)
+      : SmoothingProcessor("flex_smooth_quant", config, context),
+        alpha_(optionalFraction(config, "alpha")),
+        beta_(optionalFraction(config, "beta")) {
+    if (!alpha_ || !beta_) keepTokens(config.at("search_tokens").asInt());
+  }
+
+ protected:
+  Scales scales(const SubgraphInput& in, std::vector<std::pair<std::string, double>>& report) const override {
+    const at::Tensor a = absMax(in), w = columnAbsMax(in.weights);
+    const auto scalesFor = [&](double alpha, double beta) {
+      return grouped(in.graph, a, w, powerFormula(alpha, beta, kScaleMin), GroupReduction::kMeanOfScales);
+    };
+    double alpha = alpha_.value_or(0.5), beta = beta_.value_or(0.5);
+    if (!alpha_ || !beta_) {
+      const SmoothedInt8Loss loss(in.tokens, at::cat(in.weights, 0));
+      double best = std::numeric_limits<double>::infinity();
+      const auto tryPair = [&](double candidateAlpha, double candidateBeta) {
+        const double value = loss(scalesFor(candidateAlpha, candidateBeta).consumer);
+        if (value <= best) {
+          best = value;
+          alpha = candidateAlpha;
+          beta = candidateBeta;
+        }
+      };
+      if (!alpha_) {
+        for (int i = 0; i <= kSteps; ++i) tryPair(i * kStep, beta_.value_or(1.0 - i * kStep));
+      }
+      if (!beta_) {
+        const double fixed = alpha;
+        for (int i = 0; i <= kSteps; ++i) tryPair(fixed, i * kStep);
+      }
+      report.emplace_back("loss", best);
+    }
+    report.emplace_back("alpha", alpha);
+    report.emplace_back("beta", beta);
+    return scalesFor(alpha, beta);
+  }
+
+ private:
+  static constexpr double kScaleMin = 1e-5;
+  static constexpr double kStep = 0.05;
+  static constexpr int kSteps = 20;
+
+  static std::optional<double> optionalFraction(const ConfigNode& config, const char* field) {
+    const ConfigNode& value = config.at(field);
+    if (value.isNull()) return std::nullopt;
+    return value.asFloat();
+  }
+
+  std::optional<double> alpha_, beta_;
 };
 
 FieldSpec fraction(std::string name, double value, std::string help) {
@@ -122,10 +220,30 @@ void registerProcessors(PluginRegistrar& registrar) {
       .schema = std::move(iterSmooth),
       .factory = factory<IterSmooth>(),
   });
+
+  Schema flex;
+  FieldSpec alpha = fraction("alpha", 0, "α; searched when absent");
+  alpha.defaultValue.reset();
+  FieldSpec beta = fraction("beta", 0, "β; searched when absent");
+  beta.defaultValue.reset();
+  flex.add(std::move(alpha))
+      .add(std::move(beta))
+      .add({.name = "search_tokens",
+            .type = ValueType::kInt,
+            .help = "calibration tokens the α/β search evaluates per subgraph (evenly spaced over the samples)",
+            .defaultValue = ConfigNode::integer(512),
+            .minimum = 1});
+  SmoothingProcessor::addCommonFields(flex, allSubgraphTypes());
+  registrar.addProcessor({
+      .type = "flex_smooth_quant",
+      .description = "msmodelslim's flex_smooth_quant: max|X|^α / max|W|^β with an α/β search per subgraph",
+      .schema = std::move(flex),
+      .factory = factory<FlexSmoothQuant>(),
+  });
 }
 
 }  // namespace
 }  // namespace qpipe::smooth
 
-QPIPE_PLUGIN("smooth", "1.0.0", "Outlier smoothing: smooth_quant and msmodelslim's iter_smooth",
+QPIPE_PLUGIN("smooth", "1.0.0", "Outlier smoothing: smooth_quant, and msmodelslim's iter_smooth and flex_smooth_quant",
              qpipe::smooth::registerProcessors)

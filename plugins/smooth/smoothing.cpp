@@ -52,6 +52,8 @@ struct SmoothingProcessor::Watched {
   Module::HookHandle hook = 0;
   at::Tensor min;  // fp32 [channels] on the CPU; +inf / -inf until a token arrives
   at::Tensor max;
+  std::vector<at::Tensor> tokens;  // this rank's inputs [n, channels], fp32 CPU, when kept
+  at::Tensor allTokens;            // every rank's, in sample order, at most searchTokens_
 };
 
 Schema& SmoothingProcessor::addCommonFields(Schema& schema, const std::vector<SubgraphType>& defaults) {
@@ -109,11 +111,14 @@ void SmoothingProcessor::preprocess(LayerRequest& request) {
     watched->min = at::full({channels}, std::numeric_limits<float>::infinity(), at::kFloat);
     watched->max = at::full({channels}, -std::numeric_limits<float>::infinity(), at::kFloat);
     Watched* w = watched.get();
-    w->hook = w->first->addForwardPreHook([w](Module&, const at::Tensor& x) {
+    const bool keep = searchTokens_ > 0;
+    w->hook = w->first->addForwardPreHook([w, keep](Module&, const at::Tensor& x) {
       if (x.numel() == 0) return at::Tensor();
-      const auto [lo, hi] = at::aminmax(x.reshape({-1, x.size(-1)}).to(at::kFloat), 0);
-      w->min = at::minimum(w->min, lo.cpu());
-      w->max = at::maximum(w->max, hi.cpu());
+      const at::Tensor flat = x.reshape({-1, x.size(-1)}).to(at::kCPU, at::kFloat);
+      const auto [lo, hi] = at::aminmax(flat, 0);
+      w->min = at::minimum(w->min, lo);
+      w->max = at::maximum(w->max, hi);
+      if (keep) w->tokens.push_back(flat.clone());
       return at::Tensor();
     });
     watched_.push_back(std::move(watched));
@@ -142,10 +147,27 @@ void SmoothingProcessor::postprocess(LayerRequest& request) {
     w->max = merged.slice(0, offset + n, offset + 2 * n);
     offset += 2 * n;
   }
+  if (searchTokens_ > 0) {
+    for (const auto& w : watched_) w->allTokens = gatherTokens(*w);
+  }
   std::stable_sort(watched_.begin(), watched_.end(),
                    [](const auto& a, const auto& b) { return priority(a->graph.type) < priority(b->graph.type); });
   for (const auto& w : watched_) smooth(request, *w);
   watched_.clear();
+}
+
+// Ranks hold consecutive shares of the samples (rankShare), so rank order is sample order and the
+// gathered rows are the ones a single rank would have kept.
+at::Tensor SmoothingProcessor::gatherTokens(Watched& w) const {
+  const int64_t channels = w.min.numel();
+  const at::Tensor local = w.tokens.empty() ? at::empty({0, channels}, at::kFloat) : at::cat(w.tokens);
+  w.tokens.clear();
+  const at::Tensor all = at::cat(context_.group->allGather(local));
+  const int64_t rows = all.size(0);
+  if (rows <= searchTokens_) return all;
+  // Evenly spaced rows: floor(i·rows / searchTokens), i < searchTokens.
+  const at::Tensor picked = at::floor_divide(at::arange(searchTokens_, at::kLong) * rows, searchTokens_);
+  return all.index_select(0, picked);
 }
 
 void SmoothingProcessor::smooth(LayerRequest& request, Watched& w) {
@@ -162,19 +184,10 @@ void SmoothingProcessor::smooth(LayerRequest& request, Watched& w) {
     consumers.push_back(&linear);
     weights.push_back(linear.weight().to(at::kCPU, at::kFloat));
   }
-  const at::Tensor activation = activationStatistic({w.min, w.max});
-  const at::Tensor weight = weightStatistic(weights);
-  at::Tensor producer;  // divides the producer's output channels
-  at::Tensor consumer;  // multiplies the consumers' input columns
-  if (graph.type == SubgraphType::kOv) {
-    const int64_t kv = graph.kvHeads, dim = graph.headDim;
-    producer = groupReduction() == GroupReduction::kMaxOfStatistics
-                   ? scale(reduceGroups(activation, kv, dim, false), reduceGroups(weight, kv, dim, false))
-                   : reduceGroups(scale(activation, weight), kv, dim, true);
-    consumer = expandGroups(producer, graph.heads, kv, dim);
-  } else {
-    producer = consumer = scale(activation, weight);
-  }
+  std::vector<std::pair<std::string, double>> values;
+  const Scales chosen = scales({graph, w.name, w.min, w.max, weights, w.allTokens}, values);
+  const at::Tensor& producer = chosen.producer;
+  const at::Tensor& consumer = chosen.consumer;
   for (Linear* linear : consumers) linear->weight() = multiplied(linear->weight(), consumer.unsqueeze(0));
   Module& source = request.module->getSubmodule(graph.source);
   at::Tensor& sourceWeight = source.parameter("weight");
@@ -185,12 +198,26 @@ void SmoothingProcessor::smooth(LayerRequest& request, Watched& w) {
   }
   request.report(w.name, "scale_min", producer.min().item<double>());
   request.report(w.name, "scale_max", producer.max().item<double>());
-  for (const auto& [key, value] : reportValues()) request.report(w.name, key, value);
+  for (const auto& [key, value] : values) request.report(w.name, key, value);
   ++smoothed_;
 }
 
 void SmoothingProcessor::postRun() {
   context_.logger->info(type_, ": ", smoothed_, " subgraphs smoothed");
+}
+
+Scales SmoothingProcessor::grouped(const Subgraph& graph, const at::Tensor& activation, const at::Tensor& weight,
+                                   const ScaleFormula& formula, GroupReduction reduction) {
+  if (graph.type != SubgraphType::kOv) {
+    const at::Tensor s = formula(activation, weight);
+    return {s, s};
+  }
+  const int64_t kv = graph.kvHeads, dim = graph.headDim;
+  const at::Tensor producer =
+      reduction == GroupReduction::kMaxOfStatistics
+          ? formula(reduceGroups(activation, kv, dim, false), reduceGroups(weight, kv, dim, false))
+          : reduceGroups(formula(activation, weight), kv, dim, true);
+  return {producer, expandGroups(producer, graph.heads, kv, dim)};
 }
 
 at::Tensor reduceGroups(const at::Tensor& perHead, int64_t kvHeads, int64_t headDim, bool mean) {

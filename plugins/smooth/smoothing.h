@@ -6,25 +6,46 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "qpipe/plugin.h"
 
 namespace qpipe::smooth {
 
-// The statistics an algorithm computes scales from, per consumer input channel.
-struct ChannelStats {
-  at::Tensor min;  // fp32 [channels] over every token every rank saw
-  at::Tensor max;
+// What an algorithm computes one subgraph's scales from. Per consumer input channel j: the
+// activation statistics over every token every rank saw, and the consumers' weights.
+struct SubgraphInput {
+  const Subgraph& graph;
+  const std::string& name;               // the source's full name
+  at::Tensor min;                        // fp32 [channels]
+  at::Tensor max;                        // fp32 [channels]
+  const std::vector<at::Tensor>& weights;  // fp32 [out, channels], one per consumer, in target order
+  // The consumers' input tokens [tokens, channels] in global sample order (every rank's, rank by
+  // rank), at most `searchTokens` of them evenly spaced; undefined unless the processor keeps them.
+  at::Tensor tokens;
 };
 
-// How ov's per-head scales become one scale per KV-group channel (msmodelslim's MQGA reduction).
-enum class GroupReduction {
-  kMaxOfStatistics,  // reduce the activation and weight statistics (max), then compute the scale
-  kMeanOfScales,     // compute every head's scales, then average them over the group
+// One subgraph's scales: the producer's output channels are divided by `producer`, the
+// consumers' input columns multiplied by `consumer` (the same tensor but for ov, where each KV
+// group channel's scale is repeated for the heads of the group).
+struct Scales {
+  at::Tensor producer;
+  at::Tensor consumer;
 };
+
+// How ov's per-head values become one scale per KV-group channel (msmodelslim's MQGA reduction).
+enum class GroupReduction {
+  kMaxOfStatistics,  // reduce the activation and weight statistics (max), then apply the formula
+  kMeanOfScales,     // apply the formula per head, then average the scales over the group
+};
+
+// Per-channel activation and weight statistics → scales.
+using ScaleFormula = std::function<at::Tensor(const at::Tensor& activation, const at::Tensor& weight)>;
 
 class SmoothingProcessor : public Processor {
  public:
@@ -43,20 +64,20 @@ class SmoothingProcessor : public Processor {
   static Schema& addCommonFields(Schema& schema, const std::vector<SubgraphType>& defaults);
 
  protected:
-  // Per input channel j of the consumers: the activation statistic a_j from the consumers' input
-  // statistics, the weight statistic w_j from the consumers' weights (fp32 [out, in] each), and
-  // the scale from both.
-  virtual at::Tensor activationStatistic(const ChannelStats& stats) const = 0;
-  virtual at::Tensor weightStatistic(const std::vector<at::Tensor>& weights) const = 0;
-  virtual at::Tensor scale(const at::Tensor& activation, const at::Tensor& weight) const = 0;
-  virtual GroupReduction groupReduction() const = 0;
-  // What the report records for every smoothed subgraph besides its scale range.
-  virtual std::vector<std::pair<std::string, double>> reportValues() const { return {}; }
+  // `searchTokens`: keep up to this many consumer input tokens per subgraph for the algorithm
+  // (SubgraphInput::tokens); 0 keeps none.
+  void keepTokens(int64_t searchTokens) { searchTokens_ = searchTokens; }
+  // The subgraph's scales; `report` collects what the quant report records besides the range.
+  virtual Scales scales(const SubgraphInput& input, std::vector<std::pair<std::string, double>>& report) const = 0;
+  // `formula` applied to per-channel statistics, with ov's KV-group reduction.
+  static Scales grouped(const Subgraph& graph, const at::Tensor& activation, const at::Tensor& weight,
+                        const ScaleFormula& formula, GroupReduction reduction);
 
   const ProcessorContext& context() const { return context_; }
 
  private:
   struct Watched;
+  at::Tensor gatherTokens(Watched& watched) const;
   void smooth(LayerRequest& request, Watched& watched);
 
   std::string type_;
@@ -64,6 +85,7 @@ class SmoothingProcessor : public Processor {
   std::vector<SubgraphType> types_;
   std::shared_ptr<ModuleFilter> filter_;
   std::vector<std::unique_ptr<Watched>> watched_;
+  int64_t searchTokens_ = 0;
   int64_t smoothed_ = 0;
 };
 

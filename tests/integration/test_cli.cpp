@@ -30,7 +30,7 @@ TEST(Cli, VersionPrintsVersionAbiAndFingerprint) {
   const CommandResult r = qpipe("version");
   EXPECT_EQ(r.exitCode, 0);
   EXPECT_NE(r.out.find("qpipe 0.1.0"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("plugin ABI 4.0"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("plugin ABI 5.0"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("|torch=2.11.0|"), std::string::npos) << r.out;
 }
 
@@ -49,13 +49,13 @@ TEST(Cli, PluginsListsEveryBrokenFixtureWithItsReasonAndExitsZero) {
   EXPECT_EQ(r.exitCode, 0) << r.err;
   for (const char* expected : {
            "Rejected libraries (5):",
-           "libfault_abi_major.so\n    plugin ABI 5.0 is not compatible",
+           "libfault_abi_major.so\n    plugin ABI 6.0 is not compatible",
            "libfault_duplicate_b.so\n    processor type 'duplicate_type' is registered by plugin 'fault_duplicate_b'",
            "libfault_fingerprint.so\n    build fingerprint 'gcc-4.8|cxx11abi=0|torch=1.13.1|qpipe=0.0.1' does not "
            "match",
            "libfault_no_descriptor.so\n    no qpipe plugin descriptor",
            "libfault_not_elf.so\n    not a shared library",
-           "Loaded plugins (4):",  // the three fault fixtures that load, and the built-in linear_quant
+           "Loaded plugins (5):",  // the three fault fixtures that load, and the built-in linear_quant and smooth
            "type: factory_throws",
            "type: linear_quant",
        }) {
@@ -79,7 +79,8 @@ TEST(Cli, CheckRejectsUnknownTypeNamingFileLineTypeAndKnownTypes) {
   expectOneLineError(r);
   EXPECT_EQ(r.err.rfind("qpipe: configuration error: " + kPipelines +
                             "unknown_type.yaml:6:13: spec.process[1].type: "
-                            "unknown processor type 'awq_magic'; known types: group, linear_quant, log_layers",
+                            "unknown processor type 'awq_magic'; known types: flex_smooth_quant, group, iter_smooth, linear_quant, "
+                            "log_layers, module_stats, smooth_quant",
                         0),
             0u)
       << r.err;

@@ -1,5 +1,6 @@
-// tools/check_equivalence.sh over every shipped practice: 1, 2 and 3 ranks (5 samples, so the
-// ranks hold 5, 3+2 and 2+2+1) must write byte-identical checkpoints of a tiny Qwen3.
+// tools/check_equivalence.sh over every shipped practice, and msmodelslim's own default-w8a8 as
+// published (tests/fixtures/pipelines/msmodelslim): 1, 2 and 3 ranks (5 samples, so the ranks
+// hold 5, 3+2 and 2+2+1) must write byte-identical checkpoints of a tiny Qwen3.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,26 +15,35 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::vector<std::string> practices() {
-  std::vector<std::string> names;
-  for (const auto& entry : fs::directory_iterator(fs::path(QPIPE_SOURCE_DIR) / "configs" / "default")) {
-    if (entry.path().extension() == ".yaml") names.push_back(entry.path().stem().string());
+std::vector<fs::path> pipelines() {
+  std::vector<fs::path> files;
+  for (const char* folder : {"configs/default", "tests/fixtures/pipelines/msmodelslim"}) {
+    for (const auto& entry : fs::directory_iterator(fs::path(QPIPE_SOURCE_DIR) / folder)) {
+      if (entry.path().extension() == ".yaml") files.push_back(entry.path());
+    }
   }
-  std::sort(names.begin(), names.end());
-  return names;
+  std::sort(files.begin(), files.end());
+  return files;
 }
 
-class Equivalence : public ::testing::TestWithParam<std::string> {};
+// "msmodelslim_default_w8a8" for tests/fixtures/pipelines/msmodelslim/default-w8a8.yaml.
+std::string testName(const fs::path& pipeline) {
+  std::string name = pipeline.stem().string();
+  if (pipeline.parent_path().filename() == "msmodelslim") name = "msmodelslim_" + name;
+  std::replace(name.begin(), name.end(), '-', '_');
+  return name;
+}
+
+class Equivalence : public ::testing::TestWithParam<fs::path> {};
 
 TEST_P(Equivalence, OneTwoAndThreeRanksWriteTheSameCheckpoint) {
-  const fs::path model = qpipe::test::tinyQwen3("equivalence-" + GetParam());
-  const fs::path pipeline = fs::path(QPIPE_SOURCE_DIR) / "configs" / "default" / (GetParam() + ".yaml");
-  for (const std::string& row : qpipe::test::equivalenceRows(model, pipeline)) {
+  const fs::path model = qpipe::test::tinyQwen3("equivalence-" + testName(GetParam()));
+  for (const std::string& row : qpipe::test::equivalenceRows(model, GetParam())) {
     EXPECT_NE(row.find("byte-identical, 0 within --tolerance 0, 0 different"), std::string::npos) << row;
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Practices, Equivalence, ::testing::ValuesIn(practices()),
-                         [](const auto& info) { return info.param; });
+INSTANTIATE_TEST_SUITE_P(Practices, Equivalence, ::testing::ValuesIn(pipelines()),
+                         [](const auto& info) { return testName(info.param); });
 
 }  // namespace

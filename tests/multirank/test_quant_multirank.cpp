@@ -303,11 +303,12 @@ TEST(QuantMultirank, ProcessorWithoutMultirankSupportIsRefusedBeforeTheModelLoad
   expectNothingSaved(out);
 }
 
-// spec.runner layer_wise and model_wise are one-process runners: several ranks are refused before
-// any starts, naming the file and line; dp_layer_wise runs them.
-TEST(QuantMultirank, OneProcessRunnersAreRefusedOnSeveralRanks) {
+// spec.runner layer_wise is a one-process runner: several ranks are refused before any starts,
+// naming the file and line; dp_layer_wise runs them. (model_wise runs on every rank: the
+// equivalence test runs msmodelslim's default-w8a8, which names it, on 1, 2 and 3.)
+TEST(QuantMultirank, TheLayerWiseRunnerIsRefusedOnSeveralRanks) {
   const fs::path model = qpipe::test::tinyLlama("llama");
-  for (const std::string runner : {"layer_wise", "model_wise"}) {
+  for (const std::string runner : {"layer_wise"}) {
     const fs::path out = qpipe::test::testDir() / ("runner-" + runner);
     const fs::path pipeline = qpipe::test::writeTempFile(
         runner + ".yaml", "apiversion: modelslim_v1\nspec:\n  runner: " + runner + "\n  process:\n" + kW8A8);

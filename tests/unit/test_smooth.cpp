@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <functional>
 #include <limits>
+#include <map>
+#include <tuple>
 #include <memory>
 #include <string>
 #include <vector>
@@ -116,6 +118,7 @@ const std::vector<std::string>& smoothingSteps() {
   static const std::vector<std::string> steps = {
       "    - {type: smooth_quant, enable_subgraph_type: [norm-linear, ov, up-down]}\n",
       "    - {type: iter_smooth}\n",
+      "    - {type: flex_smooth_quant}\n",
   };
   return steps;
 }
@@ -189,6 +192,54 @@ TEST_F(Smoothing, IterSmoothOvAveragesEachKvGroupsHeadScales) {
   // Only ov was enabled: the norms are untouched.
   EXPECT_TRUE(at::equal(model->layer(0).getSubmodule("input_layernorm").parameter("weight"),
                         layer.getSubmodule("input_layernorm").parameter("weight")));
+}
+
+// Symmetric int8 fake quantization per row (absmax / 127), in double.
+at::Tensor fakeQuantRows(const at::Tensor& x) {
+  const at::Tensor scale = x.abs().amax(1, true) / 127.0;
+  return at::round(x / scale).clamp(-128, 127) * scale;
+}
+
+TEST_F(Smoothing, FlexSmoothQuantPicksTheLowestInt8LossOfTheTwoPhaseGrid) {
+  // Recomputed here in double from the q/k/v inputs of layer 0: phase 1 tries α = 0, 0.05, …, 1
+  // with β = 1 − α, phase 2 β = 0, …, 1 with the best α; a later value wins a tie.
+  const fs::path dir = test::tinyLlama("smooth_flex");
+  auto reference = CausalLM::open(dir);
+  std::vector<at::Tensor> rows;
+  reference->layer(0).getSubmodule("self_attn.q_proj").addForwardPreHook([&](Module&, const at::Tensor& x) {
+    rows.push_back(x.reshape({-1, x.size(-1)}).to(at::kDouble));
+    return at::Tensor();
+  });
+  for (const at::Tensor& ids : samples()) reference->forward(ids);
+  const at::Tensor x = at::cat(rows);
+  DecoderLayer& layer = reference->layer(0);
+  const at::Tensor w = at::cat({layer.getSubmodule("self_attn.q_proj").parameter("weight"),
+                                layer.getSubmodule("self_attn.k_proj").parameter("weight"),
+                                layer.getSubmodule("self_attn.v_proj").parameter("weight")})
+                           .to(at::kDouble);
+  const at::Tensor xMax = x.abs().amax(0), wMax = w.abs().amax(0);
+  const at::Tensor y = at::matmul(x, w.t());
+  const auto loss = [&](double alpha, double beta) {
+    const at::Tensor s = (xMax.pow(alpha) / wMax.pow(beta)).clamp_min(1e-5);
+    const at::Tensor yq = at::matmul(fakeQuantRows(x / s), fakeQuantRows(w * s).t());
+    return ((yq - y).square().mean().sqrt() / y.square().mean().sqrt()).item<double>();
+  };
+  double best = std::numeric_limits<double>::infinity(), alpha = 0, beta = 0;
+  const auto consider = [&](double a, double b) {
+    if (const double l = loss(a, b); l <= best) std::tie(best, alpha, beta) = std::tuple(l, a, b);
+  };
+  for (int i = 0; i <= 20; ++i) consider(i * 0.05, 1.0 - i * 0.05);
+  const double phaseOne = alpha;
+  for (int i = 0; i <= 20; ++i) consider(phaseOne, i * 0.05);
+
+  QuantReport report;
+  smoothed("    - {type: flex_smooth_quant, enable_subgraph_type: [norm-linear], include: ['*.0.input_layernorm']}\n",
+           dir, &report);
+  std::map<std::string, double> values;
+  for (const ReportValue& v : report.layers.front().values) values[v.key] = v.value;
+  EXPECT_DOUBLE_EQ(values.at("alpha"), alpha);
+  EXPECT_DOUBLE_EQ(values.at("beta"), beta);
+  EXPECT_NEAR(values.at("loss"), best, 1e-5 * best);
 }
 
 TEST(SmoothingGroups, ReduceAndExpandByHand) {

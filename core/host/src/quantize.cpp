@@ -70,10 +70,11 @@ fs::path resolvePipeline(const QuantizeOptions& options) {
 }
 
 // spec.runner on this many ranks (docs/pipeline.md): auto is dp_layer_wise on several ranks and
-// layer_wise on one; layer_wise and model_wise run on one rank.
+// layer_wise on one; layer_wise runs on one rank; model_wise keeps the whole model resident, on
+// every rank of a multi-rank run (msmodelslim's practices name it, and must run on several).
 RunnerMode runnerMode(const Pipeline& pipeline, int worldSize) {
   const std::string& runner = pipeline.runner;
-  if (worldSize > 1 && (runner == "layer_wise" || runner == "model_wise")) {
+  if (worldSize > 1 && runner == "layer_wise") {
     throw Error(ErrorCode::kUsage, concat(pipeline.runnerLocation.str(), ": spec.runner: ", runner,
                                           " runs on one device; use dp_layer_wise or auto for ", worldSize, " ranks"));
   }

@@ -94,6 +94,12 @@ class CompressedTensorsSaver final : public SaverBase {
   }
 
   void writeMetadata(const fs::path& dir) override {
+    // Nothing quantized (a smoothing-only pipeline): a plain HF checkpoint, which transformers and
+    // vLLM load as the float model it is.
+    if (groups_.empty()) {
+      writeJson(dir / "config.json", sourceConfig());
+      return;
+    }
     SortedJson groups = SortedJson::object();
     std::vector<std::vector<std::string>> targets = chooseTargets();
     std::set<std::string> formats;
