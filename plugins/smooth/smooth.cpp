@@ -9,8 +9,11 @@
 //                 with |W| for every subgraph type; ov averages the heads' scales per KV group
 //   flex_smooth_quant  msmodelslim's FlexSmoothQuant: s = max|X|^α / max|W|^β, α and β searched
 //                 per subgraph on the int8 error of the smoothed product
+//   flex_awq_ssz  msmodelslim's FlexAWQSSZ: s = mean|X|^α, α searched through the step's own
+//                 quantizer (SSZ int4 in its practices)
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -18,7 +21,9 @@
 #include <utility>
 #include <vector>
 
+#include "qpipe/linear_quantizer.h"
 #include "qpipe/plugin.h"
+#include "qpipe/qconfig.h"
 #include "qpipe/quant.h"
 #include "qpipe/quant_linear.h"
 #include "smoothing.h"
@@ -138,6 +143,7 @@ class FlexSmoothQuant final : public SmoothingProcessor {
     };
     double alpha = alpha_.value_or(0.5), beta = beta_.value_or(0.5);
     if (!alpha_ || !beta_) {
+      const auto start = std::chrono::steady_clock::now();
       const SmoothedInt8Loss loss(in.tokens, at::cat(in.weights, 0));
       double best = std::numeric_limits<double>::infinity();
       const auto tryPair = [&](double candidateAlpha, double candidateBeta) {
@@ -156,6 +162,9 @@ class FlexSmoothQuant final : public SmoothingProcessor {
         for (int i = 0; i <= kSteps; ++i) tryPair(fixed, i * kStep);
       }
       report.emplace_back("loss", best);
+      // What the distributed task scheduler will split: the benches report it on its own.
+      report.emplace_back("search_seconds",
+                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
     report.emplace_back("alpha", alpha);
     report.emplace_back("beta", beta);
@@ -176,6 +185,65 @@ class FlexSmoothQuant final : public SmoothingProcessor {
   std::optional<double> alpha_, beta_;
 };
 
+// msmodelslim's flex_awq_ssz: AWQ-style s = max(mean|X|^α, 1e-5) (β = 0), α searched over
+// 0, 0.05, …, 1 on the error of the consumers as the step's `qconfig` quantizes them:
+// rms(Q(X/s) − X·Wᵀ) / rms(X·Wᵀ), Q the deployed QuantLinear of W·s (its weight quantizer, e.g.
+// SSZ int4, run for every α; static activations calibrated on X/s). A later α wins a tie.
+// norm-linear with more than three consumers searches on the first two (msmodelslim's rule);
+// ov reduces the statistics per KV group with max.
+class FlexAwqSsz final : public SmoothingProcessor {
+ public:
+  FlexAwqSsz(const ConfigNode& config, const ProcessorContext& context)
+      : SmoothingProcessor("flex_awq_ssz", config, context),
+        qconfig_(quant::parseLinearQConfig(config.at("qconfig"), context.fieldPath("qconfig"))) {
+    keepTokens(config.at("search_tokens").asInt());
+    keepAbsMean();
+  }
+
+ protected:
+  Scales scales(const SubgraphInput& in, std::vector<std::pair<std::string, double>>& report) const override {
+    const auto start = std::chrono::steady_clock::now();
+    const at::Tensor w = columnAbsMax(in.weights);
+    const auto scalesFor = [&](double alpha) {
+      return grouped(
+          in.graph, in.absMean, w, [alpha](const at::Tensor& a, const at::Tensor&) { return a.pow(alpha).clamp_min(1e-5); },
+          GroupReduction::kMaxOfStatistics);
+    };
+    const bool firstTwo = in.graph.type == SubgraphType::kNormLinear && in.weights.size() > 3;
+    const at::Tensor weight =
+        at::cat(firstTwo ? std::vector<at::Tensor>{in.weights[0], in.weights[1]} : in.weights, 0);
+    const at::Tensor reference = at::matmul(in.tokens, weight.t());
+    const double norm = reference.square().mean().sqrt().item<double>();
+    double best = std::numeric_limits<double>::infinity(), alpha = 0;
+    for (int i = 0; i <= kSteps; ++i) {
+      const at::Tensor s = scalesFor(i * kStep).consumer.unsqueeze(0);
+      Linear scaled(weight * s);
+      LinearQuantizer quantizer(scaled, qconfig_);
+      const at::Tensor x = in.tokens / s;
+      if (!qconfig_.isDataFree()) {
+        quantizer.forward(x);
+        quantizer.freeze();
+      }
+      const double error = (quantizer.deploy(in.name)->forward(x) - reference).square().mean().sqrt().item<double>();
+      const double loss = norm > 0 ? error / norm : error;
+      if (loss <= best) {
+        best = loss;
+        alpha = i * kStep;
+      }
+    }
+    report.emplace_back("alpha", alpha);
+    report.emplace_back("loss", best);
+    report.emplace_back("search_seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    return scalesFor(alpha);
+  }
+
+ private:
+  static constexpr double kStep = 0.05;
+  static constexpr int kSteps = 20;
+
+  quant::LinearQConfig qconfig_;
+};
+
 FieldSpec fraction(std::string name, double value, std::string help) {
   return {.name = std::move(name),
           .type = ValueType::kFloat,
@@ -191,6 +259,14 @@ FieldSpec scaleFloor() {
           .help = "the smallest smoothing scale",
           .defaultValue = ConfigNode::number(1e-5),
           .minimum = 1e-30};
+}
+
+FieldSpec searchTokens() {
+  return {.name = "search_tokens",
+          .type = ValueType::kInt,
+          .help = "calibration tokens the search evaluates per subgraph (evenly spaced over the samples)",
+          .defaultValue = ConfigNode::integer(512),
+          .minimum = 1};
 }
 
 template <typename T>
@@ -228,11 +304,7 @@ void registerProcessors(PluginRegistrar& registrar) {
   beta.defaultValue.reset();
   flex.add(std::move(alpha))
       .add(std::move(beta))
-      .add({.name = "search_tokens",
-            .type = ValueType::kInt,
-            .help = "calibration tokens the α/β search evaluates per subgraph (evenly spaced over the samples)",
-            .defaultValue = ConfigNode::integer(512),
-            .minimum = 1});
+      .add(searchTokens());
   SmoothingProcessor::addCommonFields(flex, allSubgraphTypes());
   registrar.addProcessor({
       .type = "flex_smooth_quant",
@@ -240,10 +312,22 @@ void registerProcessors(PluginRegistrar& registrar) {
       .schema = std::move(flex),
       .factory = factory<FlexSmoothQuant>(),
   });
+
+  Schema awq;
+  awq.nested("qconfig", quant::linearQConfigSchema(), true, "the quantization the α search evaluates (act and weight)")
+      .add(searchTokens());
+  SmoothingProcessor::addCommonFields(awq, allSubgraphTypes());
+  registrar.addProcessor({
+      .type = "flex_awq_ssz",
+      .description = "msmodelslim's flex_awq_ssz: mean|X|^α with α searched through the step's quantizer",
+      .schema = std::move(awq),
+      .factory = factory<FlexAwqSsz>(),
+  });
 }
 
 }  // namespace
 }  // namespace qpipe::smooth
 
-QPIPE_PLUGIN("smooth", "1.0.0", "Outlier smoothing: smooth_quant, and msmodelslim's iter_smooth and flex_smooth_quant",
+QPIPE_PLUGIN("smooth", "1.0.0",
+             "Outlier smoothing: smooth_quant, and msmodelslim's iter_smooth, flex_smooth_quant and flex_awq_ssz",
              qpipe::smooth::registerProcessors)

@@ -53,7 +53,13 @@ struct SmoothingProcessor::Watched {
   at::Tensor min;  // fp32 [channels] on the CPU; +inf / -inf until a token arrives
   at::Tensor max;
   std::vector<at::Tensor> tokens;  // this rank's inputs [n, channels], fp32 CPU, when kept
+  std::vector<int64_t> sampleOf;   // the run's sample index of each entry of `tokens`
   at::Tensor allTokens;            // every rank's, in sample order, at most searchTokens_
+  // Per forward call, when kept: Σ|x| per channel (double), the token count, the sample index.
+  std::vector<at::Tensor> absSums;
+  std::vector<int64_t> absCounts;
+  std::vector<int64_t> absSamples;
+  at::Tensor absMean;
 };
 
 Schema& SmoothingProcessor::addCommonFields(Schema& schema, const std::vector<SubgraphType>& defaults) {
@@ -111,14 +117,25 @@ void SmoothingProcessor::preprocess(LayerRequest& request) {
     watched->min = at::full({channels}, std::numeric_limits<float>::infinity(), at::kFloat);
     watched->max = at::full({channels}, -std::numeric_limits<float>::infinity(), at::kFloat);
     Watched* w = watched.get();
-    const bool keep = searchTokens_ > 0;
-    w->hook = w->first->addForwardPreHook([w, keep](Module&, const at::Tensor& x) {
+    const bool keep = searchTokens_ > 0, mean = absMean_;
+    const LayerRequest* unit = &request;  // alive until postprocess removes the hook
+    w->hook = w->first->addForwardPreHook([w, keep, mean, unit](Module&, const at::Tensor& x) {
       if (x.numel() == 0) return at::Tensor();
       const at::Tensor flat = x.reshape({-1, x.size(-1)}).to(at::kCPU, at::kFloat);
       const auto [lo, hi] = at::aminmax(flat, 0);
       w->min = at::minimum(w->min, lo);
       w->max = at::maximum(w->max, hi);
-      if (keep) w->tokens.push_back(flat.clone());
+      const int64_t sample = currentSample(*unit);
+      QPIPE_CHECK(!(keep || mean) || sample >= 0, "a smoothing statistic outside a calibration forward");
+      if (keep) {
+        w->tokens.push_back(flat.clone());
+        w->sampleOf.push_back(sample);
+      }
+      if (mean) {
+        w->absSums.push_back(flat.abs().sum(0, false, at::kDouble));
+        w->absCounts.push_back(flat.size(0));
+        w->absSamples.push_back(sample);
+      }
       return at::Tensor();
     });
     watched_.push_back(std::move(watched));
@@ -147,8 +164,9 @@ void SmoothingProcessor::postprocess(LayerRequest& request) {
     w->max = merged.slice(0, offset + n, offset + 2 * n);
     offset += 2 * n;
   }
-  if (searchTokens_ > 0) {
-    for (const auto& w : watched_) w->allTokens = gatherTokens(*w);
+  for (const auto& w : watched_) {
+    if (searchTokens_ > 0) w->allTokens = gatherTokens(*w);
+    if (absMean_) w->absMean = gatherAbsMean(*w);
   }
   std::stable_sort(watched_.begin(), watched_.end(),
                    [](const auto& a, const auto& b) { return priority(a->graph.type) < priority(b->graph.type); });
@@ -156,18 +174,44 @@ void SmoothingProcessor::postprocess(LayerRequest& request) {
   watched_.clear();
 }
 
-// Ranks hold consecutive shares of the samples (rankShare), so rank order is sample order and the
-// gathered rows are the ones a single rank would have kept.
+// Every rank's kept tokens, ordered by the run's sample index (each sample's rows in the order its
+// forward produced them), so the rows are those one rank with every sample would have kept.
 at::Tensor SmoothingProcessor::gatherTokens(Watched& w) const {
   const int64_t channels = w.min.numel();
+  std::vector<int64_t> rowSample;
+  for (size_t i = 0; i < w.tokens.size(); ++i) rowSample.insert(rowSample.end(), w.tokens[i].size(0), w.sampleOf[i]);
   const at::Tensor local = w.tokens.empty() ? at::empty({0, channels}, at::kFloat) : at::cat(w.tokens);
   w.tokens.clear();
-  const at::Tensor all = at::cat(context_.group->allGather(local));
-  const int64_t rows = all.size(0);
-  if (rows <= searchTokens_) return all;
-  // Evenly spaced rows: floor(i·rows / searchTokens), i < searchTokens.
-  const at::Tensor picked = at::floor_divide(at::arange(searchTokens_, at::kLong) * rows, searchTokens_);
-  return all.index_select(0, picked);
+  w.sampleOf.clear();
+  const at::Tensor rows = at::cat(context_.group->allGather(local));
+  const at::Tensor samples = at::cat(context_.group->allGather(at::tensor(rowSample, at::kLong)));
+  const at::Tensor order = std::get<1>(at::sort(samples, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  const int64_t n = rows.size(0);
+  if (n <= searchTokens_) return rows.index_select(0, order);
+  // Evenly spaced rows: floor(i·n / searchTokens), i < searchTokens.
+  const at::Tensor picked = at::floor_divide(at::arange(searchTokens_, at::kLong) * n, searchTokens_);
+  return rows.index_select(0, order.index_select(0, picked));
+}
+
+// Every rank's per-call sums, added one by one in sample order: the order one rank would add them.
+at::Tensor SmoothingProcessor::gatherAbsMean(Watched& w) const {
+  const int64_t channels = w.min.numel();
+  const at::Tensor local = w.absSums.empty() ? at::empty({0, channels}, at::kDouble) : at::stack(w.absSums);
+  const at::Tensor sums = at::cat(context_.group->allGather(local));
+  const at::Tensor counts = at::cat(context_.group->allGather(at::tensor(w.absCounts, at::kLong)));
+  const at::Tensor samples = at::cat(context_.group->allGather(at::tensor(w.absSamples, at::kLong)));
+  w.absSums.clear();
+  w.absCounts.clear();
+  w.absSamples.clear();
+  const at::Tensor order = std::get<1>(at::sort(samples, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  at::Tensor total = at::zeros({channels}, at::kDouble);
+  int64_t tokens = 0;
+  for (int64_t i = 0; i < order.size(0); ++i) {
+    const int64_t row = order[i].item<int64_t>();
+    total.add_(sums[row]);
+    tokens += counts[row].item<int64_t>();
+  }
+  return (total / static_cast<double>(std::max<int64_t>(tokens, 1))).to(at::kFloat);
 }
 
 void SmoothingProcessor::smooth(LayerRequest& request, Watched& w) {
@@ -185,7 +229,7 @@ void SmoothingProcessor::smooth(LayerRequest& request, Watched& w) {
     weights.push_back(linear.weight().to(at::kCPU, at::kFloat));
   }
   std::vector<std::pair<std::string, double>> values;
-  const Scales chosen = scales({graph, w.name, w.min, w.max, weights, w.allTokens}, values);
+  const Scales chosen = scales({graph, w.name, w.min, w.max, weights, w.allTokens, w.absMean}, values);
   const at::Tensor& producer = chosen.producer;
   const at::Tensor& consumer = chosen.consumer;
   for (Linear* linear : consumers) linear->weight() = multiplied(linear->weight(), consumer.unsqueeze(0));

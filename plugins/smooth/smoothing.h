@@ -28,6 +28,9 @@ struct SubgraphInput {
   // The consumers' input tokens [tokens, channels] in global sample order (every rank's, rank by
   // rank), at most `searchTokens` of them evenly spaced; undefined unless the processor keeps them.
   at::Tensor tokens;
+  // mean |X_j| over every token every rank saw, summed in sample order (the same bits on any number
+  // of ranks); undefined unless the processor asks for it.
+  at::Tensor absMean;
 };
 
 // One subgraph's scales: the producer's output channels are divided by `producer`, the
@@ -67,6 +70,8 @@ class SmoothingProcessor : public Processor {
   // `searchTokens`: keep up to this many consumer input tokens per subgraph for the algorithm
   // (SubgraphInput::tokens); 0 keeps none.
   void keepTokens(int64_t searchTokens) { searchTokens_ = searchTokens; }
+  // Collect mean |X| per channel (SubgraphInput::absMean).
+  void keepAbsMean() { absMean_ = true; }
   // The subgraph's scales; `report` collects what the quant report records besides the range.
   virtual Scales scales(const SubgraphInput& input, std::vector<std::pair<std::string, double>>& report) const = 0;
   // `formula` applied to per-channel statistics, with ov's KV-group reduction.
@@ -78,6 +83,7 @@ class SmoothingProcessor : public Processor {
  private:
   struct Watched;
   at::Tensor gatherTokens(Watched& watched) const;
+  at::Tensor gatherAbsMean(Watched& watched) const;
   void smooth(LayerRequest& request, Watched& watched);
 
   std::string type_;
@@ -86,6 +92,7 @@ class SmoothingProcessor : public Processor {
   std::shared_ptr<ModuleFilter> filter_;
   std::vector<std::unique_ptr<Watched>> watched_;
   int64_t searchTokens_ = 0;
+  bool absMean_ = false;
   int64_t smoothed_ = 0;
 };
 

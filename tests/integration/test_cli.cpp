@@ -79,8 +79,8 @@ TEST(Cli, CheckRejectsUnknownTypeNamingFileLineTypeAndKnownTypes) {
   expectOneLineError(r);
   EXPECT_EQ(r.err.rfind("qpipe: configuration error: " + kPipelines +
                             "unknown_type.yaml:6:13: spec.process[1].type: "
-                            "unknown processor type 'awq_magic'; known types: flex_smooth_quant, group, iter_smooth, linear_quant, "
-                            "log_layers, module_stats, smooth_quant",
+                            "unknown processor type 'awq_magic'; known types: flex_awq_ssz, flex_smooth_quant, group, "
+                            "iter_smooth, linear_quant, log_layers, module_stats, smooth_quant",
                         0),
             0u)
       << r.err;

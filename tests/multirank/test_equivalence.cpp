@@ -43,6 +43,24 @@ TEST_P(Equivalence, OneTwoAndThreeRanksWriteTheSameCheckpoint) {
   }
 }
 
+// flex_smooth_quant's search keeps 7 of the 160 calibration tokens: the same 7 whichever rank
+// saw them, so the searched α and β, and the checkpoint, are those of one rank.
+TEST(EquivalenceSearch, FlexSmoothQuantSearchesTheSameTokensOnAnyNumberOfRanks) {
+  const fs::path model = qpipe::test::tinyQwen3("equivalence-flex-search");
+  const fs::path pipeline = qpipe::test::writeTempFile("flex.yaml", R"(apiversion: modelslim_v1
+spec:
+  process:
+    - {type: flex_smooth_quant, search_tokens: 7}
+    - type: linear_quant
+      qconfig:
+        act: {dtype: int8, scope: per_tensor, symmetric: False}
+        weight: {dtype: int8, scope: per_channel}
+)");
+  for (const std::string& row : qpipe::test::equivalenceRows(model, pipeline)) {
+    EXPECT_NE(row.find("byte-identical, 0 within --tolerance 0, 0 different"), std::string::npos) << row;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Practices, Equivalence, ::testing::ValuesIn(pipelines()),
                          [](const auto& info) { return testName(info.param); });
 

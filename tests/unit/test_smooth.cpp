@@ -114,11 +114,19 @@ std::vector<Family> families() {
   };
 }
 
-const std::vector<std::string>& smoothingSteps() {
-  static const std::vector<std::string> steps = {
-      "    - {type: smooth_quant, enable_subgraph_type: [norm-linear, ov, up-down]}\n",
-      "    - {type: iter_smooth}\n",
-      "    - {type: flex_smooth_quant}\n",
+struct Step {
+  std::string yaml;
+  bool searched;  // a search may choose no smoothing (α = 0) for a subgraph
+};
+
+const std::vector<Step>& smoothingSteps() {
+  static const std::vector<Step> steps = {
+      {"    - {type: smooth_quant, enable_subgraph_type: [norm-linear, ov, up-down]}\n", false},
+      {"    - {type: iter_smooth}\n", false},
+      {"    - {type: flex_smooth_quant}\n", true},
+      {"    - {type: flex_awq_ssz, qconfig: {act: {dtype: int8, scope: per_token}, weight: {dtype: int4, method: ssz, "
+       "ext: {step: 3}}}}\n",
+       true},
   };
   return steps;
 }
@@ -128,10 +136,11 @@ TEST_F(Smoothing, LeavesTheFloatLogitsOfEveryFamilyUnchanged) {
     const fs::path dir = family.make();
     const at::Tensor expected = CausalLM::open(dir)->forward(probeIds());
     auto reference = CausalLM::open(dir);
-    for (const std::string& step : smoothingSteps()) {
-      SCOPED_TRACE(family.name + ": " + step);
-      auto model = smoothed(step, dir);
+    for (const Step& step : smoothingSteps()) {
+      SCOPED_TRACE(family.name + ": " + step.yaml);
+      auto model = smoothed(step.yaml, dir);
       EXPECT_LE(relativeError(model->forward(probeIds()), expected), 1e-5);
+      if (step.searched) continue;
       for (const std::string& name : family.producers) {
         const std::string module = name.substr(0, name.rfind('.'));
         const std::string param = name.substr(name.rfind('.') + 1);
@@ -239,6 +248,43 @@ TEST_F(Smoothing, FlexSmoothQuantPicksTheLowestInt8LossOfTheTwoPhaseGrid) {
   for (const ReportValue& v : report.layers.front().values) values[v.key] = v.value;
   EXPECT_DOUBLE_EQ(values.at("alpha"), alpha);
   EXPECT_DOUBLE_EQ(values.at("beta"), beta);
+  EXPECT_NEAR(values.at("loss"), best, 1e-5 * best);
+}
+
+TEST_F(Smoothing, FlexAwqSszPicksTheAlphaOfTheLowestQuantizedError) {
+  // s = mean|X|^α over the q/k/v inputs of layer 0; the error is that of q, k and v quantized as
+  // the qconfig says (int8 per-channel weights, int8 per-token activations), recomputed here in
+  // double for α = 0, 0.05, …, 1; a later α wins a tie.
+  const fs::path dir = test::tinyLlama("smooth_awq");
+  auto reference = CausalLM::open(dir);
+  std::vector<at::Tensor> rows;
+  reference->layer(0).getSubmodule("self_attn.q_proj").addForwardPreHook([&](Module&, const at::Tensor& x) {
+    rows.push_back(x.reshape({-1, x.size(-1)}).to(at::kDouble));
+    return at::Tensor();
+  });
+  for (const at::Tensor& ids : samples()) reference->forward(ids);
+  const at::Tensor x = at::cat(rows);
+  DecoderLayer& layer = reference->layer(0);
+  const at::Tensor w = at::cat({layer.getSubmodule("self_attn.q_proj").parameter("weight"),
+                                layer.getSubmodule("self_attn.k_proj").parameter("weight"),
+                                layer.getSubmodule("self_attn.v_proj").parameter("weight")})
+                           .to(at::kDouble);
+  const at::Tensor mean = x.abs().mean(0), y = at::matmul(x, w.t());
+  double best = std::numeric_limits<double>::infinity(), alpha = 0;
+  for (int i = 0; i <= 20; ++i) {
+    const at::Tensor s = mean.pow(i * 0.05).clamp_min(1e-5);
+    const at::Tensor yq = at::matmul(fakeQuantRows(x / s), fakeQuantRows(w * s).t());
+    if (const double l = ((yq - y).square().mean().sqrt() / y.square().mean().sqrt()).item<double>(); l <= best) {
+      std::tie(best, alpha) = std::tuple(l, i * 0.05);
+    }
+  }
+  QuantReport report;
+  smoothed("    - {type: flex_awq_ssz, enable_subgraph_type: [norm-linear], include: ['*.0.input_layernorm'], "
+           "qconfig: {act: {dtype: int8, scope: per_token}, weight: {dtype: int8}}}\n",
+           dir, &report);
+  std::map<std::string, double> values;
+  for (const ReportValue& v : report.layers.front().values) values[v.key] = v.value;
+  EXPECT_DOUBLE_EQ(values.at("alpha"), alpha);
   EXPECT_NEAR(values.at("loss"), best, 1e-5 * best);
 }
 

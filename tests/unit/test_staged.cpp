@@ -136,4 +136,18 @@ TEST(Staged, RunsDoNotNest) {
 }
 
 }  // namespace
+TEST(Staged, StagedTaskIsTheIndexOfTheRunningTask) {
+  EXPECT_EQ(stagedTask(), -1);
+  std::vector<int64_t> seen;
+  int point = 0;
+  runStaged(3, [&](int64_t task) {
+    seen.push_back(stagedTask());
+    settlePoint(&point, [] {});
+    seen.push_back(stagedTask() + 10);
+    EXPECT_EQ(stagedTask(), task);
+  });
+  EXPECT_EQ(seen, (std::vector<int64_t>{0, 1, 2, 10, 11, 12}));
+  EXPECT_EQ(stagedTask(), -1);
+}
+
 }  // namespace qpipe

@@ -1,8 +1,9 @@
 """llm-compressor's side of tools/bench/vs_llmcompressor.sh, and the helpers the script needs.
 
     python vs_llmcompressor.py quantize MODEL OUT RECIPE IDS_JSON   (in .venv-bench)
-        RECIPE: w8a8_dynamic | w8a8_static | fp8_static | w4a16. Loads MODEL (its own dtype), runs llm-compressor's
-        oneshot with a QuantizationModifier of the scheme on the token ids of IDS_JSON
+        RECIPE: w8a8_dynamic | w8a8_static | sq_w8a8_static | fp8_static | w4a16. Loads MODEL (its own dtype), runs
+        llm-compressor's oneshot with a QuantizationModifier of the scheme (after a SmoothQuantModifier with α 0.5
+        and its default mappings for sq_w8a8_static) on the token ids of IDS_JSON
         ([[id, ...], ...], one list per calibration sample, fed as they are: no shuffling,
         truncation or padding), saves compressed-tensors into OUT and prints one JSON line of
         timings {"load_s", "oneshot_s", "save_s"}.
@@ -60,6 +61,12 @@ def recipe(name):
         # configs/default/w8a8_static.yaml (msmodelslim's default_w8a8): int8 per-channel weights,
         # per-tensor asymmetric int8 activations.
         return groups(scheme(8, "int", "channel"), scheme(8, "int", "tensor", False, "static_minmax"))
+    if name == "sq_w8a8_static":
+        # configs/default/w8a8_static_smooth_quant.yaml: SmoothQuant (α 0.5, the default Llama
+        # mappings), then the w8a8_static scheme.
+        from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+
+        return [SmoothQuantModifier(smoothing_strength=0.5), recipe("w8a8_static")]
     if name == "fp8_static":
         # configs/default/w8a8_fp8_static.yaml: FP8 E4M3 per-tensor weights and activations.
         return groups(scheme(8, "float", "tensor"), scheme(8, "float", "tensor", observer="static_minmax"))

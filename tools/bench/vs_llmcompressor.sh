@@ -10,6 +10,10 @@
 #   static      the same weights, per-tensor asymmetric static int8 activations from the min/max
 #               over every calibration token (configs/default/w8a8_static.yaml, msmodelslim's
 #               default_w8a8): calibration forwards on both sides
+#   smooth_static  SmoothQuant (α 0.5, llm-compressor's default mappings; qpipe's smooth_quant) before
+#               the static scheme (configs/default/w8a8_static_smooth_quant.yaml)
+#   flex_static qpipe's flex_smooth_quant (α/β searched per subgraph) before the static scheme
+#               (configs/default/w8a8_static_flex_smooth.yaml), against llm-compressor's SmoothQuant
 #   fp8_static  FP8 E4M3 per-tensor weights and static per-tensor activations
 #               (configs/default/w8a8_fp8_static.yaml)
 #   w4a16       int4 symmetric weights in groups of 64 (tools/bench/w4a16_g64.yaml: SmolLM2's
@@ -66,6 +70,8 @@ for recipe in $recipes; do
   case $recipe in
     dynamic) qpipe_args=(--quant_type w8a8) llmc_recipe=w8a8_dynamic ;;
     static) qpipe_args=(--config_path "$static_config") llmc_recipe=w8a8_static ;;
+    smooth_static) qpipe_args=(--config_path "$root/configs/default/w8a8_static_smooth_quant.yaml") llmc_recipe=sq_w8a8_static ;;
+    flex_static) qpipe_args=(--config_path "$root/configs/default/w8a8_static_flex_smooth.yaml") llmc_recipe=sq_w8a8_static ;;
     fp8_static) qpipe_args=(--config_path "$root/configs/default/w8a8_fp8_static.yaml") llmc_recipe=fp8_static ;;
     w4a16) qpipe_args=(--config_path "$root/tools/bench/w4a16_g64.yaml") llmc_recipe=w4a16 ;;
     *) echo "unknown recipe $recipe" >&2; exit 2 ;;
@@ -88,7 +94,9 @@ for recipe in $recipes; do
   runner_q=$(python3 -c 'import json,sys; print("%.2f" % json.load(open(sys.argv[1]))["total_seconds"])' \
     "$out_q/quant_report.json")
   processors_q=$(python3 -c 'import json,sys; r = json.load(open(sys.argv[1]))
-print("%.2f" % sum(sum(l["processor_seconds"]) for l in r["layers"]))' "$out_q/quant_report.json")
+search = sum(v.get("search_seconds", 0) for l in r["layers"] for v in l.get("values", {}).values())
+print("%.2f" % sum(sum(l["processor_seconds"]) for l in r["layers"]) + (", α/β search %.2f" % search if search else ""))' \
+    "$out_q/quant_report.json")
   total_q=$(sed -n 's/^saved .* in \([0-9.]*\) s (report.*/\1/p' "$work/qpipe-$recipe.log")
   echo "[bench] $recipe: llm-compressor output vs qpipe output" >&2
   "$root/.venv-test/bin/python" "$bench_py" compare "$out_l" "$out_q" >&2 || echo "[bench] $recipe: outputs differ" >&2

@@ -166,4 +166,8 @@ bool inStagedRun() {
   return active != nullptr && active->current >= 0;
 }
 
+int64_t stagedTask() {
+  return active != nullptr ? active->current : -1;
+}
+
 }  // namespace qpipe

@@ -175,6 +175,11 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
   if (needsData) {
     for (const at::Tensor& ids : samples) inputs.push_back(embedSample(model_, ids));
   }
+  // `samples` is this rank's share (rankShare): sample k is the run's sample rank + k·worldSize.
+  std::vector<int64_t> sampleIds;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    sampleIds.push_back(group.rank() + static_cast<int64_t>(k) * group.worldSize());
+  }
   std::optional<Probe> probe;
   if (options_.report != nullptr && !samples.empty()) {
     probe.emplace(embedSample(model_, samples.front().slice(1, 0, options_.probeTokens)));
@@ -220,17 +225,16 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     LayerRequest request{.name = model_.layerName(index), .module = &layer, .inputs = std::move(inputs)};
     request.staged = layer.uniformForward();
     request.family = layer.family();
+    request.sampleIds = sampleIds;
     request.subgraphs = layer.subgraphs();
     request.forward = [&layer](LayerRequest& r) {
       r.outputs.assign(r.inputs.size(), {});
       const auto sample = [&](int64_t s) {
         r.outputs[static_cast<size_t>(s)] = {forwardLayer(layer, r.inputs[static_cast<size_t>(s)])};
       };
-      if (r.staged) {
-        runStaged(static_cast<int64_t>(r.inputs.size()), sample);
-      } else {
-        for (size_t s = 0; s < r.inputs.size(); ++s) sample(static_cast<int64_t>(s));
-      }
+      // Staged or not, the samples run as tasks, so hooks can tell which one they see
+      // (currentSample); without settle points each task runs to its end before the next.
+      runStaged(static_cast<int64_t>(r.inputs.size()), sample);
     };
     LayerReport report{.name = request.name};
     const bool forwarded =
@@ -264,6 +268,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     NonLayerUnit unit(model_.root());
     Module& module = unit.module();
     LayerRequest request{.name = "", .module = &module};
+    request.sampleIds = sampleIds;
     for (TensorList& input : inputs) request.inputs.push_back({std::move(input[0])});
     inputs.clear();
     Module* const floatHead = &module.getSubmodule("lm_head");

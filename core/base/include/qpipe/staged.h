@@ -28,5 +28,8 @@ void settlePoint(const void* point, const std::function<void()>& settle);
 
 // True while the caller is one of runStaged's tasks.
 bool inStagedRun();
+// The running task's index inside runStaged (what a hook uses to tell which sample it sees);
+// -1 outside.
+int64_t stagedTask();
 
 }  // namespace qpipe

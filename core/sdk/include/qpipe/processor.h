@@ -39,6 +39,7 @@
 #include "qpipe/module.h"
 #include "qpipe/pattern.h"
 #include "qpipe/process_group.h"
+#include "qpipe/staged.h"
 #include "qpipe/subgraph.h"
 
 namespace qpipe {
@@ -61,6 +62,9 @@ struct LayerRequest {
   std::string name;                 // HF module name, e.g. "model.layers.3"; "" for the non-layer unit
   Module* module = nullptr;         // owned by the runner for the duration of the unit
   std::vector<TensorList> inputs;   // one entry per calibration sample held by this rank
+  // The run's index of each input's sample (0 … samples − 1 over every rank): what orders data
+  // gathered from several ranks as one rank would have seen it.
+  std::vector<int64_t> sampleIds;
   std::vector<TensorList> outputs;  // filled by a decoder layer's calibration forward, same order
   // Runs the unit over `inputs` and, for a decoder layer, fills `outputs`; set by the runner.
   std::function<void(LayerRequest&)> forward;
@@ -81,6 +85,13 @@ struct LayerRequest {
     reportValues.push_back({std::move(moduleName), std::move(key), value});
   }
 };
+
+// Inside `forward`, e.g. in a hook: the run's index of the sample being forwarded (an entry of
+// request.sampleIds); -1 outside a forward.
+inline int64_t currentSample(const LayerRequest& request) {
+  const int64_t task = stagedTask();
+  return task >= 0 && task < static_cast<int64_t>(request.sampleIds.size()) ? request.sampleIds[task] : -1;
+}
 
 // True for the unit of the modules outside the decoder layers.
 inline bool isNonLayerUnit(const LayerRequest& request) {
