@@ -59,6 +59,8 @@ add "w8a8_static + iter_smooth" "$(pipeline iter_static "$static" "{type: iter_s
 add "w8a8_static + flex_smooth_quant" "$configs/w8a8_static_flex_smooth.yaml" "flex_smooth_quant, all four types"
 add "w8a8 dynamic" "$dynamic" "none"
 add "w8a8 dynamic + iter_smooth" "$configs/w8a8_iter_smooth.yaml" "iter_smooth, all four types"
+add "w4a8 (SSZ)" "$configs/w4a8.yaml" "none"
+add "w4a8 (SSZ) + flex_awq_ssz" "$configs/w4a8_flex_awq.yaml" "flex_awq_ssz, all four types"
 
 if [[ -x $root/.venv-bench/bin/python ]]; then
   ids=$work/ids-$samples-$seq.json
