@@ -3,7 +3,8 @@
 # run checks each step and finishes in seconds.
 #
 #   tools/setup.sh            Debian packages, .venv with torch==2.11.0 (LibTorch), build
-#   tools/setup.sh --test     the same, plus .venv-test: the Python oracles the tests compare with
+#   tools/setup.sh --test     the same, plus .venv-test and .venv-bench: the Python oracles the tests
+#                             compare with (.venv-bench: llm-compressor, for the benches too)
 #   QPIPE_BUILD_TYPE=Debug tools/setup.sh
 set -euo pipefail
 
@@ -67,25 +68,35 @@ fi
 torch_cmake=$(ls -d "$venv"/lib/python3*/site-packages/torch/share/cmake 2>/dev/null | head -n 1)
 [[ -n $torch_cmake ]] || die "LibTorch's CMake files are missing from $venv; delete $stamp and rerun"
 
-# 3. (--test) The oracle virtualenv. It sees .venv's torch through a .pth file, and a constraint
-# pins torch, so installing the oracles can never move the torch that LibTorch comes from.
-test_venv="$root/.venv-test"
-test_packages=(transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 gguf==0.19.0 compressed-tensors==0.20.0
-               numpy)
-test_stamp="$test_venv/.qpipe-$(echo "${test_packages[*]}" | md5sum | cut -c1-12)"
-if ((with_test_env)) && [[ ! -f $test_stamp ]]; then
-  step "creating the test virtualenv $test_venv: ${test_packages[*]}"
-  [[ -x $test_venv/bin/python ]] || python3 -m venv "$test_venv" || die "could not create $test_venv"
-  site=$("$test_venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+# 3. (--test) The oracle virtualenvs. Each sees .venv's torch through a .pth file, and a
+# constraint pins torch, so installing the oracles can never move the torch that LibTorch comes
+# from. .venv-test: transformers, tokenizers, safetensors, gguf, compressed-tensors. .venv-bench:
+# llm-compressor, whose pins differ (the smoothing oracle test and the benches against it).
+oracle_venv() {  # folder, packages...
+  local dir=$1
+  shift
+  local stamp
+  stamp="$dir/.qpipe-$(echo "$*" | md5sum | cut -c1-12)"
+  if [[ -f $stamp ]]; then
+    step "virtualenv present in $dir"
+    return
+  fi
+  step "creating the virtualenv $dir: $*"
+  [[ -x $dir/bin/python ]] || python3 -m venv "$dir" || die "could not create $dir"
+  local site main_site
+  site=$("$dir/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   main_site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   echo "$main_site" >"$site/qpipe-main-venv.pth"
-  echo "torch==$torch_version" >"$test_venv/constraints.txt"
-  "$test_venv/bin/python" -m pip install -q --upgrade pip || die "pip upgrade failed (no access to PyPI?)"
-  "$test_venv/bin/python" -m pip install -q -c "$test_venv/constraints.txt" "${test_packages[@]}" \
-    || die "installing the test oracles failed: ${test_packages[*]}"
-  touch "$test_stamp"
-elif ((with_test_env)); then
-  step "test virtualenv present in $test_venv"
+  echo "torch==$torch_version" >"$dir/constraints.txt"
+  "$dir/bin/python" -m pip install -q --upgrade pip || die "pip upgrade failed (no access to PyPI?)"
+  "$dir/bin/python" -m pip install -q -c "$dir/constraints.txt" "$@" || die "installing into $dir failed: $*"
+  touch "$stamp"
+}
+if ((with_test_env)); then
+  oracle_venv "$root/.venv-test" transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 gguf==0.19.0 \
+    compressed-tensors==0.20.0 numpy
+  oracle_venv "$root/.venv-bench" llmcompressor==0.14.0.1 compressed-tensors==0.19.0 transformers==5.17.0 \
+    datasets==5.2.0 accelerate==1.15.0 auto-round==0.15.1
 fi
 
 # 4. Configure (once) and build.

@@ -68,10 +68,10 @@ inline CommandResult runQpipe(const std::string& args, const std::string& env = 
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir / "out"), slurp(dir / "err")};
 }
 
-// Runs `tests/oracle/<script>` with the oracle Python (.venv-test) and returns its stdout.
-// A missing oracle environment or a failing script fails the test: oracle tests never skip.
-inline std::string runOracle(const std::string& script, const std::string& args) {
-  const std::filesystem::path python = QPIPE_TEST_PYTHON;
+// Runs `tests/oracle/<script>` with `python` and returns its stdout. A missing oracle environment
+// or a failing script fails the test: oracle tests never skip.
+inline std::string runOracleWith(const std::filesystem::path& python, const std::string& script,
+                                 const std::string& args) {
   if (!std::filesystem::exists(python)) {
     ADD_FAILURE() << "oracle Python " << python << " is missing: run tools/setup.sh --test";
     return {};
@@ -82,6 +82,11 @@ inline std::string runOracle(const std::string& script, const std::string& args)
   const int status = std::system(command.c_str());
   EXPECT_EQ(status, 0) << "oracle failed: " << command;
   return slurp(out);
+}
+
+// The same with .venv-test's Python (transformers, tokenizers, safetensors, gguf, compressed-tensors).
+inline std::string runOracle(const std::string& script, const std::string& args) {
+  return runOracleWith(QPIPE_TEST_PYTHON, script, args);
 }
 
 }  // namespace qpipe::test

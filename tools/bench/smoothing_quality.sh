@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Perplexity of SmolLM2 quantized with and without outlier smoothing (docs/smoothing.md), and of
 # llm-compressor's SmoothQuant + the same static W8A8 scheme as a peer row; prints the table of
-# docs/quality.md. Needs tools/setup.sh --test; the peer row needs .venv-bench (made by
-# tools/bench/vs_llmcompressor.sh) and is left out without it.
+# docs/quality.md. Needs tools/setup.sh --test (.venv-test, and .venv-bench for the peer row).
 #   tools/bench/smoothing_quality.sh [MODEL_DIR] [SAMPLES] [SEQ_LEN]
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -62,7 +61,8 @@ add "w8a8 dynamic + iter_smooth" "$configs/w8a8_iter_smooth.yaml" "iter_smooth, 
 add "w4a8 (SSZ)" "$configs/w4a8.yaml" "none"
 add "w4a8 (SSZ) + flex_awq_ssz" "$configs/w4a8_flex_awq.yaml" "flex_awq_ssz, all four types"
 
-if [[ -x $root/.venv-bench/bin/python ]]; then
+[[ -x $root/.venv-bench/bin/python ]] || { echo "no .venv-bench: run tools/setup.sh --test" >&2; exit 1; }
+{
   ids=$work/ids-$samples-$seq.json
   "$root/.venv-test/bin/python" "$root/tools/bench/vs_llmcompressor.py" ids "$model" "$root/data/calib.jsonl" \
     "$samples" "$seq" "$ids" >/dev/null
@@ -72,7 +72,7 @@ if [[ -x $root/.venv-bench/bin/python ]]; then
   ppl=$(perplexity "$work/llmc")
   rows+=("$(printf '| llm-compressor SmoothQuant α 0.5 + w8a8_static (peer) | SmoothQuantModifier, default mappings | %s | %+.2f %% |' \
     "$ppl" "$(echo "($ppl / $float - 1) * 100" | bc -l)")")
-fi
+}
 
 echo
 echo "$(basename "$model"), calibration $samples x $seq tokens of data/calib.jsonl, eval data/eval.jsonl seq $seq, $(date -I)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # qpipe quant against llm-compressor's oneshot, same model, scheme and calibration token ids, on
 # this machine's CPU in the same run. Prints a table; needs tools/setup.sh --test (built qpipe,
-# SmolLM2, .venv-test). Creates .venv-bench (llm-compressor; it sees .venv's torch 2.11.0, the one
+# SmolLM2, .venv-test, and .venv-bench with llm-compressor: it sees .venv's torch 2.11.0, the one
 # LibTorch comes from, through a .pth file, so both sides run the same ATen kernels).
 #   tools/bench/vs_llmcompressor.sh [MODEL_DIR] [SAMPLES] [SEQ_LEN]
 # Environment: QPIPE (default build/bin/qpipe), RECIPES (default "dynamic static fp8_static w4a16").
@@ -29,21 +29,9 @@ data=$root/data/calib.jsonl
 work=$root/.cache/bench/vs_llmcompressor
 bench_py=$root/tools/bench/vs_llmcompressor.py
 
-# 1. The llm-compressor virtualenv (pinned; torch is .venv's 2.11.0, never moved by pip).
+# 1. The llm-compressor virtualenv, made by tools/setup.sh --test (pinned; torch is .venv's 2.11.0).
 venv=$root/.venv-bench
-packages=(llmcompressor==0.14.0.1 compressed-tensors==0.19.0 transformers==5.17.0 datasets==5.2.0
-          accelerate==1.15.0 auto-round==0.15.1)
-stamp=$venv/.qpipe-$(echo "${packages[*]}" | md5sum | cut -c1-12)
-if [[ ! -f $stamp ]]; then
-  echo "[bench] creating $venv: ${packages[*]}" >&2
-  [[ -x $venv/bin/python ]] || python3 -m venv "$venv"
-  site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  "$root/.venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" >"$site/qpipe-main-venv.pth"
-  echo "torch==2.11.0" >"$venv/constraints.txt"
-  "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q -c "$venv/constraints.txt" "${packages[@]}"
-  touch "$stamp"
-fi
+[[ -x $venv/bin/python ]] || { echo "no $venv: run tools/setup.sh --test" >&2; exit 1; }
 [[ -x $qpipe ]] || { echo "no $qpipe; build qpipe first (tools/setup.sh) or set QPIPE" >&2; exit 1; }
 
 mkdir -p "$work"
