@@ -121,21 +121,23 @@ inline std::filesystem::path writeTinyCheckpoint(const std::string& name, const 
   return dir;
 }
 
+// Llama's tiny shape: 2 layers, hidden 16, 4 heads of 4, 2 KV heads, tied embeddings.
+inline TinySpec tinyLlamaSpec() {
+  return {.modelType = "llama",
+          .hidden = kTinyHidden,
+          .intermediate = kTinyInter,
+          .heads = 4,
+          .kvHeads = 2,
+          .headDim = kTinyHidden / 4,
+          .explicitHeadDim = false,
+          .qkNorm = false,
+          .tied = true};
+}
+
 }  // namespace detail
 
-// Llama, 2 layers, hidden 16, 4 heads of 4, 2 KV heads, tied embeddings.
 inline std::filesystem::path tinyLlama(const std::string& name, const std::vector<std::string>& skip = {}) {
-  return detail::writeTinyCheckpoint(name,
-                                     {.modelType = "llama",
-                                      .hidden = kTinyHidden,
-                                      .intermediate = kTinyInter,
-                                      .heads = 4,
-                                      .kvHeads = 2,
-                                      .headDim = kTinyHidden / 4,
-                                      .explicitHeadDim = false,
-                                      .qkNorm = false,
-                                      .tied = true},
-                                     skip);
+  return detail::writeTinyCheckpoint(name, detail::tinyLlamaSpec(), skip);
 }
 
 // Qwen3, 2 layers: q_norm/k_norm per layer, explicit head_dim, untied lm_head.
@@ -155,18 +157,11 @@ inline std::filesystem::path tinyQwen3(const std::string& name, const std::vecto
 
 // Qwen2, 2 layers: the Llama shapes with q/k/v biases, untied lm_head.
 inline std::filesystem::path tinyQwen2(const std::string& name) {
-  return detail::writeTinyCheckpoint(name,
-                                     {.modelType = "qwen2",
-                                      .hidden = kTinyHidden,
-                                      .intermediate = kTinyInter,
-                                      .heads = 4,
-                                      .kvHeads = 2,
-                                      .headDim = kTinyHidden / 4,
-                                      .explicitHeadDim = false,
-                                      .qkNorm = false,
-                                      .tied = false,
-                                      .qkvBias = true},
-                                     {});
+  detail::TinySpec spec = detail::tinyLlamaSpec();
+  spec.modelType = "qwen2";
+  spec.tied = false;
+  spec.qkvBias = true;
+  return detail::writeTinyCheckpoint(name, spec, {});
 }
 
 // Qwen3-MoE, 2 layers of 4 experts (top 2, renormalised), hidden 16, 4 heads of 4, 2 KV heads,

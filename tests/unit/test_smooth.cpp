@@ -209,10 +209,14 @@ at::Tensor fakeQuantRows(const at::Tensor& x) {
   return at::round(x / scale).clamp(-128, 127) * scale;
 }
 
-TEST_F(Smoothing, FlexSmoothQuantPicksTheLowestInt8LossOfTheTwoPhaseGrid) {
-  // Recomputed here in double from the q/k/v inputs of layer 0: phase 1 tries α = 0, 0.05, …, 1
-  // with β = 1 − α, phase 2 β = 0, …, 1 with the best α; a later value wins a tie.
-  const fs::path dir = test::tinyLlama("smooth_flex");
+// The q/k/v inputs of layer 0 over samples() (every token, in sample order) and q, k and v's
+// weights stacked, from an unsmoothed model, in double.
+struct QkvCalibration {
+  at::Tensor inputs;
+  at::Tensor weight;
+};
+
+QkvCalibration qkvCalibration(const fs::path& dir) {
   auto reference = CausalLM::open(dir);
   std::vector<at::Tensor> rows;
   reference->layer(0).getSubmodule("self_attn.q_proj").addForwardPreHook([&](Module&, const at::Tensor& x) {
@@ -220,12 +224,18 @@ TEST_F(Smoothing, FlexSmoothQuantPicksTheLowestInt8LossOfTheTwoPhaseGrid) {
     return at::Tensor();
   });
   for (const at::Tensor& ids : samples()) reference->forward(ids);
-  const at::Tensor x = at::cat(rows);
   DecoderLayer& layer = reference->layer(0);
   const at::Tensor w = at::cat({layer.getSubmodule("self_attn.q_proj").parameter("weight"),
                                 layer.getSubmodule("self_attn.k_proj").parameter("weight"),
-                                layer.getSubmodule("self_attn.v_proj").parameter("weight")})
-                           .to(at::kDouble);
+                                layer.getSubmodule("self_attn.v_proj").parameter("weight")});
+  return {at::cat(rows), w.to(at::kDouble)};
+}
+
+TEST_F(Smoothing, FlexSmoothQuantPicksTheLowestInt8LossOfTheTwoPhaseGrid) {
+  // Recomputed here in double from the q/k/v inputs of layer 0: phase 1 tries α = 0, 0.05, …, 1
+  // with β = 1 − α, phase 2 β = 0, …, 1 with the best α; a later value wins a tie.
+  const fs::path dir = test::tinyLlama("smooth_flex");
+  const auto [x, w] = qkvCalibration(dir);
   const at::Tensor xMax = x.abs().amax(0), wMax = w.abs().amax(0);
   const at::Tensor y = at::matmul(x, w.t());
   const auto loss = [&](double alpha, double beta) {
@@ -256,19 +266,7 @@ TEST_F(Smoothing, FlexAwqSszPicksTheAlphaOfTheLowestQuantizedError) {
   // the qconfig says (int8 per-channel weights, int8 per-token activations), recomputed here in
   // double for α = 0, 0.05, …, 1; a later α wins a tie.
   const fs::path dir = test::tinyLlama("smooth_awq");
-  auto reference = CausalLM::open(dir);
-  std::vector<at::Tensor> rows;
-  reference->layer(0).getSubmodule("self_attn.q_proj").addForwardPreHook([&](Module&, const at::Tensor& x) {
-    rows.push_back(x.reshape({-1, x.size(-1)}).to(at::kDouble));
-    return at::Tensor();
-  });
-  for (const at::Tensor& ids : samples()) reference->forward(ids);
-  const at::Tensor x = at::cat(rows);
-  DecoderLayer& layer = reference->layer(0);
-  const at::Tensor w = at::cat({layer.getSubmodule("self_attn.q_proj").parameter("weight"),
-                                layer.getSubmodule("self_attn.k_proj").parameter("weight"),
-                                layer.getSubmodule("self_attn.v_proj").parameter("weight")})
-                           .to(at::kDouble);
+  const auto [x, w] = qkvCalibration(dir);
   const at::Tensor mean = x.abs().mean(0), y = at::matmul(x, w.t());
   double best = std::numeric_limits<double>::infinity(), alpha = 0;
   for (int i = 0; i <= 20; ++i) {
