@@ -35,6 +35,12 @@ std::string describe(const std::string& sourceName, const Subgraph& graph) {
 }
 
 // tensor·factor or tensor / factor, computed in fp32 and stored in the tensor's own dtype.
+std::vector<std::string> typeNames(const std::vector<SubgraphType>& types) {
+  std::vector<std::string> names;
+  for (SubgraphType type : types) names.emplace_back(subgraphTypeName(type));
+  return names;
+}
+
 at::Tensor multiplied(const at::Tensor& tensor, const at::Tensor& factor) {
   return (tensor.to(at::kFloat) * factor.to(tensor.device())).to(tensor.scalar_type());
 }
@@ -63,12 +69,9 @@ struct SmoothingProcessor::Watched {
 };
 
 Schema& SmoothingProcessor::addCommonFields(Schema& schema, const std::vector<SubgraphType>& defaults) {
-  std::vector<std::string> all, byDefault;
-  for (SubgraphType type : allSubgraphTypes()) all.emplace_back(subgraphTypeName(type));
-  for (SubgraphType type : defaults) byDefault.emplace_back(subgraphTypeName(type));
   return schema
-      .optional("enable_subgraph_type", ValueType::kStringList, ConfigNode::stringList(byDefault),
-                "subgraph types to smooth, of " + joinNames(all))
+      .optional("enable_subgraph_type", ValueType::kStringList, ConfigNode::stringList(typeNames(defaults)),
+                "subgraph types to smooth, of " + joinNames(typeNames(allSubgraphTypes())))
       .includeExclude();
 }
 
@@ -77,10 +80,9 @@ SmoothingProcessor::SmoothingProcessor(std::string type, const ConfigNode& confi
   for (const ConfigNode& item : config.at("enable_subgraph_type").items()) {
     const std::optional<SubgraphType> parsed = parseSubgraphType(item.asString());
     if (!parsed) {
-      std::vector<std::string> names;
-      for (SubgraphType t : allSubgraphTypes()) names.emplace_back(subgraphTypeName(t));
       throw configError(item, context.fieldPath("enable_subgraph_type"),
-                        concat("unknown subgraph type '", item.asString(), "'; expected one of ", joinNames(names)));
+                        concat("unknown subgraph type '", item.asString(), "'; expected one of ",
+                               joinNames(typeNames(allSubgraphTypes()))));
     }
     if (std::find(types_.begin(), types_.end(), *parsed) == types_.end()) types_.push_back(*parsed);
   }
