@@ -101,7 +101,9 @@ class IterSmooth final : public SmoothingProcessor {
 class SmoothedInt8Loss {
  public:
   SmoothedInt8Loss(at::Tensor tokens, at::Tensor weight)
-      : tokens_(std::move(tokens)), weight_(std::move(weight)), reference_(at::matmul(tokens_, weight_.t())),
+      : tokens_(std::move(tokens)),
+        weight_(std::move(weight)),
+        reference_(at::matmul(tokens_, weight_.t())),
         norm_(reference_.square().mean().sqrt().item<double>()) {}
 
   double operator()(const at::Tensor& consumerScale) const {
@@ -206,12 +208,12 @@ class FlexAwqSsz final : public SmoothingProcessor {
     const at::Tensor w = columnAbsMax(in.weights);
     const auto scalesFor = [&](double alpha) {
       return grouped(
-          in.graph, in.absMean, w, [alpha](const at::Tensor& a, const at::Tensor&) { return a.pow(alpha).clamp_min(1e-5); },
+          in.graph, in.absMean, w,
+          [alpha](const at::Tensor& a, const at::Tensor&) { return a.pow(alpha).clamp_min(1e-5); },
           GroupReduction::kMaxOfStatistics);
     };
     const bool firstTwo = in.graph.type == SubgraphType::kNormLinear && in.weights.size() > 3;
-    const at::Tensor weight =
-        at::cat(firstTwo ? std::vector<at::Tensor>{in.weights[0], in.weights[1]} : in.weights, 0);
+    const at::Tensor weight = at::cat(firstTwo ? std::vector<at::Tensor>{in.weights[0], in.weights[1]} : in.weights, 0);
     const at::Tensor reference = at::matmul(in.tokens, weight.t());
     const double norm = reference.square().mean().sqrt().item<double>();
     double best = std::numeric_limits<double>::infinity(), alpha = 0;
@@ -233,7 +235,8 @@ class FlexAwqSsz final : public SmoothingProcessor {
     }
     report.emplace_back("alpha", alpha);
     report.emplace_back("loss", best);
-    report.emplace_back("search_seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    report.emplace_back("search_seconds",
+                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     return scalesFor(alpha);
   }
 
@@ -302,9 +305,7 @@ void registerProcessors(PluginRegistrar& registrar) {
   alpha.defaultValue.reset();
   FieldSpec beta = fraction("beta", 0, "β; searched when absent");
   beta.defaultValue.reset();
-  flex.add(std::move(alpha))
-      .add(std::move(beta))
-      .add(searchTokens());
+  flex.add(std::move(alpha)).add(std::move(beta)).add(searchTokens());
   SmoothingProcessor::addCommonFields(flex, allSubgraphTypes());
   registrar.addProcessor({
       .type = "flex_smooth_quant",

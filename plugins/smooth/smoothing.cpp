@@ -149,8 +149,8 @@ void SmoothingProcessor::postprocess(LayerRequest& request) {
   std::vector<at::Tensor> parts;
   for (const auto& w : watched_) {
     QPIPE_REQUIRE(&request.module->getSubmodule(w->firstPath) == w->first, ErrorCode::kConfig,
-                  moduleName(request, w->firstPath),
-                  " was replaced before its statistics were read; run ", type_, " as its own step, before quantization");
+                  moduleName(request, w->firstPath), " was replaced before its statistics were read; run ", type_,
+                  " as its own step, before quantization");
     w->first->removeHook(w->hook);
     parts.push_back(-w->min);
     parts.push_back(w->max);

@@ -21,9 +21,9 @@ namespace qpipe::smooth {
 // activation statistics over every token every rank saw, and the consumers' weights.
 struct SubgraphInput {
   const Subgraph& graph;
-  const std::string& name;               // the source's full name
-  at::Tensor min;                        // fp32 [channels]
-  at::Tensor max;                        // fp32 [channels]
+  const std::string& name;                 // the source's full name
+  at::Tensor min;                          // fp32 [channels]
+  at::Tensor max;                          // fp32 [channels]
   const std::vector<at::Tensor>& weights;  // fp32 [out, channels], one per consumer, in target order
   // The consumers' input tokens [tokens, channels] in global sample order (every rank's, rank by
   // rank), at most `searchTokens` of them evenly spaced; undefined unless the processor keeps them.

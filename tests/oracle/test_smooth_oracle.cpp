@@ -88,8 +88,8 @@ TEST_P(SmoothQuantOracle, ScalesAreLlmCompressorsSmoothQuantModifiers) {
   save(work / "ids.safetensors", "ids", ids);
   const double alpha = 0.6;
   test::runOracleWith(QPIPE_LLMC_PYTHON, "llmcompressor_oracle.py",
-                      "smooth " + dir.string() + " " + (work / "ids.safetensors").string() + " " + std::to_string(alpha) +
-                          " " + (work / "llmc.safetensors").string());
+                      "smooth " + dir.string() + " " + (work / "ids.safetensors").string() + " " +
+                          std::to_string(alpha) + " " + (work / "llmc.safetensors").string());
 
   Registry registry;
   PluginLoader loader(registry);

@@ -9,9 +9,9 @@
 #include <functional>
 #include <limits>
 #include <map>
-#include <tuple>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "qpipe/host/pipeline.h"
@@ -277,9 +277,10 @@ TEST_F(Smoothing, FlexAwqSszPicksTheAlphaOfTheLowestQuantizedError) {
     }
   }
   QuantReport report;
-  smoothed("    - {type: flex_awq_ssz, enable_subgraph_type: [norm-linear], include: ['*.0.input_layernorm'], "
-           "qconfig: {act: {dtype: int8, scope: per_token}, weight: {dtype: int8}}}\n",
-           dir, &report);
+  smoothed(
+      "    - {type: flex_awq_ssz, enable_subgraph_type: [norm-linear], include: ['*.0.input_layernorm'], "
+      "qconfig: {act: {dtype: int8, scope: per_token}, weight: {dtype: int8}}}\n",
+      dir, &report);
   std::map<std::string, double> values;
   for (const ReportValue& v : report.layers.front().values) values[v.key] = v.value;
   EXPECT_DOUBLE_EQ(values.at("alpha"), alpha);
@@ -332,9 +333,8 @@ TEST_F(Smoothing, AFamilyWithoutDeclaredSubgraphsIsAnError) {
 }
 
 TEST_F(Smoothing, ConfigurationErrorsNameTheField) {
-  const std::string unknown =
-      test::errorOf([&] { processors("    - {type: iter_smooth, enable_subgraph_type: [norm-linear, qk]}\n"); },
-                    ErrorCode::kConfig);
+  const std::string unknown = test::errorOf(
+      [&] { processors("    - {type: iter_smooth, enable_subgraph_type: [norm-linear, qk]}\n"); }, ErrorCode::kConfig);
   EXPECT_NE(unknown.find("spec.process[0].enable_subgraph_type: unknown subgraph type 'qk'; expected one of "
                          "norm-linear, linear-linear, ov, up-down"),
             std::string::npos)

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -143,6 +144,10 @@ void run(const QuantOptions& options) {
     logger->info("device ", quant.device.str(), ", ", threads, " threads");
   }
   if (role.group) {
+    // A peer that fails closes its sockets; writing to one must be an error this rank reports
+    // (a distributed error, which echoes the peer's), not a death by SIGPIPE, which the launcher
+    // would take for the cause of the run's failure.
+    ::signal(SIGPIPE, SIG_IGN);
     quant.joinGroup = [&role] {
       std::shared_ptr<ProcessGroup> group = dist::connect(*role.group);
       markGroup(group);

@@ -59,9 +59,9 @@ struct ReportValue {
 
 // One scheduled unit (a decoder layer, or the non-layer modules) with this rank's calibration data.
 struct LayerRequest {
-  std::string name;                 // HF module name, e.g. "model.layers.3"; "" for the non-layer unit
-  Module* module = nullptr;         // owned by the runner for the duration of the unit
-  std::vector<TensorList> inputs;   // one entry per calibration sample held by this rank
+  std::string name;                // HF module name, e.g. "model.layers.3"; "" for the non-layer unit
+  Module* module = nullptr;        // owned by the runner for the duration of the unit
+  std::vector<TensorList> inputs;  // one entry per calibration sample held by this rank
   // The run's index of each input's sample (0 … samples − 1 over every rank): what orders data
   // gathered from several ranks as one rank would have seen it.
   std::vector<int64_t> sampleIds;
