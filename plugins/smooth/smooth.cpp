@@ -95,16 +95,33 @@ class IterSmooth final : public SmoothingProcessor {
   double alpha_, scaleMin_;
 };
 
-// rms(y_q − y) / rms(y) for y = X·Wᵀ and y_q the product of X/s quantized to int8 per token and
-// W·s quantized to int8 per output channel (both symmetric, absmax / 127): msmodelslim's
-// flex_smooth_quant loss, through the exact int8 GEMM (qpipe/quant_linear.h).
+// The searches' loss: rms(y_q − y) / rms(y) against the float product y = X·Wᵀ.
+class RelativeError {
+ public:
+  RelativeError(const at::Tensor& tokens, const at::Tensor& weight)
+      : reference_(at::matmul(tokens, weight.t())), norm_(rms(reference_)) {}
+  double operator()(const at::Tensor& quantized) const {
+    const double error = rms(quantized - reference_);
+    return norm_ > 0 ? error / norm_ : error;
+  }
+
+ private:
+  static double rms(const at::Tensor& t) { return t.square().mean().sqrt().item<double>(); }
+  at::Tensor reference_;
+  double norm_;
+};
+
+// The grid both searches walk: 0, 0.05, …, 1.
+constexpr double kSearchStep = 0.05;
+constexpr int kSearchSteps = 20;
+
+// msmodelslim's flex_smooth_quant loss for consumer scales s: the RelativeError of X/s quantized
+// to int8 per token times W·s quantized to int8 per output channel (both symmetric, absmax /
+// 127), through the exact int8 GEMM (qpipe/quant_linear.h).
 class SmoothedInt8Loss {
  public:
   SmoothedInt8Loss(at::Tensor tokens, at::Tensor weight)
-      : tokens_(std::move(tokens)),
-        weight_(std::move(weight)),
-        reference_(at::matmul(tokens_, weight_.t())),
-        norm_(reference_.square().mean().sqrt().item<double>()) {}
+      : tokens_(std::move(tokens)), weight_(std::move(weight)), error_(tokens_, weight_) {}
 
   double operator()(const at::Tensor& consumerScale) const {
     using quant::QDtype, quant::QScope;
@@ -112,14 +129,12 @@ class SmoothedInt8Loss {
     const ActivationQuant perToken{{QDtype::kInt8, QScope::kPerToken, true, 0}, {}};
     auto [params, qweight] = quant::quantizeWeight(weight_ * consumerScale.unsqueeze(0), perChannel);
     const Int8Linear linear(qweight, params.scale);
-    const at::Tensor y = *linear.forward(tokens_ / consumerScale.unsqueeze(0), perToken, at::Tensor());
-    const double error = (y - reference_).square().mean().sqrt().item<double>();
-    return norm_ > 0 ? error / norm_ : error;
+    return error_(*linear.forward(tokens_ / consumerScale.unsqueeze(0), perToken, at::Tensor()));
   }
 
  private:
-  at::Tensor tokens_, weight_, reference_;
-  double norm_;
+  at::Tensor tokens_, weight_;
+  RelativeError error_;
 };
 
 // msmodelslim's flex_smooth_quant: s = max|X|^α / max|W|^β floored at 1e-5, with α and β given or
@@ -157,11 +172,11 @@ class FlexSmoothQuant final : public SmoothingProcessor {
         }
       };
       if (!alpha_) {
-        for (int i = 0; i <= kSteps; ++i) tryPair(i * kStep, beta_.value_or(1.0 - i * kStep));
+        for (int i = 0; i <= kSearchSteps; ++i) tryPair(i * kSearchStep, beta_.value_or(1.0 - i * kSearchStep));
       }
       if (!beta_) {
         const double fixed = alpha;
-        for (int i = 0; i <= kSteps; ++i) tryPair(fixed, i * kStep);
+        for (int i = 0; i <= kSearchSteps; ++i) tryPair(fixed, i * kSearchStep);
       }
       report.emplace_back("loss", best);
       // What the distributed task scheduler will split: the benches report it on its own.
@@ -175,8 +190,6 @@ class FlexSmoothQuant final : public SmoothingProcessor {
 
  private:
   static constexpr double kScaleMin = 1e-5;
-  static constexpr double kStep = 0.05;
-  static constexpr int kSteps = 20;
 
   static std::optional<double> optionalFraction(const ConfigNode& config, const char* field) {
     const ConfigNode& value = config.at(field);
@@ -214,11 +227,10 @@ class FlexAwqSsz final : public SmoothingProcessor {
     };
     const bool firstTwo = in.graph.type == SubgraphType::kNormLinear && in.weights.size() > 3;
     const at::Tensor weight = at::cat(firstTwo ? std::vector<at::Tensor>{in.weights[0], in.weights[1]} : in.weights, 0);
-    const at::Tensor reference = at::matmul(in.tokens, weight.t());
-    const double norm = reference.square().mean().sqrt().item<double>();
+    const RelativeError relativeError(in.tokens, weight);
     double best = std::numeric_limits<double>::infinity(), alpha = 0;
-    for (int i = 0; i <= kSteps; ++i) {
-      const at::Tensor s = scalesFor(i * kStep).consumer.unsqueeze(0);
+    for (int i = 0; i <= kSearchSteps; ++i) {
+      const at::Tensor s = scalesFor(i * kSearchStep).consumer.unsqueeze(0);
       Linear scaled(weight * s);
       LinearQuantizer quantizer(scaled, qconfig_);
       const at::Tensor x = in.tokens / s;
@@ -226,11 +238,10 @@ class FlexAwqSsz final : public SmoothingProcessor {
         quantizer.forward(x);
         quantizer.freeze();
       }
-      const double error = (quantizer.deploy(in.name)->forward(x) - reference).square().mean().sqrt().item<double>();
-      const double loss = norm > 0 ? error / norm : error;
+      const double loss = relativeError(quantizer.deploy(in.name)->forward(x));
       if (loss <= best) {
         best = loss;
-        alpha = i * kStep;
+        alpha = i * kSearchStep;
       }
     }
     report.emplace_back("alpha", alpha);
@@ -241,9 +252,6 @@ class FlexAwqSsz final : public SmoothingProcessor {
   }
 
  private:
-  static constexpr double kStep = 0.05;
-  static constexpr int kSteps = 20;
-
   quant::LinearQConfig qconfig_;
 };
 

@@ -176,6 +176,14 @@ void SmoothingProcessor::postprocess(LayerRequest& request) {
   watched_.clear();
 }
 
+// Every rank's `rows` (one per entry of `samples`, the run's sample index of each) gathered and
+// put in sample order, stably: each sample's rows stay in the order its forward produced them.
+at::Tensor SmoothingProcessor::inSampleOrder(const at::Tensor& rows, const std::vector<int64_t>& samples) const {
+  const at::Tensor all = at::cat(context_.group->allGather(rows));
+  const at::Tensor ids = at::cat(context_.group->allGather(at::tensor(samples, at::kLong)));
+  return all.index_select(0, std::get<1>(at::sort(ids, /*stable=*/true, /*dim=*/0, /*descending=*/false)));
+}
+
 // Every rank's kept tokens, ordered by the run's sample index (each sample's rows in the order its
 // forward produced them), so the rows are those one rank with every sample would have kept.
 at::Tensor SmoothingProcessor::gatherTokens(Watched& w) const {
@@ -185,35 +193,30 @@ at::Tensor SmoothingProcessor::gatherTokens(Watched& w) const {
   const at::Tensor local = w.tokens.empty() ? at::empty({0, channels}, at::kFloat) : at::cat(w.tokens);
   w.tokens.clear();
   w.sampleOf.clear();
-  const at::Tensor rows = at::cat(context_.group->allGather(local));
-  const at::Tensor samples = at::cat(context_.group->allGather(at::tensor(rowSample, at::kLong)));
-  const at::Tensor order = std::get<1>(at::sort(samples, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  const at::Tensor rows = inSampleOrder(local, rowSample);
   const int64_t n = rows.size(0);
-  if (n <= searchTokens_) return rows.index_select(0, order);
+  if (n <= searchTokens_) return rows;
   // Evenly spaced rows: floor(i·n / searchTokens), i < searchTokens.
-  const at::Tensor picked = at::floor_divide(at::arange(searchTokens_, at::kLong) * n, searchTokens_);
-  return rows.index_select(0, order.index_select(0, picked));
+  return rows.index_select(0, at::floor_divide(at::arange(searchTokens_, at::kLong) * n, searchTokens_));
 }
 
 // Every rank's per-call sums, added one by one in sample order: the order one rank would add them.
 at::Tensor SmoothingProcessor::gatherAbsMean(Watched& w) const {
   const int64_t channels = w.min.numel();
-  const at::Tensor local = w.absSums.empty() ? at::empty({0, channels}, at::kDouble) : at::stack(w.absSums);
-  const at::Tensor sums = at::cat(context_.group->allGather(local));
-  const at::Tensor counts = at::cat(context_.group->allGather(at::tensor(w.absCounts, at::kLong)));
-  const at::Tensor samples = at::cat(context_.group->allGather(at::tensor(w.absSamples, at::kLong)));
+  // One row per call: Σ|x| per channel, then the call's token count (exact in double).
+  std::vector<at::Tensor> calls;
+  for (size_t i = 0; i < w.absSums.size(); ++i) {
+    calls.push_back(at::cat({w.absSums[i], at::full({1}, static_cast<double>(w.absCounts[i]), at::kDouble)}));
+  }
+  const at::Tensor local = calls.empty() ? at::empty({0, channels + 1}, at::kDouble) : at::stack(calls);
+  const at::Tensor ordered = inSampleOrder(local, w.absSamples);
   w.absSums.clear();
   w.absCounts.clear();
   w.absSamples.clear();
-  const at::Tensor order = std::get<1>(at::sort(samples, /*stable=*/true, /*dim=*/0, /*descending=*/false));
   at::Tensor total = at::zeros({channels}, at::kDouble);
-  int64_t tokens = 0;
-  for (int64_t i = 0; i < order.size(0); ++i) {
-    const int64_t row = order[i].item<int64_t>();
-    total.add_(sums[row]);
-    tokens += counts[row].item<int64_t>();
-  }
-  return (total / static_cast<double>(std::max<int64_t>(tokens, 1))).to(at::kFloat);
+  for (int64_t i = 0; i < ordered.size(0); ++i) total.add_(ordered[i].slice(0, 0, channels));
+  const double tokens = ordered.select(1, channels).sum().item<double>();
+  return (total / std::max(tokens, 1.0)).to(at::kFloat);
 }
 
 void SmoothingProcessor::smooth(LayerRequest& request, Watched& w) {

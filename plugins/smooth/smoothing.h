@@ -78,10 +78,9 @@ class SmoothingProcessor : public Processor {
   static Scales grouped(const Subgraph& graph, const at::Tensor& activation, const at::Tensor& weight,
                         const ScaleFormula& formula, GroupReduction reduction);
 
-  const ProcessorContext& context() const { return context_; }
-
  private:
   struct Watched;
+  at::Tensor inSampleOrder(const at::Tensor& rows, const std::vector<int64_t>& samples) const;
   at::Tensor gatherTokens(Watched& watched) const;
   at::Tensor gatherAbsMean(Watched& watched) const;
   void smooth(LayerRequest& request, Watched& watched);
