@@ -231,6 +231,8 @@ TEST(QuantCli, QuantTypePicksItsDefaultPractice) {
            {"w4a16", "w4a16.yaml"},
            {"w8a8_fp8", "w8a8_fp8_dynamic.yaml"},
            {"w8a16_fp8", "w8a16_fp8.yaml"},
+           {"w8a8_static", "w8a8_static_flex_smooth.yaml"},
+           {"w8a8_fp8_static", "w8a8_fp8_static.yaml"},
        }) {
     const fs::path out = qpipe::test::testDir() / ("out-" + quantType);
     fs::remove_all(out);
@@ -249,7 +251,7 @@ TEST(QuantCli, MalformedQuantTypeIsAUsageError) {
                                 quote(qpipe::test::testDir() / "quantized") + " --quant_type w8a8x");
   expectOneLineError(r, code(ErrorCode::kUsage),
                      "qpipe: usage error: --quant_type 'w8a8x' is not of the form "
-                     "w<bits>a<bits>[c8|f4|f8][s][_fp8], e.g. w8a8, w4a16, w8a8c8, w8a8_fp8");
+                     "w<bits>a<bits>[c8|f4|f8][s][_fp8][_static], e.g. w8a8, w4a16, w8a8c8, w8a8_fp8, w8a8_static");
 }
 
 TEST(QuantCli, QuantTypeWithoutPracticeIsAUsageErrorListingWhatExists) {

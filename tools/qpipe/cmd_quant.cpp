@@ -171,8 +171,9 @@ Subcommand setupQuant(CLI::App& parent) {
   app->add_option("--save_path", options->savePath, "Output folder; must not exist or be empty")->required();
   app->add_option("--model_type", options->modelType,
                   "Model family for practice lookup (configs/<model_type>/); default: config.json's model_type");
-  auto* quantType = app->add_option("--quant_type", options->quantType,
-                                    "w<W>a<A>[c8|f4|f8][s][_fp8], e.g. w8a8, w4a16, w8a8_fp8 (docs/pipeline.md)");
+  auto* quantType = app->add_option(
+      "--quant_type", options->quantType,
+      "w<W>a<A>[c8|f4|f8][s][_fp8][_static], e.g. w8a8, w4a16, w8a8_fp8, w8a8_static (docs/pipeline.md)");
   auto* configPath = app->add_option("--config_path", options->configPath, "Pipeline YAML instead of --quant_type");
   quantType->excludes(configPath);
   configPath->excludes(quantType);

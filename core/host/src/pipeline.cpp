@@ -23,7 +23,9 @@ const Schema& documentSchema() {
         .add({.name = "fa_bit", .type = ValueType::kInt, .help = "attention (FA3) bits"})
         .add({.name = "fa_quant", .type = ValueType::kBool, .help = "attention quantized (8 bits)"})
         .optional("fp8", ValueType::kBool, ConfigNode::boolean(false),
-                  "weights (and activations) in fp8_e4m3 rather than int: --quant_type w8a8_fp8");
+                  "weights (and activations) in fp8_e4m3 rather than int: --quant_type w8a8_fp8")
+        .optional("static", ValueType::kBool, ConfigNode::boolean(false),
+                  "activations with calibrated scales rather than dynamic per token: --quant_type w8a8_static");
     Schema metadata;
     metadata.optional("config_id", ValueType::kString, ConfigNode::string(""), "name of this practice")
         .optional("score", ValueType::kFloat, ConfigNode::number(100), "preference among matching practices")
@@ -174,6 +176,7 @@ PipelineMetadata parseMetadata(const ConfigNode& metadata) {
     parsed.isSparse = label.at("is_sparse").asBool();
     parsed.kvCache = label.at("kv_cache").asBool();
     parsed.fp8 = label.at("fp8").asBool();
+    parsed.isStatic = label.at("static").asBool();
     if (!label.at("fa_bit").isNull()) {
       parsed.faBit = static_cast<int>(label.at("fa_bit").asInt());
     } else if (!label.at("fa_quant").isNull() && label.at("fa_quant").asBool()) {

@@ -11,11 +11,12 @@ namespace qpipe {
 namespace fs = std::filesystem;
 
 QuantType parseQuantType(std::string_view text) {
-  static const std::regex kForm(R"(w(\d+)a(\d+)(c8|f4|f8)?(s)?(_fp8)?)");
+  static const std::regex kForm(R"(w(\d+)a(\d+)(c8|f4|f8)?(s)?(_fp8)?(_static)?)");
   std::cmatch m;
   const std::string value(text);
   QPIPE_REQUIRE(std::regex_match(value.c_str(), m, kForm), ErrorCode::kUsage, "--quant_type '", text,
-                "' is not of the form w<bits>a<bits>[c8|f4|f8][s][_fp8], e.g. w8a8, w4a16, w8a8c8, w8a8_fp8");
+                "' is not of the form w<bits>a<bits>[c8|f4|f8][s][_fp8][_static], e.g. w8a8, w4a16, w8a8c8, w8a8_fp8, "
+                "w8a8_static");
   QuantType type;
   type.text = value;
   type.wBit = std::stoi(m[1]);
@@ -25,14 +26,18 @@ QuantType parseQuantType(std::string_view text) {
   type.faBit = extra == "f4" ? 4 : extra == "f8" ? 8 : 0;
   type.sparse = m[4].matched;
   type.fp8 = m[5].matched;
+  type.isStatic = m[6].matched;
   QPIPE_REQUIRE(!type.fp8 || type.wBit == 8, ErrorCode::kUsage, "--quant_type '", text,
                 "': _fp8 needs 8-bit weights (w8a8_fp8 or w8a16_fp8)");
+  QPIPE_REQUIRE(!type.isStatic || type.aBit < 16, ErrorCode::kUsage, "--quant_type '", text,
+                "': _static needs quantized activations (a_bit below 16, e.g. w8a8_static)");
   return type;
 }
 
 bool labelMatches(const PipelineLabel& label, const QuantType& type) {
   return label.wBit == type.wBit && label.aBit == type.aBit && label.kvCache == type.kvCache &&
-         label.faBit == type.faBit && label.isSparse == type.sparse && label.fp8 == type.fp8;
+         label.faBit == type.faBit && label.isSparse == type.sparse && label.fp8 == type.fp8 &&
+         label.isStatic == type.isStatic;
 }
 
 namespace {
@@ -54,6 +59,7 @@ std::string describe(const PipelineLabel& label) {
   if (label.faBit) out += "f" + std::to_string(label.faBit);
   if (label.isSparse) out += "s";
   if (label.fp8) out += "_fp8";
+  if (label.isStatic) out += "_static";
   return out;
 }
 

@@ -10,9 +10,11 @@
 
 namespace qpipe {
 
-// w<W>a<A>[c8|f4|f8][s][_fp8]: weight and activation bits, int8 KV cache (c8) or attention
-// quantized to 4/8 bits (f4/f8), sparse (s), and qpipe's own suffix _fp8 for fp8_e4m3 weights
-// and activations instead of int (w8a8_fp8; w8a16_fp8 is fp8 weight-only).
+// w<W>a<A>[c8|f4|f8][s][_fp8][_static]: weight and activation bits, int8 KV cache (c8) or
+// attention quantized to 4/8 bits (f4/f8), sparse (s), and qpipe's own suffixes: _fp8 for
+// fp8_e4m3 weights and activations instead of int (w8a8_fp8; w8a16_fp8 is fp8 weight-only),
+// _static for activations with calibrated scales instead of per-token ones computed at run time
+// (msmodelslim's grammar cannot tell the two apart; its model-specific folders decide).
 struct QuantType {
   std::string text;
   int wBit = 0;
@@ -21,6 +23,7 @@ struct QuantType {
   int faBit = 0;
   bool sparse = false;
   bool fp8 = false;
+  bool isStatic = false;
 };
 
 // Error(kUsage) naming the text and the accepted form.
