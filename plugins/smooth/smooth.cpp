@@ -6,7 +6,8 @@
 //                 s = range(X)^α / (2·max|W|)^(1−α), s = range(X) where the weights are zero,
 //                 floored at scale_min; ov reduces the statistics over each KV group (max)
 //   iter_smooth   msmodelslim's IterSmooth: s = max|X|^α / max|W|^(1−α) floored at scale_min,
-//                 with |W| for every subgraph type; ov averages the heads' scales per KV group
+//                 with |W| for every subgraph type; ov averages the heads' scales per KV group;
+//                 asymmetric (symmetric: False) norm-linear centres X on (max + min) / 2 first
 //   flex_smooth_quant  msmodelslim's FlexSmoothQuant: s = max|X|^α / max|W|^β, α and β searched
 //                 per subgraph on the int8 error of the smoothed product
 //   flex_awq_ssz  msmodelslim's FlexAWQSSZ: s = mean|X|^α, α searched through the step's own
@@ -76,23 +77,27 @@ class IterSmooth final : public SmoothingProcessor {
   IterSmooth(const ConfigNode& config, const ProcessorContext& context)
       : SmoothingProcessor("iter_smooth", config, context),
         alpha_(config.at("alpha").asFloat()),
-        scaleMin_(config.at("scale_min").asFloat()) {
-    if (!config.at("symmetric").asBool()) {
-      throw context.configError(config, "symmetric",
-                                "False (msmodelslim's asymmetric shift, which gives the norm a bias) is not supported "
-                                "yet; use symmetric: True");
-    }
-  }
+        scaleMin_(config.at("scale_min").asFloat()),
+        symmetric_(config.at("symmetric").asBool()) {}
 
  protected:
+  // Asymmetric norm-linear (msmodelslim's rule; the other types stay symmetric): the shift is the
+  // centre of each channel's range, and the statistic max|X − shift| = (max − min) / 2.
   Scales scales(const SubgraphInput& in, std::vector<std::pair<std::string, double>>& report) const override {
     report.emplace_back("alpha", alpha_);
-    return grouped(in.graph, absMax(in), columnAbsMax(in.weights), powerFormula(alpha_, 1.0 - alpha_, scaleMin_),
-                   GroupReduction::kMeanOfScales);
+    const ScaleFormula formula = powerFormula(alpha_, 1.0 - alpha_, scaleMin_);
+    const at::Tensor w = columnAbsMax(in.weights);
+    if (symmetric_ || in.graph.type != SubgraphType::kNormLinear) {
+      return grouped(in.graph, absMax(in), w, formula, GroupReduction::kMeanOfScales);
+    }
+    Scales out = grouped(in.graph, (in.max - in.min) / 2, w, formula, GroupReduction::kMeanOfScales);
+    out.shift = (in.max + in.min) / 2;
+    return out;
   }
 
  private:
   double alpha_, scaleMin_;
+  bool symmetric_;
 };
 
 // The searches' loss: rms(y_q − y) / rms(y) against the float product y = X·Wᵀ.
@@ -299,7 +304,8 @@ void registerProcessors(PluginRegistrar& registrar) {
   Schema iterSmooth;
   iterSmooth.add(fraction("alpha", 0.9, "migration strength α"))
       .add(scaleFloor())
-      .optional("symmetric", ValueType::kBool, ConfigNode::boolean(true), "symmetric statistics (True only, for now)");
+      .optional("symmetric", ValueType::kBool, ConfigNode::boolean(true),
+                "False: norm-linear inputs centred on their range first (the norm and the consumers gain biases)");
   SmoothingProcessor::addCommonFields(iterSmooth, allSubgraphTypes());
   registrar.addProcessor({
       .type = "iter_smooth",

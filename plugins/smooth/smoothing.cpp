@@ -34,18 +34,29 @@ std::string describe(const std::string& sourceName, const Subgraph& graph) {
   return text;
 }
 
-// tensor·factor or tensor / factor, computed in fp32 and stored in the tensor's own dtype.
 std::vector<std::string> typeNames(const std::vector<SubgraphType>& types) {
   std::vector<std::string> names;
   for (SubgraphType type : types) names.emplace_back(subgraphTypeName(type));
   return names;
 }
 
+// tensor·factor or tensor / factor, computed in fp32 and stored in the tensor's own dtype.
 at::Tensor multiplied(const at::Tensor& tensor, const at::Tensor& factor) {
   return (tensor.to(at::kFloat) * factor.to(tensor.device())).to(tensor.scalar_type());
 }
 at::Tensor divided(const at::Tensor& tensor, const at::Tensor& factor) {
   return (tensor.to(at::kFloat) / factor.to(tensor.device())).to(tensor.scalar_type());
+}
+
+// bias += delta (fp32), creating the bias in the weight's dtype where the module has none.
+void addBias(Module& module, const at::Tensor& delta) {
+  const at::Tensor& weight = module.parameter("weight");
+  if (!module.hasParameter("bias")) {
+    module.addParameter("bias", delta.to(weight.device(), weight.scalar_type()));
+    return;
+  }
+  at::Tensor& bias = module.parameter("bias");
+  bias = (bias.to(at::kFloat) + delta.to(bias.device())).to(bias.scalar_type());
 }
 
 }  // namespace
@@ -237,14 +248,22 @@ void SmoothingProcessor::smooth(LayerRequest& request, Watched& w) {
   const Scales chosen = scales({graph, w.name, w.min, w.max, weights, w.allTokens, w.absMean}, values);
   const at::Tensor& producer = chosen.producer;
   const at::Tensor& consumer = chosen.consumer;
+  const at::Tensor& shift = chosen.shift;
+  QPIPE_CHECK(!shift.defined() || graph.type == SubgraphType::kNormLinear, "a shift outside norm-linear");
+  if (shift.defined()) {
+    for (Linear* linear : consumers)
+      addBias(*linear, at::mv(linear->weight().to(at::kFloat), shift.to(linear->weight().device())));
+  }
   for (Linear* linear : consumers) linear->weight() = multiplied(linear->weight(), consumer.unsqueeze(0));
   Module& source = request.module->getSubmodule(graph.source);
   at::Tensor& sourceWeight = source.parameter("weight");
   sourceWeight = divided(sourceWeight, graph.type == SubgraphType::kNormLinear ? producer : producer.unsqueeze(1));
+  if (shift.defined()) addBias(source, -shift);
   if (source.hasParameter("bias")) {
     at::Tensor& bias = source.parameter("bias");
-    if (bias.defined()) bias = divided(bias, producer);
+    bias = divided(bias, producer);
   }
+  if (shift.defined()) request.report(w.name, "shift_abs_max", shift.abs().max().item<double>());
   request.report(w.name, "scale_min", producer.min().item<double>());
   request.report(w.name, "scale_max", producer.max().item<double>());
   for (const auto& [key, value] : values) request.report(w.name, key, value);

@@ -35,10 +35,13 @@ struct SubgraphInput {
 
 // One subgraph's scales: the producer's output channels are divided by `producer`, the
 // consumers' input columns multiplied by `consumer` (the same tensor but for ov, where each KV
-// group channel's scale is repeated for the heads of the group).
+// group channel's scale is repeated for the heads of the group). With a `shift` (norm-linear
+// only: msmodelslim's asymmetric mode) the consumers see (X − shift) / s: the norm's bias becomes
+// (bias − shift) / s and each consumer's bias gains W·shift.
 struct Scales {
   at::Tensor producer;
   at::Tensor consumer;
+  at::Tensor shift;  // fp32 [channels], or undefined
 };
 
 // How ov's per-head values become one scale per KV-group channel (msmodelslim's MQGA reduction).

@@ -34,18 +34,21 @@ std::string testName(const fs::path& pipeline) {
   return name;
 }
 
-class Equivalence : public ::testing::TestWithParam<fs::path> {};
-
-TEST_P(Equivalence, OneTwoAndThreeRanksWriteTheSameCheckpoint) {
-  const fs::path model = qpipe::test::tinyQwen3("equivalence-" + testName(GetParam()));
-  for (const std::string& row : qpipe::test::equivalenceRows(model, GetParam())) {
+void expectIdentical(const fs::path& model, const fs::path& pipeline) {
+  for (const std::string& row : qpipe::test::equivalenceRows(model, pipeline)) {
     EXPECT_NE(row.find("byte-identical, 0 within --tolerance 0, 0 different"), std::string::npos) << row;
   }
 }
 
+class Equivalence : public ::testing::TestWithParam<fs::path> {};
+
+TEST_P(Equivalence, OneTwoAndThreeRanksWriteTheSameCheckpoint) {
+  expectIdentical(qpipe::test::tinyQwen3("equivalence-" + testName(GetParam())), GetParam());
+}
+
 // flex_smooth_quant's search keeps 7 of the 160 calibration tokens: the same 7 whichever rank
 // saw them, so the searched α and β, and the checkpoint, are those of one rank.
-TEST(EquivalenceSearch, FlexSmoothQuantSearchesTheSameTokensOnAnyNumberOfRanks) {
+TEST(EquivalenceSmoothing, FlexSmoothQuantSearchesTheSameTokensOnAnyNumberOfRanks) {
   const fs::path model = qpipe::test::tinyQwen3("equivalence-flex-search");
   const fs::path pipeline = qpipe::test::writeTempFile("flex.yaml", R"(apiversion: modelslim_v1
 spec:
@@ -56,9 +59,23 @@ spec:
         act: {dtype: int8, scope: per_tensor, symmetric: False}
         weight: {dtype: int8, scope: per_channel}
 )");
-  for (const std::string& row : qpipe::test::equivalenceRows(model, pipeline)) {
-    EXPECT_NE(row.find("byte-identical, 0 within --tolerance 0, 0 different"), std::string::npos) << row;
-  }
+  expectIdentical(model, pipeline);
+}
+
+// Asymmetric iter_smooth: the shifts come from the merged min/max, the new norm and projection
+// biases land in an ascendv1 checkpoint.
+TEST(EquivalenceSmoothing, AsymmetricIterSmoothGivesTheSameBiasesOnAnyNumberOfRanks) {
+  const fs::path pipeline = qpipe::test::writeTempFile("asymmetric.yaml", R"(apiversion: modelslim_v1
+spec:
+  process:
+    - {type: iter_smooth, symmetric: False}
+    - type: linear_quant
+      qconfig:
+        act: {dtype: int8, scope: per_tensor, symmetric: False}
+        weight: {dtype: int8, scope: per_channel}
+  save: [{type: ascendv1_saver}]
+)");
+  expectIdentical(qpipe::test::tinyQwen3("equivalence-asymmetric"), pipeline);
 }
 
 INSTANTIATE_TEST_SUITE_P(Practices, Equivalence, ::testing::ValuesIn(pipelines()),

@@ -19,6 +19,7 @@
 #include "qpipe/host/registry.h"
 #include "qpipe/host/report.h"
 #include "qpipe/host/runner.h"
+#include "qpipe/host/savers.h"
 #include "qpipe/log.h"
 #include "qpipe/model.h"
 #include "qpipe/plugin.h"
@@ -123,6 +124,7 @@ const std::vector<Step>& smoothingSteps() {
   static const std::vector<Step> steps = {
       {"    - {type: smooth_quant, enable_subgraph_type: [norm-linear, ov, up-down]}\n", false},
       {"    - {type: iter_smooth}\n", false},
+      {"    - {type: iter_smooth, symmetric: False}\n", false},
       {"    - {type: flex_smooth_quant}\n", true},
       {"    - {type: flex_awq_ssz, qconfig: {act: {dtype: int8, scope: per_token}, weight: {dtype: int4, method: ssz, "
        "ext: {step: 3}}}}\n",
@@ -287,6 +289,93 @@ TEST_F(Smoothing, FlexAwqSszPicksTheAlphaOfTheLowestQuantizedError) {
   EXPECT_NEAR(values.at("loss"), best, 1e-5 * best);
 }
 
+TEST_F(Smoothing, AsymmetricIterSmoothCentresNormLinearInputsByHand) {
+  // Per q/k/v input channel: shift = (max + min) / 2, s = ((max − min) / 2)^0.9 / max|W|^0.1. The
+  // norm becomes (w / s)·x̂ − shift / s, so q/k/v see (X − shift) / s; each of them gains the
+  // bias W·shift (W unscaled) and its columns are multiplied by s.
+  const fs::path dir = test::tinyLlama("smooth_asymmetric");
+  const auto [lo, hi] = inputRange(dir, "self_attn.q_proj");
+  auto reference = CausalLM::open(dir);
+  DecoderLayer& layer = reference->layer(0);
+  const auto weightOf = [](DecoderLayer& l, const char* path) { return l.getSubmodule(path).parameter("weight"); };
+  const std::vector<const char*> consumers = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"};
+  at::Tensor w = weightOf(layer, consumers[0]).abs().amax(0);
+  for (const char* c : consumers) w = at::maximum(w, weightOf(layer, c).abs().amax(0));
+  const at::Tensor shift = (hi + lo) / 2;
+  const at::Tensor s = (((hi - lo) / 2).pow(0.9) / w.pow(0.1)).clamp_min(1e-5);
+
+  auto model = smoothed("    - {type: iter_smooth, symmetric: False, enable_subgraph_type: [norm-linear]}\n", dir);
+  DecoderLayer& smoothedLayer = model->layer(0);
+  Module& norm = smoothedLayer.getSubmodule("input_layernorm");
+  EXPECT_LE(relativeError(weightOf(layer, "input_layernorm") / norm.parameter("weight"), s), 1e-6);
+  EXPECT_LE(relativeError(norm.parameter("bias"), -shift / s), 1e-6);
+  for (const char* c : consumers) {
+    SCOPED_TRACE(c);
+    Module& consumer = smoothedLayer.getSubmodule(c);
+    EXPECT_LE(relativeError(consumer.parameter("bias"), at::mv(weightOf(layer, c), shift)), 1e-6);
+    EXPECT_LE(relativeError(consumer.parameter("weight")[1] / weightOf(layer, c)[1], s), 1e-6);
+  }
+  // The smoothed input is centred: every channel's range is symmetric about 0.
+  const auto [newLo, newHi] = [&] {
+    at::Tensor l, h;
+    smoothedLayer.getSubmodule("self_attn.q_proj").addForwardPreHook([&](Module&, const at::Tensor& x) {
+      const at::Tensor flat = x.reshape({-1, x.size(-1)});
+      l = l.defined() ? at::minimum(l, flat.amin(0)) : flat.amin(0);
+      h = h.defined() ? at::maximum(h, flat.amax(0)) : flat.amax(0);
+      return at::Tensor();
+    });
+    for (const at::Tensor& ids : samples()) model->forward(ids);
+    return std::make_pair(l, h);
+  }();
+  EXPECT_LE((newHi + newLo).abs().max().item<double>(), 1e-4 * newHi.abs().max().item<double>());
+  // ov and up-down stay symmetric in msmodelslim's asymmetric mode: no bias appears there.
+  auto all = smoothed("    - {type: iter_smooth, symmetric: False}\n", dir);
+  EXPECT_FALSE(all->layer(0).getSubmodule("self_attn.o_proj").hasParameter("bias"));
+  EXPECT_FALSE(all->layer(0).getSubmodule("mlp.down_proj").hasParameter("bias"));
+}
+
+TEST_F(Smoothing, AsymmetricNormBiasesSaveAsAscendV1AndAreRefusedByCompressedTensors) {
+  const fs::path dir = test::tinyLlama("smooth_asymmetric_save");
+  const at::Tensor floatLogits = CausalLM::open(dir)->forward(probeIds());
+  const auto saveAll = [](CausalLM& lm, const fs::path& out, const std::string& format) {
+    fs::remove_all(out);
+    auto saver = createBuiltinSaver({.format = format}, lm, out);
+    for (int64_t i = 0; i < lm.config().numLayers; ++i) saver->writeLayer(i, lm.layerName(i), lm.layer(i));
+    saver->finish();
+  };
+  const std::string asymmetric = "    - {type: iter_smooth, symmetric: False}\n";
+  // Smoothing alone: the ascendv1 checkpoint holds the norms' and the projections' new biases
+  // (msmodelslim's FLOAT entries), and qpipe loads them back: the float model's logits.
+  auto smoothedOnly = smoothed(asymmetric, dir);
+  const fs::path floatOut = test::testDir() / "smooth_asymmetric_float";
+  saveAll(*smoothedOnly, floatOut, "ascendv1_saver");
+  const std::string description = test::slurp(floatOut / "quant_model_description.json");
+  for (const char* key : {"\"model.layers.0.input_layernorm.bias\": \"FLOAT\"",
+                          "\"model.layers.1.post_attention_layernorm.bias\": \"FLOAT\"",
+                          "\"model.layers.0.self_attn.q_proj.bias\": \"FLOAT\""}) {
+    EXPECT_NE(description.find(key), std::string::npos) << key;
+  }
+  EXPECT_LE(relativeError(CausalLM::open(floatOut)->forward(probeIds()), floatLogits), 1e-5);
+  // Then W8A8 dynamic: the quantized projections keep their biases through the round trip.
+  auto quantized = smoothed(asymmetric +
+                                "    - type: linear_quant\n"
+                                "      qconfig:\n"
+                                "        act: {dtype: int8, scope: per_token, symmetric: True, method: minmax}\n"
+                                "        weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}\n",
+                            dir);
+  const at::Tensor expected = quantized->forward(probeIds());
+  const fs::path quantOut = test::testDir() / "smooth_asymmetric_w8a8";
+  saveAll(*quantized, quantOut, "ascendv1_saver");
+  EXPECT_TRUE(at::equal(CausalLM::open(quantOut)->forward(probeIds()), expected));
+  // compressed-tensors (and a plain HF checkpoint) cannot hold a norm bias: one line, nothing saved.
+  const fs::path refused = test::testDir() / "smooth_asymmetric_ct";
+  EXPECT_EQ(test::errorOf([&] { saveAll(*smoothedOnly, refused, "compressed_tensors"); }, ErrorCode::kConfig),
+            "compressed_tensors: model.layers.0.input_layernorm has a bias (from iter_smooth with symmetric: False), "
+            "which the RMSNorm of transformers and vLLM lacks and would drop; save with ascendv1_saver, or smooth "
+            "with symmetric: True");
+  EXPECT_FALSE(fs::exists(refused));
+}
+
 TEST(SmoothingGroups, ReduceAndExpandByHand) {
   // 4 heads of 2 channels in 2 KV groups: heads 0, 1 → group 0; heads 2, 3 → group 1.
   const at::Tensor perHead = at::tensor({1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f});
@@ -339,12 +428,6 @@ TEST_F(Smoothing, ConfigurationErrorsNameTheField) {
                          "norm-linear, linear-linear, ov, up-down"),
             std::string::npos)
       << unknown;
-  const std::string asymmetric =
-      test::errorOf([&] { processors("    - {type: iter_smooth, symmetric: False}\n"); }, ErrorCode::kConfig);
-  EXPECT_NE(asymmetric.find("spec.process[0].symmetric: False (msmodelslim's asymmetric shift, which gives the norm "
-                            "a bias) is not supported yet; use symmetric: True"),
-            std::string::npos)
-      << asymmetric;
   const std::string alpha =
       test::errorOf([&] { processors("    - {type: smooth_quant, alpha: 1.5}\n"); }, ErrorCode::kConfig);
   EXPECT_NE(alpha.find("spec.process[0].alpha"), std::string::npos) << alpha;

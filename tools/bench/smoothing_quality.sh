@@ -55,6 +55,10 @@ for alpha in 0.25 0.5 0.75; do
     "smooth_quant, norm-linear"
 done
 add "w8a8_static + iter_smooth" "$(pipeline iter_static "$static" "{type: iter_smooth}")" "iter_smooth, all four types"
+# The norm biases of the asymmetric mode have no place in compressed-tensors: ascendv1_saver.
+asymmetric=$(pipeline iter_asym_static "$static" "{type: iter_smooth, symmetric: False}")
+sed -i 's/{type: compressed_tensors, part_file_size: 4}/{type: ascendv1_saver}/' "$asymmetric"
+add "w8a8_static + iter_smooth symmetric: False" "$asymmetric" "iter_smooth, norm-linear centred (ascendv1)"
 add "w8a8_static + flex_smooth_quant" "$configs/w8a8_static_flex_smooth.yaml" "flex_smooth_quant, all four types"
 add "w8a8 dynamic" "$dynamic" "none"
 add "w8a8 dynamic + iter_smooth" "$configs/w8a8_iter_smooth.yaml" "iter_smooth, all four types"

@@ -135,6 +135,8 @@ void SaverBase::writeModule(const std::string& prefix, Module& module, const std
       quantized.insert(name);
     } else if (dynamic_cast<Linear*>(child) != nullptr) {
       noteFloatLinear(name);
+    } else if (dynamic_cast<RMSNorm*>(child) != nullptr && child->hasParameter("bias")) {
+      noteNormBias(name);
     }
   }
   const bool dropTiedHead = model_.config().tieWordEmbeddings && !headUntied_ && skipsTiedHead();

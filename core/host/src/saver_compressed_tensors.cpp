@@ -46,6 +46,12 @@ class CompressedTensorsSaver final : public SaverBase {
 
   void noteFloatLinear(const std::string& name) override { assignment_[name] = -1; }
 
+  void noteNormBias(const std::string& name) override {
+    QPIPE_REQUIRE(false, ErrorCode::kConfig, "compressed_tensors: ", name,
+                  " has a bias (from iter_smooth with symmetric: False), which the RMSNorm of transformers and vLLM "
+                  "lacks and would drop; save with ascendv1_saver, or smooth with symmetric: True");
+  }
+
   void writeQuantLinear(const std::string& name, QuantLinear& linear) override {
     const quant::QScheme& w = linear.weightScheme();
     const std::optional<ActivationQuant> input = writtenInputQuant(linear);

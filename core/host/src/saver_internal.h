@@ -34,6 +34,8 @@ class SaverBase : public CheckpointSaver {
   virtual void writeQuantLinear(const std::string& name, QuantLinear& linear) = 0;
   // A Linear left in float (its tensors go through writeFloat).
   virtual void noteFloatLinear(const std::string& /*name*/) {}
+  // An RMSNorm with a bias (msmodelslim's asymmetric smoothing; its tensors go through writeFloat).
+  virtual void noteNormBias(const std::string& /*name*/) {}
   // Writes a non-quantized tensor in the checkpoint dtype.
   virtual void writeFloat(const std::string& name, const at::Tensor& tensor);
   // Whether a tied lm_head.weight is left out (it is the embedding).

@@ -24,6 +24,7 @@ struct LayerSource {
   std::function<bool(const std::string& name)> has;
   // A projection: Linear, or QuantLinear where the checkpoint is quantized.
   std::function<std::shared_ptr<Module>(const std::string& module, bool bias)> linear;
+  std::function<std::shared_ptr<Module>(const std::string& module)> norm;
 };
 
 class Mlp : public Module {
@@ -109,8 +110,8 @@ class Attention : public Module {
     v_ = addChild("v_proj", w.linear(prefix + "v_proj", c.attentionBias));
     o_ = addChild("o_proj", w.linear(prefix + "o_proj", c.modelType == "llama" && c.attentionBias));
     if (c.qkNorm) {
-      qNorm_ = addChild("q_norm", std::make_shared<RMSNorm>(w.weight(prefix + "q_norm.weight"), c.rmsNormEps));
-      kNorm_ = addChild("k_norm", std::make_shared<RMSNorm>(w.weight(prefix + "k_norm.weight"), c.rmsNormEps));
+      qNorm_ = addChild("q_norm", w.norm(prefix + "q_norm"));
+      kNorm_ = addChild("k_norm", w.norm(prefix + "k_norm"));
     }
     qHook_ = addChild("q_hook", std::make_shared<HookPoint>());
     kHook_ = addChild("k_hook", std::make_shared<HookPoint>());
@@ -152,11 +153,9 @@ class LlamaLayer final : public DecoderLayer {
         kvHeads_(c.numKvHeads),
         headDim_(c.headDim),
         experts_(c.numExperts) {
-    inputNorm_ = addChild("input_layernorm",
-                          std::make_shared<RMSNorm>(w.weight(prefix + "input_layernorm.weight"), c.rmsNormEps));
+    inputNorm_ = addChild("input_layernorm", w.norm(prefix + "input_layernorm"));
     attention_ = addChild("self_attn", std::make_shared<Attention>(w, prefix + "self_attn.", c));
-    postNorm_ = addChild("post_attention_layernorm",
-                         std::make_shared<RMSNorm>(w.weight(prefix + "post_attention_layernorm.weight"), c.rmsNormEps));
+    postNorm_ = addChild("post_attention_layernorm", w.norm(prefix + "post_attention_layernorm"));
     moe_ = c.isMoeLayer(index);
     if (moe_) {
       mlp_ = addChild("mlp", std::make_shared<SparseMoe>(w, prefix + "mlp.", c));
@@ -241,7 +240,7 @@ std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, 
   for (int64_t i = 0; i < c.numLayers; ++i) layers->addChild(std::to_string(i), std::make_shared<UnloadedLayer>());
   lm->layers_ = layers.get();
   model->addChild("layers", layers);
-  model->addChild("norm", std::make_shared<RMSNorm>(lm->weight("model.norm.weight"), c.rmsNormEps));
+  model->addChild("norm", lm->norm("model.norm"));
   lm->root_ = std::make_shared<Module>("CausalLM");
   lm->root_->addChild("model", model);
   const bool tied = !lm->checkpoint_.contains("lm_head.weight") && !lm->checkpoint_.contains("lm_head.weight_packed");
@@ -295,9 +294,19 @@ std::shared_ptr<Module> CausalLM::linear(const std::string& name, bool bias) {
       return checkpoint_.tensor(tensor).to(options_.device);
     };
     const auto has = [this](const std::string& tensor) { return checkpoint_.contains(tensor); };
+    bias = bias || undeclaredBias(name);
     if (auto quantized = quantized_->linear(name, bias, stored, has, options_.dtype)) return quantized;
   }
   return std::make_shared<Linear>(weight(name + ".weight"), bias ? weight(name + ".bias") : at::Tensor());
+}
+
+std::shared_ptr<Module> CausalLM::norm(const std::string& name) {
+  return std::make_shared<RMSNorm>(weight(name + ".weight"), config_.rmsNormEps,
+                                   undeclaredBias(name) ? weight(name + ".bias") : at::Tensor());
+}
+
+bool CausalLM::undeclaredBias(const std::string& name) const {
+  return quantized_ && quantized_->loadsUndeclaredBiases() && checkpoint_.contains(name + ".bias");
 }
 
 DecoderLayer& CausalLM::layer(int64_t index) {
@@ -305,7 +314,8 @@ DecoderLayer& CausalLM::layer(int64_t index) {
   if (!isLoaded(index)) {
     const LayerSource source{[this](const std::string& name) { return weight(name); },
                              [this](const std::string& name) { return checkpoint_.contains(name); },
-                             [this](const std::string& name, bool bias) { return linear(name, bias); }};
+                             [this](const std::string& name, bool bias) { return linear(name, bias); },
+                             [this](const std::string& name) { return norm(name); }};
     layers_->replace(std::to_string(index),
                      std::make_shared<LlamaLayer>(source, layerName(index) + ".", index, config_));
   }

@@ -172,14 +172,16 @@ at::Tensor Linear::forward(const at::Tensor& input) {
   return at::linear(input, weight(), bias());
 }
 
-RMSNorm::RMSNorm(at::Tensor weight, double eps) : Module("RMSNorm"), eps_(eps) {
+RMSNorm::RMSNorm(at::Tensor weight, double eps, at::Tensor bias) : Module("RMSNorm"), eps_(eps) {
   addParameter("weight", std::move(weight));
+  if (bias.defined()) addParameter("bias", std::move(bias));
 }
 
 at::Tensor RMSNorm::forward(const at::Tensor& input) {
   const at::Tensor x = input.to(at::kFloat);
   const at::Tensor normed = x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_);
-  return parameter("weight") * normed.to(input.scalar_type());
+  const at::Tensor scaled = parameter("weight") * normed.to(input.scalar_type());
+  return hasParameter("bias") ? scaled + parameter("bias") : scaled;
 }
 
 Embedding::Embedding(at::Tensor weight) : Module("Embedding") {

@@ -388,6 +388,7 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
   }
 
   std::string weightsPrefix() const override { return kAscendWeightsPrefix; }
+  bool loadsUndeclaredBiases() const override { return true; }
 
   std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor, const HasFn& has,
                                       at::ScalarType computeDtype) const override {

@@ -136,6 +136,9 @@ class CausalLM {
   at::Tensor weight(const std::string& name);  // on the device, floating point in the compute dtype
   // Module `name`: a QuantLinear where the checkpoint quantized it, else a Linear.
   std::shared_ptr<Module> linear(const std::string& name, bool bias);
+  std::shared_ptr<Module> norm(const std::string& name);
+  // A `name.bias` that config.json does not declare but the checkpoint's format defines and holds.
+  bool undeclaredBias(const std::string& name) const;
 
   ModelConfig config_;
   ModelOptions options_;

@@ -116,10 +116,12 @@ class HookPoint : public Module {
   at::Tensor forward(const at::Tensor& input) override { return input; }
 };
 
-// Llama/Qwen RMSNorm: normalised in fp32, scaled by the weight in the input's dtype (as HF).
+// Llama/Qwen RMSNorm: normalised in fp32, scaled by the weight in the input's dtype (as HF). An
+// optional bias is added after the scaling: HF's RMSNorm has none, but msmodelslim's asymmetric
+// smoothing gives the norm one (docs/smoothing.md).
 class RMSNorm : public Module {
  public:
-  RMSNorm(at::Tensor weight, double eps);
+  RMSNorm(at::Tensor weight, double eps, at::Tensor bias = {});
   at::Tensor forward(const at::Tensor& input) override;
 
  private:

@@ -73,6 +73,9 @@ class QuantizedCheckpoint {
 
   // The weights' file prefix: "model", or "quant_model_weights" for ascendv1.
   virtual std::string weightsPrefix() const = 0;
+  // Whether a norm's or a projection's `.bias` that config.json does not declare is part of the
+  // model where the checkpoint holds one (ascendv1: msmodelslim's asymmetric smoothing writes them).
+  virtual bool loadsUndeclaredBiases() const { return false; }
   // Module `name` (e.g. model.layers.0.mlp.up_proj) as a QuantLinear computing in
   // `computeDtype`, or nullptr when the checkpoint keeps it in float.
   virtual std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor,
