@@ -155,6 +155,12 @@ void SmoothingProcessor::preprocess(LayerRequest& request) {
   }
 }
 
+void SmoothingProcessor::process(LayerRequest& request) {
+  std::vector<Module*> watched;
+  for (const auto& w : watched_) watched.push_back(w->first);
+  calibrateInputsOf(request, watched);
+}
+
 void SmoothingProcessor::postprocess(LayerRequest& request) {
   if (watched_.empty()) return;
   std::vector<at::Tensor> parts;

@@ -60,6 +60,9 @@ class SmoothingProcessor : public Processor {
   ~SmoothingProcessor() override;
 
   void preprocess(LayerRequest& request) override;
+  // Only the consumers' inputs are read: the samples stop at the last of them when a later step
+  // forwards the layer again.
+  void process(LayerRequest& request) override;
   void postprocess(LayerRequest& request) override;
   void postRun() override;
   // Maxima and minima merge exactly in any order, so W ranks smooth with the 1-rank statistics.

@@ -4,7 +4,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <vector>
 
+#include "qpipe/plugin.h"
 #include "test_helpers.h"
 
 namespace {
@@ -30,7 +32,9 @@ TEST(Cli, VersionPrintsVersionAbiAndFingerprint) {
   const CommandResult r = qpipe("version");
   EXPECT_EQ(r.exitCode, 0);
   EXPECT_NE(r.out.find("qpipe 0.1.0"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("plugin ABI 5.0"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(qpipe::concat("plugin ABI ", QPIPE_PLUGIN_ABI_MAJOR, ".", QPIPE_PLUGIN_ABI_MINOR)),
+            std::string::npos)
+      << r.out;
   EXPECT_NE(r.out.find("|torch=2.11.0|"), std::string::npos) << r.out;
 }
 
@@ -47,9 +51,11 @@ TEST(Cli, OpenMpThreadsSleepWhenIdleUnlessTheUserChoseAPolicy) {
 TEST(Cli, PluginsListsEveryBrokenFixtureWithItsReasonAndExitsZero) {
   const CommandResult r = qpipe("plugins --plugin_dir " + kFaults);
   EXPECT_EQ(r.exitCode, 0) << r.err;
-  for (const char* expected : {
+  const std::string abiMajor =
+      qpipe::concat("libfault_abi_major.so\n    plugin ABI ", QPIPE_PLUGIN_ABI_MAJOR + 1, ".0 is not compatible");
+  for (const std::string& expected : std::vector<std::string>{
            "Rejected libraries (5):",
-           "libfault_abi_major.so\n    plugin ABI 6.0 is not compatible",
+           abiMajor,
            "libfault_duplicate_b.so\n    processor type 'duplicate_type' is registered by plugin 'fault_duplicate_b'",
            "libfault_fingerprint.so\n    build fingerprint 'gcc-4.8|cxx11abi=0|torch=1.13.1|qpipe=0.0.1' does not "
            "match",

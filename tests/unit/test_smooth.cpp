@@ -376,6 +376,41 @@ TEST_F(Smoothing, AsymmetricNormBiasesSaveAsAscendV1AndAreRefusedByCompressedTen
   EXPECT_FALSE(fs::exists(refused));
 }
 
+TEST_F(Smoothing, ItsForwardStopsAtTheLastConsumerInputWhenALaterStepForwardsAgain) {
+  // The forwards of layer 0's modules as the checkpoint loads them, counted when they complete:
+  // linear_quant replaces the modules in its own preprocess, so these count the smoothing
+  // forward's alone.
+  const fs::path dir = test::tinyLlama("smooth_stops");
+  const std::string quant =
+      "    - type: linear_quant\n"
+      "      qconfig:\n"
+      "        act: {dtype: int8, scope: per_tensor, symmetric: False}\n"
+      "        weight: {dtype: int8, scope: per_channel}\n";
+  const auto callsDuring = [&](const std::string& process, const std::vector<std::string>& paths) {
+    auto steps = processors(process);
+    auto model = CausalLM::open(dir);
+    std::vector<int> calls(paths.size());
+    for (size_t i = 0; i < paths.size(); ++i) {
+      model->layer(0).getSubmodule(paths[i]).addForwardHook([&calls, i](Module&, const at::Tensor&, const at::Tensor&) {
+        ++calls[i];
+        return at::Tensor();
+      });
+    }
+    LayerWiseRunner(*model, steps, {.mode = RunnerMode::kModelWise}).run(samples(), {});
+    return calls;
+  };
+  const std::vector<std::string> paths = {"self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"};
+  const int n = static_cast<int>(samples().size());
+  // smooth_quant watches q_proj's and gate_proj's inputs: nothing from gate_proj on runs.
+  EXPECT_EQ(callsDuring("    - {type: smooth_quant}\n" + quant, paths), (std::vector<int>{n, n, 0, 0}));
+  // iter_smooth watches down_proj's input too: only down_proj itself is skipped.
+  EXPECT_EQ(callsDuring("    - {type: iter_smooth}\n" + quant, paths), (std::vector<int>{n, n, n, 0}));
+  EXPECT_EQ(callsDuring("    - {type: iter_smooth, enable_subgraph_type: [ov]}\n" + quant, paths),
+            (std::vector<int>{n, 0, 0, 0}));
+  // Alone, smoothing's forward is the one whose outputs feed the next layer: it runs whole.
+  EXPECT_EQ(callsDuring("    - {type: smooth_quant}\n", paths), (std::vector<int>{n, n, n, n}));
+}
+
 TEST(SmoothingGroups, ReduceAndExpandByHand) {
   // 4 heads of 2 channels in 2 KV groups: heads 0, 1 → group 0; heads 2, 3 → group 1.
   const at::Tensor perHead = at::tensor({1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f});

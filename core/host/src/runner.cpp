@@ -152,7 +152,50 @@ struct UnitRun {
   LayerRequest& request;
   Probe::Forward probeForward;
   bool propagateProbe;  // a decoder layer's quantized probe output is the next layer's probe input
+  // What request.forwardUntil is for a step that a later forward follows; unset where samples
+  // cannot stop early.
+  std::function<void(LayerRequest&, const std::vector<Module*>&)> forwardUntil;
 };
+
+// Thrown by forwardUntil's last hook of a sample, caught around that sample's forward.
+struct SampleDone {};
+
+// LayerRequest::forwardUntil for `layer`: a pre-hook on every watched module marks it seen for
+// the running sample (registered after the step's own hooks, so it runs after them), and the
+// last one ends the sample. A module called twice in a sample is seen once.
+void forwardLayerUntil(DecoderLayer& layer, LayerRequest& r, const std::vector<Module*>& watched) {
+  r.outputs.assign(r.inputs.size(), {});
+  std::vector<bool> seen(watched.size());
+  size_t remaining = 0;
+  std::vector<std::pair<Module*, Module::HookHandle>> hooks;
+  const auto removeHooks = [&] {
+    for (auto& [module, handle] : hooks) module->removeHook(handle);
+  };
+  for (size_t i = 0; i < watched.size(); ++i) {
+    hooks.emplace_back(watched[i], watched[i]->addForwardPreHook([&seen, &remaining, i](Module&, const at::Tensor&) {
+      if (!seen[i]) {
+        seen[i] = true;
+        if (--remaining == 0) throw SampleDone{};
+      }
+      return at::Tensor();
+    }));
+  }
+  const auto sample = [&](int64_t s) {
+    std::fill(seen.begin(), seen.end(), false);
+    remaining = watched.size();
+    try {
+      forwardLayer(layer, r.inputs[static_cast<size_t>(s)]);
+    } catch (const SampleDone&) {
+    }
+  };
+  try {
+    runStaged(static_cast<int64_t>(r.inputs.size()), sample);
+  } catch (...) {
+    removeHooks();
+    throw;
+  }
+  removeHooks();
+}
 
 }  // namespace
 
@@ -197,11 +240,16 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     LayerRequest& request = unit.request;
     if (probe) probe->recordFloat(*request.module, request.name, unit.probeForward);
     bool forwarded = false;
-    for (auto& processor : processors_) {
+    for (size_t i = 0; i < processors_.size(); ++i) {
+      Processor* processor = processors_[i].get();
       const auto start = Clock::now();
       processor->preprocess(request);
       if (needsCalibration(*processor)) {
+        const bool followed = std::any_of(processors_.begin() + static_cast<std::ptrdiff_t>(i) + 1, processors_.end(),
+                                          [](const auto& later) { return needsCalibration(*later); });
+        request.forwardUntil = followed ? unit.forwardUntil : nullptr;
         processor->process(request);
+        request.forwardUntil = nullptr;
         forwarded = true;
       }
       processor->postprocess(request);
@@ -237,8 +285,13 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       runStaged(static_cast<int64_t>(r.inputs.size()), sample);
     };
     LayerReport report{.name = request.name};
-    const bool forwarded =
-        runUnit({request, [&layer](const TensorList& input) { return forwardLayer(layer, input); }, true}, report);
+    UnitRun unit{request, [&layer](const TensorList& input) { return forwardLayer(layer, input); }, true};
+    if (request.staged) {
+      unit.forwardUntil = [&layer](LayerRequest& r, const std::vector<Module*>& watched) {
+        forwardLayerUntil(layer, r, watched);
+      };
+    }
+    const bool forwarded = runUnit(unit, report);
     if (sink) sink(index, request.name, layer);
     // Lock-step: no rank runs ahead of rank 0's writing by more than one layer.
     group.barrier();
@@ -247,7 +300,10 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     if (forwarded) {
       QPIPE_CHECK(request.outputs.size() == inputs.size(), "layer ", request.name, ": ", request.outputs.size(),
                   " outputs for ", inputs.size(), " inputs");
-      for (size_t s = 0; s < inputs.size(); ++s) inputs[s][0] = request.outputs[s][0];
+      for (size_t s = 0; s < inputs.size(); ++s) {
+        QPIPE_CHECK(!request.outputs[s].empty(), "layer ", request.name, ": no output for sample ", s);
+        inputs[s][0] = request.outputs[s][0];
+      }
     }
     if (!resident) {
       model_.releaseLayer(index);

@@ -19,6 +19,15 @@ void calibrate(LayerRequest& request) {
   request.forward(request);
 }
 
+void calibrateInputsOf(LayerRequest& request, const std::vector<Module*>& watched) {
+  QPIPE_CHECK(request.betweenForwards.empty(), "calibrateInputsOf with steps between forwards");
+  if (!request.forwardUntil) {
+    calibrate(request);
+  } else if (!watched.empty()) {
+    request.forwardUntil(request, watched);
+  }
+}
+
 std::shared_ptr<ModuleFilter> ProcessorContext::moduleFilter(const ConfigNode& config) const {
   auto filter =
       std::make_shared<ModuleFilter>(config.at("include").asStringList(), config.at("exclude").asStringList());

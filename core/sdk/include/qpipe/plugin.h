@@ -71,7 +71,9 @@ class PluginRegistrar {
 // LinearQuantizer and QuantLinear hold their int8 GEMM state.
 // 5.0: LayerRequest carries the layer's family and smoothing subgraphs (qpipe/subgraph.h);
 // DecoderLayer declares them.
-#define QPIPE_PLUGIN_ABI_MAJOR 5
+// 6.0: LayerRequest carries forwardUntil (calibrateInputsOf, forwards that stop at the last
+// watched module); RMSNorm may hold a bias.
+#define QPIPE_PLUGIN_ABI_MAJOR 6
 #define QPIPE_PLUGIN_ABI_MINOR 0
 
 #define QPIPE_STRINGIFY_IMPL(x) #x

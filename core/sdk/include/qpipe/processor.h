@@ -68,6 +68,11 @@ struct LayerRequest {
   std::vector<TensorList> outputs;  // filled by a decoder layer's calibration forward, same order
   // Runs the unit over `inputs` and, for a decoder layer, fills `outputs`; set by the runner.
   std::function<void(LayerRequest&)> forward;
+  // Like `forward`, but each sample stops as soon as every module of `watched` has received its
+  // input, and `outputs` stay empty. The runner offers it (else it is unset) to a step whose
+  // outputs a later step's forward of the same unit replaces, on a decoder layer whose modules
+  // run the same way for every sample. Use it through calibrateInputsOf().
+  std::function<void(LayerRequest&, const std::vector<Module*>& watched)> forwardUntil;
   // True when `forward` runs the samples as a staged run: modules may wait at settle points
   // (qpipe/staged.h), and every rank reaches the same points in the same order.
   bool staged = false;
@@ -127,6 +132,12 @@ void forEach(LayerRequest& request, ModuleFilter& filter, Fn&& fn) {
 // The calibration forward: `forward`; then, when steps were registered in `betweenForwards`,
 // those steps (the list is emptied) and a second `forward` whose outputs replace the first's.
 void calibrate(LayerRequest& request);
+
+// The calibration forward of a step that only reads the inputs of `watched` (hooks that collect
+// statistics) and registers nothing in betweenForwards: request.forwardUntil where the runner
+// offers it, so the samples stop at the last watched module (and nothing runs when nothing is
+// watched); else calibrate(request).
+void calibrateInputsOf(LayerRequest& request, const std::vector<Module*>& watched);
 
 // What a processor is built with.
 struct ProcessorContext {
