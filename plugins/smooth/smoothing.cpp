@@ -135,9 +135,9 @@ void SmoothingProcessor::preprocess(LayerRequest& request) {
     w->hook = w->first->addForwardPreHook([w, keep, mean, unit](Module&, const at::Tensor& x) {
       if (x.numel() == 0) return at::Tensor();
       const at::Tensor flat = x.reshape({-1, x.size(-1)}).to(at::kCPU, at::kFloat);
-      const auto [lo, hi] = at::aminmax(flat, 0);
-      w->min = at::minimum(w->min, lo);
-      w->max = at::maximum(w->max, hi);
+      // amin and amax, not aminmax: ATen's aminmax along a dimension is a scalar loop.
+      w->min = at::minimum(w->min, flat.amin(0));
+      w->max = at::maximum(w->max, flat.amax(0));
       const int64_t sample = currentSample(*unit);
       QPIPE_CHECK(!(keep || mean) || sample >= 0, "a smoothing statistic outside a calibration forward");
       if (keep) {

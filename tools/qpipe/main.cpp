@@ -1,6 +1,7 @@
 // qpipe: the command-line front door. Every failure ends as one line on stderr and an exit
 // code from qpipe::ErrorCode (docs/cli.md).
 #include <CLI/CLI.hpp>
+#include <malloc.h>
 #include <stdlib.h>
 
 #include <cstdlib>
@@ -31,10 +32,22 @@ std::string usageMessage(CLI::App& app, const CLI::ParseError& e) {
 // (docs/benchmarks.md). libgomp reads OMP_WAIT_POLICY once, in its initializer, so unless the
 // user chose a policy it is set here, from the executable's .preinit_array, which the dynamic
 // loader runs before the initializer of any shared library.
-void preferPassiveOpenMp(int, char**, char**) {
+//
+// glibc serves an allocation above its mmap threshold (128 KiB, raised dynamically up to 32 MiB)
+// with fresh pages, and trims the top of the heap on free: each activation-sized tensor then costs
+// page faults and zeroing on every use. A flex_smooth_quant + static W8A8 run of SmolLM2 spent 12 %
+// of its CPU time in page faults and took 58 s; with both thresholds raised, 49 s
+// (docs/benchmarks.md). The runner's malloc_trim after each layer still returns the layer's
+// memory. A user's GLIBC_TUNABLES or MALLOC_* settings win.
+void preferProcessDefaults(int, char**, char**) {
   if (std::getenv("OMP_WAIT_POLICY") == nullptr) ::setenv("OMP_WAIT_POLICY", "passive", 1);
+  if (std::getenv("GLIBC_TUNABLES") == nullptr && std::getenv("MALLOC_MMAP_THRESHOLD_") == nullptr &&
+      std::getenv("MALLOC_TRIM_THRESHOLD_") == nullptr) {
+    ::mallopt(M_MMAP_THRESHOLD, 512 << 20);
+    ::mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  }
 }
-[[gnu::section(".preinit_array"), gnu::used]] void (*const preferPassive)(int, char**, char**) = preferPassiveOpenMp;
+[[gnu::section(".preinit_array"), gnu::used]] void (*const preferDefaults)(int, char**, char**) = preferProcessDefaults;
 
 }  // namespace
 

@@ -135,12 +135,9 @@ std::string QScheme::name() const {
 
 std::pair<at::Tensor, at::Tensor> minMax(const at::Tensor& x, const QScheme& scheme) {
   // Reduced in the input's dtype (min and max select values exactly) and only then widened to
-  // fp32: no fp32 copy of a large activation.
+  // fp32: no fp32 copy of a large activation. Two vectorised passes: ATen's aminmax along a
+  // dimension is a scalar loop, about 19× slower on [512, 1536] fp32.
   const auto reduce = [](const at::Tensor& t, at::IntArrayRef dims, bool keepdim) -> std::pair<at::Tensor, at::Tensor> {
-    if (dims.size() == 1) {  // one pass for both
-      const auto [min, max] = at::aminmax(t, dims[0], keepdim);
-      return {min.to(at::kFloat), max.to(at::kFloat)};
-    }
     return {t.amin(dims, keepdim).to(at::kFloat), t.amax(dims, keepdim).to(at::kFloat)};
   };
   switch (scheme.scope) {
