@@ -61,7 +61,7 @@ TEST(Cli, PluginsListsEveryBrokenFixtureWithItsReasonAndExitsZero) {
            "match",
            "libfault_no_descriptor.so\n    no qpipe plugin descriptor",
            "libfault_not_elf.so\n    not a shared library",
-           "Loaded plugins (5):",  // the three fault fixtures that load, and the built-in linear_quant and smooth
+           "Loaded plugins (6):",  // the three fault fixtures that load, and the built-in linear_quant, smooth, fa3
            "type: factory_throws",
            "type: linear_quant",
        }) {
@@ -83,12 +83,14 @@ TEST(Cli, CheckRejectsUnknownTypeNamingFileLineTypeAndKnownTypes) {
   const CommandResult r = qpipe("check --config_path " + kPipelines + "unknown_type.yaml --plugin_dir " + kExample);
   EXPECT_EQ(r.exitCode, 3);
   expectOneLineError(r);
-  EXPECT_EQ(r.err.rfind("qpipe: configuration error: " + kPipelines +
-                            "unknown_type.yaml:6:13: spec.process[1].type: "
-                            "unknown processor type 'awq_magic'; known types: flex_awq_ssz, flex_smooth_quant, group, "
-                            "iter_smooth, linear_quant, log_layers, module_stats, smooth_quant",
-                        0),
-            0u)
+  EXPECT_EQ(
+      r.err.rfind(
+          "qpipe: configuration error: " + kPipelines +
+              "unknown_type.yaml:6:13: spec.process[1].type: "
+              "unknown processor type 'awq_magic'; known types: fa3_quant, flex_awq_ssz, flex_smooth_quant, group, "
+              "iter_smooth, linear_quant, log_layers, module_stats, smooth_quant",
+          0),
+      0u)
       << r.err;
 }
 

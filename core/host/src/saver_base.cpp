@@ -2,6 +2,7 @@
 
 #include <fstream>
 
+#include "qpipe/attention_quant.h"
 #include "qpipe/error.h"
 #include "qpipe/host/savers.h"
 #include "qpipe/log.h"
@@ -137,6 +138,10 @@ void SaverBase::writeModule(const std::string& prefix, Module& module, const std
       noteFloatLinear(name);
     } else if (dynamic_cast<RMSNorm*>(child) != nullptr && child->hasParameter("bias")) {
       noteNormBias(name);
+    } else if (dynamic_cast<AttentionQuant*>(child) != nullptr) {
+      QPIPE_REQUIRE(false, ErrorCode::kConfig, name,
+                    " holds fa3_quant's attention quantization, which no saver writes yet; the scales exist in "
+                    "the run only (docs/attention.md)");
     }
   }
   const bool dropTiedHead = model_.config().tieWordEmbeddings && !headUntied_ && skipsTiedHead();

@@ -311,4 +311,44 @@ QParams HistogramObserver::qparams() const {
   return computeQParams(at::full({1}, min, at::kFloat), at::full({1}, max, at::kFloat), scheme_);
 }
 
+RecallWindowObserver::RecallWindowObserver(double ratio) : ratio_(ratio) {
+  QPIPE_REQUIRE(ratio > 0 && ratio <= 1, ErrorCode::kConfig, "recall window observer: ratio ", ratio,
+                " is not in (0, 1]");
+}
+
+std::pair<at::Tensor, at::Tensor> RecallWindowObserver::window(const at::Tensor& x) const {
+  QPIPE_REQUIRE(x.dim() == 4, ErrorCode::kConfig,
+                "recall window observer: per head needs [batch, heads, seq, head_dim], got shape ", x.sizes());
+  const int64_t heads = x.size(1);
+  const at::Tensor values = x.transpose(0, 1).reshape({heads, -1}).to(at::kFloat);
+  const int64_t n = values.size(1);
+  QPIPE_REQUIRE(n > 0, ErrorCode::kConfig, "recall window observer: an empty batch");
+  const int64_t t = std::max<int64_t>(1, static_cast<int64_t>(ratio_ * static_cast<double>(n)));
+  // Only the k = N − T + 1 smallest and largest values can bound a window: window i runs from the
+  // i-th smallest to the (k − 1 − i)-th largest.
+  const int64_t k = n - t + 1;
+  const at::Tensor low = std::get<0>(at::topk(values, k, 1, /*largest=*/false, /*sorted=*/true));
+  const at::Tensor high = std::get<0>(at::topk(values, k, 1, /*largest=*/true, /*sorted=*/true)).flip(1);
+  const at::Tensor best = (high - low).argmin(1, /*keepdim=*/true);
+  const auto shaped = [heads](const at::Tensor& t) { return t.reshape({1, heads, 1, 1}); };
+  return {shaped(low.gather(1, best)), shaped(high.gather(1, best))};
+}
+
+void RecallWindowObserver::update(const at::Tensor& x) {
+  const auto [start, end] = window(x);
+  merge({start, end});
+}
+
+void RecallWindowObserver::merge(const State& other) {
+  if (!other.min.defined()) return;
+  if (empty()) {
+    state_ = other;
+    return;
+  }
+  QPIPE_CHECK(other.min.sizes() == state_.min.sizes(), "recall window observer: merging shape ", other.min.sizes(),
+              " into ", state_.min.sizes());
+  state_.min = at::minimum(state_.min, other.min);
+  state_.max = at::maximum(state_.max, other.max);
+}
+
 }  // namespace qpipe::quant

@@ -1,5 +1,8 @@
 #include "qpipe/qconfig.h"
 
+#include <string>
+#include <vector>
+
 #include "qpipe/config_node.h"
 #include "qpipe/error.h"
 #include "qpipe/schema.h"
@@ -8,7 +11,7 @@ namespace qpipe::quant {
 
 namespace {
 
-Schema sideSchema(bool isAct) {
+Schema sideSchema(std::string defaultDtype, std::string defaultScope, std::vector<std::string> scopes) {
   Schema ext;
   ext.add(
          {.name = "aggregation_type", .help = "act minmax: max (running extremes) or mean", .allowed = {"max", "mean"}})
@@ -18,9 +21,8 @@ Schema sideSchema(bool isAct) {
       .add({.name = "step", .type = ValueType::kInt, .help = "weight ssz: search iterations (default 50)"})
       .add({.name = "group_size", .type = ValueType::kInt, .help = "per_group: columns per group (default 128)"});
   Schema side;
-  side.choice("dtype", {"int8", "int4", "fp8_e4m3", "float"}, isAct ? "float" : "int8", "element type; float = off")
-      .choice("scope", {"per_tensor", "per_channel", "per_group", "per_token", "per_head"},
-              isAct ? "per_tensor" : "per_channel", "granularity of scales")
+  side.choice("dtype", {"int8", "int4", "fp8_e4m3", "float"}, std::move(defaultDtype), "element type; float = off")
+      .choice("scope", std::move(scopes), std::move(defaultScope), "granularity of scales")
       .optional("symmetric", ValueType::kBool, ConfigNode::boolean(true), "zero point fixed at 0")
       .choice("method", {"minmax", "histogram", "ssz", "none"}, "minmax", "how the range is chosen")
       .nested("ext", std::move(ext), false, "method options");
@@ -171,9 +173,42 @@ std::string LinearQConfig::describe() const {
 
 Schema linearQConfigSchema() {
   Schema schema;
-  schema.nested("act", sideSchema(true), false, "input activation (default float: not quantized)")
-      .nested("weight", sideSchema(false), true, "weight");
+  const std::vector<std::string> scopes = {"per_tensor", "per_channel", "per_group", "per_token", "per_head"};
+  schema
+      .nested("act", sideSchema("float", "per_tensor", scopes), false,
+              "input activation (default float: not quantized)")
+      .nested("weight", sideSchema("int8", "per_channel", scopes), true, "weight");
   return schema;
+}
+
+Schema attentionQConfigSchema() {
+  // per_block is msmodelslim's spelling; accepted by the schema so that its message is ours.
+  return sideSchema("int8", "per_head",
+                    {"per_head", "per_token", "per_block", "per_tensor", "per_channel", "per_group"});
+}
+
+QConfig parseAttentionQConfig(const ConfigNode& node, std::string_view path) {
+  const Side side{node, std::string(path)};
+  if (side.field("scope").asString() == "per_block") {
+    side.fail("scope",
+              "per_block (msmodelslim's dynamic blocks of tokens) is not supported yet; use per_head or "
+              "per_token");
+  }
+  QConfig config = readCommon(side);
+  for (const char* key : {"aggregation_type", "search_method", "step", "group_size"}) {
+    rejectExt(side, key, "does not apply to attention quantization");
+  }
+  if (!config.enabled()) {
+    config.scheme = {.dtype = QDtype::kFloat, .scope = QScope::kPerTensor, .symmetric = true};
+    config.method = QMethod::kNone;
+    return config;
+  }
+  if (config.scheme.dtype == QDtype::kInt4) side.fail("dtype", "attention is quantized to int8 or fp8_e4m3");
+  if (config.scheme.scope != QScope::kPerHead && config.scheme.scope != QScope::kPerToken) {
+    side.fail("scope", "attention is quantized per_head (static, calibrated) or per_token (dynamic)");
+  }
+  if (config.method != QMethod::kMinMax) side.fail("method", "attention takes minmax (a recall window per head)");
+  return config;
 }
 
 LinearQConfig parseLinearQConfig(const ConfigNode& qconfig, std::string_view path) {

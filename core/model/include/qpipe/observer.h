@@ -12,6 +12,7 @@
 // - MinMaxObserver, aggregation mean: every batch's min/max (fp32). The mean is computed in
 //   qparams(): per element, the batch values sorted, summed in float64 in that order, divided by
 //   the count — sorting makes the float64 sum independent of the order the batches came in.
+// - RecallWindowObserver: the elementwise min of the batches' window starts and max of their ends.
 // - HistogramObserver: a 2048-bin histogram on a power-of-two range [-2^k, 2^k), k the least
 //   integer with absmax < 2^k. Growing the range from k to k+1 merges adjacent bin pairs exactly,
 //   so counts (float64 integers) and per-bin extremes are independent of the order of batches.
@@ -120,6 +121,35 @@ class HistogramObserver {
 
   QScheme scheme_;
   Search search_;
+  State state_;
+};
+
+// Reference: msmodelslim core/observer/recall_window.py (RecallWindowObserver), as its fa3_quant
+// uses it, per head. For each head of a [batch, heads, seq, head_dim] batch, its N values sorted
+// v_0 ≤ … ≤ v_{N−1} and T = max(1, ⌊ratio·N⌋): the narrowest window [v_i, v_{i+T−1}] (the lowest i
+// among equal widths), so ratio 1 is the plain min and max. Batches accumulate as the min of the
+// windows' starts and the max of their ends. msmodelslim groups a batch's values by head with
+// `view(heads, -1)` on the [batch, heads, …] tensor, which is per head only for one-sample
+// batches (what it feeds); here the values of head h are x[:, h] for any batch size.
+class RecallWindowObserver {
+ public:
+  struct State {
+    at::Tensor min;  // fp32 [1, heads, 1, 1]; undefined before the first batch
+    at::Tensor max;
+  };
+
+  explicit RecallWindowObserver(double ratio);
+
+  void update(const at::Tensor& x);
+  void merge(const State& other);
+  const State& state() const { return state_; }
+  bool empty() const { return !state_.min.defined(); }
+  double ratio() const { return ratio_; }
+  // The window of one batch, per head: {start, end}, fp32 [1, heads, 1, 1].
+  std::pair<at::Tensor, at::Tensor> window(const at::Tensor& x) const;
+
+ private:
+  double ratio_;
   State state_;
 };
 

@@ -53,6 +53,13 @@ struct LinearQConfig {
 // The schema of a `qconfig` block (field types and allowed spellings).
 Schema linearQConfigSchema();
 
+// fa3_quant's QConfig for Q, K or V (msmodelslim's default: int8 per_head symmetric minmax):
+// int8 or fp8_e4m3, per_head (static: calibrated, a recall window per head) or per_token
+// (dynamic), method minmax; dtype float leaves that input unquantized. Other values are
+// Error(kConfig) naming file:line:col and the field under `path`.
+Schema attentionQConfigSchema();
+QConfig parseAttentionQConfig(const ConfigNode& node, std::string_view path);
+
 // Reads a `qconfig` block validated by linearQConfigSchema(). Combinations that cannot be run
 // (e.g. int4 activations, ssz on per_group, fp8 weights with int8 activations) are
 // Error(kConfig) naming file:line:col and the field under `path`.

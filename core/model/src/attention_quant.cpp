@@ -1,0 +1,42 @@
+#include "qpipe/attention_quant.h"
+
+#include <ATen/ATen.h>
+
+#include <utility>
+
+#include "qpipe/error.h"
+
+namespace qpipe {
+
+AttentionQuant::AttentionQuant(quant::QScheme scheme, std::optional<quant::QParams> params)
+    : Module("AttentionQuant"), scheme_(scheme) {
+  using quant::QScope;
+  QPIPE_REQUIRE(scheme.scope == QScope::kPerHead || scheme.scope == QScope::kPerToken, ErrorCode::kConfig,
+                "attention quantization is per_head (static) or per_token (dynamic), not ",
+                quant::qscopeName(scheme.scope));
+  QPIPE_CHECK(params.has_value() == (scheme.scope == QScope::kPerHead),
+              "AttentionQuant: ", params ? "parameters for a dynamic scheme" : "a static scheme without parameters");
+  if (params) {
+    QPIPE_CHECK(params->scale.dim() == 4 && params->scale.sizes() == params->zeroPoint.sizes(),
+                "AttentionQuant: scale shape ", params->scale.sizes(), ", expected [1, heads, 1, 1]");
+    addParameter("scale", std::move(params->scale));
+    addParameter("zero_point", std::move(params->zeroPoint));
+  }
+}
+
+quant::QParams AttentionQuant::params() {
+  QPIPE_CHECK(!isDynamic(), "AttentionQuant::params of a dynamic module");
+  return {parameter("scale"), parameter("zero_point")};
+}
+
+at::Tensor AttentionQuant::forward(const at::Tensor& input) {
+  QPIPE_REQUIRE(input.dim() == 4, ErrorCode::kInput, "attention quantization needs [batch, heads, seq, head_dim], got ",
+                input.sizes());
+  if (isDynamic()) return quant::fakeQuantize(input, quant::computeQParams(input, scheme_), scheme_);
+  const quant::QParams p = params();
+  QPIPE_REQUIRE(p.scale.size(1) == input.size(1), ErrorCode::kInput, "attention quantization has scales for ",
+                p.scale.size(1), " heads, the input has ", input.size(1));
+  return quant::fakeQuantize(input, p, scheme_);
+}
+
+}  // namespace qpipe
