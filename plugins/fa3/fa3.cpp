@@ -2,8 +2,9 @@
 // as they enter each Attention's scaled_dot_product_attention, after the q/k norms and RoPE (its
 // q_hook, k_hook and v_hook, which msmodelslim's adapters call the fa_q, fa_k and fa_v
 // placeholders), are quantized per head with static scales, or per token at run time:
-//   preprocess   a per_token input gets its AttentionQuant at once; a per_head one a HeadObserver,
-//                a recall window per head (ratio 0.9999 for Q and K, 1.0 for V, msmodelslim's)
+//   preprocess   a per_token input gets its AttentionQuant at once; a static one (per_head, or
+//                qpipe's per_tensor) a HeadObserver, a recall window per head (ratio 0.9999 for Q
+//                and K, 1.0 for V, msmodelslim's), merged over the heads for per_tensor
 //   process      calibrate(): in a staged forward each observer settles (the per-head min/max
 //                all-reduced across ranks, the scales fixed) once every sample reached it, and
 //                fake-quantizes from then on, so the rest of the layer sees the deployed
@@ -58,9 +59,13 @@ class HeadObserver final : public Module {
     QPIPE_CHECK(!observer_.empty(), "an attention observer settled without a calibration sample");
     at::Tensor bounds = at::cat({-observer_.state().min, observer_.state().max});
     group_->allReduce(bounds, ReduceOp::kMax);
-    const int64_t heads = observer_.state().min.size(1);
-    params_ = quant::computeQParams(-bounds.slice(0, 0, 1), bounds.slice(0, 1, 2), scheme_);
-    QPIPE_CHECK(params_->scale.size(1) == heads, "per-head scales of ", params_->scale.size(1), " heads");
+    at::Tensor min = -bounds.slice(0, 0, 1), max = bounds.slice(0, 1, 2);
+    // per_tensor: the heads' windows merged.
+    if (scheme_.scope == quant::QScope::kPerTensor) {
+      min = min.amin().reshape({1});
+      max = max.amax().reshape({1});
+    }
+    params_ = quant::computeQParams(min, max, scheme_);
   }
 
   std::shared_ptr<AttentionQuant> deploy() {

@@ -4,6 +4,7 @@
 // its own hooks), the data-free per_token mode, and every configuration error.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <filesystem>
@@ -24,6 +25,7 @@
 #include "qpipe/model.h"
 #include "qpipe/observer.h"
 #include "qpipe/plugin.h"
+#include "qpipe/safetensors.h"
 #include "test_helpers.h"
 #include "tiny_model.h"
 
@@ -228,23 +230,83 @@ TEST_F(Fa3, DetailsQuantizeOnlyTheInputsTheyName) {
   EXPECT_EQ(excluded->layer(1).getSubmodule("self_attn.k_hook").typeName(), "AttentionQuant");
 }
 
-TEST_F(Fa3, SavingTheAttentionScalesIsAnErrorNamingTheModuleNotASilentDrop) {
-  const fs::path dir = test::tinyLlama("fa3_save");
-  auto model = quantized("    - {type: fa3_quant}\n", dir);
-  const fs::path out = test::testDir() / "fa3_saved";
+// Saves layer by layer as the runner's sink does; returns the saved folder.
+fs::path saveAll(CausalLM& model, const std::string& name, const std::string& format = "compressed_tensors") {
+  const fs::path out = test::testDir() / name;
   fs::remove_all(out);
-  for (const char* format : {"compressed_tensors", "ascendv1_saver"}) {
-    SCOPED_TRACE(format);
-    EXPECT_EQ(test::errorOf(
-                  [&] {
-                    auto saver = createBuiltinSaver({.format = format}, *model, out);
-                    saver->writeLayer(0, model->layerName(0), model->layer(0));
-                  },
-                  ErrorCode::kConfig),
-              "model.layers.0.self_attn.q_hook holds fa3_quant's attention quantization, which no saver writes "
-              "yet; the scales exist in the run only (docs/attention.md)");
-    EXPECT_FALSE(fs::exists(out));
+  auto saver = createBuiltinSaver({.format = format}, model, out);
+  for (int64_t i = 0; i < model.config().numLayers; ++i) saver->writeLayer(i, model.layerName(i), model.layer(i));
+  saver->finish();
+  return out;
+}
+
+TEST_F(Fa3, KvCacheRoundTripsThroughCompressedTensorsKvCacheScheme) {
+  const fs::path dir = test::tinyQwen3("fa3_kv");
+  const at::Tensor ids = samples().back();
+  for (const auto& [scope, strategy, shape] : std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>>{
+           {"per_tensor", "tensor", {1}}, {"per_head", "attn_head", {test::kTinyQwen3KvHeads, 1, 1}}}) {
+    SCOPED_TRACE(scope);
+    const std::string kv = "{dtype: fp8_e4m3, scope: " + scope + "}";
+    auto model = quantized(
+        "    - type: linear_quant\n"
+        "      qconfig:\n"
+        "        act: {dtype: int8, scope: per_token}\n"
+        "        weight: {dtype: int8, scope: per_channel}\n"
+        "    - {type: fa3_quant, details: {fa_k: " +
+            kv + ", fa_v: " + kv + "}}\n",
+        dir);
+    const at::Tensor expected = model->forward(ids);
+    const fs::path out = saveAll(*model, "fa3_kv_" + scope);
+    const auto config = nlohmann::json::parse(test::slurp(out / "config.json"))["quantization_config"];
+    const auto& kvScheme = config["kv_cache_scheme"];
+    EXPECT_EQ(kvScheme["strategy"], strategy);
+    EXPECT_EQ(kvScheme["type"], "float");
+    EXPECT_EQ(kvScheme["num_bits"], 8);
+    EXPECT_EQ(kvScheme["dynamic"], false);
+    EXPECT_EQ(kvScheme["symmetric"], true);
+    const auto checkpoint = safetensors::Checkpoint::open(out, "model");
+    EXPECT_EQ(checkpoint.info("model.layers.1.self_attn.k_scale").shape, shape);
+    EXPECT_EQ(checkpoint.info("model.layers.1.self_attn.v_scale").dtype, "F32");
+    EXPECT_FALSE(checkpoint.contains("model.layers.0.self_attn.k_hook.scale"));
+    // qpipe loads the scales back to the same attention: the same logits, bit for bit.
+    auto loaded = CausalLM::open(out);
+    EXPECT_TRUE(at::equal(loaded->forward(ids), expected));
+    EXPECT_EQ(loaded->layer(0).getSubmodule("self_attn.v_hook").typeName(), "AttentionQuant");
+    EXPECT_EQ(loaded->layer(0).getSubmodule("self_attn.q_hook").typeName(), "HookPoint");
   }
+  // The KV cache alone: a quantization_config with no config groups.
+  auto kvOnly = quantized("    - {type: fa3_quant, exclude: [\"*.fa_q\"]}\n", dir);
+  const fs::path out = saveAll(*kvOnly, "fa3_kv_only");
+  EXPECT_EQ(nlohmann::json::parse(test::slurp(out / "config.json"))["quantization_config"]["kv_cache_scheme"]["type"],
+            "int");
+  EXPECT_TRUE(at::equal(CausalLM::open(out)->forward(ids), kvOnly->forward(ids)));
+}
+
+TEST_F(Fa3, WhatAFormatCannotHoldIsAnErrorNamingTheModuleNotASilentDrop) {
+  const fs::path dir = test::tinyLlama("fa3_save");
+  const auto saveError = [&](const std::string& step, const std::string& format) {
+    auto model = quantized(step, dir);
+    const std::string error = test::errorOf([&] { saveAll(*model, "fa3_refused", format); }, ErrorCode::kConfig);
+    EXPECT_FALSE(fs::exists(test::testDir() / "fa3_refused"));
+    return error;
+  };
+  EXPECT_EQ(saveError("    - {type: fa3_quant}\n", "compressed_tensors"),
+            "compressed_tensors: model.layers.0.self_attn.q_hook quantizes Q, and a kv_cache_scheme holds K and V "
+            "only; keep Q in float (exclude '*.fa_q')");
+  EXPECT_EQ(saveError("    - {type: fa3_quant, details: {fa_k: {scope: per_token}, fa_v: {scope: per_token}}}\n",
+                      "compressed_tensors"),
+            "compressed_tensors: model.layers.0.self_attn.k_hook is per_token (dynamic); a kv_cache_scheme is "
+            "static: use per_tensor or per_head");
+  EXPECT_EQ(saveError("    - {type: fa3_quant, details: {fa_k: {dtype: int8}, fa_v: {dtype: fp8_e4m3}}}\n",
+                      "compressed_tensors"),
+            "compressed_tensors: model.layers.0.self_attn.v_hook is fp8_e4m3_per_head_sym but "
+            "model.layers.0.self_attn.k_hook is not; a kv_cache_scheme is one scheme for every K and V");
+  EXPECT_EQ(saveError("    - {type: fa3_quant, details: {fa_k: {dtype: int8}}}\n", "compressed_tensors"),
+            "compressed_tensors: model.layers.0.self_attn has K quantized but not V; a kv_cache_scheme quantizes "
+            "both");
+  EXPECT_EQ(saveError("    - {type: fa3_quant}\n", "ascendv1_saver"),
+            "model.layers.0.self_attn.q_hook holds fa3_quant's attention quantization, which this saver does not "
+            "write (docs/attention.md)");
 }
 
 TEST_F(Fa3, PerTokenIsDataFree) {
@@ -265,9 +327,9 @@ TEST_F(Fa3, ConfigurationErrorsNameTheField) {
   expectIn(error("    - {type: fa3_quant, qconfig: {scope: per_block}}\n"),
            "spec.process[0].qconfig.scope: per_block (msmodelslim's dynamic blocks of tokens) is not supported yet; "
            "use per_head or per_token");
-  expectIn(error("    - {type: fa3_quant, qconfig: {scope: per_tensor}}\n"),
-           "spec.process[0].qconfig.scope: attention is quantized per_head (static, calibrated) or per_token "
-           "(dynamic)");
+  expectIn(error("    - {type: fa3_quant, qconfig: {scope: per_channel}}\n"),
+           "spec.process[0].qconfig.scope: attention is quantized per_head or per_tensor (static, calibrated) or "
+           "per_token (dynamic)");
   expectIn(error("    - {type: fa3_quant, details: {fa_k: {dtype: int4}}}\n"),
            "spec.process[0].details.fa_k.dtype: attention is quantized to int8 or fp8_e4m3");
   expectIn(error("    - {type: fa3_quant, details: {fa_x: {dtype: int8}}}\n"), "spec.process[0].details");

@@ -31,6 +31,7 @@
 
 QPIPE_DECLARE_STATIC_PLUGIN(linear_quant);
 QPIPE_DECLARE_STATIC_PLUGIN(smooth);
+QPIPE_DECLARE_STATIC_PLUGIN(fa3);
 
 namespace qpipe {
 namespace {
@@ -141,6 +142,7 @@ class LinearQuantPlugin : public ::testing::Test {
         loader_(registry_) {
     loader_.addStatic(qpipe_plugin_descriptor_linear_quant());
     loader_.addStatic(qpipe_plugin_descriptor_smooth());  // the practices that smooth first
+    loader_.addStatic(qpipe_plugin_descriptor_fa3());     // and those that quantize the KV cache
   }
 
   // Runs `process` (a spec.process list in YAML) over the tiny Llama; returns the module type

@@ -515,11 +515,17 @@ TEST(QuantizedLoadErrors, UnsupportedConfigsNameFileAndField) {
                 ": quantization_config.config_groups.group_0.input_activations {\"dynamic\":true,\"strategy\":"
                 "\"tensor\"} is not supported; qpipe loads static per-tensor and dynamic per-token activations");
   EXPECT_EQ(openError([](Json& q) {
-              q["kv_cache_scheme"] = {{"num_bits", 8}};
+              q["kv_cache_scheme"] = {{"num_bits", 8}, {"dynamic", true}};
             }),
             file +
-                ": quantization_config.kv_cache_scheme {\"num_bits\":8} is not supported; qpipe loads "
-                "checkpoints without KV-cache quantization");
+                ": quantization_config.kv_cache_scheme {\"dynamic\":true,\"strategy\":\"tensor\",\"symmetric\":true} "
+                "is not supported; qpipe loads static symmetric tensor and attn_head KV-cache schemes");
+  // A valid kv_cache_scheme whose scales the checkpoint lacks.
+  EXPECT_EQ(
+      openError([](Json& q) {
+        q["kv_cache_scheme"] = {{"num_bits", 8}};
+      }),
+      "checkpoint " + (test::testDir() / "load-out").string() + ": missing tensor 'model.layers.0.self_attn.k_scale'");
   EXPECT_EQ(openError([](Json& q) { q["quantization_status"] = "frozen"; }),
             file +
                 ": quantization_config.quantization_status \"frozen\" is not supported; qpipe loads "

@@ -126,6 +126,11 @@ void SaverBase::writeFloat(const std::string& name, const at::Tensor& tensor) {
   add(name, at::isFloatingType(tensor.scalar_type()) ? tensor.to(dtype) : tensor);
 }
 
+void SaverBase::writeAttentionQuant(const std::string& name, AttentionQuant&) {
+  QPIPE_REQUIRE(false, ErrorCode::kConfig, name,
+                " holds fa3_quant's attention quantization, which this saver does not write (docs/attention.md)");
+}
+
 void SaverBase::writeModule(const std::string& prefix, Module& module, const std::string& skipPrefix) {
   const auto skipped = [&](const std::string& name) { return !skipPrefix.empty() && name.rfind(skipPrefix, 0) == 0; };
   std::set<std::string> quantized;
@@ -138,10 +143,9 @@ void SaverBase::writeModule(const std::string& prefix, Module& module, const std
       noteFloatLinear(name);
     } else if (dynamic_cast<RMSNorm*>(child) != nullptr && child->hasParameter("bias")) {
       noteNormBias(name);
-    } else if (dynamic_cast<AttentionQuant*>(child) != nullptr) {
-      QPIPE_REQUIRE(false, ErrorCode::kConfig, name,
-                    " holds fa3_quant's attention quantization, which no saver writes yet; the scales exist in "
-                    "the run only (docs/attention.md)");
+    } else if (auto* attention = dynamic_cast<AttentionQuant*>(child)) {
+      writeAttentionQuant(name, *attention);
+      quantized.insert(name);
     }
   }
   const bool dropTiedHead = model_.config().tieWordEmbeddings && !headUntied_ && skipsTiedHead();

@@ -46,6 +46,30 @@ class CompressedTensorsSaver final : public SaverBase {
 
   void noteFloatLinear(const std::string& name) override { assignment_[name] = -1; }
 
+  // K and V as compressed-tensors' kv_cache_scheme (one scheme for every K and V) with
+  // `<attention>.k_scale` / `v_scale`: [1] for tensor, [kv_heads, 1, 1] for attn_head.
+  void writeAttentionQuant(const std::string& name, AttentionQuant& quant) override {
+    const size_t dot = name.rfind('.');
+    const std::string attention = name.substr(0, dot), hook = name.substr(dot + 1);
+    QPIPE_REQUIRE(hook == "k_hook" || hook == "v_hook", ErrorCode::kConfig, "compressed_tensors: ", name,
+                  " quantizes Q, and a kv_cache_scheme holds K and V only; keep Q in float (exclude '*.fa_q')");
+    QPIPE_REQUIRE(!quant.isDynamic(), ErrorCode::kConfig, "compressed_tensors: ", name,
+                  " is per_token (dynamic); a kv_cache_scheme is static: use per_tensor or per_head");
+    QPIPE_REQUIRE(quant.scheme().symmetric, ErrorCode::kConfig, "compressed_tensors: ", name,
+                  " is asymmetric, which vLLM's KV cache does not support; use symmetric: True");
+    const SortedJson args = compressedTensorsKvCacheArgs(quant.scheme());
+    if (kvCache_.is_null()) {
+      kvCache_ = args;
+      kvCacheOf_ = name;
+    }
+    QPIPE_REQUIRE(args == kvCache_, ErrorCode::kConfig, "compressed_tensors: ", name, " is ", quant.scheme().name(),
+                  " but ", kvCacheOf_, " is not; a kv_cache_scheme is one scheme for every K and V");
+    const at::Tensor scale = quant.parameter("scale").to(at::kFloat);
+    add(attention + "." + hook.front() + "_scale",
+        quant.scheme().scope == QScope::kPerHead ? scale.reshape({-1, 1, 1}) : scale.reshape({1}));
+    kvInputs_[attention] += hook == "k_hook" ? 1 : 2;
+  }
+
   void noteNormBias(const std::string& name) override {
     QPIPE_REQUIRE(false, ErrorCode::kConfig, "compressed_tensors: ", name,
                   " has a bias (from iter_smooth with symmetric: False), which the RMSNorm of transformers and vLLM "
@@ -102,7 +126,12 @@ class CompressedTensorsSaver final : public SaverBase {
   void writeMetadata(const fs::path& dir) override {
     // Nothing quantized (a smoothing-only pipeline): a plain HF checkpoint, which transformers and
     // vLLM load as the float model it is.
-    if (groups_.empty()) {
+    for (const auto& [attention, inputs] : kvInputs_) {
+      QPIPE_REQUIRE(inputs == 3, ErrorCode::kConfig, "compressed_tensors: ", attention, " has ",
+                    inputs == 1 ? "K" : "V", " quantized but not ", inputs == 1 ? "V" : "K",
+                    "; a kv_cache_scheme quantizes both");
+    }
+    if (groups_.empty() && kvCache_.is_null()) {
       writeJson(dir / "config.json", sourceConfig());
       return;
     }
@@ -126,7 +155,7 @@ class CompressedTensorsSaver final : public SaverBase {
                                          : "mixed-precision"},
         {"global_compression_ratio", nullptr},
         {"ignore", targets.back()},
-        {"kv_cache_scheme", nullptr},
+        {"kv_cache_scheme", kvCache_},
         {"quant_method", "compressed-tensors"},
         {"quantization_status", "compressed"},
         {"sparsity_config", SortedJson::object()},
@@ -207,6 +236,9 @@ class CompressedTensorsSaver final : public SaverBase {
   std::vector<Group> groups_;
   std::map<std::string, int> groupByKey_;
   std::map<std::string, int> assignment_;  // every Linear: its group, or -1 when float
+  SortedJson kvCache_;                     // null until a K or V is written
+  std::string kvCacheOf_;                  // the first module written with it
+  std::map<std::string, int> kvInputs_;    // attention: 1 for K, 2 for V, summed
 };
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <set>
 #include <string>
 
+#include "qpipe/attention_quant.h"
 #include "qpipe/host/savers.h"
 #include "qpipe/model.h"
 #include "qpipe/quant_linear.h"
@@ -36,6 +37,9 @@ class SaverBase : public CheckpointSaver {
   virtual void noteFloatLinear(const std::string& /*name*/) {}
   // An RMSNorm with a bias (msmodelslim's asymmetric smoothing; its tensors go through writeFloat).
   virtual void noteNormBias(const std::string& /*name*/) {}
+  // fa3_quant's quantization of an attention input (`name`: <attention>.q_hook, k_hook or v_hook),
+  // all of its tensors. The default refuses it in one line: a saver must not drop it.
+  virtual void writeAttentionQuant(const std::string& name, AttentionQuant& quant);
   // Writes a non-quantized tensor in the checkpoint dtype.
   virtual void writeFloat(const std::string& name, const at::Tensor& tensor);
   // Whether a tied lm_head.weight is left out (it is the embedding).

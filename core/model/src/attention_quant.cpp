@@ -11,14 +11,16 @@ namespace qpipe {
 AttentionQuant::AttentionQuant(quant::QScheme scheme, std::optional<quant::QParams> params)
     : Module("AttentionQuant"), scheme_(scheme) {
   using quant::QScope;
-  QPIPE_REQUIRE(scheme.scope == QScope::kPerHead || scheme.scope == QScope::kPerToken, ErrorCode::kConfig,
-                "attention quantization is per_head (static) or per_token (dynamic), not ",
-                quant::qscopeName(scheme.scope));
-  QPIPE_CHECK(params.has_value() == (scheme.scope == QScope::kPerHead),
+  QPIPE_REQUIRE(
+      scheme.scope == QScope::kPerHead || scheme.scope == QScope::kPerTensor || scheme.scope == QScope::kPerToken,
+      ErrorCode::kConfig, "attention quantization is per_head or per_tensor (static) or per_token (dynamic), not ",
+      quant::qscopeName(scheme.scope));
+  QPIPE_CHECK(params.has_value() == !isDynamic(),
               "AttentionQuant: ", params ? "parameters for a dynamic scheme" : "a static scheme without parameters");
   if (params) {
-    QPIPE_CHECK(params->scale.dim() == 4 && params->scale.sizes() == params->zeroPoint.sizes(),
-                "AttentionQuant: scale shape ", params->scale.sizes(), ", expected [1, heads, 1, 1]");
+    const int64_t dims = scheme.scope == QScope::kPerHead ? 4 : 1;
+    QPIPE_CHECK(params->scale.dim() == dims && params->scale.sizes() == params->zeroPoint.sizes(),
+                "AttentionQuant: scale shape ", params->scale.sizes(), " for ", quant::qscopeName(scheme.scope));
     addParameter("scale", std::move(params->scale));
     addParameter("zero_point", std::move(params->zeroPoint));
   }
@@ -34,8 +36,8 @@ at::Tensor AttentionQuant::forward(const at::Tensor& input) {
                 input.sizes());
   if (isDynamic()) return quant::fakeQuantize(input, quant::computeQParams(input, scheme_), scheme_);
   const quant::QParams p = params();
-  QPIPE_REQUIRE(p.scale.size(1) == input.size(1), ErrorCode::kInput, "attention quantization has scales for ",
-                p.scale.size(1), " heads, the input has ", input.size(1));
+  QPIPE_REQUIRE(scheme_.scope != quant::QScope::kPerHead || p.scale.size(1) == input.size(1), ErrorCode::kInput,
+                "attention quantization has scales for ", p.scale.size(1), " heads, the input has ", input.size(1));
   return quant::fakeQuantize(input, p, scheme_);
 }
 

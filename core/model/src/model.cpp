@@ -25,6 +25,9 @@ struct LayerSource {
   // A projection: Linear, or QuantLinear where the checkpoint is quantized.
   std::function<std::shared_ptr<Module>(const std::string& module, bool bias)> linear;
   std::function<std::shared_ptr<Module>(const std::string& module)> norm;
+  // What sits at an attention's q_hook, k_hook or v_hook: a HookPoint, or the checkpoint's
+  // AttentionQuant.
+  std::function<std::shared_ptr<Module>(const std::string& attention, char input)> attentionInput;
 };
 
 class Mlp : public Module {
@@ -113,9 +116,10 @@ class Attention : public Module {
       qNorm_ = addChild("q_norm", w.norm(prefix + "q_norm"));
       kNorm_ = addChild("k_norm", w.norm(prefix + "k_norm"));
     }
-    qHook_ = addChild("q_hook", std::make_shared<HookPoint>());
-    kHook_ = addChild("k_hook", std::make_shared<HookPoint>());
-    vHook_ = addChild("v_hook", std::make_shared<HookPoint>());
+    const std::string attention = prefix.substr(0, prefix.size() - 1);
+    qHook_ = addChild("q_hook", w.attentionInput(attention, 'q'));
+    kHook_ = addChild("k_hook", w.attentionInput(attention, 'k'));
+    vHook_ = addChild("v_hook", w.attentionInput(attention, 'v'));
   }
 
   at::Tensor forward(const at::Tensor& x, const Rotary& rotary, const at::Tensor& mask) {
@@ -288,16 +292,20 @@ at::Tensor CausalLM::weight(const std::string& name) {
 
 std::shared_ptr<Module> CausalLM::linear(const std::string& name, bool bias) {
   if (quantized_) {
-    const auto stored = [this](const std::string& tensor) {
-      QPIPE_REQUIRE(checkpoint_.contains(tensor), ErrorCode::kInput, "checkpoint ", dir_.string(), ": missing tensor '",
-                    tensor, "'");
-      return checkpoint_.tensor(tensor).to(options_.device);
-    };
+    const auto stored = [this](const std::string& tensor) { return this->stored(tensor).to(options_.device); };
     const auto has = [this](const std::string& tensor) { return checkpoint_.contains(tensor); };
     bias = bias || undeclaredBias(name);
     if (auto quantized = quantized_->linear(name, bias, stored, has, options_.dtype)) return quantized;
   }
   return std::make_shared<Linear>(weight(name + ".weight"), bias ? weight(name + ".bias") : at::Tensor());
+}
+
+std::shared_ptr<Module> CausalLM::attentionInput(const std::string& attention, char input) {
+  if (quantized_) {
+    const auto stored = [this](const std::string& tensor) { return this->stored(tensor).to(options_.device); };
+    if (auto quant = quantized_->attentionInput(attention, input, stored)) return quant;
+  }
+  return std::make_shared<HookPoint>();
 }
 
 std::shared_ptr<Module> CausalLM::norm(const std::string& name) {
@@ -312,10 +320,12 @@ bool CausalLM::undeclaredBias(const std::string& name) const {
 DecoderLayer& CausalLM::layer(int64_t index) {
   QPIPE_CHECK(index >= 0 && index < config_.numLayers, "layer ", index, " out of range");
   if (!isLoaded(index)) {
-    const LayerSource source{[this](const std::string& name) { return weight(name); },
-                             [this](const std::string& name) { return checkpoint_.contains(name); },
-                             [this](const std::string& name, bool bias) { return linear(name, bias); },
-                             [this](const std::string& name) { return norm(name); }};
+    const LayerSource source{
+        [this](const std::string& name) { return weight(name); },
+        [this](const std::string& name) { return checkpoint_.contains(name); },
+        [this](const std::string& name, bool bias) { return linear(name, bias); },
+        [this](const std::string& name) { return norm(name); },
+        [this](const std::string& attention, char input) { return attentionInput(attention, input); }};
     layers_->replace(std::to_string(index),
                      std::make_shared<LlamaLayer>(source, layerName(index) + ".", index, config_));
   }

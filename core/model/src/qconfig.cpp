@@ -204,8 +204,9 @@ QConfig parseAttentionQConfig(const ConfigNode& node, std::string_view path) {
     return config;
   }
   if (config.scheme.dtype == QDtype::kInt4) side.fail("dtype", "attention is quantized to int8 or fp8_e4m3");
-  if (config.scheme.scope != QScope::kPerHead && config.scheme.scope != QScope::kPerToken) {
-    side.fail("scope", "attention is quantized per_head (static, calibrated) or per_token (dynamic)");
+  if (config.scheme.scope != QScope::kPerHead && config.scheme.scope != QScope::kPerTensor &&
+      config.scheme.scope != QScope::kPerToken) {
+    side.fail("scope", "attention is quantized per_head or per_tensor (static, calibrated) or per_token (dynamic)");
   }
   if (config.method != QMethod::kMinMax) side.fail("method", "attention takes minmax (a recall window per head)");
   return config;

@@ -3,10 +3,12 @@
 #include <ATen/ATen.h>
 
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <sstream>
 #include <vector>
 
+#include "qpipe/attention_quant.h"
 #include "qpipe/error.h"
 
 namespace qpipe::detail {
@@ -69,6 +71,13 @@ SortedJson compressedTensorsWeightArgs(const QScheme& weight) {
                     " cannot be saved; weights are per_tensor, per_channel or per_group");
   }
   return argsObject(weight.dtype, strategy, weight.symmetric, weight.groupSize, false);
+}
+
+SortedJson compressedTensorsKvCacheArgs(const QScheme& scheme) {
+  QPIPE_CHECK(scheme.scope == QScope::kPerTensor || scheme.scope == QScope::kPerHead, "a KV-cache scheme ",
+              scheme.name());
+  return argsObject(scheme.dtype, scheme.scope == QScope::kPerHead ? "attn_head" : "tensor", scheme.symmetric, 0,
+                    false);
 }
 
 SortedJson compressedTensorsInputArgs(const ActivationQuant& input) {
@@ -201,7 +210,7 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       }
     }
     if (config.contains("kv_cache_scheme") && !config["kv_cache_scheme"].is_null()) {
-      unsupported("kv_cache_scheme", config["kv_cache_scheme"], "checkpoints without KV-cache quantization");
+      kvCache_ = parseArgs(config["kv_cache_scheme"], "kv_cache_scheme", field, unsupported, Role::kKvCache).scheme;
     }
     const std::string globalFormat = config.value("format", std::string("dense"));
     if (config.contains("ignore") && !config["ignore"].is_null()) {
@@ -228,9 +237,10 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       }
       QPIPE_REQUIRE(group.contains("weights") && group["weights"].is_object(), ErrorCode::kInput,
                     field(at + ".weights"), " is missing; qpipe loads schemes that quantize weights");
-      scheme.weight = parseArgs(group["weights"], at + ".weights", field, unsupported, /*activation=*/false).scheme;
+      scheme.weight = parseArgs(group["weights"], at + ".weights", field, unsupported, Role::kWeight).scheme;
       if (group.contains("input_activations") && !group["input_activations"].is_null()) {
-        scheme.input = parseArgs(group["input_activations"], at + ".input_activations", field, unsupported, true);
+        scheme.input =
+            parseArgs(group["input_activations"], at + ".input_activations", field, unsupported, Role::kInput);
       }
       if (scheme.format == "pack-quantized" && scheme.weight.dtype == QDtype::kFp8E4m3) {
         unsupported(formatField, scheme.format, "pack-quantized for int weights only");
@@ -240,6 +250,20 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
   }
 
   std::string weightsPrefix() const override { return "model"; }
+
+  std::shared_ptr<AttentionQuant> attentionInput(const std::string& attention, char input,
+                                                 const TensorFn& tensor) const override {
+    if (!kvCache_ || input == 'q') return nullptr;
+    const std::string name = attention + "." + input + "_scale";
+    const at::Tensor stored = tensor(name).to(at::kFloat);
+    const bool perHead = kvCache_->scope == QScope::kPerHead;
+    QPIPE_REQUIRE(perHead ? stored.dim() == 3 && stored.size(1) == 1 && stored.size(2) == 1 : stored.numel() == 1,
+                  ErrorCode::kInput, "checkpoint ", dir_, ": '", name, "' has shape ", shapeText(stored.sizes()),
+                  ", expected ", perHead ? "[kv_heads, 1, 1] (attn_head)" : "[1] (tensor)");
+    const at::Tensor scale = perHead ? stored.reshape({1, -1, 1, 1}) : stored.reshape({1});
+    return std::make_shared<AttentionQuant>(
+        *kvCache_, quant::QParams{scale, at::zeros_like(scale, scale.options().dtype(at::kInt))});
+  }
 
   std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor, const HasFn&,
                                       at::ScalarType computeDtype) const override {
@@ -307,9 +331,13 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
   }
 
  private:
+  // What a QuantizationArgs object describes: a weight, a Linear's input, or the KV cache.
+  enum class Role { kWeight, kInput, kKvCache };
+
   template <typename FieldFn, typename UnsupportedFn>
   static ActivationQuant parseArgs(const Json& args, const std::string& at, const FieldFn& field,
-                                   const UnsupportedFn& unsupported, bool activation) {
+                                   const UnsupportedFn& unsupported, Role role) {
+    const bool activation = role != Role::kWeight;
     QPIPE_REQUIRE(args.is_object(), ErrorCode::kInput, field(at), " is not an object");
     const Json type = args.value("type", Json("int"));
     const Json bits = args.value("num_bits", Json(8));
@@ -337,6 +365,14 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       const Json value = args.contains(key) ? args[key] : Json(nullptr);
       const bool harmless = value.is_null() || value == false || value == "weight" || value == "static";
       if (!harmless) unsupported(at + "." + key, value, "schemes without blocks or activation-order indices");
+    }
+    if (role == Role::kKvCache) {
+      if (dynamic != false || (strategy != "tensor" && strategy != "attn_head") || !s.symmetric) {
+        unsupported(at, Json{{"dynamic", dynamic}, {"strategy", strategy}, {"symmetric", s.symmetric}},
+                    "static symmetric tensor and attn_head KV-cache schemes");
+      }
+      s.scope = strategy == "tensor" ? QScope::kPerTensor : QScope::kPerHead;
+      return out;
     }
     if (activation) {
       if (strategy == "tensor" && dynamic == false) {
@@ -369,6 +405,7 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
   std::string dir_;
   std::vector<std::string> ignore_;
   std::vector<CtScheme> schemes_;
+  std::optional<QScheme> kvCache_;
 };
 
 // ---- ascendv1

@@ -15,12 +15,12 @@
 
 namespace qpipe {
 
-// typeName "AttentionQuant". Static (per_head) modules hold the parameters "scale" fp32 and
-// "zero_point" int32, both [1, heads, 1, 1]; dynamic (per_token) ones hold none.
+// typeName "AttentionQuant". Static modules hold the parameters "scale" fp32 and "zero_point"
+// int32, [1, heads, 1, 1] per_head or [1] per_tensor; dynamic (per_token) ones hold none.
 class AttentionQuant : public Module {
  public:
-  // `params` exactly for a per_head scheme; a per_token scheme is dynamic. Error(kConfig) for
-  // any other scope, naming it.
+  // `params` exactly for a static (per_head, per_tensor) scheme; per_token is dynamic.
+  // Error(kConfig) for any other scope, naming it.
   AttentionQuant(quant::QScheme scheme, std::optional<quant::QParams> params);
   at::Tensor forward(const at::Tensor& input) override;
 

@@ -137,6 +137,9 @@ class CausalLM {
   // Module `name`: a QuantLinear where the checkpoint quantized it, else a Linear.
   std::shared_ptr<Module> linear(const std::string& name, bool bias);
   std::shared_ptr<Module> norm(const std::string& name);
+  // What `attention`'s q_hook, k_hook or v_hook ('q', 'k', 'v') holds: the checkpoint's
+  // AttentionQuant, else a HookPoint.
+  std::shared_ptr<Module> attentionInput(const std::string& attention, char input);
   // A `name.bias` that config.json does not declare but the checkpoint's format defines and holds.
   bool undeclaredBias(const std::string& name) const;
 

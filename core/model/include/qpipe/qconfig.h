@@ -54,8 +54,9 @@ struct LinearQConfig {
 Schema linearQConfigSchema();
 
 // fa3_quant's QConfig for Q, K or V (msmodelslim's default: int8 per_head symmetric minmax):
-// int8 or fp8_e4m3, per_head (static: calibrated, a recall window per head) or per_token
-// (dynamic), method minmax; dtype float leaves that input unquantized. Other values are
+// int8 or fp8_e4m3; per_head (static: calibrated, a recall window per head), per_tensor (qpipe's:
+// the heads' windows merged, vLLM's fp8 KV cache) or per_token (dynamic); method minmax; dtype
+// float leaves that input unquantized. Other values are
 // Error(kConfig) naming file:line:col and the field under `path`.
 Schema attentionQConfigSchema();
 QConfig parseAttentionQConfig(const ConfigNode& node, std::string_view path);

@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 
+#include "qpipe/attention_quant.h"
 #include "qpipe/model.h"
 #include "qpipe/quant_linear.h"
 
@@ -40,6 +41,8 @@ std::string compressedTensorsFormat(const quant::QScheme& weight, const std::opt
 // QuantizationArgs objects (quant_args.py), every key written so old and new loaders agree.
 SortedJson compressedTensorsWeightArgs(const quant::QScheme& weight);
 SortedJson compressedTensorsInputArgs(const ActivationQuant& input);
+// kv_cache_scheme for K and V quantized per_tensor ("tensor") or per_head ("attn_head"), static.
+SortedJson compressedTensorsKvCacheArgs(const quant::QScheme& scheme);
 // compressed-tensors' / vLLM's target and ignore matching for a Linear module: "Linear" (the
 // class), "re:<regex>" (Python re.match: anchored at the start only) or the exact name.
 bool compressedTensorsMatches(const std::string& target, const std::string& moduleName);
@@ -80,6 +83,13 @@ class QuantizedCheckpoint {
   // `computeDtype`, or nullptr when the checkpoint keeps it in float.
   virtual std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor,
                                               const HasFn& has, at::ScalarType computeDtype) const = 0;
+  // The quantization of `attention`'s input 'q', 'k' or 'v' (its q_hook, k_hook, v_hook), or
+  // nullptr where the checkpoint keeps it in float (compressed-tensors: kv_cache_scheme with
+  // `<attention>.k_scale` / `v_scale`).
+  virtual std::shared_ptr<AttentionQuant> attentionInput(const std::string& /*attention*/, char /*input*/,
+                                                         const TensorFn& /*tensor*/) const {
+    return nullptr;
+  }
 };
 
 }  // namespace qpipe::detail
