@@ -34,11 +34,7 @@ TEST_P(Fa3Oracle, TransformersReadsOurKvScalesAndQuantizesTheCacheAsWeDo) {
                                                 "apiversion: modelslim_v1\nspec:\n  process:\n"
                                                 "    - {type: fa3_quant, details: {fa_k: " +
                                                     kv + ", fa_v: " + kv + "}}\n");
-  const fs::path calib = test::writeTempFile(
-      "calib.txt", "the quick brown fox jumps over the lazy dog, then the dog sleeps. he thinks the fox is there.\n");
-  const test::CommandResult r =
-      test::runQpipe("quant --model_path " + dir.string() + " --save_path " + out.string() + " --config_path " +
-                     pipeline.string() + " --calib_data " + calib.string() + " --calib_samples 4 --seq_len 16");
+  const test::CommandResult r = test::runTinyQuant(dir, out, pipeline);
   ASSERT_EQ(r.exitCode, 0) << r.err;
 
   at::manual_seed(8);

@@ -56,11 +56,7 @@ spec:
   save:
     - {type: compressed_tensors}
 )");
-  const fs::path calib = test::writeTempFile(
-      "calib.txt", "the quick brown fox jumps over the lazy dog, then the dog sleeps. he thinks the fox is there.\n");
-  const test::CommandResult r =
-      test::runQpipe("quant --model_path " + dir.string() + " --save_path " + out.string() + " --config_path " +
-                     pipeline.string() + " --calib_data " + calib.string() + " --calib_samples 4 --seq_len 16");
+  const test::CommandResult r = test::runTinyQuant(dir, out, pipeline);
   ASSERT_EQ(r.exitCode, 0) << r.err;
   test::runOracle("model_oracle.py", "logits " + out.string() + " " + (work / "ids.safetensors").string() + " " +
                                          (work / "mask.safetensors").string() + " " +

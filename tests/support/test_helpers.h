@@ -68,6 +68,16 @@ inline CommandResult runQpipe(const std::string& args, const std::string& env = 
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir / "out"), slurp(dir / "err")};
 }
 
+// `qpipe quant` of `model` into `out` with the pipeline file `pipeline`, calibrated on four
+// 16-token windows of a short English text (the tiny models' tokenizer covers it).
+inline CommandResult runTinyQuant(const std::filesystem::path& model, const std::filesystem::path& out,
+                                  const std::filesystem::path& pipeline) {
+  const std::filesystem::path calib = writeTempFile(
+      "calib.txt", "the quick brown fox jumps over the lazy dog, then the dog sleeps. he thinks the fox is there.\n");
+  return runQpipe("quant --model_path " + model.string() + " --save_path " + out.string() + " --config_path " +
+                  pipeline.string() + " --calib_data " + calib.string() + " --calib_samples 4 --seq_len 16");
+}
+
 // Runs `tests/oracle/<script>` with `python` and returns its stdout. A missing oracle environment
 // or a failing script fails the test: oracle tests never skip.
 inline std::string runOracleWith(const std::filesystem::path& python, const std::string& script,
