@@ -160,9 +160,8 @@ class Fa3Quant final : public Processor {
   void attention(LayerRequest& request, const std::string& attentionPath) {
     for (size_t i = 0; i < kInputs.size(); ++i) {
       const quant::QConfig& config = configs_[i];
-      const std::string path = attentionPath.empty() ? kInputs[i].hook : attentionPath + "." + kInputs[i].hook;
-      const std::string name =
-          moduleName(request, attentionPath.empty() ? kInputs[i].name : attentionPath + "." + kInputs[i].name);
+      const std::string path = attentionPath + "." + kInputs[i].hook;
+      const std::string name = moduleName(request, attentionPath + "." + kInputs[i].name);
       if (!config.enabled() || !filter_->matches(name)) continue;
       request.module->getSubmodule(path).as<HookPoint>(moduleName(request, path));
       ++quantized_;
