@@ -12,8 +12,8 @@
                             asymmetric pack-quantized goes through compressed-tensors' decompressor
                             alone (see decompressed_source)
   kv DIR IDS OUT            loads DIR (a kv_cache_scheme checkpoint) with transformers and writes to OUT
-                            the logits on IDS ("logits") and every attention's k_scale and v_scale as
-                            compressed-tensors holds them ("<attention>.k_scale")
+                            the logits on IDS ("logits") and every attention's q_scale, k_scale and
+                            v_scale as compressed-tensors holds them ("<attention>.k_scale")
 Layout violations are printed and exit with status 1.
 """
 import json
@@ -159,7 +159,7 @@ def kv(directory, ids_path, out_path):
     with torch.no_grad():
         out = {"logits": model(input_ids=load_file(ids_path)["ids"]).logits.contiguous()}
     for name, module in model.named_modules():
-        for key in ("k_scale", "v_scale"):
+        for key in ("q_scale", "k_scale", "v_scale"):
             if hasattr(module, key):
                 out[f"{name}.{key}"] = getattr(module, key).detach().float().contiguous()
     save_file(out, out_path)

@@ -1,13 +1,14 @@
-// fa3_quant's KV cache in compressed-tensors (docs/attention.md): `qpipe quant` quantizes K and V
-// of a tiny transformers Llama, saves a kv_cache_scheme checkpoint, and transformers +
-// compressed-tensors load it: the k_scale / v_scale it holds are ours bit for bit, and its
-// KV-quantized logits match qpipe's own load of the checkpoint.
+// fa3_quant in compressed-tensors (docs/attention.md): `qpipe quant` quantizes K and V (or Q, K
+// and V) of a tiny transformers Llama and saves kv_cache_scheme (and the attention group), and
+// transformers + compressed-tensors load it: the scales it holds are ours bit for bit, and its
+// attention-quantized logits match qpipe's own load of the checkpoint.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "qpipe/model.h"
 #include "qpipe/safetensors.h"
@@ -21,19 +22,21 @@ namespace fs = std::filesystem;
 
 class Fa3Oracle : public ::testing::TestWithParam<std::string> {};
 
-TEST_P(Fa3Oracle, TransformersReadsOurKvScalesAndQuantizesTheCacheAsWeDo) {
-  const std::string scope = GetParam();
-  const fs::path dir = test::testDir() / "src", out = test::testDir() / ("kv-" + scope);
+TEST_P(Fa3Oracle, TransformersReadsOurScalesAndQuantizesAttentionAsWeDo) {
+  const std::string scheme = GetParam();
+  const fs::path dir = test::testDir() / "src", out = test::testDir() / ("attention-" + scheme);
   fs::remove_all(dir);
   fs::remove_all(out);
   test::runOracle("quantized_checkpoint_oracle.py", "make " + dir.string());
   test::writeTinyTokenizer(dir);
-  const std::string dtype = scope == "per_tensor" ? "fp8_e4m3" : "int8";
-  const std::string kv = "{dtype: " + dtype + ", scope: " + scope + "}";
-  const fs::path pipeline = test::writeTempFile("kv.yaml",
-                                                "apiversion: modelslim_v1\nspec:\n  process:\n"
-                                                "    - {type: fa3_quant, details: {fa_k: " +
-                                                    kv + ", fa_v: " + kv + "}}\n");
+  // fp8 per-tensor K/V (vLLM's cache), int8 per-head K/V, and FA3: int8 per-head Q, K and V.
+  const std::string step = scheme == "kv_fp8_tensor" ? "{type: fa3_quant, details: {fa_k: {dtype: fp8_e4m3, scope: "
+                                                       "per_tensor}, fa_v: {dtype: fp8_e4m3, scope: per_tensor}}}"
+                           : scheme == "kv_int8_head"
+                               ? "{type: fa3_quant, details: {fa_k: {dtype: int8}, fa_v: {dtype: int8}}}"
+                               : "{type: fa3_quant}";
+  const fs::path pipeline =
+      test::writeTempFile("attention.yaml", "apiversion: modelslim_v1\nspec:\n  process:\n    - " + step + "\n");
   const test::CommandResult r = test::runTinyQuant(dir, out, pipeline);
   ASSERT_EQ(r.exitCode, 0) << r.err;
 
@@ -50,20 +53,22 @@ TEST_P(Fa3Oracle, TransformersReadsOurKvScalesAndQuantizesTheCacheAsWeDo) {
       "kv " + out.string() + " " + (test::testDir() / "ids.safetensors").string() + " " + reference.string());
   const auto theirs = safetensors::File::open(reference);
   const auto ours = safetensors::Checkpoint::open(out, "model");
-  for (const char* name : {"model.layers.0.self_attn.k_scale", "model.layers.1.self_attn.v_scale"}) {
+  std::vector<std::string> scales = {"model.layers.0.self_attn.k_scale", "model.layers.1.self_attn.v_scale"};
+  if (scheme == "fa3_int8_head") scales.push_back("model.layers.1.self_attn.q_scale");
+  for (const std::string& name : scales) {
     EXPECT_TRUE(at::equal(theirs->tensor(name), ours.tensor(name))) << name;
   }
   const at::Tensor expected = theirs->tensor("logits");
   const at::Tensor actual = CausalLM::open(out)->forward(ids);
   const double relative = (actual - expected).abs().max().item<double>() / expected.abs().max().item<double>();
-  std::cout << scope << ": max|diff|/max|ref| of the logits " << relative << "\n";
+  std::cout << scheme << ": max|diff|/max|ref| of the logits " << relative << "\n";
   EXPECT_LE(relative, 1e-4);
   // Both sides quantize the cache: the float model's logits are further away.
   const at::Tensor unquantized = CausalLM::open(dir)->forward(ids);
   EXPECT_GT((unquantized - expected).abs().max().item<double>() / expected.abs().max().item<double>(), 1e-3);
 }
 
-INSTANTIATE_TEST_SUITE_P(Scopes, Fa3Oracle, ::testing::Values("per_tensor", "per_head"));
+INSTANTIATE_TEST_SUITE_P(Schemes, Fa3Oracle, ::testing::Values("kv_fp8_tensor", "kv_int8_head", "fa3_int8_head"));
 
 }  // namespace
 }  // namespace qpipe

@@ -274,6 +274,19 @@ TEST_F(Fa3, KvCacheRoundTripsThroughCompressedTensorsKvCacheScheme) {
     EXPECT_EQ(loaded->layer(0).getSubmodule("self_attn.v_hook").typeName(), "AttentionQuant");
     EXPECT_EQ(loaded->layer(0).getSubmodule("self_attn.q_hook").typeName(), "HookPoint");
   }
+  // Q, K and V (FA3): Q's scales go to a weightless config group on the attention modules.
+  auto fa3 = quantized("    - {type: fa3_quant}\n", dir);
+  const fs::path fa3Out = saveAll(*fa3, "fa3_qkv");
+  const auto fa3Config = nlohmann::json::parse(test::slurp(fa3Out / "config.json"))["quantization_config"];
+  const auto& group = fa3Config["config_groups"]["group_0"];
+  EXPECT_EQ(group["targets"], nlohmann::json::array({"re:.*self_attn$"}));
+  EXPECT_TRUE(group["weights"].is_null());
+  EXPECT_EQ(group["input_activations"], fa3Config["kv_cache_scheme"]);
+  EXPECT_EQ(safetensors::Checkpoint::open(fa3Out, "model").info("model.layers.0.self_attn.q_scale").shape,
+            (std::vector<int64_t>{test::kTinyQwen3Heads, 1, 1}));
+  auto fa3Loaded = CausalLM::open(fa3Out);
+  EXPECT_EQ(fa3Loaded->layer(1).getSubmodule("self_attn.q_hook").typeName(), "AttentionQuant");
+  EXPECT_TRUE(at::equal(fa3Loaded->forward(ids), fa3->forward(ids)));
   // The KV cache alone: a quantization_config with no config groups.
   auto kvOnly = quantized("    - {type: fa3_quant, exclude: [\"*.fa_q\"]}\n", dir);
   const fs::path out = saveAll(*kvOnly, "fa3_kv_only");
@@ -290,20 +303,24 @@ TEST_F(Fa3, WhatAFormatCannotHoldIsAnErrorNamingTheModuleNotASilentDrop) {
     EXPECT_FALSE(fs::exists(test::testDir() / "fa3_refused"));
     return error;
   };
-  EXPECT_EQ(saveError("    - {type: fa3_quant}\n", "compressed_tensors"),
-            "compressed_tensors: model.layers.0.self_attn.q_hook quantizes Q, and a kv_cache_scheme holds K and V "
-            "only; keep Q in float (exclude '*.fa_q')");
+  EXPECT_EQ(saveError("    - {type: fa3_quant, details: {fa_q: {dtype: int8}}}\n", "compressed_tensors"),
+            "compressed_tensors: model.layers.0.self_attn has Q quantized but not K and V; compressed-tensors "
+            "quantizes K and V together (and Q with their scheme)");
+  EXPECT_EQ(saveError("    - {type: fa3_quant, exclude: [\"model.layers.0.self_attn.fa_q\"]}\n", "compressed_tensors"),
+            "compressed_tensors: Q is quantized in some attentions and not in others; compressed-tensors' attention "
+            "group takes all of them or none");
   EXPECT_EQ(saveError("    - {type: fa3_quant, details: {fa_k: {scope: per_token}, fa_v: {scope: per_token}}}\n",
                       "compressed_tensors"),
-            "compressed_tensors: model.layers.0.self_attn.k_hook is per_token (dynamic); a kv_cache_scheme is "
-            "static: use per_tensor or per_head");
+            "compressed_tensors: model.layers.0.self_attn.k_hook is per_token (dynamic); compressed-tensors' "
+            "attention scales are static: use per_tensor or per_head");
   EXPECT_EQ(saveError("    - {type: fa3_quant, details: {fa_k: {dtype: int8}, fa_v: {dtype: fp8_e4m3}}}\n",
                       "compressed_tensors"),
             "compressed_tensors: model.layers.0.self_attn.v_hook is fp8_e4m3_per_head_sym but "
-            "model.layers.0.self_attn.k_hook is not; a kv_cache_scheme is one scheme for every K and V");
+            "model.layers.0.self_attn.k_hook is not; compressed-tensors quantizes every K and V (and Q) with one "
+            "scheme");
   EXPECT_EQ(saveError("    - {type: fa3_quant, details: {fa_k: {dtype: int8}}}\n", "compressed_tensors"),
-            "compressed_tensors: model.layers.0.self_attn has K quantized but not V; a kv_cache_scheme quantizes "
-            "both");
+            "compressed_tensors: model.layers.0.self_attn has K quantized but not V; compressed-tensors quantizes K "
+            "and V together (and Q with their scheme)");
   EXPECT_EQ(saveError("    - {type: fa3_quant}\n", "ascendv1_saver"),
             "model.layers.0.self_attn.q_hook holds fa3_quant's attention quantization, which this saver does not "
             "write (docs/attention.md)");

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Perplexity of SmolLM2 with and without fa3_quant's KV cache (docs/attention.md): each KV-cache
-# practice next to its base practice; prints the table of docs/quality.md.
+# Perplexity of SmolLM2 with and without fa3_quant's attention quantization (docs/attention.md):
+# each c8/f8 practice next to its base practice; prints the table of docs/quality.md.
 #   tools/bench/kv_quality.sh [MODEL_DIR] [SAMPLES] [SEQ_LEN]
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -18,9 +18,9 @@ perplexity() {  # perplexity of checkpoint $1
 
 echo "$(basename "$model"), calibration $samples x $seq tokens of data/calib.jsonl, eval data/eval.jsonl seq $seq, $(date -I)"
 echo
-echo "| --quant_type | KV cache | perplexity | vs its base |"
+echo "| --quant_type | attention | perplexity | vs its base |"
 echo "| --- | --- | ---: | ---: |"
-for pair in "w8a8 w8a8c8 int8_per_KV_head" "w8a8_fp8 w8a8c8_fp8 fp8_per_tensor"; do
+for pair in "w8a8 w8a8c8 K,V_int8_per_KV_head" "w8a8 w8a8f8 Q,K,V_int8_per_head" "w8a8_fp8 w8a8c8_fp8 K,V_fp8_per_tensor"; do
   read -r base kv what <<<"$pair"
   for quant in "$base" "$kv"; do
     rm -rf "${work:?}/$quant"

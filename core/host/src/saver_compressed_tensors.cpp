@@ -46,28 +46,30 @@ class CompressedTensorsSaver final : public SaverBase {
 
   void noteFloatLinear(const std::string& name) override { assignment_[name] = -1; }
 
-  // K and V as compressed-tensors' kv_cache_scheme (one scheme for every K and V) with
-  // `<attention>.k_scale` / `v_scale`: [1] for tensor, [kv_heads, 1, 1] for attn_head.
+  // K and V as compressed-tensors' kv_cache_scheme, Q (when quantized) as a config group on the
+  // attention modules, all with one scheme (compressed-tensors initializes an attention group's
+  // Q, K and V scales from its input_activations). Scales on the attention module:
+  // `<attention>.q_scale` / `k_scale` / `v_scale`, [1] for tensor, [heads, 1, 1] for attn_head.
   void writeAttentionQuant(const std::string& name, AttentionQuant& quant) override {
     const size_t dot = name.rfind('.');
     const std::string attention = name.substr(0, dot), hook = name.substr(dot + 1);
-    QPIPE_REQUIRE(hook == "k_hook" || hook == "v_hook", ErrorCode::kConfig, "compressed_tensors: ", name,
-                  " quantizes Q, and a kv_cache_scheme holds K and V only; keep Q in float (exclude '*.fa_q')");
     QPIPE_REQUIRE(!quant.isDynamic(), ErrorCode::kConfig, "compressed_tensors: ", name,
-                  " is per_token (dynamic); a kv_cache_scheme is static: use per_tensor or per_head");
+                  " is per_token (dynamic); compressed-tensors' attention scales are static: use per_tensor or "
+                  "per_head");
     QPIPE_REQUIRE(quant.scheme().symmetric, ErrorCode::kConfig, "compressed_tensors: ", name,
                   " is asymmetric, which vLLM's KV cache does not support; use symmetric: True");
     const SortedJson args = compressedTensorsKvCacheArgs(quant.scheme());
-    if (kvCache_.is_null()) {
-      kvCache_ = args;
-      kvCacheOf_ = name;
+    if (attentionArgs_.is_null()) {
+      attentionArgs_ = args;
+      attentionArgsOf_ = name;
     }
-    QPIPE_REQUIRE(args == kvCache_, ErrorCode::kConfig, "compressed_tensors: ", name, " is ", quant.scheme().name(),
-                  " but ", kvCacheOf_, " is not; a kv_cache_scheme is one scheme for every K and V");
+    QPIPE_REQUIRE(args == attentionArgs_, ErrorCode::kConfig, "compressed_tensors: ", name, " is ",
+                  quant.scheme().name(), " but ", attentionArgsOf_,
+                  " is not; compressed-tensors quantizes every K and V (and Q) with one scheme");
     const at::Tensor scale = quant.parameter("scale").to(at::kFloat);
     add(attention + "." + hook.front() + "_scale",
         quant.scheme().scope == QScope::kPerHead ? scale.reshape({-1, 1, 1}) : scale.reshape({1}));
-    kvInputs_[attention] += hook == "k_hook" ? 1 : 2;
+    attentionInputs_[attention] |= hook == "q_hook" ? 4 : hook == "k_hook" ? 1 : 2;
   }
 
   void noteNormBias(const std::string& name) override {
@@ -126,12 +128,21 @@ class CompressedTensorsSaver final : public SaverBase {
   void writeMetadata(const fs::path& dir) override {
     // Nothing quantized (a smoothing-only pipeline): a plain HF checkpoint, which transformers and
     // vLLM load as the float model it is.
-    for (const auto& [attention, inputs] : kvInputs_) {
-      QPIPE_REQUIRE(inputs == 3, ErrorCode::kConfig, "compressed_tensors: ", attention, " has ",
-                    inputs == 1 ? "K" : "V", " quantized but not ", inputs == 1 ? "V" : "K",
-                    "; a kv_cache_scheme quantizes both");
+    bool anyQ = false, allQ = true;
+    for (const auto& [attention, inputs] : attentionInputs_) {
+      const int kv = inputs & 3;
+      QPIPE_REQUIRE(kv == 3, ErrorCode::kConfig, "compressed_tensors: ", attention, " has ",
+                    kv == 0   ? "Q quantized but not K and V"
+                    : kv == 1 ? "K quantized but not V"
+                              : "V quantized but not K",
+                    "; compressed-tensors quantizes K and V together (and Q with their scheme)");
+      anyQ = anyQ || (inputs & 4) != 0;
+      allQ = allQ && (inputs & 4) != 0;
     }
-    if (groups_.empty() && kvCache_.is_null()) {
+    QPIPE_REQUIRE(!anyQ || allQ, ErrorCode::kConfig,
+                  "compressed_tensors: Q is quantized in some attentions and not in others; compressed-tensors' "
+                  "attention group takes all of them or none");
+    if (groups_.empty() && attentionArgs_.is_null()) {
       writeJson(dir / "config.json", sourceConfig());
       return;
     }
@@ -144,6 +155,13 @@ class CompressedTensorsSaver final : public SaverBase {
       formats.insert(scheme["format"].get<std::string>());
       groups["group_" + std::to_string(i)] = scheme;
     }
+    if (anyQ) {
+      groups["group_" + std::to_string(groups_.size())] = {{"format", "dense"},
+                                                           {"input_activations", attentionArgs_},
+                                                           {"output_activations", nullptr},
+                                                           {"targets", {kAttentionTarget}},
+                                                           {"weights", nullptr}};
+    }
     std::vector<std::string> floats;
     for (const auto& [name, group] : assignment_) {
       if (group < 0) floats.push_back(name);
@@ -155,7 +173,7 @@ class CompressedTensorsSaver final : public SaverBase {
                                          : "mixed-precision"},
         {"global_compression_ratio", nullptr},
         {"ignore", targets.back()},
-        {"kv_cache_scheme", kvCache_},
+        {"kv_cache_scheme", attentionArgs_},
         {"quant_method", "compressed-tensors"},
         {"quantization_status", "compressed"},
         {"sparsity_config", SortedJson::object()},
@@ -235,10 +253,10 @@ class CompressedTensorsSaver final : public SaverBase {
 
   std::vector<Group> groups_;
   std::map<std::string, int> groupByKey_;
-  std::map<std::string, int> assignment_;  // every Linear: its group, or -1 when float
-  SortedJson kvCache_;                     // null until a K or V is written
-  std::string kvCacheOf_;                  // the first module written with it
-  std::map<std::string, int> kvInputs_;    // attention: 1 for K, 2 for V, summed
+  std::map<std::string, int> assignment_;       // every Linear: its group, or -1 when float
+  SortedJson attentionArgs_;                    // null until an attention input is written
+  std::string attentionArgsOf_;                 // the first module written with it
+  std::map<std::string, int> attentionInputs_;  // attention: bits 1 K, 2 V, 4 Q
 };
 
 }  // namespace

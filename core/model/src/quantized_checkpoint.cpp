@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <fstream>
 #include <optional>
 #include <regex>
@@ -225,6 +226,14 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
                     field(at), " is not a scheme object with a 'targets' list");
       CtScheme scheme;
       for (const auto& target : group["targets"]) scheme.targets.push_back(target.get<std::string>());
+      // No weights: a group on the attention modules, whose input_activations quantize Q, K and V.
+      if ((!group.contains("weights") || group["weights"].is_null()) && group.contains("input_activations") &&
+          !group["input_activations"].is_null()) {
+        attention_ =
+            parseArgs(group["input_activations"], at + ".input_activations", field, unsupported, Role::kKvCache).scheme;
+        attentionTargets_ = scheme.targets;
+        continue;
+      }
       scheme.format =
           group.contains("format") && group["format"].is_string() ? group["format"].get<std::string>() : globalFormat;
       const std::string formatField = group.contains("format") ? at + ".format" : "format";
@@ -253,16 +262,23 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
 
   std::shared_ptr<AttentionQuant> attentionInput(const std::string& attention, char input,
                                                  const TensorFn& tensor) const override {
-    if (!kvCache_ || input == 'q') return nullptr;
+    const bool grouped =
+        attention_ && std::any_of(attentionTargets_.begin(), attentionTargets_.end(),
+                                  [&](const std::string& t) { return compressedTensorsMatches(t, attention); });
+    const std::optional<QScheme> scheme = input == 'q' ? (grouped ? attention_ : std::nullopt)
+                                                       : (kvCache_  ? kvCache_
+                                                          : grouped ? attention_
+                                                                    : std::nullopt);
+    if (!scheme) return nullptr;
     const std::string name = attention + "." + input + "_scale";
     const at::Tensor stored = tensor(name).to(at::kFloat);
-    const bool perHead = kvCache_->scope == QScope::kPerHead;
+    const bool perHead = scheme->scope == QScope::kPerHead;
     QPIPE_REQUIRE(perHead ? stored.dim() == 3 && stored.size(1) == 1 && stored.size(2) == 1 : stored.numel() == 1,
                   ErrorCode::kInput, "checkpoint ", dir_, ": '", name, "' has shape ", shapeText(stored.sizes()),
-                  ", expected ", perHead ? "[kv_heads, 1, 1] (attn_head)" : "[1] (tensor)");
+                  ", expected ", perHead ? "[heads, 1, 1] (attn_head)" : "[1] (tensor)");
     const at::Tensor scale = perHead ? stored.reshape({1, -1, 1, 1}) : stored.reshape({1});
     return std::make_shared<AttentionQuant>(
-        *kvCache_, quant::QParams{scale, at::zeros_like(scale, scale.options().dtype(at::kInt))});
+        *scheme, quant::QParams{scale, at::zeros_like(scale, scale.options().dtype(at::kInt))});
   }
 
   std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor, const HasFn&,
@@ -406,6 +422,8 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
   std::vector<std::string> ignore_;
   std::vector<CtScheme> schemes_;
   std::optional<QScheme> kvCache_;
+  std::optional<QScheme> attention_;  // a weightless group's, for the attention modules it targets
+  std::vector<std::string> attentionTargets_;
 };
 
 // ---- ascendv1

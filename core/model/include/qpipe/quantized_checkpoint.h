@@ -41,7 +41,10 @@ std::string compressedTensorsFormat(const quant::QScheme& weight, const std::opt
 // QuantizationArgs objects (quant_args.py), every key written so old and new loaders agree.
 SortedJson compressedTensorsWeightArgs(const quant::QScheme& weight);
 SortedJson compressedTensorsInputArgs(const ActivationQuant& input);
-// kv_cache_scheme for K and V quantized per_tensor ("tensor") or per_head ("attn_head"), static.
+// The target of the config group that quantizes the attention modules' Q (with K and V).
+inline constexpr const char* kAttentionTarget = "re:.*self_attn$";
+// kv_cache_scheme (and the attention group's input_activations) for attention inputs quantized
+// per_tensor ("tensor") or per_head ("attn_head"), static.
 SortedJson compressedTensorsKvCacheArgs(const quant::QScheme& scheme);
 // compressed-tensors' / vLLM's target and ignore matching for a Linear module: "Linear" (the
 // class), "re:<regex>" (Python re.match: anchored at the start only) or the exact name.
