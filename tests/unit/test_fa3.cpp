@@ -20,12 +20,12 @@
 #include "qpipe/host/plugin_loader.h"
 #include "qpipe/host/registry.h"
 #include "qpipe/host/runner.h"
-#include "qpipe/host/savers.h"
 #include "qpipe/log.h"
 #include "qpipe/model.h"
 #include "qpipe/observer.h"
 #include "qpipe/plugin.h"
 #include "qpipe/safetensors.h"
+#include "save_checkpoint.h"
 #include "test_helpers.h"
 #include "tiny_model.h"
 
@@ -234,9 +234,7 @@ TEST_F(Fa3, DetailsQuantizeOnlyTheInputsTheyName) {
 fs::path saveAll(CausalLM& model, const std::string& name, const std::string& format = "compressed_tensors") {
   const fs::path out = test::testDir() / name;
   fs::remove_all(out);
-  auto saver = createBuiltinSaver({.format = format}, model, out);
-  for (int64_t i = 0; i < model.config().numLayers; ++i) saver->writeLayer(i, model.layerName(i), model.layer(i));
-  saver->finish();
+  test::saveCheckpoint(model, out, {.format = format});
   return out;
 }
 

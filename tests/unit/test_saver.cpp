@@ -14,6 +14,7 @@
 #include "qpipe/model.h"
 #include "qpipe/quant_linear.h"
 #include "replace_linears.h"
+#include "save_checkpoint.h"
 #include "test_helpers.h"
 #include "tiny_model.h"
 
@@ -62,12 +63,6 @@ at::Tensor ids() {
   return at::randint(0, test::kTinyVocab, {2, 7}, at::kLong);
 }
 
-void saveAll(CausalLM& lm, const fs::path& out, SaverOptions options = {}) {
-  auto saver = createBuiltinSaver(options, lm, out);
-  for (int64_t i = 0; i < lm.config().numLayers; ++i) saver->writeLayer(i, lm.layerName(i), lm.layer(i));
-  saver->finish();
-}
-
 Json readJson(const fs::path& path) {
   return Json::parse(test::slurp(path));
 }
@@ -83,7 +78,7 @@ fs::path roundTrip(const std::string& name, const std::function<std::optional<Sp
   const at::Tensor expected = lm->forward(ids());
   const fs::path out = test::testDir() / (name + "-out");
   fs::remove_all(out);
-  saveAll(*lm, out, options);
+  test::saveCheckpoint(*lm, out, options);
   const at::Tensor loaded = CausalLM::open(out)->forward(ids());
   EXPECT_TRUE(at::equal(loaded, expected)) << name << ": max |diff| " << (loaded - expected).abs().max().item<float>();
   return out;
@@ -356,7 +351,7 @@ TEST(CompressedTensorsSaver, FloatHeadOfATiedModelStaysTied) {
   quantize(*lm, everywhere({kInt8Channel, kInt8Token}));
   const fs::path out = test::testDir() / "head-float-out";
   fs::remove_all(out);
-  saveAll(*lm, out);
+  test::saveCheckpoint(*lm, out);
   EXPECT_EQ(readJson(out / "config.json")["tie_word_embeddings"], true);
   EXPECT_EQ(readJson(out / "config.json")["quantization_config"]["ignore"], Json({"lm_head"}));
   EXPECT_FALSE(safetensors::Checkpoint::open(out).contains("lm_head.weight"));
@@ -400,7 +395,7 @@ TEST(SaverAtomicity, StaleTemporaryFolderIsReplaced) {
   const fs::path stale = test::testDir() / ".stale-out.qpipe-partial";
   fs::create_directories(stale);
   std::ofstream(stale / "model-00001-of-00009.safetensors") << "killed mid-write";
-  saveAll(*lm, out);
+  test::saveCheckpoint(*lm, out);
   EXPECT_FALSE(fs::exists(stale));
   EXPECT_FALSE(fs::exists(out / "model-00001-of-00009.safetensors"));
   EXPECT_TRUE(fs::exists(out / "model.safetensors"));
@@ -411,7 +406,7 @@ TEST(SaverAtomicity, EmptyExistingFolderIsUsed) {
   const fs::path out = test::testDir() / "empty-out";
   fs::remove_all(out);
   fs::create_directories(out);
-  saveAll(*lm, out);
+  test::saveCheckpoint(*lm, out);
   EXPECT_TRUE(fs::exists(out / "model.safetensors"));
 }
 
@@ -481,7 +476,7 @@ std::string openError(const std::function<void(Json&)>& edit) {
   quantize(*lm, everywhere({kInt8Channel, kInt8Tensor}));
   const fs::path out = test::testDir() / "load-out";
   fs::remove_all(out);
-  saveAll(*lm, out);
+  test::saveCheckpoint(*lm, out);
   Json config = readJson(out / "config.json");
   edit(config["quantization_config"]);
   std::ofstream(out / "config.json") << config.dump();
@@ -543,7 +538,7 @@ TEST(QuantizedLoadErrors, TensorOfTheWrongShape) {
   quantize(*lm, everywhere({kInt8Channel, std::nullopt}));
   const fs::path out = test::testDir() / "shape-out";
   fs::remove_all(out);
-  saveAll(*lm, out);
+  test::saveCheckpoint(*lm, out);
   Json config = readJson(out / "config.json");
   config["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "tensor";
   std::ofstream(out / "config.json") << config.dump();
@@ -563,7 +558,7 @@ fs::path saveAscend(const std::string& name, const std::function<std::optional<S
   if (expected) *expected = lm->forward(ids());
   const fs::path out = test::testDir() / (name + "-out");
   fs::remove_all(out);
-  saveAll(*lm, out, options);
+  test::saveCheckpoint(*lm, out, options);
   return out;
 }
 
@@ -574,7 +569,7 @@ TEST(AscendV1Saver, QuantizedHeadOfATiedModelHasItsDescriptionAndUntiesIt) {
   const at::Tensor expected = lm->forward(ids());
   const fs::path out = test::testDir() / "ascend-head-out";
   fs::remove_all(out);
-  saveAll(*lm, out, {.format = "ascendv1_saver"});
+  test::saveCheckpoint(*lm, out, {.format = "ascendv1_saver"});
   const Json description = readJson(out / "quant_model_description.json");
   for (const char* key : {".weight", ".quant_bias", ".input_scale", ".input_offset", ".deq_scale"}) {
     EXPECT_EQ(description[std::string("lm_head") + key], "W8A8") << key;
@@ -711,7 +706,7 @@ TEST(AscendV1Saver, W4A8DynamicHandCheckedLayer) {
   const at::Tensor expected = lm->forward(ids());
   const fs::path out = test::testDir() / "ascend-w4a8-hand-out";
   fs::remove_all(out);
-  saveAll(*lm, out, {.format = "ascendv1_saver"});
+  test::saveCheckpoint(*lm, out, {.format = "ascendv1_saver"});
 
   const Json description = readJson(out / "quant_model_description.json");
   const auto ckpt = safetensors::Checkpoint::open(out, "quant_model_weights");
@@ -785,7 +780,7 @@ TEST(AscendV1Saver, W4A8DynamicRoundTripBitForBit) {
   const at::Tensor expected = lm->forward(ids());
   const fs::path out = test::testDir() / "ascend-w4a8-out";
   fs::remove_all(out);
-  saveAll(*lm, out, {.format = "ascendv1_saver"});
+  test::saveCheckpoint(*lm, out, {.format = "ascendv1_saver"});
   EXPECT_TRUE(at::equal(CausalLM::open(out)->forward(ids()), expected));
   const Json description = readJson(out / "quant_model_description.json");
   EXPECT_EQ(description["model.layers.1.mlp.down_proj.scale_bias"], "W4A8_DYNAMIC");
@@ -847,7 +842,7 @@ TEST(AscendV1Saver, W4A8DynamicTwoLevelPerGroupIsRefusedAtLoad) {
   quantize(*lm, everywhere({kInt4Channel, kInt8Token}));
   const fs::path out = test::testDir() / "ascend-w4a8-second-out";
   fs::remove_all(out);
-  saveAll(*lm, out, {.format = "ascendv1_saver"});
+  test::saveCheckpoint(*lm, out, {.format = "ascendv1_saver"});
   // The older two-level layout adds weight_scale_second [out, in / group] to a W4A8 module.
   std::map<std::string, at::Tensor> tensors;
   {

@@ -19,10 +19,10 @@
 #include "qpipe/host/registry.h"
 #include "qpipe/host/report.h"
 #include "qpipe/host/runner.h"
-#include "qpipe/host/savers.h"
 #include "qpipe/log.h"
 #include "qpipe/model.h"
 #include "qpipe/plugin.h"
+#include "save_checkpoint.h"
 #include "smoothing.h"
 #include "test_helpers.h"
 #include "tiny_model.h"
@@ -339,9 +339,7 @@ TEST_F(Smoothing, AsymmetricNormBiasesSaveAsAscendV1AndAreRefusedByCompressedTen
   const at::Tensor floatLogits = CausalLM::open(dir)->forward(probeIds());
   const auto saveAll = [](CausalLM& lm, const fs::path& out, const std::string& format) {
     fs::remove_all(out);
-    auto saver = createBuiltinSaver({.format = format}, lm, out);
-    for (int64_t i = 0; i < lm.config().numLayers; ++i) saver->writeLayer(i, lm.layerName(i), lm.layer(i));
-    saver->finish();
+    test::saveCheckpoint(lm, out, {.format = format});
   };
   const std::string asymmetric = "    - {type: iter_smooth, symmetric: False}\n";
   // Smoothing alone: the ascendv1 checkpoint holds the norms' and the projections' new biases
