@@ -111,7 +111,7 @@ class Fa3Quant final : public Processor {
     // The attention modules first: replacing their hook points frees modules the list holds.
     std::vector<std::string> attentions;
     for (auto& [path, module] : request.module->namedModules()) {
-      if (!path.empty() && hasChild(*module, kInputs[0].hook)) attentions.push_back(path);
+      if (!path.empty() && module->findChild(kInputs[0].hook) != nullptr) attentions.push_back(path);
     }
     for (const std::string& path : attentions) attention(request, path);
     if (!request.staged && !observers_.empty()) {
@@ -149,13 +149,6 @@ class Fa3Quant final : public Processor {
     std::string name;  // <attention>.fa_q
     std::shared_ptr<HeadObserver> observer;
   };
-
-  static bool hasChild(const Module& module, const char* name) {
-    for (const auto& [childName, child] : module.children()) {
-      if (childName == name) return true;
-    }
-    return false;
-  }
 
   void attention(LayerRequest& request, const std::string& attentionPath) {
     for (size_t i = 0; i < kInputs.size(); ++i) {

@@ -23,6 +23,7 @@ inline std::vector<std::string> equivalenceRows(const std::filesystem::path& mod
   command += QPIPE_BINARY;
   command += " " + (std::filesystem::path(QPIPE_SOURCE_DIR) / "tools" / "check_equivalence.sh").string();
   command += " --model_path '" + model.string() + "' --config_path '" + pipeline.string() + "'";
+  command += " --calib_data " + (std::filesystem::path(QPIPE_SOURCE_DIR) / "data" / "calib.jsonl").string();
   command += " --calib_samples 5 --seq_len 32 --threads_per_rank 1 --dist_timeout 20";
   command += " >" + (dir / "out").string() + " 2>" + (dir / "err").string() + " </dev/null";
   const int status = std::system(command.c_str());

@@ -319,9 +319,102 @@ TEST_F(Fa3, WhatAFormatCannotHoldIsAnErrorNamingTheModuleNotASilentDrop) {
   EXPECT_EQ(saveError("    - {type: fa3_quant, details: {fa_k: {dtype: int8}}}\n", "compressed_tensors"),
             "compressed_tensors: model.layers.0.self_attn has K quantized but not V; compressed-tensors quantizes K "
             "and V together (and Q with their scheme)");
-  EXPECT_EQ(saveError("    - {type: fa3_quant}\n", "ascendv1_saver"),
-            "model.layers.0.self_attn.q_hook holds fa3_quant's attention quantization, which this saver does not "
-            "write (docs/attention.md)");
+  EXPECT_EQ(
+      saveError("    - {type: fa3_quant, details: {fa_q: {dtype: int8}, fa_k: {dtype: int8}}}\n", "ascendv1_saver"),
+      "ascendv1_saver: model.layers.0.self_attn has K quantized but not V; ascendv1 quantizes K and V together "
+      "(C8), or Q, K and V (FAQuant)");
+  EXPECT_EQ(saveError("    - {type: fa3_quant, qconfig: {scope: per_token}}\n", "ascendv1_saver"),
+            "ascendv1_saver: model.layers.0.self_attn.q_hook is per_token (dynamic); ascendv1's FAQuant and C8 "
+            "entries hold static scales: use per_head or per_tensor");
+  EXPECT_EQ(saveError("    - {type: fa3_quant, details: {fa_k: {dtype: fp8_e4m3}, fa_v: {dtype: fp8_e4m3}}}\n",
+                      "ascendv1_saver"),
+            "ascendv1_saver: model.layers.0.self_attn.k_hook is fp8_e4m3_per_head_sym; ascendv1's C8 KV cache is "
+            "int8 (fp8 K and V only with Q, as FAQuant): use int8, or compressed_tensors for an fp8 KV cache");
+}
+
+// ascendv1: Q, K and V as msmodelslim's FAQuant entries, K and V alone as its C8 KV cache; both
+// load back to the same attention.
+TEST_F(Fa3, AttentionRoundTripsThroughAscendV1FaQuantAndC8Entries) {
+  const fs::path dir = test::tinyQwen3("fa3_ascend");
+  const at::Tensor ids = samples().back();
+  const std::string attention = "model.layers.1.self_attn";
+  struct Case {
+    std::string step, name;
+    bool faQuant;
+    std::string offsetDtype;  // FAQuant's offset dtype
+  };
+  for (const Case& c :
+       std::vector<Case>{{"{type: fa3_quant}", "fa_int8", true, "I8"},
+                         {"{type: fa3_quant, qconfig: {dtype: fp8_e4m3, scope: per_tensor}}", "fa_fp8", true, "F32"},
+                         {"{type: fa3_quant, exclude: [\"*.fa_q\"]}", "c8", false, ""},
+                         {"{type: fa3_quant, details: {fa_k: {symmetric: False}, fa_v: {scope: per_tensor}}}",
+                          "c8_asym", false, ""}}) {
+    SCOPED_TRACE(c.step);
+    auto model = quantized("    - " + c.step + "\n", dir);
+    const at::Tensor expected = model->forward(ids);
+    const fs::path out = saveAll(*model, "fa3_ascend_" + c.name, "ascendv1_saver");
+    const auto description = nlohmann::json::parse(test::slurp(out / "quant_model_description.json"));
+    const auto checkpoint = safetensors::Checkpoint::open(out, "quant_model_weights");
+    EXPECT_FALSE(checkpoint.contains(attention + ".k_hook.scale"));
+    if (c.faQuant) {
+      EXPECT_EQ(description["fa_quant_type"], "FAKQuant");
+      EXPECT_FALSE(description.contains("kv_cache_type"));
+      for (const auto& [input, heads] : std::vector<std::pair<std::string, int64_t>>{
+               {"fa_q", test::kTinyQwen3Heads}, {"fa_k", test::kTinyQwen3KvHeads}, {"fa_v", test::kTinyQwen3KvHeads}}) {
+        const std::string prefix = attention + "." + input;
+        EXPECT_EQ(description[prefix + ".scale"], "FAQuant");
+        EXPECT_EQ(checkpoint.info(prefix + ".scale").shape, (std::vector<int64_t>{heads, 1}));
+        EXPECT_EQ(checkpoint.info(prefix + ".scale").dtype, "F32");
+        EXPECT_EQ(checkpoint.info(prefix + ".offset").dtype, c.offsetDtype);
+      }
+    } else {
+      EXPECT_EQ(description["kv_cache_type"], "C8");
+      EXPECT_EQ(description["kv_quant_type"], "C8");
+      EXPECT_FALSE(description.contains("fa_quant_type"));
+      const std::vector<int64_t> channels{test::kTinyQwen3KvHeads * test::kTinyQwen3HeadDim};
+      for (const char* projection : {".k_proj", ".v_proj"}) {
+        for (const char* key : {".kv_cache_scale", ".kv_cache_offset"}) {
+          EXPECT_EQ(description[attention + projection + key], "C8");
+          EXPECT_EQ(checkpoint.info(attention + projection + key).shape, channels);
+        }
+      }
+      // Every channel of a head holds that head's scale and zero point.
+      const auto hook = model->layer(1).getSubmodule("self_attn.k_hook").as<AttentionQuant>("k_hook").params();
+      const at::Tensor scale =
+          checkpoint.tensor(attention + ".k_proj.kv_cache_scale").reshape({test::kTinyQwen3KvHeads, -1});
+      const at::Tensor offset =
+          checkpoint.tensor(attention + ".k_proj.kv_cache_offset").reshape({test::kTinyQwen3KvHeads, -1});
+      EXPECT_TRUE(at::equal(scale, hook.scale.reshape({-1, 1}).expand_as(scale)));
+      EXPECT_TRUE(at::equal(offset, hook.zeroPoint.reshape({-1, 1}).expand_as(offset).to(at::kFloat)));
+      EXPECT_EQ(c.name == "c8_asym", offset.ne(0).any().item<bool>());
+    }
+    auto loaded = CausalLM::open(out);
+    EXPECT_EQ(loaded->layer(0).getSubmodule("self_attn.q_hook").typeName(), c.faQuant ? "AttentionQuant" : "HookPoint");
+    EXPECT_EQ(loaded->layer(0).getSubmodule("self_attn.v_hook").typeName(), "AttentionQuant");
+    EXPECT_TRUE(at::equal(loaded->forward(ids), expected));
+  }
+}
+
+// A C8 entry qpipe cannot run is refused in one line, never run as something else.
+TEST_F(Fa3, AscendV1C8ScalesThatDifferWithinAHeadAreRefused) {
+  const fs::path dir = test::tinyQwen3("fa3_ascend_channel");
+  auto model = quantized("    - {type: fa3_quant, exclude: [\"*.fa_q\"]}\n", dir);
+  const fs::path out = saveAll(*model, "fa3_ascend_channel_out", "ascendv1_saver");
+  const std::string name = "model.layers.0.self_attn.v_proj.kv_cache_scale";
+  {
+    const auto checkpoint = safetensors::Checkpoint::open(out, "quant_model_weights");
+    safetensors::Writer writer(out, {.filePrefix = "quant_model_weights"});
+    for (const std::string& tensor : checkpoint.names()) {
+      at::Tensor value = checkpoint.tensor(tensor).clone();
+      if (tensor == name) value[1] *= 2;
+      writer.add(tensor, value);
+    }
+    writer.finish();
+  }
+  EXPECT_EQ(test::errorOf([&] { CausalLM::open(out)->layer(0); }, ErrorCode::kInput),
+            "checkpoint " + out.string() + ": '" + name +
+                "' differs within a KV head (per-channel C8); qpipe runs C8 with one value per head, as it writes "
+                "them");
 }
 
 TEST_F(Fa3, PerTokenIsDataFree) {

@@ -96,7 +96,8 @@ struct Prepared {
     QPIPE_REQUIRE(fs::is_directory(options.modelPath), ErrorCode::kInput, "--model_path '", options.modelPath.string(),
                   "' is not a folder");
     loadPlugins(loader, options.pluginPath);
-    pipeline = loadPipeline(resolvePipeline(options), registry);
+    const fs::path pipelineFile = resolvePipeline(options);
+    pipeline = loadPipeline(pipelineFile, registry);
     mode = runnerMode(pipeline, options.worldSize);
     group = std::make_shared<JoinedLater>(options.rank, options.worldSize);
     processors = buildProcessors(pipeline, registry, {.logger = log::logger(), .group = group});
@@ -107,8 +108,21 @@ struct Prepared {
       }
     }
     calibData = !options.calibData.empty()  ? options.calibData
-                : !pipeline.dataset.empty() ? fs::path(pipeline.dataset)
+                : !pipeline.dataset.empty() ? pipelineDataset(pipeline.dataset, pipelineFile)
                                             : options.defaultCalibData;
+  }
+
+  // spec.dataset as written, else next to the pipeline file. msmodelslim names sets of its
+  // lab_calib folder (mix_calib.jsonl), which qpipe does not ship.
+  static fs::path pipelineDataset(const std::string& dataset, const fs::path& pipelineFile) {
+    const fs::path asWritten(dataset);
+    if (fs::exists(asWritten)) return asWritten;
+    const fs::path beside = pipelineFile.parent_path() / asWritten;
+    QPIPE_REQUIRE(!asWritten.is_relative() || fs::exists(beside), ErrorCode::kIo, pipelineFile.string(),
+                  ": spec.dataset '", dataset,
+                  "' is neither a file here nor next to the pipeline (qpipe does not ship msmodelslim's lab_calib "
+                  "sets); pass --calib_data FILE");
+    return asWritten.is_relative() ? beside : asWritten;
   }
 };
 

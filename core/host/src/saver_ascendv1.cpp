@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 
 #include <array>
+#include <map>
+#include <utility>
 
 #include "qpipe/error.h"
 #include "qpipe/quantized_checkpoint.h"
@@ -129,8 +131,43 @@ class AscendV1Saver final : public SaverBase {
     }
   }
 
+  // Q, K and V quantized: msmodelslim's FAQuant entries (on_activation_per_head),
+  // `<attention>.fa_q|fa_k|fa_v.scale` fp32 [heads, 1] and `.offset` [heads, 1] (int8 zero points
+  // for int8, fp32 zeros for fp8), with fa_quant_type "FAKQuant". K and V alone: the C8 KV cache
+  // (on_dynamic_cache), `<attention>.k_proj|v_proj.kv_cache_scale` / `kv_cache_offset` fp32
+  // [kv_heads · head_dim], one value per channel, with kv_cache_type / kv_quant_type "C8".
+  void writeAttentionQuant(const std::string& attention, const AttentionInputs& inputs) override {
+    for (const auto& [quant, input] : {std::pair{inputs.q, 'q'}, {inputs.k, 'k'}, {inputs.v, 'v'}}) {
+      QPIPE_REQUIRE(quant == nullptr || !quant->isDynamic(), ErrorCode::kConfig, "ascendv1_saver: ", attention, ".",
+                    input,
+                    "_hook is per_token (dynamic); ascendv1's FAQuant and C8 entries hold static scales: use per_head "
+                    "or per_tensor");
+    }
+    QPIPE_REQUIRE(inputs.k && inputs.v, ErrorCode::kConfig, "ascendv1_saver: ", attention, " has ",
+                  missingKvText(inputs), "; ascendv1 quantizes K and V together (C8), or Q, K and V (FAQuant)");
+    const ModelConfig& config = model().config();
+    if (inputs.q != nullptr) {
+      writeFaQuant(attention + ".fa_q", *inputs.q, config.numHeads);
+      writeFaQuant(attention + ".fa_k", *inputs.k, config.numKvHeads);
+      writeFaQuant(attention + ".fa_v", *inputs.v, config.numKvHeads);
+      extra_["fa_quant_type"] = "FAKQuant";
+      return;
+    }
+    for (const auto& [quant, hook] : {std::pair{inputs.k, "k_hook"}, {inputs.v, "v_hook"}}) {
+      QPIPE_REQUIRE(quant->scheme().dtype == QDtype::kInt8, ErrorCode::kConfig, "ascendv1_saver: ", attention, ".",
+                    hook, " is ", quant->scheme().name(),
+                    "; ascendv1's C8 KV cache is int8 (fp8 K and V only with Q, as FAQuant): use int8, or "
+                    "compressed_tensors for an fp8 KV cache");
+    }
+    writeC8(attention + ".k_proj", *inputs.k, config.numKvHeads, config.headDim);
+    writeC8(attention + ".v_proj", *inputs.v, config.numKvHeads, config.headDim);
+    extra_["kv_cache_type"] = "C8";
+    extra_["kv_quant_type"] = "C8";
+  }
+
   void writeMetadata(const fs::path& dir) override {
     nlohmann::ordered_json description = description_;
+    for (const auto& [key, value] : extra_) description[key] = value;
     description["version"] = "1.0.0";
     description["model_quant_type"] = modelType_;
     description["metadata"] = nlohmann::ordered_json::object();
@@ -175,12 +212,37 @@ class AscendV1Saver final : public SaverBase {
     return {};
   }
 
+  // An input's scale and zero point, one per head: [heads] (a per_tensor value repeated).
+  static std::pair<at::Tensor, at::Tensor> perHead(AttentionQuant& quant, int64_t heads) {
+    const quant::QParams p = quant.params();
+    return {p.scale.to(at::kFloat).reshape({-1}).expand({heads}).contiguous(),
+            p.zeroPoint.reshape({-1}).expand({heads}).contiguous()};
+  }
+
+  void writeFaQuant(const std::string& prefix, AttentionQuant& quant, int64_t heads) {
+    const auto [scale, zeroPoint] = perHead(quant, heads);
+    const bool int8 = quant.scheme().dtype == QDtype::kInt8;
+    description_[prefix + ".scale"] = "FAQuant";
+    description_[prefix + ".offset"] = "FAQuant";
+    add(prefix + ".scale", scale.reshape({heads, 1}));
+    add(prefix + ".offset", (int8 ? zeroPoint.to(at::kChar) : zeroPoint.to(at::kFloat)).reshape({heads, 1}));
+  }
+
+  void writeC8(const std::string& projection, AttentionQuant& quant, int64_t heads, int64_t headDim) {
+    const auto [scale, zeroPoint] = perHead(quant, heads);
+    description_[projection + ".kv_cache_scale"] = "C8";
+    description_[projection + ".kv_cache_offset"] = "C8";
+    add(projection + ".kv_cache_scale", scale.repeat_interleave(headDim));
+    add(projection + ".kv_cache_offset", zeroPoint.to(at::kFloat).repeat_interleave(headDim));
+  }
+
   void noteType(std::string_view type) {
     if (priority(type) > priority(modelType_)) modelType_ = type;
   }
 
   nlohmann::ordered_json description_;
-  std::string modelType_ = "Unknown";  // msmodelslim's initial value, kept when nothing is written
+  std::map<std::string, std::string> extra_;  // fa_quant_type, kv_cache_type, kv_quant_type
+  std::string modelType_ = "Unknown";         // msmodelslim's initial value, kept when nothing is written
   int64_t groupSize_ = 0;
 };
 

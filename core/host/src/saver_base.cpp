@@ -1,6 +1,8 @@
 #include <ATen/ATen.h>
 
+#include <array>
 #include <fstream>
+#include <optional>
 
 #include "qpipe/attention_quant.h"
 #include "qpipe/error.h"
@@ -81,7 +83,23 @@ bool headIsEmbedding(Module& root) {
   return at::equal(weight.to(embedding.device(), embedding.scalar_type()), embedding);
 }
 
+// An Attention's hook points (model.cpp), where fa3_quant puts its AttentionQuant modules.
+constexpr std::array<const char*, 3> kHooks{"q_hook", "k_hook", "v_hook"};
+
+std::optional<AttentionInputs> quantizedInputs(const Module& module) {
+  if (module.findChild(kHooks[0]) == nullptr) return std::nullopt;
+  const auto input = [&](const char* hook) { return dynamic_cast<AttentionQuant*>(module.findChild(hook)); };
+  const AttentionInputs inputs{input(kHooks[0]), input(kHooks[1]), input(kHooks[2])};
+  if (inputs.q == nullptr && inputs.k == nullptr && inputs.v == nullptr) return std::nullopt;
+  return inputs;
+}
+
 }  // namespace
+
+std::string missingKvText(const AttentionInputs& inputs) {
+  if (inputs.k == nullptr && inputs.v == nullptr) return "Q quantized but not K and V";
+  return inputs.k == nullptr ? "V quantized but not K" : "K quantized but not V";
+}
 
 SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::path& saveDir,
                      const std::string& weightsPrefix)
@@ -126,11 +144,6 @@ void SaverBase::writeFloat(const std::string& name, const at::Tensor& tensor) {
   add(name, at::isFloatingType(tensor.scalar_type()) ? tensor.to(dtype) : tensor);
 }
 
-void SaverBase::writeAttentionQuant(const std::string& name, AttentionQuant&) {
-  QPIPE_REQUIRE(false, ErrorCode::kConfig, name,
-                " holds fa3_quant's attention quantization, which this saver does not write (docs/attention.md)");
-}
-
 void SaverBase::writeModule(const std::string& prefix, Module& module, const std::string& skipPrefix) {
   const auto skipped = [&](const std::string& name) { return !skipPrefix.empty() && name.rfind(skipPrefix, 0) == 0; };
   std::set<std::string> quantized;
@@ -143,9 +156,11 @@ void SaverBase::writeModule(const std::string& prefix, Module& module, const std
       noteFloatLinear(name);
     } else if (dynamic_cast<RMSNorm*>(child) != nullptr && child->hasParameter("bias")) {
       noteNormBias(name);
-    } else if (auto* attention = dynamic_cast<AttentionQuant*>(child)) {
-      writeAttentionQuant(name, *attention);
-      quantized.insert(name);
+    } else if (const std::optional<AttentionInputs> inputs = quantizedInputs(*child)) {
+      writeAttentionQuant(name, *inputs);
+      for (const char* hook : kHooks) {
+        if (dynamic_cast<AttentionQuant*>(child->findChild(hook)) != nullptr) quantized.insert(name + "." + hook);
+      }
     }
   }
   const bool dropTiedHead = model_.config().tieWordEmbeddings && !headUntied_ && skipsTiedHead();

@@ -50,26 +50,30 @@ class CompressedTensorsSaver final : public SaverBase {
   // attention modules, all with one scheme (compressed-tensors initializes an attention group's
   // Q, K and V scales from its input_activations). Scales on the attention module:
   // `<attention>.q_scale` / `k_scale` / `v_scale`, [1] for tensor, [heads, 1, 1] for attn_head.
-  void writeAttentionQuant(const std::string& name, AttentionQuant& quant) override {
-    const size_t dot = name.rfind('.');
-    const std::string attention = name.substr(0, dot), hook = name.substr(dot + 1);
-    QPIPE_REQUIRE(!quant.isDynamic(), ErrorCode::kConfig, "compressed_tensors: ", name,
-                  " is per_token (dynamic); compressed-tensors' attention scales are static: use per_tensor or "
-                  "per_head");
-    QPIPE_REQUIRE(quant.scheme().symmetric, ErrorCode::kConfig, "compressed_tensors: ", name,
-                  " is asymmetric, which vLLM's KV cache does not support; use symmetric: True");
-    const SortedJson args = compressedTensorsKvCacheArgs(quant.scheme());
-    if (attentionArgs_.is_null()) {
-      attentionArgs_ = args;
-      attentionArgsOf_ = name;
+  void writeAttentionQuant(const std::string& attention, const AttentionInputs& inputs) override {
+    for (const auto& [quant, input] : {std::pair{inputs.q, 'q'}, {inputs.k, 'k'}, {inputs.v, 'v'}}) {
+      if (quant == nullptr) continue;
+      const std::string name = attention + "." + input + "_hook";
+      QPIPE_REQUIRE(!quant->isDynamic(), ErrorCode::kConfig, "compressed_tensors: ", name,
+                    " is per_token (dynamic); compressed-tensors' attention scales are static: use per_tensor or "
+                    "per_head");
+      QPIPE_REQUIRE(quant->scheme().symmetric, ErrorCode::kConfig, "compressed_tensors: ", name,
+                    " is asymmetric, which vLLM's KV cache does not support; use symmetric: True");
+      const SortedJson args = compressedTensorsKvCacheArgs(quant->scheme());
+      if (attentionArgs_.is_null()) {
+        attentionArgs_ = args;
+        attentionArgsOf_ = name;
+      }
+      QPIPE_REQUIRE(args == attentionArgs_, ErrorCode::kConfig, "compressed_tensors: ", name, " is ",
+                    quant->scheme().name(), " but ", attentionArgsOf_,
+                    " is not; compressed-tensors quantizes every K and V (and Q) with one scheme");
+      const at::Tensor scale = quant->parameter("scale").to(at::kFloat);
+      add(attention + "." + input + "_scale",
+          quant->scheme().scope == QScope::kPerHead ? scale.reshape({-1, 1, 1}) : scale.reshape({1}));
     }
-    QPIPE_REQUIRE(args == attentionArgs_, ErrorCode::kConfig, "compressed_tensors: ", name, " is ",
-                  quant.scheme().name(), " but ", attentionArgsOf_,
-                  " is not; compressed-tensors quantizes every K and V (and Q) with one scheme");
-    const at::Tensor scale = quant.parameter("scale").to(at::kFloat);
-    add(attention + "." + hook.front() + "_scale",
-        quant.scheme().scope == QScope::kPerHead ? scale.reshape({-1, 1, 1}) : scale.reshape({1}));
-    attentionInputs_[attention] |= hook == "q_hook" ? 4 : hook == "k_hook" ? 1 : 2;
+    QPIPE_REQUIRE(inputs.k && inputs.v, ErrorCode::kConfig, "compressed_tensors: ", attention, " has ",
+                  missingKvText(inputs), "; compressed-tensors quantizes K and V together (and Q with their scheme)");
+    (inputs.q ? withQ_ : withoutQ_) = true;
   }
 
   void noteNormBias(const std::string& name) override {
@@ -128,18 +132,7 @@ class CompressedTensorsSaver final : public SaverBase {
   void writeMetadata(const fs::path& dir) override {
     // Nothing quantized (a smoothing-only pipeline): a plain HF checkpoint, which transformers and
     // vLLM load as the float model it is.
-    bool anyQ = false, allQ = true;
-    for (const auto& [attention, inputs] : attentionInputs_) {
-      const int kv = inputs & 3;
-      QPIPE_REQUIRE(kv == 3, ErrorCode::kConfig, "compressed_tensors: ", attention, " has ",
-                    kv == 0   ? "Q quantized but not K and V"
-                    : kv == 1 ? "K quantized but not V"
-                              : "V quantized but not K",
-                    "; compressed-tensors quantizes K and V together (and Q with their scheme)");
-      anyQ = anyQ || (inputs & 4) != 0;
-      allQ = allQ && (inputs & 4) != 0;
-    }
-    QPIPE_REQUIRE(!anyQ || allQ, ErrorCode::kConfig,
+    QPIPE_REQUIRE(!withQ_ || !withoutQ_, ErrorCode::kConfig,
                   "compressed_tensors: Q is quantized in some attentions and not in others; compressed-tensors' "
                   "attention group takes all of them or none");
     if (groups_.empty() && attentionArgs_.is_null()) {
@@ -155,7 +148,7 @@ class CompressedTensorsSaver final : public SaverBase {
       formats.insert(scheme["format"].get<std::string>());
       groups["group_" + std::to_string(i)] = scheme;
     }
-    if (anyQ) {
+    if (withQ_) {
       groups["group_" + std::to_string(groups_.size())] = {{"format", "dense"},
                                                            {"input_activations", attentionArgs_},
                                                            {"output_activations", nullptr},
@@ -253,10 +246,11 @@ class CompressedTensorsSaver final : public SaverBase {
 
   std::vector<Group> groups_;
   std::map<std::string, int> groupByKey_;
-  std::map<std::string, int> assignment_;       // every Linear: its group, or -1 when float
-  SortedJson attentionArgs_;                    // null until an attention input is written
-  std::string attentionArgsOf_;                 // the first module written with it
-  std::map<std::string, int> attentionInputs_;  // attention: bits 1 K, 2 V, 4 Q
+  std::map<std::string, int> assignment_;  // every Linear: its group, or -1 when float
+  SortedJson attentionArgs_;               // null until an attention input is written
+  std::string attentionArgsOf_;            // the first module written with it
+  bool withQ_ = false;                     // an attention with Q quantized was written
+  bool withoutQ_ = false;                  // one with K and V only
 };
 
 }  // namespace

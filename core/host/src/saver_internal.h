@@ -19,6 +19,16 @@
 
 namespace qpipe::detail {
 
+// What fa3_quant quantized of one attention's inputs: its q_hook, k_hook and v_hook, each null
+// where that input stays in float (at least one is set).
+struct AttentionInputs {
+  AttentionQuant* q = nullptr;
+  AttentionQuant* k = nullptr;
+  AttentionQuant* v = nullptr;
+};
+// What `inputs` lacks of K and V, for an error: "K quantized but not V", "Q quantized but not K and V".
+std::string missingKvText(const AttentionInputs& inputs);
+
 class SaverBase : public CheckpointSaver {
  public:
   SaverBase(const SaverOptions& options, CausalLM& model, const std::filesystem::path& saveDir,
@@ -37,9 +47,9 @@ class SaverBase : public CheckpointSaver {
   virtual void noteFloatLinear(const std::string& /*name*/) {}
   // An RMSNorm with a bias (msmodelslim's asymmetric smoothing; its tensors go through writeFloat).
   virtual void noteNormBias(const std::string& /*name*/) {}
-  // fa3_quant's quantization of an attention input (`name`: <attention>.q_hook, k_hook or v_hook),
-  // all of its tensors. The default refuses it in one line: a saver must not drop it.
-  virtual void writeAttentionQuant(const std::string& name, AttentionQuant& quant);
+  // All of their tensors, or Error(kConfig) in one line naming what the format cannot hold: a
+  // saver never drops them.
+  virtual void writeAttentionQuant(const std::string& attention, const AttentionInputs& inputs) = 0;
   // Writes a non-quantized tensor in the checkpoint dtype.
   virtual void writeFloat(const std::string& name, const at::Tensor& tensor);
   // Whether a tied lm_head.weight is left out (it is the embedding).

@@ -303,7 +303,8 @@ std::shared_ptr<Module> CausalLM::linear(const std::string& name, bool bias) {
 std::shared_ptr<Module> CausalLM::attentionInput(const std::string& attention, char input) {
   if (quantized_) {
     const auto stored = [this](const std::string& tensor) { return this->stored(tensor).to(options_.device); };
-    if (auto quant = quantized_->attentionInput(attention, input, stored)) return quant;
+    const int64_t heads = input == 'q' ? config_.numHeads : config_.numKvHeads;
+    if (auto quant = quantized_->attentionInput(attention, input, heads, stored)) return quant;
   }
   return std::make_shared<HookPoint>();
 }

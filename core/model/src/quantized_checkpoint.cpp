@@ -260,7 +260,7 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
 
   std::string weightsPrefix() const override { return "model"; }
 
-  std::shared_ptr<AttentionQuant> attentionInput(const std::string& attention, char input,
+  std::shared_ptr<AttentionQuant> attentionInput(const std::string& attention, char input, int64_t heads,
                                                  const TensorFn& tensor) const override {
     const bool grouped =
         attention_ && std::any_of(attentionTargets_.begin(), attentionTargets_.end(),
@@ -273,9 +273,10 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
     const std::string name = attention + "." + input + "_scale";
     const at::Tensor stored = tensor(name).to(at::kFloat);
     const bool perHead = scheme->scope == QScope::kPerHead;
-    QPIPE_REQUIRE(perHead ? stored.dim() == 3 && stored.size(1) == 1 && stored.size(2) == 1 : stored.numel() == 1,
-                  ErrorCode::kInput, "checkpoint ", dir_, ": '", name, "' has shape ", shapeText(stored.sizes()),
-                  ", expected ", perHead ? "[heads, 1, 1] (attn_head)" : "[1] (tensor)");
+    const std::vector<int64_t> expected = perHead ? std::vector<int64_t>{heads, 1, 1} : std::vector<int64_t>{1};
+    QPIPE_REQUIRE(stored.sizes().vec() == expected, ErrorCode::kInput, "checkpoint ", dir_, ": '", name, "' has shape ",
+                  shapeText(stored.sizes()), ", expected ", shapeText(expected),
+                  perHead ? " (attn_head)" : " (tensor)");
     const at::Tensor scale = perHead ? stored.reshape({1, -1, 1, 1}) : stored.reshape({1});
     return std::make_shared<AttentionQuant>(
         *scheme, quant::QParams{scale, at::zeros_like(scale, scale.options().dtype(at::kInt))});
@@ -445,6 +446,48 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
   std::string weightsPrefix() const override { return kAscendWeightsPrefix; }
   bool loadsUndeclaredBiases() const override { return true; }
 
+  // FAQuant: `<attention>.fa_<input>.scale` [heads, 1] with `.offset` (int8 zero points: int8;
+  // floating: fp8, zeros). C8 (K and V): `<attention>.<k|v>_proj.kv_cache_scale` and
+  // `kv_cache_offset` [heads · head_dim], int8, whose values must be equal within each head.
+  std::shared_ptr<AttentionQuant> attentionInput(const std::string& attention, char input, int64_t heads,
+                                                 const TensorFn& tensor) const override {
+    const std::string fa = attention + ".fa_" + input;
+    const std::string c8 = attention + "." + input + "_proj.kv_cache";
+    at::Tensor scale, offset;
+    QScheme scheme{.dtype = QDtype::kInt8, .scope = QScope::kPerHead};
+    if (described(fa + ".scale", "FAQuant")) {
+      scale = asScale(tensor(fa + ".scale"), {heads, 1}, fa + ".scale", dir_);
+      const at::Tensor stored = tensor(fa + ".offset");
+      QPIPE_REQUIRE(stored.scalar_type() == at::kChar || at::isFloatingType(stored.scalar_type()), ErrorCode::kInput,
+                    "checkpoint ", dir_, ": '", fa, ".offset' is ", c10::toString(stored.scalar_type()),
+                    ", expected Char (int8) or a float type (fp8)");
+      if (stored.scalar_type() != at::kChar) scheme.dtype = QDtype::kFp8E4m3;
+      offset = asScale(stored, {heads, 1}, fa + ".offset", dir_);
+      QPIPE_REQUIRE(scheme.dtype == QDtype::kInt8 || offset.eq(0).all().item<bool>(), ErrorCode::kInput, "checkpoint ",
+                    dir_, ": '", fa, ".offset' is not zero; fp8 attention is symmetric");
+    } else if (input != 'q' && described(c8 + "_scale", "C8")) {
+      const auto perHead = [&](const std::string& name) {
+        const at::Tensor stored = tensor(name).to(at::kFloat);
+        QPIPE_REQUIRE(stored.numel() % heads == 0, ErrorCode::kInput, "checkpoint ", dir_, ": '", name, "' has shape ",
+                      shapeText(stored.sizes()), ", not a multiple of the ", heads, " KV heads");
+        const at::Tensor channels = stored.reshape({heads, -1});
+        QPIPE_REQUIRE(channels.eq(channels.narrow(1, 0, 1)).all().item<bool>(), ErrorCode::kInput, "checkpoint ", dir_,
+                      ": '", name,
+                      "' differs within a KV head (per-channel C8); qpipe runs C8 with one value per head, as it "
+                      "writes them");
+        return channels.narrow(1, 0, 1).contiguous();
+      };
+      scale = perHead(c8 + "_scale");
+      offset = perHead(c8 + "_offset");
+    } else {
+      return nullptr;
+    }
+    scheme.symmetric = offset.eq(0).all().item<bool>();
+    return std::make_shared<AttentionQuant>(
+        scheme,
+        quant::QParams{scale.reshape({1, heads, 1, 1}), at::round(offset).to(at::kInt).reshape({1, heads, 1, 1})});
+  }
+
   std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor, const HasFn& has,
                                       at::ScalarType computeDtype) const override {
     const std::string key = name + ".weight";
@@ -514,6 +557,14 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
   }
 
  private:
+  // Whether the description gives `key`, as `type` (Error(kInput) when it gives another).
+  bool described(const std::string& key, const std::string& type) const {
+    if (!description_.contains(key)) return false;
+    QPIPE_REQUIRE(description_[key] == type, ErrorCode::kInput, file_, ": '", key, "' is ", description_[key].dump(),
+                  ", expected \"", type, "\"");
+    return true;
+  }
+
   std::string file_;
   std::string dir_;
   Json description_;

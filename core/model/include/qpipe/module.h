@@ -60,6 +60,13 @@ class Module {
   size_t addChild(std::string name, std::shared_ptr<Module> child);
   Module& child(size_t slot) const { return *children_[slot].second; }
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& children() const { return children_; }
+  // The direct child named `name`, or nullptr.
+  Module* findChild(std::string_view name) const {
+    for (const auto& [childName, child] : children_) {
+      if (childName == name) return child.get();
+    }
+    return nullptr;
+  }
   // Dotted path below this module ("" is this module); Error(kInput) naming the path if absent.
   Module& getSubmodule(std::string_view path);
   // Puts `replacement` where `path` is; the old module is returned (and dropped by the caller).

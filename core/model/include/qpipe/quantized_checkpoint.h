@@ -86,13 +86,11 @@ class QuantizedCheckpoint {
   // `computeDtype`, or nullptr when the checkpoint keeps it in float.
   virtual std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor,
                                               const HasFn& has, at::ScalarType computeDtype) const = 0;
-  // The quantization of `attention`'s input 'q', 'k' or 'v' (its q_hook, k_hook, v_hook), or
-  // nullptr where the checkpoint keeps it in float (compressed-tensors: kv_cache_scheme with
-  // `<attention>.k_scale` / `v_scale`).
-  virtual std::shared_ptr<AttentionQuant> attentionInput(const std::string& /*attention*/, char /*input*/,
-                                                         const TensorFn& /*tensor*/) const {
-    return nullptr;
-  }
+  // The quantization of `attention`'s input 'q', 'k' or 'v' (its q_hook, k_hook, v_hook), which
+  // has `heads` heads, or nullptr where the checkpoint keeps it in float (compressed-tensors:
+  // kv_cache_scheme with `<attention>.k_scale` / `v_scale`; ascendv1: FAQuant and C8 entries).
+  virtual std::shared_ptr<AttentionQuant> attentionInput(const std::string& attention, char input, int64_t heads,
+                                                         const TensorFn& tensor) const = 0;
 };
 
 }  // namespace qpipe::detail
