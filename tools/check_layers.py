@@ -3,7 +3,8 @@
 the layers below it only, never a higher one.
 
   core/base < core/io < core/model < core/sdk < core/host
-  dist/ builds on base, io and model; plugins/ see base, io, model, sdk and dist (not host);
+  dist/ builds on base, io and model; scheduler/ on those and dist; plugins/ see base, io, model,
+  sdk, dist and scheduler (not host);
   tools/ and tests/ may include anything.
 
 Usage: tools/check_layers.py [repository root]. Prints one line per violation and exits 1 if any.
@@ -18,7 +19,8 @@ ORDER = ["base", "io", "model", "sdk", "host"]
 # What each place may include, by the layer names of the headers.
 ALLOWED = {f"core/{layer}": set(ORDER[: i + 1]) for i, layer in enumerate(ORDER)}
 ALLOWED["dist"] = {"base", "io", "model", "dist"}
-ALLOWED["plugins"] = {"base", "io", "model", "sdk", "dist"}
+ALLOWED["scheduler"] = {"base", "io", "model", "dist", "scheduler"}
+ALLOWED["plugins"] = {"base", "io", "model", "sdk", "dist", "scheduler"}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"(qpipe/[^"]+)"')
 
 
@@ -29,8 +31,9 @@ def header_layers(root):
         base = root / "core" / layer / "include"
         for header in base.rglob("*.h"):
             owner[header.relative_to(base).as_posix()] = layer
-    for header in (root / "dist" / "include").rglob("*.h"):
-        owner[header.relative_to(root / "dist" / "include").as_posix()] = "dist"
+    for folder in ["dist", "scheduler"]:
+        for header in (root / folder / "include").rglob("*.h"):
+            owner[header.relative_to(root / folder / "include").as_posix()] = folder
     owner["qpipe/version.h"] = "base"  # generated from core/base/version.h.in
     return owner
 
@@ -46,7 +49,7 @@ def main():
     root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__).resolve().parents[1])
     owner = header_layers(root)
     violations = []
-    for top in ["core", "dist", "plugins"]:
+    for top in ["core", "dist", "scheduler", "plugins"]:
         for path in sorted((root / top).rglob("*")):
             if path.suffix not in {".h", ".cpp"}:
                 continue

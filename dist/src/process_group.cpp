@@ -37,6 +37,8 @@ constexpr const char* kReadyKey = "qpipe/ready";
 constexpr const char* kReadyValue = "ok";
 constexpr const char* kReadyReadKey = "qpipe/ready_read";
 constexpr const char* kFailureSeenKey = "qpipe/failure_seen";
+// ProcessGroup::counterAdd keys live under this prefix, apart from the keys above.
+constexpr const char* kCounterPrefix = "qpipe/counter/";
 // How long a rank whose collective failed looks for the failed peer's report: the peer writes
 // it before its sockets close, so it is normally there at once.
 constexpr milliseconds kFailureLookup{1000};
@@ -132,6 +134,7 @@ class C10dGroup final : public ProcessGroup {
   int worldSize() const override { return options_.worldSize; }
 
   void allReduce(at::Tensor& tensor, ReduceOp op) override {
+    ParallelTaskScope::check("allReduce");
     timed(static_cast<int64_t>(tensor.nbytes()), [&] {
       at::Tensor buffer = tensor.contiguous();
       std::vector<at::Tensor> tensors{buffer};
@@ -144,12 +147,14 @@ class C10dGroup final : public ProcessGroup {
   }
 
   std::vector<at::Tensor> allGather(const at::Tensor& tensor) override {
+    ParallelTaskScope::check("allGather");
     std::vector<at::Tensor> result;
     timed(static_cast<int64_t>(tensor.nbytes()), [&] { result = gatherVariable(tensor.contiguous(), "allGather"); });
     return result;
   }
 
   void broadcast(at::Tensor& tensor, int root) override {
+    ParallelTaskScope::check("broadcast");
     QPIPE_CHECK(root >= 0 && root < worldSize(), "broadcast from rank ", root, " of ", worldSize());
     timed(static_cast<int64_t>(tensor.nbytes()), [&] {
       at::Tensor buffer = tensor.contiguous();
@@ -163,6 +168,7 @@ class C10dGroup final : public ProcessGroup {
   }
 
   void barrier() override {
+    ParallelTaskScope::check("barrier");
     timed(0, [&] {
       c10d::BarrierOptions opts;
       opts.timeout = options_.timeout;
@@ -171,6 +177,7 @@ class C10dGroup final : public ProcessGroup {
   }
 
   std::vector<std::string> allGatherBytes(const std::string& bytes) override {
+    ParallelTaskScope::check("allGatherBytes");
     at::Tensor local = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
     if (!bytes.empty()) std::memcpy(local.data_ptr(), bytes.data(), bytes.size());
     std::vector<std::string> result;
@@ -306,6 +313,15 @@ class C10dGroup final : public ProcessGroup {
   }
 
   Traffic traffic() const override { return traffic_; }
+
+  int64_t counterAdd(const std::string& key, int64_t delta) override {
+    try {
+      return store_->add(kCounterPrefix + key, delta);
+    } catch (const std::exception& e) {
+      throw Error(ErrorCode::kDistributed, concat("rank ", rank(), ": the store did not answer counter '", key, "' (",
+                                                  firstLine(e.what()), "); rank 0, which hosts it, may be gone"));
+    }
+  }
 
   // Runs one collective and counts it in traffic().
   void timed(int64_t bytes, const std::function<void()>& body) {

@@ -7,6 +7,8 @@
 //   process      calibrate(): one staged forward, or observe → sync and freeze → propagate;
 //                skipped when the qconfig is data-free
 //   postprocess  LinearQuantizer → QuantLinear, what savers write and inference runs
+// The weight solves (SSZ, minmax) are one scheduler task per Linear (docs/scheduler.md), spread
+// over the ranks: at preprocess with static activations, at postprocess when data-free.
 // Distributed-complete: the observers' merged states are the 1-rank states bit for bit
 // (qpipe/dist/observer_sync.h), so W ranks give the 1-rank checkpoint.
 #include <memory>
@@ -17,6 +19,7 @@
 #include "qpipe/linear_quantizer.h"
 #include "qpipe/plugin.h"
 #include "qpipe/qconfig.h"
+#include "qpipe/scheduler/task_scheduler.h"
 
 namespace qpipe {
 namespace {
@@ -34,34 +37,37 @@ class LinearQuant final : public Processor {
       qconfig_.checkFits(name, linear.inFeatures());
       Pending& p = pending_.emplace_back(Pending{path, name, nullptr});
       if (isDataFree()) return;  // nothing observes: the quantizer is made from the Linear at postprocess
-      p.quantizer = std::make_shared<LinearQuantizer>(linear, qconfig_);
+      p.quantizer = std::make_shared<LinearQuantizer>(linear, qconfig_, LinearQuantizer::Weights::kDeferred);
       if (request.staged) {
         p.quantizer->settleInForward([this](LinearQuantizer& q) { dist::synchronize(*context_.group, q); });
       }
       request.module->replace(path, p.quantizer);  // drops the float Linear
     });
-    if (!isDataFree() && !pending_.empty() && !request.staged) {
-      request.betweenForwards.emplace_back([this] { synchronizeAll(); });
-    }
+    if (isDataFree() || pending_.empty()) return;
+    solveWeights(request);
+    if (!request.staged) request.betweenForwards.emplace_back([this] { synchronizeAll(); });
   }
 
   void postprocess(LayerRequest& request) override {
     // A process() that forwarded without calibrate() left the observers open: fix them now
     // (the outputs then lack the final activation quantization, the checkpoint does not).
     synchronizeAll();
-    for (Pending& p : pending_) {
-      if (!p.quantizer) {
-        p.quantizer =
-            std::make_shared<LinearQuantizer>(request.module->getSubmodule(p.path).as<Linear>(p.name), qconfig_);
+    if (isDataFree() && !pending_.empty()) {
+      for (Pending& p : pending_) {
+        p.quantizer = std::make_shared<LinearQuantizer>(request.module->getSubmodule(p.path).as<Linear>(p.name),
+                                                        qconfig_, LinearQuantizer::Weights::kDeferred);
+        request.module->replace(p.path, p.quantizer);
       }
-      request.module->replace(p.path, p.quantizer->deploy(p.name));
+      solveWeights(request);
     }
+    for (Pending& p : pending_) request.module->replace(p.path, p.quantizer->deploy(p.name));
     quantized_ += static_cast<int64_t>(pending_.size());
     pending_.clear();
   }
 
   void postRun() override {
     context_.logger->info("linear_quant: ", quantized_, " Linear modules quantized (", qconfig_.describe(), ")");
+    if (scheduled_.parallelWaves > 0) context_.logger->info("linear_quant: weight solves [DTS] ", scheduled_.line());
   }
 
   bool isDataFree() const override { return qconfig_.isDataFree(); }
@@ -76,6 +82,26 @@ class LinearQuant final : public Processor {
     std::shared_ptr<LinearQuantizer> quantizer;
   };
 
+  // One task per quantizer, spread over the ranks (docs/scheduler.md): each solves its weights
+  // (the SSZ search, or minmax), and every rank then holds every solution
+  // (LinearQuantizer::syncTensors: SSZ solutions sent, minmax recomputed).
+  void solveWeights(LayerRequest& request) {
+    scheduler::DistributedTaskScheduler tasks(*request.module, *context_.group, {.name = "linear_quant"});
+    for (const Pending& p : pending_) {
+      tasks.submit({.name = "linear_quant.solve_weights",
+                    .fn =
+                        [quantizer = p.quantizer](const ConfigNode&) {
+                          quantizer->solveWeights();
+                          return ConfigNode::null({});
+                        },
+                    .args = ConfigNode::map({{"module", ConfigNode::string(p.name)}}),
+                    .dependencies = {p.path}});
+    }
+    tasks.run();
+    scheduled_ += tasks.summary();
+    for (const auto& [key, value] : tasks.summary().reportValues()) request.report(request.name, key, value);
+  }
+
   // Merges every static observer of the layer across ranks and freezes its parameters.
   void synchronizeAll() {
     for (const Pending& p : pending_) {
@@ -88,6 +114,7 @@ class LinearQuant final : public Processor {
   std::shared_ptr<ModuleFilter> filter_;
   std::vector<Pending> pending_;
   int64_t quantized_ = 0;
+  scheduler::RunSummary scheduled_;  // the weight solves of every unit
 };
 
 void registerProcessors(PluginRegistrar& registrar) {

@@ -189,7 +189,28 @@ void SmoothingProcessor::postprocess(LayerRequest& request) {
   }
   std::stable_sort(watched_.begin(), watched_.end(),
                    [](const auto& a, const auto& b) { return priority(a->graph.type) < priority(b->graph.type); });
-  for (const auto& w : watched_) smooth(request, *w);
+  // One task per subgraph (docs/scheduler.md): the subgraphs that share no module run on
+  // different ranks, in waves that keep msmodelslim's order where they do share one; the
+  // default sync then sends each changed norm and Linear (weights, biases) to every rank.
+  scheduler::DistributedTaskScheduler tasks(*request.module, *context_.group, {.name = type_});
+  for (const auto& w : watched_) {
+    std::vector<std::string> dependencies{w->graph.source};
+    dependencies.insert(dependencies.end(), w->graph.targets.begin(), w->graph.targets.end());
+    tasks.submit({.name = type_ + ".subgraph",
+                  .fn = [this, &request, &w = *w](const ConfigNode&) { return smooth(request, w); },
+                  .args = ConfigNode::map({{"source", ConfigNode::string(w->name)},
+                                           {"type", ConfigNode::string(std::string(subgraphTypeName(w->graph.type)))}}),
+                  .dependencies = std::move(dependencies)});
+  }
+  for (const TaskRecord& record : tasks.run()) {
+    if (record.result.isNull()) continue;
+    ++smoothed_;
+    for (const ConfigNode& value : record.result.items()) {
+      request.report(value.items()[0].asString(), value.items()[1].asString(), value.items()[2].asFloat());
+    }
+  }
+  scheduled_ += tasks.summary();
+  for (const auto& [key, value] : tasks.summary().reportValues()) request.report(request.name, key, value);
   watched_.clear();
 }
 
@@ -236,12 +257,12 @@ at::Tensor SmoothingProcessor::gatherAbsMean(Watched& w) const {
   return (total / std::max(tokens, 1.0)).to(at::kFloat);
 }
 
-void SmoothingProcessor::smooth(LayerRequest& request, Watched& w) {
+ConfigNode SmoothingProcessor::smooth(LayerRequest& request, Watched& w) const {
   const Subgraph& graph = w.graph;
   if (!w.max.ge(w.min).all().item<bool>()) {
     context_.logger->warn(type_, ": no calibration token reached ", moduleName(request, w.firstPath), "; ",
                           describe(w.name, graph), " is left unsmoothed");
-    return;
+    return ConfigNode();
   }
   std::vector<Linear*> consumers;
   std::vector<at::Tensor> weights;
@@ -269,15 +290,22 @@ void SmoothingProcessor::smooth(LayerRequest& request, Watched& w) {
     at::Tensor& bias = source.parameter("bias");
     bias = divided(bias, producer);
   }
-  if (shift.defined()) request.report(w.name, "shift_abs_max", shift.abs().max().item<double>());
-  request.report(w.name, "scale_min", producer.min().item<double>());
-  request.report(w.name, "scale_max", producer.max().item<double>());
-  for (const auto& [key, value] : values) request.report(w.name, key, value);
-  ++smoothed_;
+  // What the report records: [module, key, value] triples, on every rank (the task's result).
+  std::vector<ConfigNode> report;
+  const auto add = [&](const std::string& key, double value) {
+    report.push_back(
+        ConfigNode::list({ConfigNode::string(w.name), ConfigNode::string(key), ConfigNode::number(value)}));
+  };
+  if (shift.defined()) add("shift_abs_max", shift.abs().max().item<double>());
+  add("scale_min", producer.min().item<double>());
+  add("scale_max", producer.max().item<double>());
+  for (const auto& [key, value] : values) add(key, value);
+  return ConfigNode::list(std::move(report));
 }
 
 void SmoothingProcessor::postRun() {
   context_.logger->info(type_, ": ", smoothed_, " subgraphs smoothed");
+  if (scheduled_.parallelWaves > 0) context_.logger->info(type_, ": subgraphs [DTS] ", scheduled_.line());
 }
 
 Scales SmoothingProcessor::grouped(const Subgraph& graph, const at::Tensor& activation, const at::Tensor& weight,

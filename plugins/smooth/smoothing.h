@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "qpipe/plugin.h"
+#include "qpipe/scheduler/task_scheduler.h"
 
 namespace qpipe::smooth {
 
@@ -89,7 +90,9 @@ class SmoothingProcessor : public Processor {
   at::Tensor inSampleOrder(const at::Tensor& rows, const std::vector<int64_t>& samples) const;
   at::Tensor gatherTokens(Watched& watched) const;
   at::Tensor gatherAbsMean(Watched& watched) const;
-  void smooth(LayerRequest& request, Watched& watched);
+  // Smooths one subgraph (a scheduler task: no collectives); its report values, or null when no
+  // token reached it.
+  ConfigNode smooth(LayerRequest& request, Watched& watched) const;
 
   std::string type_;
   ProcessorContext context_;
@@ -99,6 +102,7 @@ class SmoothingProcessor : public Processor {
   int64_t searchTokens_ = 0;
   bool absMean_ = false;
   int64_t smoothed_ = 0;
+  scheduler::RunSummary scheduled_;  // the subgraph tasks of every unit
 };
 
 // The ov reduction: per-head scales `perHead` [heads·headDim] (or statistics) to one value per

@@ -19,6 +19,7 @@
 #include "qpipe/dist/process_group.h"
 #include "qpipe/error.h"
 #include "qpipe/module.h"
+#include "qpipe/scheduler/task_scheduler.h"
 
 namespace {
 
@@ -181,6 +182,186 @@ void masterFails() {
   std::cout << "unexpected: " << values(t) << std::endl;
 }
 
+// ---- The task scheduler (qpipe/scheduler/task_scheduler.h, tests/multirank/test_scheduler.cpp)
+
+namespace dts = qpipe::scheduler;
+
+// A module whose own sync (level 2) sends its value and counts the calls.
+class SelfSynced final : public qpipe::Module, public qpipe::DistributedSync {
+ public:
+  SelfSynced() : Module("SelfSynced") { addParameter("value", at::zeros({3})); }
+  std::vector<at::Tensor> syncTensors(const qpipe::TaskRecord&, qpipe::SyncContext&) override {
+    ++syncs;
+    return {parameter("value")};
+  }
+  void syncDone(const qpipe::TaskRecord&, qpipe::SyncContext&) override { ++done; }
+  int syncs = 0;
+  int done = 0;
+};
+
+// Modules a, b, c, d (and e below d) with a parameter w; c syncs itself.
+std::shared_ptr<qpipe::Module> schedulerModel() {
+  auto root = std::make_shared<qpipe::Module>("Root");
+  for (const char* name : {"a", "b", "d"}) {
+    auto module = std::make_shared<qpipe::Module>("Leaf");
+    module->addParameter("w", at::zeros({4}));
+    root->addChild(name, module);
+  }
+  root->addChild("c", std::make_shared<SelfSynced>());
+  auto e = std::make_shared<qpipe::Module>("Leaf");
+  e->addParameter("w", at::zeros({2}));
+  root->getSubmodule("d").addChild("e", e);
+  return root;
+}
+
+void printState(qpipe::Module& root) {
+  for (auto& [name, tensor] : root.namedParameters()) {
+    std::cout << "state " << name << ": " << c10::toString(tensor->scalar_type()) << " " << shape(*tensor) << " "
+              << values(*tensor) << "\n";
+  }
+  for (auto& [name, tensor] : root.namedBuffers()) {
+    std::cout << "state " << name << ": " << c10::toString(tensor->scalar_type()) << " " << shape(*tensor) << " "
+              << values(*tensor) << "\n";
+  }
+}
+
+// Tasks at every sync level, twice over (so the waves repeat), then a local task: the final state
+// is the same on every rank and for any assignment (the 1-rank run's).
+void schedulerLevels(dts::SchedulerOptions options) {
+  ProcessGroup& group = world();
+  auto root = schedulerModel();
+  dts::DistributedTaskScheduler scheduler(*root, group, options);
+  const auto args = [](int64_t k) { return qpipe::ConfigNode::map({{"k", qpipe::ConfigNode::integer(k)}}); };
+  for (int64_t round = 0; round < 2; ++round) {
+    // Level 3: the executor's values broadcast.
+    scheduler.submit({.name = "fill_a",
+                      .fn =
+                          [&root](const qpipe::ConfigNode& a) {
+                            root->getSubmodule("a").parameter("w").add_(a.at("k").asInt() + 1);
+                            return qpipe::ConfigNode::integer(a.at("k").asInt() * 10);
+                          },
+                      .args = args(round),
+                      .dependencies = {"a"}});
+    // Level 3 on a changed structure: w gets another shape and dtype, a buffer appears.
+    scheduler.submit(
+        {.name = "reshape_b",
+         .fn =
+             [&root](const qpipe::ConfigNode& a) {
+               qpipe::Module& b = root->getSubmodule("b");
+               b.parameter("w") =
+                   at::arange(6, at::kDouble).reshape({2, 3}).mul(static_cast<double>(a.at("k").asInt() + 1));
+               if (!b.hasParameter("extra") && b.ownBuffers().empty()) b.addBuffer("extra", at::ones({1}, at::kLong));
+               return qpipe::ConfigNode::null({});
+             },
+         .args = args(round),
+         .dependencies = {"b"}});
+    // Level 2.
+    scheduler.submit({.name = "set_c",
+                      .fn =
+                          [&root](const qpipe::ConfigNode& a) {
+                            root->getSubmodule("c").parameter("value").fill_(
+                                static_cast<double>(a.at("k").asInt() + 7));
+                            return qpipe::ConfigNode::null({});
+                          },
+                      .args = args(round),
+                      .dependencies = {"c"}});
+    // Level 1: d and its child e, synced by the task's own function.
+    scheduler.submit({.name = "set_d",
+                      .fn =
+                          [&root](const qpipe::ConfigNode& a) {
+                            root->getSubmodule("d").parameter("w").fill_(static_cast<double>(a.at("k").asInt() - 3));
+                            root->getSubmodule("d.e").parameter("w").fill_(5.0);
+                            return qpipe::ConfigNode::null({});
+                          },
+                      .args = args(round),
+                      .dependencies = {"d"},
+                      .sync =
+                          [&root](const qpipe::TaskRecord& record, qpipe::SyncContext& context) {
+                            context.group.broadcast(root->getSubmodule("d").parameter("w"), record.executorRank);
+                            context.group.broadcast(root->getSubmodule("d.e").parameter("w"), record.executorRank);
+                            std::cout << "level 1 sync of " << record.taskId << "\n";
+                          },
+                      .syncName = "broadcast_d"});
+  }
+  // A local task: every rank runs it.
+  scheduler.submit({.name = "local_a",
+                    .fn =
+                        [&root](const qpipe::ConfigNode&) {
+                          root->getSubmodule("a").parameter("w").mul_(2);
+                          return qpipe::ConfigNode::null({});
+                        },
+                    .dependencies = {"a"},
+                    .parallel = false});
+  const std::vector<qpipe::TaskRecord> records = scheduler.run();
+  for (const qpipe::TaskRecord& record : records) {
+    std::cout << "record " << record.taskId << " " << record.name << " parallel " << record.parallel;
+    if (options.assignment == dts::Assignment::kRoundRobin || !record.parallel) {
+      std::cout << " executor " << record.executorRank;
+    }
+    if (!record.result.isNull()) std::cout << " result " << record.result.asInt();
+    std::cout << "\n";
+  }
+  const auto& c = static_cast<SelfSynced&>(root->getSubmodule("c"));
+  std::cout << "level 2 syncs: " << c.syncs << " done " << c.done << "\n";
+  std::cout << "waves: " << scheduler.summary().waves << " parallel " << scheduler.summary().parallelWaves << "\n";
+  std::cout << "executed everywhere: " << scheduler.summary().tasks << "\n";
+  printState(*root);
+  std::cout << "done" << std::endl;
+}
+
+// The last rank submits a task with other arguments.
+void schedulerDisagree() {
+  ProcessGroup& group = world();
+  auto root = schedulerModel();
+  dts::DistributedTaskScheduler scheduler(*root, group, {.name = "test"});
+  for (const char* name : {"a", "b"}) {
+    const int64_t k = std::string(name) == "b" && group.rank() == group.worldSize() - 1 ? 2 : 1;
+    scheduler.submit({.name = "noop",
+                      .fn = [](const qpipe::ConfigNode&) { return qpipe::ConfigNode::null({}); },
+                      .args = qpipe::ConfigNode::map({{"k", qpipe::ConfigNode::integer(k)}}),
+                      .dependencies = {name}});
+  }
+  scheduler.run();
+  std::cout << "unexpected: ran" << std::endl;
+}
+
+// A parallel task calls a collective.
+void schedulerCollective() {
+  ProcessGroup& group = world();
+  auto root = schedulerModel();
+  dts::DistributedTaskScheduler scheduler(*root, group, {.name = "test", .assignment = dts::Assignment::kRoundRobin});
+  scheduler.submit({.name = "reduce",
+                    .fn =
+                        [&group](const qpipe::ConfigNode&) {
+                          at::Tensor t = at::ones({1});
+                          group.allReduce(t, ReduceOp::kSum);
+                          return qpipe::ConfigNode::null({});
+                        },
+                    .dependencies = {"a"}});
+  scheduler.run();
+  std::cout << "unexpected: ran" << std::endl;
+}
+
+// Task 2 of 4 throws on the rank that runs it (rank 2 mod W, round-robin).
+void schedulerTaskFails() {
+  ProcessGroup& group = world();
+  auto root = schedulerModel();
+  dts::DistributedTaskScheduler scheduler(*root, group, {.name = "test", .assignment = dts::Assignment::kRoundRobin});
+  for (const char* name : {"a", "b", "c", "d"}) {
+    scheduler.submit({.name = "maybe_fail",
+                      .fn =
+                          [name](const qpipe::ConfigNode&) {
+                            QPIPE_REQUIRE(std::string(name) != "c", qpipe::ErrorCode::kInput, "module ", name,
+                                          ": weights are NaN");
+                            return qpipe::ConfigNode::null({});
+                          },
+                      .args = qpipe::ConfigNode::map({{"module", qpipe::ConfigNode::string(name)}}),
+                      .dependencies = {name}});
+  }
+  scheduler.run();
+  std::cout << "unexpected: ran" << std::endl;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -204,6 +385,18 @@ int main(int argc, char** argv) {
       peerHangs();
     } else if (scenario == "master_fails") {
       masterFails();
+    } else if (scenario == "dts_dynamic") {
+      schedulerLevels({.name = "test"});
+    } else if (scenario == "dts_round_robin") {
+      schedulerLevels({.name = "test", .assignment = dts::Assignment::kRoundRobin});
+    } else if (scenario == "dts_disabled") {
+      schedulerLevels({.name = "test", .disableParallel = true});
+    } else if (scenario == "dts_disagree") {
+      schedulerDisagree();
+    } else if (scenario == "dts_collective") {
+      schedulerCollective();
+    } else if (scenario == "dts_task_fails") {
+      schedulerTaskFails();
     } else {
       throw qpipe::Error(qpipe::ErrorCode::kUsage, "unknown scenario '" + scenario + "'");
     }

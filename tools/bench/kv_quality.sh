@@ -20,7 +20,8 @@ echo "$(basename "$model"), calibration $samples x $seq tokens of data/calib.jso
 echo
 echo "| --quant_type | attention | perplexity | vs its base |"
 echo "| --- | --- | ---: | ---: |"
-for pair in "w8a8 w8a8c8 K,V_int8_per_KV_head" "w8a8 w8a8f8 Q,K,V_int8_per_head" "w8a8_fp8 w8a8c8_fp8 K,V_fp8_per_tensor"; do
+for pair in "w8a8 w8a8c8 K,V_int8_per_KV_head" "w8a8 w8a8f8 Q,K,V_int8_per_head" "w8a8_fp8 w8a8c8_fp8 K,V_fp8_per_tensor" \
+  "w4a8 w4a8c8 K,V_int8_per_KV_head"; do
   read -r base kv what <<<"$pair"
   for quant in "$base" "$kv"; do
     rm -rf "${work:?}/$quant"

@@ -46,6 +46,7 @@ class JoinedLater final : public ProcessGroup {
     if (group_) group_->reportFailure(message);
   }
   Traffic traffic() const override { return group_ ? group_->traffic() : Traffic{}; }
+  int64_t counterAdd(const std::string& key, int64_t delta) override { return joined().counterAdd(key, delta); }
 
  private:
   ProcessGroup& joined() const {

@@ -11,15 +11,13 @@ namespace qpipe {
 
 using quant::QMethod;
 
-LinearQuantizer::LinearQuantizer(Linear& linear, const quant::LinearQConfig& config)
-    : Module("LinearQuantizer"), config_(config), bias_(linear.bias()), dtype_(linear.weight().scalar_type()) {
-  const at::Tensor& weight = linear.weight();
-  if (config_.weight.method == QMethod::kSsz) {
-    weightParams_ = quant::sszSearch(weight, config_.weight.scheme, config_.weight.sszSteps);
-    qweight_ = quant::quantize(weight, weightParams_, config_.weight.scheme);
-  } else {
-    std::tie(weightParams_, qweight_) = quant::quantizeWeight(weight, config_.weight.scheme);
-  }
+LinearQuantizer::LinearQuantizer(Linear& linear, const quant::LinearQConfig& config, Weights weights)
+    : Module("LinearQuantizer"),
+      config_(config),
+      weight_(linear.weight()),
+      bias_(linear.bias()),
+      dtype_(linear.weight().scalar_type()) {
+  if (weights == Weights::kSolve) solveWeights();
   const quant::QConfig& act = config_.act;
   if (act.enabled() && !act.isDynamic()) {
     if (act.method == QMethod::kHistogram) {
@@ -30,7 +28,33 @@ LinearQuantizer::LinearQuantizer(Linear& linear, const quant::LinearQConfig& con
   }
 }
 
+void LinearQuantizer::solveWeights() {
+  if (weightsSolved()) return;
+  if (config_.weight.method == QMethod::kSsz) {
+    weightParams_ = quant::sszSearch(weight_, config_.weight.scheme, config_.weight.sszSteps);
+    qweight_ = quant::quantize(weight_, weightParams_, config_.weight.scheme);
+  } else {
+    std::tie(weightParams_, qweight_) = quant::quantizeWeight(weight_, config_.weight.scheme);
+  }
+  weight_ = at::Tensor();
+}
+
+std::vector<at::Tensor> LinearQuantizer::syncTensors(const TaskRecord& record, SyncContext& context) {
+  if (config_.weight.method != QMethod::kSsz) {
+    solveWeights();
+    return {};
+  }
+  if (context.group.rank() != record.executorRank) {
+    // Tensors of the solution's dtypes and shapes (the minmax solve has the search's) to receive it.
+    std::tie(weightParams_, qweight_) = quant::quantizeWeight(weight_, config_.weight.scheme);
+    weight_ = at::Tensor();
+  }
+  QPIPE_CHECK(weightsSolved(), "rank ", record.executorRank, " ran the weight solve but holds no solution");
+  return {weightParams_.scale, weightParams_.zeroPoint, qweight_};
+}
+
 at::Tensor LinearQuantizer::forward(const at::Tensor& input) {
+  QPIPE_CHECK(weightsSolved(), "LinearQuantizer::forward before solveWeights()");
   if (!fakeWeight_.defined()) {
     fakeWeight_ = quant::dequantize(qweight_, weightParams_, config_.weight.scheme).to(dtype_);
   }
@@ -91,6 +115,7 @@ std::optional<ActivationQuant> LinearQuantizer::activationQuant() const {
 }
 
 std::shared_ptr<QuantLinear> LinearQuantizer::deploy(const std::string& name) const {
+  QPIPE_CHECK(weightsSolved(), name, ": deploy() before solveWeights()");
   QPIPE_CHECK(!observes() || frozen_, name,
               ": deploy() before freeze(): the static activation parameters are not fixed");
   QPIPE_REQUIRE(calibrated(), ErrorCode::kInput, name,

@@ -49,6 +49,30 @@ class ProcessGroup {
     double seconds = 0;
   };
   virtual Traffic traffic() const = 0;
+
+  // Adds `delta` to the group's counter `key` (in the c10d store: one counter for every rank, on
+  // any node) and returns its new value; a counter starts at 0. Not a collective: a rank calls it
+  // whenever it wants, so it is allowed inside a parallel task. The scheduler's dynamic assignment
+  // takes task indices from it.
+  virtual int64_t counterAdd(const std::string& key, int64_t delta) = 0;
+};
+
+// This thread runs one task of a parallel wave of the scheduler (scheduler/, docs/scheduler.md):
+// the ranks run different tasks there, so a collective would wait for peers that never call it.
+// Every ProcessGroup implementation calls check() first in each collective.
+class ParallelTaskScope {
+ public:
+  explicit ParallelTaskScope(std::string task);
+  ~ParallelTaskScope();
+  ParallelTaskScope(const ParallelTaskScope&) = delete;
+  ParallelTaskScope& operator=(const ParallelTaskScope&) = delete;
+
+  // Error(kPlugin) naming the task and `collective` when called inside a scope.
+  static void check(const char* collective);
+
+ private:
+  std::string task_;
+  const std::string* outer_;
 };
 
 }  // namespace qpipe

@@ -2,7 +2,9 @@
 // forward = linear(actQuant(x), fakeQuant(W), b).
 //
 // - Weights are data-free: minmax or ssz parameters and the quantized weight are computed once,
-//   at construction; the float weight is not kept (the forward uses the dequantized one).
+//   at construction or, deferred, by solveWeights() (a scheduler task: docs/scheduler.md); the
+//   float weight is then dropped (the forward uses the dequantized one). After a parallel task
+//   solved them on one rank, syncTensors() gives every rank the same solution.
 // - Static activations (per_tensor minmax or histogram) calibrate in two phases:
 //     observing (from construction): forward observes x and passes it on unquantized — or, set
 //       up with settleInForward() inside a staged run (qpipe/staged.h), observes x, waits until
@@ -25,6 +27,7 @@
 #include <memory>
 #include <optional>
 
+#include "qpipe/distributed_sync.h"
 #include "qpipe/module.h"
 #include "qpipe/observer.h"
 #include "qpipe/qconfig.h"
@@ -32,9 +35,19 @@
 
 namespace qpipe {
 
-class LinearQuantizer : public Module {
+class LinearQuantizer : public Module, public DistributedSync {
  public:
-  LinearQuantizer(Linear& linear, const quant::LinearQConfig& config);
+  enum class Weights { kSolve, kDeferred };
+  LinearQuantizer(Linear& linear, const quant::LinearQConfig& config, Weights weights = Weights::kSolve);
+
+  // The weight parameters and the quantized weight (minmax, or the SSZ search), once; the float
+  // weight is dropped. Every other call needs them solved.
+  void solveWeights();
+  bool weightsSolved() const { return qweight_.defined(); }
+  // After another rank solved the weights in a parallel task: minmax is recomputed here (exact,
+  // cheap; no tensors); an SSZ solution's scale, zero point and quantized weight come from the
+  // executor.
+  std::vector<at::Tensor> syncTensors(const TaskRecord& record, SyncContext& context) override;
 
   at::Tensor forward(const at::Tensor& input) override;
 
@@ -65,6 +78,7 @@ class LinearQuantizer : public Module {
   std::optional<at::Tensor> int8Forward(const at::Tensor& x);
 
   quant::LinearQConfig config_;
+  at::Tensor weight_;  // the float weight until solveWeights()
   quant::QParams weightParams_;
   at::Tensor qweight_;     // quantize(W)
   at::Tensor bias_;        // undefined when the layer has none

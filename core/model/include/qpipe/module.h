@@ -79,6 +79,9 @@ class Module {
   at::Tensor& addBuffer(std::string name, at::Tensor value);
   at::Tensor& parameter(std::string_view name);
   bool hasParameter(std::string_view name) const;
+  // This module's own parameters and buffers (not its children's), in registration order.
+  std::vector<std::pair<std::string, at::Tensor>>& ownParameters() { return parameters_; }
+  std::vector<std::pair<std::string, at::Tensor>>& ownBuffers() { return buffers_; }
   // Recursive, full names ("model.layers.0.mlp.up_proj.weight").
   std::vector<std::pair<std::string, at::Tensor*>> namedParameters(const std::string& prefix = "");
   std::vector<std::pair<std::string, at::Tensor*>> namedBuffers(const std::string& prefix = "");

@@ -1,0 +1,119 @@
+// The distributed task scheduler (docs/scheduler.md; msmodelslim's DistributedTaskScheduler,
+// utils/distributed/task_scheduler): a processor submits its independent sub-tasks (one
+// subgraph's search, one module's weight solve) with the modules each one changes; run() spreads
+// them over the ranks and then brings every rank to the state of "every rank ran every task in
+// submit order".
+//
+//   submit()  resolves the dependencies below the root (Error(kPlugin) naming a path that is not
+//             a module) and puts the task in the current wave, or opens a new one when a
+//             dependency overlaps one of the wave's (the same path, an ancestor or a descendant)
+//             or the task's parallel flag differs from the wave's
+//   run()     runs the waves in order. A local wave (parallel = false, one rank, or parallel
+//             disabled) runs every task on every rank, with no collective. A parallel wave:
+//               1. the ranks agree on the wave (task count and semantic hash: name, arguments,
+//                  dependencies, sync name), else Error(kDistributed) on every rank naming the
+//                  first task that differs;
+//               2. each task runs once, on the rank that takes it from a counter in the c10d store
+//                  (dynamic), or on rank index mod W (round-robin); a collective inside it is
+//                  Error(kPlugin) naming the task and the call; a task that throws fails the run
+//                  on every rank, naming the task and its rank;
+//               3. on every rank, in submit order, exactly one sync level per task or module: the
+//                  task's sync, else for every module below its dependencies the tensors of its
+//                  own DistributedSync (qpipe/distributed_sync.h), else the default, the
+//                  executor's parameters and buffers (names, dtypes and shapes come with step 2's
+//                  outcomes; recreated where this rank's differ). The tensors of levels 2 and 3
+//                  go in one broadcast per executor.
+//
+// Arguments are ConfigNode values (numbers, strings, lists, maps; tensorMeta() for a tensor),
+// never pointers: the task function reaches its objects through what it captured, and the
+// arguments say which one, so that the ranks can compare their waves.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "qpipe/config_node.h"
+#include "qpipe/distributed_sync.h"
+#include "qpipe/log.h"
+#include "qpipe/process_group.h"
+
+namespace qpipe {
+class Module;
+}
+
+namespace qpipe::scheduler {
+
+struct Task {
+  std::string name;                                      // stable: in the hash and every message
+  std::function<ConfigNode(const ConfigNode& args)> fn;  // its result goes to the executor's record
+  ConfigNode args = ConfigNode::map();
+  std::vector<std::string> dependencies;  // module paths below the root that the task changes
+  // Level 1: brings every rank to the executor's state (collectives allowed); empty: levels 2/3.
+  std::function<void(const TaskRecord& record, SyncContext& context)> sync;
+  std::string syncName;  // required with `sync`: in the hash
+  bool parallel = true;
+};
+
+enum class Assignment { kDynamic, kRoundRobin };
+
+struct SchedulerOptions {
+  std::string name = "scheduler";  // the submitter, in messages and the summary line
+  bool disableParallel = false;    // every wave local
+  Assignment assignment = Assignment::kDynamic;
+};
+
+// What one run() (or several, added up) cost.
+struct RunSummary {
+  int64_t tasks = 0;
+  int64_t myTasks = 0;  // tasks this rank executed
+  int64_t waves = 0;
+  int64_t parallelWaves = 0;
+  int worldSize = 1;
+  int rank = 0;
+  double execSeconds = 0;    // Σ over tasks of their time on their executor
+  double myExecSeconds = 0;  // this rank's share of it
+  double syncSeconds = 0;    // this rank's time in agreement, record exchange and sync
+  double wallSeconds = 0;    // this rank's time in run()
+  // Σexec / wall: how much faster than one rank running every task, for the same work.
+  double speedup() const { return wallSeconds > 0 ? execSeconds / wallSeconds : 1.0; }
+  RunSummary& operator+=(const RunSummary& other);
+  // "tasks=… waves=… world_size=… rank=… my_tasks=… exec_s=… my_exec_s=… sync_s=… wall_s=… speedup=…"
+  std::string line() const;
+  // For the quant report: dts_tasks, dts_exec_seconds, dts_sync_seconds, dts_wall_seconds.
+  std::vector<std::pair<std::string, double>> reportValues() const;
+};
+
+class DistributedTaskScheduler {
+ public:
+  // `root` and `group` must outlive the scheduler.
+  DistributedTaskScheduler(Module& root, ProcessGroup& group, SchedulerOptions options = {});
+  ~DistributedTaskScheduler();
+  DistributedTaskScheduler(const DistributedTaskScheduler&) = delete;
+  DistributedTaskScheduler& operator=(const DistributedTaskScheduler&) = delete;
+
+  void submit(Task task);
+  // Every submitted task, run and synced; records in submit order. The scheduler is empty again
+  // afterwards. Logs the summary at debug level (the per-wave detail too), with a warning when
+  // syncing cost more than the tasks saved.
+  std::vector<TaskRecord> run();
+  const RunSummary& summary() const;
+
+  // Every scheduler's waves local (tests, and models whose modules the default sync cannot
+  // reproduce).
+  static void setGlobalDisableParallel(bool disabled);
+  static bool globalDisableParallel();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// A tensor as a task argument: {shape, dtype, device} (no values).
+ConfigNode tensorMeta(const at::Tensor& tensor);
+
+}  // namespace qpipe::scheduler

@@ -1,0 +1,514 @@
+#include "qpipe/scheduler/task_scheduler.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <iomanip>
+#include <sstream>
+#include <utility>
+
+#include "qpipe/error.h"
+#include "qpipe/module.h"
+
+namespace qpipe::scheduler {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Json = nlohmann::json;
+
+std::atomic<bool> globalDisabled{false};
+// Parallel waves this process has run: every rank runs the same parallel waves in the same order
+// (the agreement checks it), so the count names a wave's counter in the store uniquely.
+std::atomic<int64_t> parallelWavesRun{0};
+
+double since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::string firstLine(const std::string& text) {
+  return text.substr(0, text.find('\n'));
+}
+
+// Whether module paths a and b overlap: the same path, or one is an ancestor of the other.
+bool overlaps(const std::string& a, const std::string& b) {
+  const auto below = [](const std::string& path, const std::string& ancestor) {
+    return ancestor.empty() || (path.size() > ancestor.size() && path.compare(0, ancestor.size(), ancestor) == 0 &&
+                                path[ancestor.size()] == '.');
+  };
+  return a == b || below(a, b) || below(b, a);
+}
+
+uint64_t fnv1a(const std::string& text, uint64_t hash = 1469598103934665603ULL) {
+  for (unsigned char c : text) hash = (hash ^ c) * 1099511628211ULL;
+  return hash;
+}
+
+// A task's result travels as JSON (doubles exact to the bit).
+Json toJson(const ConfigNode& node) {
+  switch (node.kind()) {
+    case ConfigNode::Kind::kNull:
+      return nullptr;
+    case ConfigNode::Kind::kBool:
+      return node.asBool();
+    case ConfigNode::Kind::kInt:
+      return node.asInt();
+    case ConfigNode::Kind::kFloat:
+      return node.asFloat();
+    case ConfigNode::Kind::kString:
+      return node.asString();
+    case ConfigNode::Kind::kList: {
+      Json out = Json::array();
+      for (const ConfigNode& item : node.items()) out.push_back(toJson(item));
+      return out;
+    }
+    case ConfigNode::Kind::kMap: {
+      // Entries as pairs: a map's order is part of its value.
+      Json out = {{"map", Json::array()}};
+      for (const auto& [key, value] : node.entries()) out["map"].push_back({key, toJson(value)});
+      return out;
+    }
+  }
+  return nullptr;
+}
+
+ConfigNode fromJson(const Json& json) {
+  if (json.is_null()) return ConfigNode();
+  if (json.is_boolean()) return ConfigNode::boolean(json.get<bool>());
+  if (json.is_number_integer()) return ConfigNode::integer(json.get<int64_t>());
+  if (json.is_number()) return ConfigNode::number(json.get<double>());
+  if (json.is_string()) return ConfigNode::string(json.get<std::string>());
+  if (json.is_array()) {
+    std::vector<ConfigNode> items;
+    for (const Json& item : json) items.push_back(fromJson(item));
+    return ConfigNode::list(std::move(items));
+  }
+  std::vector<ConfigNode::Entry> entries;
+  for (const Json& entry : json["map"]) entries.emplace_back(entry[0].get<std::string>(), fromJson(entry[1]));
+  return ConfigNode::map(std::move(entries));
+}
+
+// A value in YAML's flow style, on one line: {k: 1, list: [a, b]}.
+std::string flow(const ConfigNode& node) {
+  std::string out;
+  if (node.isMap()) {
+    for (const auto& [key, value] : node.entries()) out += (out.empty() ? "" : ", ") + key + ": " + flow(value);
+    return "{" + out + "}";
+  }
+  if (node.isList()) {
+    for (const ConfigNode& item : node.items()) out += (out.empty() ? "" : ", ") + flow(item);
+    return "[" + out + "]";
+  }
+  out = node.toYaml();
+  while (!out.empty() && out.back() == '\n') out.pop_back();
+  return out;
+}
+
+// What the ranks compare: everything that decides what a task does, in one line.
+std::string describe(const Task& task) {
+  std::string dependencies;
+  for (const std::string& d : task.dependencies) dependencies += (dependencies.empty() ? "" : ",") + d;
+  return task.name + " " + flow(task.args) + " on [" + dependencies + "]" + (task.sync ? " sync " + task.syncName : "");
+}
+
+// The bytes of `tensor` (contiguous) as a 1-D uint8 tensor sharing its storage.
+at::Tensor byteView(const at::Tensor& tensor) {
+  return tensor.reshape({-1}).view(at::kByte);
+}
+
+struct Wave {
+  bool parallel = false;
+  std::vector<size_t> tasks;  // indices into the submitted tasks
+  std::vector<std::string> paths;
+};
+
+// One task as its executor saw it, exchanged after a parallel wave.
+struct Outcome {
+  int executor = -1;
+  double seconds = 0;
+  std::string error;
+  int code = static_cast<int>(ErrorCode::kPlugin);
+  // The default sync's tensors, as the executor holds them after the task:
+  // [module path, "p"|"b", name, dtype, shape] each.
+  Json tensors = Json::array();
+};
+
+// The modules below a task's dependencies, each with its own sync or the default one.
+std::vector<std::pair<std::string, Module*>> modulesOf(Module& root, const Task& task) {
+  std::vector<std::pair<std::string, Module*>> out;
+  for (const std::string& dependency : task.dependencies) {
+    for (auto& entry : root.getSubmodule(dependency).namedModules(dependency)) out.push_back(entry);
+  }
+  return out;
+}
+
+// This module's own parameter or buffer `name` as the executor holds it; on the other ranks a new
+// tensor of the executor's dtype and shape, for the broadcast to fill (never the one held before,
+// whose storage may be shared, e.g. with the checkpoint's mapping).
+at::Tensor slotFor(Module& module, bool parameter, const std::string& name, at::ScalarType dtype,
+                   const std::vector<int64_t>& shape, bool executor) {
+  auto& list = parameter ? module.ownParameters() : module.ownBuffers();
+  auto found = std::find_if(list.begin(), list.end(), [&](const auto& entry) { return entry.first == name; });
+  if (executor) {
+    QPIPE_CHECK(found != list.end(), "the executor lost ", name, " between its task and the sync");
+    return found->second;
+  }
+  const at::Device device = found != list.end() ? found->second.device() : at::Device(at::kCPU);
+  const at::Tensor fresh = at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
+  if (found == list.end()) return parameter ? module.addParameter(name, fresh) : module.addBuffer(name, fresh);
+  found->second = fresh;
+  return fresh;
+}
+
+// `tensors` (the same dtypes and shapes on every rank) from `root`, in one collective: their bytes
+// packed into one buffer, so backends without a dtype (fp8) are no obstacle.
+void broadcastTogether(ProcessGroup& group, const std::vector<at::Tensor>& tensors, int root) {
+  int64_t total = 0;
+  for (const at::Tensor& t : tensors) total += static_cast<int64_t>(t.nbytes());
+  if (total == 0) return;
+  at::Tensor flat = at::empty({total}, at::kByte);
+  const bool sending = group.rank() == root;
+  int64_t offset = 0;
+  for (const at::Tensor& t : tensors) {
+    const int64_t n = static_cast<int64_t>(t.nbytes());
+    if (sending && n > 0) flat.narrow(0, offset, n).copy_(byteView(t.contiguous().cpu()));
+    offset += n;
+  }
+  group.broadcast(flat, root);
+  if (sending) return;
+  offset = 0;
+  for (const at::Tensor& t : tensors) {
+    const int64_t n = static_cast<int64_t>(t.nbytes());
+    if (n > 0)
+      const_cast<at::Tensor&>(t).copy_(flat.narrow(0, offset, n).clone().view(t.scalar_type()).view(t.sizes()));
+    offset += n;
+  }
+}
+
+}  // namespace
+
+RunSummary& RunSummary::operator+=(const RunSummary& other) {
+  tasks += other.tasks;
+  myTasks += other.myTasks;
+  waves += other.waves;
+  parallelWaves += other.parallelWaves;
+  worldSize = other.worldSize;
+  rank = other.rank;
+  execSeconds += other.execSeconds;
+  myExecSeconds += other.myExecSeconds;
+  syncSeconds += other.syncSeconds;
+  wallSeconds += other.wallSeconds;
+  return *this;
+}
+
+std::string RunSummary::line() const {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(3) << "tasks=" << tasks << " waves=" << waves
+      << " parallel_waves=" << parallelWaves << " world_size=" << worldSize << " rank=" << rank
+      << " my_tasks=" << myTasks << " exec_s=" << execSeconds << " my_exec_s=" << myExecSeconds
+      << " sync_s=" << syncSeconds << " wall_s=" << wallSeconds << std::setprecision(2) << " speedup=" << speedup();
+  return out.str();
+}
+
+std::vector<std::pair<std::string, double>> RunSummary::reportValues() const {
+  return {{"dts_tasks", static_cast<double>(tasks)},
+          {"dts_exec_seconds", execSeconds},
+          {"dts_sync_seconds", syncSeconds},
+          {"dts_wall_seconds", wallSeconds}};
+}
+
+struct DistributedTaskScheduler::Impl {
+  Module& root;
+  ProcessGroup& group;
+  SchedulerOptions options;
+  std::vector<Task> tasks;
+  std::vector<Wave> waves;
+  RunSummary summary;
+
+  std::string where() const { return "scheduler '" + options.name + "'"; }
+
+  bool parallelAllowed() const { return group.worldSize() > 1 && !options.disableParallel && !globalDisabled; }
+
+  std::string taskId(size_t wave, size_t index) const {
+    return "w" + std::to_string(wave) + "_t" + std::to_string(index);
+  }
+
+  void runLocal(const Wave& wave, size_t w, std::vector<TaskRecord>& records) {
+    for (size_t index : wave.tasks) {
+      TaskRecord& record = records[index];
+      record.taskId = taskId(w, index);
+      record.executorRank = group.rank();
+      const auto start = Clock::now();
+      record.result = tasks[index].fn(tasks[index].args);
+      record.execSeconds = since(start);
+      summary.execSeconds += record.execSeconds;
+      summary.myExecSeconds += record.execSeconds;
+      ++summary.myTasks;
+    }
+  }
+
+  // Step 1: the same tasks on every rank, else the same error on every rank.
+  void agree(const Wave& wave, size_t w) {
+    std::vector<std::string> descriptions;
+    uint64_t hash = fnv1a(std::to_string(wave.tasks.size()));
+    for (size_t index : wave.tasks) {
+      descriptions.push_back(describe(tasks[index]));
+      hash = fnv1a(descriptions.back(), hash);
+    }
+    const std::vector<std::string> hashes = group.allGatherBytes(std::to_string(hash));
+    bool same = true;
+    for (const std::string& h : hashes) same = same && h == hashes[0];
+    if (same) return;
+    std::string joined;
+    for (const std::string& d : descriptions) joined += d + "\n";
+    std::vector<std::vector<std::string>> all;
+    for (const std::string& text : group.allGatherBytes(joined)) {
+      std::vector<std::string> lines;
+      std::istringstream in(text);
+      for (std::string line; std::getline(in, line);) lines.push_back(line);
+      all.push_back(std::move(lines));
+    }
+    for (size_t r = 1; r < all.size(); ++r) {
+      for (size_t i = 0; i < std::max(all[0].size(), all[r].size()); ++i) {
+        const auto at = [&](size_t rank) {
+          return i < all[rank].size() ? "'" + all[rank][i] + "'" : std::string("none");
+        };
+        if (i < all[0].size() && i < all[r].size() && all[0][i] == all[r][i]) continue;
+        throw Error(ErrorCode::kDistributed,
+                    concat(where(), ": the ranks disagree on parallel wave ", w, " (rank 0 has ", all[0].size(),
+                           " tasks, rank ", r, " has ", all[r].size(), "): task ", i, " is ", at(0), " on rank 0 and ",
+                           at(r), " on rank ", r, "; every rank must submit the same parallel tasks"));
+      }
+    }
+    QPIPE_CHECK(false, where(), ": wave hashes differ but the tasks do not");
+  }
+
+  // Step 2: this rank's tasks, then every rank's outcomes.
+  std::vector<Outcome> execute(const Wave& wave, size_t w, std::vector<TaskRecord>& records) {
+    const int64_t n = static_cast<int64_t>(wave.tasks.size());
+    const std::string counter = "dts/" + std::to_string(parallelWavesRun++);
+    int64_t next = group.rank();
+    const auto take = [&]() -> int64_t {
+      if (options.assignment == Assignment::kDynamic) return group.counterAdd(counter, 1) - 1;
+      const int64_t mine = next;
+      next += group.worldSize();
+      return mine;
+    };
+    Json mine = Json::array();
+    for (int64_t i = take(); i < n; i = take()) {
+      const size_t index = wave.tasks[static_cast<size_t>(i)];
+      const std::string id = taskId(w, index);
+      Json outcome = {{"i", i}};
+      const auto start = Clock::now();
+      try {
+        const ParallelTaskScope scope(id + " (" + tasks[index].name + ")");
+        records[index].result = tasks[index].fn(tasks[index].args);
+      } catch (const Error& e) {
+        outcome["e"] = firstLine(e.what());
+        outcome["c"] = static_cast<int>(e.code());
+      } catch (const std::exception& e) {
+        outcome["e"] = firstLine(e.what());
+        outcome["c"] = static_cast<int>(ErrorCode::kInternal);
+      }
+      outcome["s"] = since(start);
+      const bool failed = outcome.contains("e");
+      if (!failed && !tasks[index].sync) outcome["t"] = defaultTensors(tasks[index]);
+      if (!failed && !records[index].result.isNull()) outcome["r"] = toJson(records[index].result);
+      mine.push_back(std::move(outcome));
+      // The others go on with the tasks left; the run fails once every rank has reported.
+      if (failed) break;
+    }
+    std::vector<Outcome> outcomes(static_cast<size_t>(n));
+    const std::vector<std::string> all = group.allGatherBytes(mine.dump());
+    for (size_t r = 0; r < all.size(); ++r) {
+      for (const Json& o : Json::parse(all[r])) {
+        Outcome& out = outcomes[o["i"].get<size_t>()];
+        out.executor = static_cast<int>(r);
+        out.seconds = o["s"].get<double>();
+        if (o.contains("e")) {
+          out.error = o["e"].get<std::string>();
+          out.code = o["c"].get<int>();
+        }
+        if (o.contains("t")) out.tensors = o["t"];
+        if (o.contains("r") && static_cast<int>(r) != group.rank()) {
+          records[wave.tasks[o["i"].get<size_t>()]].result = fromJson(o["r"]);
+        }
+      }
+    }
+    for (size_t i = 0; i < outcomes.size(); ++i) {
+      const Outcome& o = outcomes[i];
+      if (o.error.empty()) continue;
+      const size_t index = wave.tasks[i];
+      throw Error(static_cast<ErrorCode>(o.code),
+                  concat(where(), ": task ", taskId(w, index), " (", describe(tasks[index]), ") failed on rank ",
+                         o.executor, ": ", o.error));
+    }
+    return outcomes;
+  }
+
+  // The executor's view of the default sync's tensors of `task`: every module below its
+  // dependencies that has no sync of its own.
+  Json defaultTensors(const Task& task) {
+    Json out = Json::array();
+    for (auto& [path, module] : modulesOf(root, task)) {
+      if (dynamic_cast<DistributedSync*>(module) != nullptr) continue;
+      for (const auto& [kind, list] : {std::pair{"p", &module->ownParameters()}, {"b", &module->ownBuffers()}}) {
+        for (const auto& [name, tensor] : *list) {
+          out.push_back({path, kind, name, static_cast<int>(tensor.scalar_type()), tensor.sizes().vec()});
+        }
+      }
+    }
+    return out;
+  }
+
+  // Step 3, on every rank in submit order: a task's own sync; else each module's own tensors
+  // (level 2) or its parameters and buffers (level 3), broadcast together per executor.
+  void sync(const Wave& wave, const std::vector<Outcome>& outcomes, size_t w, std::vector<TaskRecord>& records) {
+    SyncContext context{root, group};
+    std::vector<std::vector<at::Tensor>> fromRank(static_cast<size_t>(group.worldSize()));
+    std::vector<std::pair<DistributedSync*, TaskRecord*>> own;
+    std::vector<TaskRecord*> batched;
+    for (size_t i = 0; i < wave.tasks.size(); ++i) {
+      const size_t index = wave.tasks[i];
+      TaskRecord& record = records[index];
+      record.taskId = taskId(w, index);
+      record.executorRank = outcomes[i].executor;
+      record.execSeconds = outcomes[i].seconds;
+      summary.execSeconds += record.execSeconds;
+      if (record.executorRank == group.rank()) {
+        summary.myExecSeconds += record.execSeconds;
+        ++summary.myTasks;
+      }
+      const Task& task = tasks[index];
+      if (task.sync) {
+        const auto start = Clock::now();
+        task.sync(record, context);
+        record.syncSeconds = since(start);
+        continue;
+      }
+      std::vector<at::Tensor>& sent = fromRank[static_cast<size_t>(record.executorRank)];
+      const bool executor = record.executorRank == group.rank();
+      for (const Json& t : outcomes[i].tensors) {
+        sent.push_back(slotFor(root.getSubmodule(t[0].get<std::string>()), t[1] == "p", t[2].get<std::string>(),
+                               static_cast<at::ScalarType>(t[3].get<int>()), t[4].get<std::vector<int64_t>>(),
+                               executor));
+      }
+      for (auto& [path, module] : modulesOf(root, task)) {
+        if (auto* synced = dynamic_cast<DistributedSync*>(module)) {
+          for (const at::Tensor& t : synced->syncTensors(record, context)) sent.push_back(t);
+          own.emplace_back(synced, &record);
+        }
+      }
+      batched.push_back(&record);
+    }
+    const auto start = Clock::now();
+    for (int r = 0; r < group.worldSize(); ++r) broadcastTogether(group, fromRank[static_cast<size_t>(r)], r);
+    for (auto& [synced, record] : own) synced->syncDone(*record, context);
+    const double share = batched.empty() ? 0 : since(start) / static_cast<double>(batched.size());
+    for (TaskRecord* record : batched) record->syncSeconds = share;
+  }
+};
+
+DistributedTaskScheduler::DistributedTaskScheduler(Module& root, ProcessGroup& group, SchedulerOptions options)
+    : impl_(std::make_unique<Impl>(Impl{root, group, std::move(options), {}, {}, {}})) {}
+
+DistributedTaskScheduler::~DistributedTaskScheduler() = default;
+
+void DistributedTaskScheduler::submit(Task task) {
+  Impl& s = *impl_;
+  const std::string label = s.where() + ": task '" + task.name + "'";
+  QPIPE_REQUIRE(!task.name.empty(), ErrorCode::kPlugin, s.where(), ": a task needs a name");
+  QPIPE_REQUIRE(static_cast<bool>(task.fn), ErrorCode::kPlugin, label, " has no function");
+  QPIPE_REQUIRE(!task.sync || !task.syncName.empty(), ErrorCode::kPlugin, label,
+                " has a sync function but no syncName");
+  for (const std::string& dependency : task.dependencies) {
+    QPIPE_REQUIRE(!dependency.empty(), ErrorCode::kPlugin, label,
+                  " has an empty dependency; name the modules the task changes");
+    try {
+      s.root.getSubmodule(dependency);
+    } catch (const Error& e) {
+      throw Error(ErrorCode::kPlugin, concat(label, " depends on '", dependency,
+                                             "', which is not a module below the scheduler's root (", e.what(), ")"));
+    }
+  }
+  const bool parallel = task.parallel && s.parallelAllowed();
+  bool fresh = s.waves.empty() || s.waves.back().parallel != parallel;
+  for (size_t d = 0; !fresh && d < task.dependencies.size(); ++d) {
+    for (const std::string& path : s.waves.back().paths) fresh = fresh || overlaps(task.dependencies[d], path);
+  }
+  if (fresh) s.waves.push_back({parallel, {}, {}});
+  Wave& wave = s.waves.back();
+  wave.tasks.push_back(s.tasks.size());
+  wave.paths.insert(wave.paths.end(), task.dependencies.begin(), task.dependencies.end());
+  s.tasks.push_back(std::move(task));
+}
+
+std::vector<TaskRecord> DistributedTaskScheduler::run() {
+  Impl& s = *impl_;
+  const auto start = Clock::now();
+  s.summary = {.tasks = static_cast<int64_t>(s.tasks.size()),
+               .waves = static_cast<int64_t>(s.waves.size()),
+               .worldSize = s.group.worldSize(),
+               .rank = s.group.rank()};
+  std::vector<TaskRecord> records(s.tasks.size());
+  for (size_t i = 0; i < s.tasks.size(); ++i) {
+    records[i].name = s.tasks[i].name;
+    records[i].dependencies = s.tasks[i].dependencies;
+  }
+  const auto logger = log::logger();
+  for (size_t w = 0; w < s.waves.size(); ++w) {
+    const Wave& wave = s.waves[w];
+    const auto waveStart = Clock::now();
+    if (!wave.parallel) {
+      s.runLocal(wave, w, records);
+    } else {
+      ++s.summary.parallelWaves;
+      const auto agreeing = Clock::now();
+      s.agree(wave, w);
+      double syncSeconds = since(agreeing);
+      const std::vector<Outcome> outcomes = s.execute(wave, w, records);
+      const auto syncing = Clock::now();
+      for (size_t index : wave.tasks) records[index].parallel = true;
+      s.sync(wave, outcomes, w, records);
+      syncSeconds += since(syncing);
+      s.summary.syncSeconds += syncSeconds;
+    }
+    logger->debug(s.where(), ": wave ", w, wave.parallel ? " parallel" : " local", ", ", wave.tasks.size(), " tasks, ",
+                  since(waveStart), " s");
+  }
+  s.summary.wallSeconds = since(start);
+  logger->debug(s.where(), ": ", s.summary.line());
+  if (s.summary.parallelWaves > 0 && s.summary.syncSeconds > s.summary.execSeconds - s.summary.myExecSeconds) {
+    logger->debug(s.where(), ": syncing took ", s.summary.syncSeconds, " s, more than the ",
+                  s.summary.execSeconds - s.summary.myExecSeconds, " s of tasks other ranks ran: not worth splitting");
+  }
+  s.tasks.clear();
+  s.waves.clear();
+  return records;
+}
+
+const RunSummary& DistributedTaskScheduler::summary() const {
+  return impl_->summary;
+}
+
+void DistributedTaskScheduler::setGlobalDisableParallel(bool disabled) {
+  globalDisabled = disabled;
+}
+
+bool DistributedTaskScheduler::globalDisableParallel() {
+  return globalDisabled;
+}
+
+ConfigNode tensorMeta(const at::Tensor& tensor) {
+  std::vector<ConfigNode> shape;
+  for (int64_t d : tensor.sizes()) shape.push_back(ConfigNode::integer(d));
+  return ConfigNode::map({{"shape", ConfigNode::list(std::move(shape))},
+                          {"dtype", ConfigNode::string(c10::toString(tensor.scalar_type()))},
+                          {"device", ConfigNode::string(tensor.device().str())}});
+}
+
+}  // namespace qpipe::scheduler

@@ -1,0 +1,123 @@
+// The distributed task scheduler on real ranks over Gloo (scheduler/, docs/scheduler.md): every
+// sync level, dynamic and round-robin assignment, parallel disabled and one rank all end in the
+// same state, worked out by hand; and the three ways a parallel wave fails, on every rank at once.
+#include <gtest/gtest.h>
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "rank_launcher.h"
+
+namespace qpipe::test {
+namespace {
+
+// What schedulerLevels() (dist_worker.cpp) leaves: a gets +1, +2, then ×2; b's w becomes
+// arange(6)·2 as [2, 3] doubles with a new int64 buffer; c is 8; d is −2 and d.e is 5.
+const std::string kFinalState =
+    "state a.w: Float 4 6 6 6 6\n"
+    "state b.w: Double 2x3 0 2 4 6 8 10\n"
+    "state d.w: Float 4 -2 -2 -2 -2\n"
+    "state d.e.w: Float 2 5 5\n"
+    "state c.value: Float 3 8 8 8\n"
+    "state b.extra: Long 1 1\n";
+
+std::string stateOf(const std::string& out) {
+  std::istringstream in(out);
+  std::string state;
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("state ", 0) == 0) state += line + "\n";
+  }
+  return state;
+}
+
+bool has(const std::string& out, const std::string& line) {
+  return out.find(line + "\n") != std::string::npos;
+}
+
+class Scheduler : public ::testing::TestWithParam<int> {};
+
+TEST_P(Scheduler, EverySyncLevelEndsInTheOneRankStateWithEitherAssignment) {
+  const int w = GetParam();
+  for (const char* scenario : {"dts_dynamic", "dts_round_robin"}) {
+    SCOPED_TRACE(scenario);
+    const auto results = run(world(scenario, w));
+    for (int r = 0; r < w; ++r) {
+      const std::string& out = results[r].out;
+      ASSERT_EQ(results[r].exitCode, 0) << "rank " << r << ": " << out;
+      EXPECT_EQ(stateOf(out), kFinalState) << "rank " << r;
+      EXPECT_TRUE(has(out, "waves: 3 parallel 2")) << out;
+      // c's own sync ran once per parallel task on c; d's tasks were synced by their own function.
+      EXPECT_TRUE(has(out, "level 2 syncs: 2 done 2")) << out;
+      EXPECT_TRUE(has(out, "level 1 sync of w0_t3") && has(out, "level 1 sync of w1_t7")) << out;
+      EXPECT_TRUE(has(out, "record w2_t8 local_a parallel 0 executor " + std::to_string(r))) << out;
+      if (std::string(scenario) == "dts_round_robin") {
+        // Task i of a wave of four runs on rank i mod W; every rank has its result.
+        EXPECT_TRUE(has(out, "record w0_t3 set_d parallel 1 executor " + std::to_string(3 % w))) << out;
+        EXPECT_TRUE(has(out, "record w0_t1 reshape_b parallel 1 executor " + std::to_string(1 % w))) << out;
+        EXPECT_TRUE(has(out, "record w0_t0 fill_a parallel 1 executor 0 result 0")) << out;
+        EXPECT_TRUE(has(out, "record w1_t4 fill_a parallel 1 executor 0 result 10")) << out;
+      }
+    }
+  }
+}
+
+TEST_P(Scheduler, ParallelDisabledRunsEveryTaskEverywhereWithTheSameResult) {
+  const int w = GetParam();
+  const auto results = run(world("dts_disabled", w));
+  for (int r = 0; r < w; ++r) {
+    ASSERT_EQ(results[r].exitCode, 0) << results[r].out;
+    EXPECT_EQ(stateOf(results[r].out), kFinalState);
+    EXPECT_TRUE(has(results[r].out, "waves: 3 parallel 0")) << results[r].out;
+    EXPECT_TRUE(has(results[r].out, "level 2 syncs: 0 done 0")) << results[r].out;
+    EXPECT_TRUE(has(results[r].out, "record w0_t0 fill_a parallel 0 executor " + std::to_string(r) + " result 0"))
+        << results[r].out;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Scheduler, ::testing::Values(2, 3));
+
+TEST(SchedulerOneRank, EndsInTheSameState) {
+  const auto results = run(world("dts_dynamic", 1));
+  ASSERT_EQ(results[0].exitCode, 0) << results[0].out;
+  EXPECT_EQ(stateOf(results[0].out), kFinalState);
+  EXPECT_TRUE(has(results[0].out, "waves: 3 parallel 0")) << results[0].out;
+}
+
+TEST(SchedulerErrors, RanksThatSubmitDifferentTasksFailTogetherNamingTheFirstDifference) {
+  const auto results = run(world("dts_disagree", 3));
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(results[r].exitCode, 7) << results[r].out;
+    EXPECT_EQ(results[r].out, connected(r, 3) +
+                                  "error: scheduler 'test': the ranks disagree on parallel wave 0 (rank 0 has 2 "
+                                  "tasks, rank 2 has 2): task 1 is 'noop {k: 1} on [b]' on rank 0 and 'noop {k: 2} "
+                                  "on [b]' on rank 2; every rank must submit the same parallel tasks\n");
+    EXPECT_LT(results[r].seconds, 10.0);
+  }
+}
+
+TEST(SchedulerErrors, ACollectiveInsideAParallelTaskIsAnErrorNotAHang) {
+  const auto results = run(world("dts_collective", 2));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].exitCode, 4) << results[r].out;
+    EXPECT_EQ(results[r].out,
+              connected(r, 2) +
+                  "error: scheduler 'test': task w0_t0 (reduce {} on [a]) failed on rank 0: task w0_t0 (reduce) called "
+                  "allReduce inside a parallel task, where the other ranks run other tasks and would never join it; "
+                  "submit it with parallel = false or move the collective into its sync\n");
+    EXPECT_LT(results[r].seconds, 10.0);
+  }
+}
+
+TEST(SchedulerErrors, AFailingTaskFailsEveryRankNamingTheTaskAndItsRank) {
+  const auto results = run(world("dts_task_fails", 2));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].exitCode, 5) << results[r].out;
+    EXPECT_EQ(results[r].out, connected(r, 2) +
+                                  "error: scheduler 'test': task w0_t2 (maybe_fail {module: c} on [c]) failed on "
+                                  "rank 0: module c: weights are NaN\n");
+  }
+}
+
+}  // namespace
+}  // namespace qpipe::test
