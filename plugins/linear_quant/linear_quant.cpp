@@ -68,6 +68,10 @@ class LinearQuant final : public Processor {
   void postRun() override {
     context_.logger->info("linear_quant: ", quantized_, " Linear modules quantized (", qconfig_.describe(), ")");
     if (scheduled_.parallelWaves > 0) context_.logger->info("linear_quant: weight solves [DTS] ", scheduled_.line());
+    if (scheduled_.notWorthSplitting()) {
+      context_.logger->warn("linear_quant: the weight solves' sync cost more than splitting them saved (",
+                            scheduled_.syncSeconds, " s): not worth splitting");
+    }
   }
 
   bool isDataFree() const override { return qconfig_.isDataFree(); }
@@ -82,9 +86,9 @@ class LinearQuant final : public Processor {
     std::shared_ptr<LinearQuantizer> quantizer;
   };
 
-  // One task per quantizer, spread over the ranks (docs/scheduler.md): each solves its weights
-  // (the SSZ search, or minmax), and every rank then holds every solution
-  // (LinearQuantizer::syncTensors: SSZ solutions sent, minmax recomputed).
+  // One task per quantizer (docs/scheduler.md): each solves its weights. SSZ searches are spread
+  // over the ranks and their solutions sent to every rank (LinearQuantizer::syncTensors); minmax
+  // solves run on every rank, in a local wave.
   void solveWeights(LayerRequest& request) {
     scheduler::DistributedTaskScheduler tasks(*request.module, *context_.group, {.name = "linear_quant"});
     for (const Pending& p : pending_) {
@@ -95,9 +99,13 @@ class LinearQuant final : public Processor {
                           return ConfigNode::null({});
                         },
                     .args = ConfigNode::map({{"module", ConfigNode::string(p.name)}}),
-                    .dependencies = {p.path}});
+                    .dependencies = {p.path},
+                    // A minmax solve is recomputed by every rank's sync anyway: splitting it would
+                    // only add collectives.
+                    .parallel = qconfig_.weight.method == quant::QMethod::kSsz});
     }
-    tasks.run();
+    const std::vector<TaskRecord> records = tasks.run();
+    for (size_t i = 0; i < records.size(); ++i) scheduler::reportTask(request, pending_[i].name, records[i]);
     scheduled_ += tasks.summary();
     for (const auto& [key, value] : tasks.summary().reportValues()) request.report(request.name, key, value);
   }

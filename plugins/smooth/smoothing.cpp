@@ -202,7 +202,10 @@ void SmoothingProcessor::postprocess(LayerRequest& request) {
                                            {"type", ConfigNode::string(std::string(subgraphTypeName(w->graph.type)))}}),
                   .dependencies = std::move(dependencies)});
   }
-  for (const TaskRecord& record : tasks.run()) {
+  const std::vector<TaskRecord> records = tasks.run();
+  for (size_t i = 0; i < records.size(); ++i) {
+    const TaskRecord& record = records[i];
+    scheduler::reportTask(request, watched_[i]->name, record);
     if (record.result.isNull()) continue;
     ++smoothed_;
     for (const ConfigNode& value : record.result.items()) {
@@ -306,6 +309,10 @@ ConfigNode SmoothingProcessor::smooth(LayerRequest& request, Watched& w) const {
 void SmoothingProcessor::postRun() {
   context_.logger->info(type_, ": ", smoothed_, " subgraphs smoothed");
   if (scheduled_.parallelWaves > 0) context_.logger->info(type_, ": subgraphs [DTS] ", scheduled_.line());
+  if (scheduled_.notWorthSplitting()) {
+    context_.logger->warn(type_, ": the subgraphs' sync cost more than splitting them saved (", scheduled_.syncSeconds,
+                          " s): not worth splitting");
+  }
 }
 
 Scales SmoothingProcessor::grouped(const Subgraph& graph, const at::Tensor& activation, const at::Tensor& weight,

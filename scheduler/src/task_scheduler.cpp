@@ -192,6 +192,7 @@ void broadcastTogether(ProcessGroup& group, const std::vector<at::Tensor>& tenso
 }  // namespace
 
 RunSummary& RunSummary::operator+=(const RunSummary& other) {
+  name = other.name;
   tasks += other.tasks;
   myTasks += other.myTasks;
   waves += other.waves;
@@ -201,6 +202,7 @@ RunSummary& RunSummary::operator+=(const RunSummary& other) {
   execSeconds += other.execSeconds;
   myExecSeconds += other.myExecSeconds;
   syncSeconds += other.syncSeconds;
+  agreeSeconds += other.agreeSeconds;
   wallSeconds += other.wallSeconds;
   return *this;
 }
@@ -215,10 +217,10 @@ std::string RunSummary::line() const {
 }
 
 std::vector<std::pair<std::string, double>> RunSummary::reportValues() const {
-  return {{"dts_tasks", static_cast<double>(tasks)},
-          {"dts_exec_seconds", execSeconds},
-          {"dts_sync_seconds", syncSeconds},
-          {"dts_wall_seconds", wallSeconds}};
+  const std::string key = "dts:" + name + ":";
+  return {{key + "tasks", static_cast<double>(tasks)}, {key + "parallel_waves", static_cast<double>(parallelWaves)},
+          {key + "exec_seconds", execSeconds},         {key + "sync_seconds", syncSeconds},
+          {key + "agree_seconds", agreeSeconds},       {key + "wall_seconds", wallSeconds}};
 }
 
 struct DistributedTaskScheduler::Impl {
@@ -241,6 +243,7 @@ struct DistributedTaskScheduler::Impl {
     for (size_t index : wave.tasks) {
       TaskRecord& record = records[index];
       record.taskId = taskId(w, index);
+      record.wave = static_cast<int64_t>(w);
       record.executorRank = group.rank();
       const auto start = Clock::now();
       record.result = tasks[index].fn(tasks[index].args);
@@ -376,6 +379,7 @@ struct DistributedTaskScheduler::Impl {
       const size_t index = wave.tasks[i];
       TaskRecord& record = records[index];
       record.taskId = taskId(w, index);
+      record.wave = static_cast<int64_t>(w);
       record.executorRank = outcomes[i].executor;
       record.execSeconds = outcomes[i].seconds;
       summary.execSeconds += record.execSeconds;
@@ -391,6 +395,7 @@ struct DistributedTaskScheduler::Impl {
         continue;
       }
       std::vector<at::Tensor>& sent = fromRank[static_cast<size_t>(record.executorRank)];
+      const size_t before = sent.size();
       const bool executor = record.executorRank == group.rank();
       for (const Json& t : outcomes[i].tensors) {
         sent.push_back(slotFor(root.getSubmodule(t[0].get<std::string>()), t[1] == "p", t[2].get<std::string>(),
@@ -403,6 +408,7 @@ struct DistributedTaskScheduler::Impl {
           own.emplace_back(synced, &record);
         }
       }
+      for (size_t t = before; t < sent.size(); ++t) record.syncBytes += static_cast<int64_t>(sent[t].nbytes());
       batched.push_back(&record);
     }
     const auto start = Clock::now();
@@ -450,7 +456,8 @@ void DistributedTaskScheduler::submit(Task task) {
 std::vector<TaskRecord> DistributedTaskScheduler::run() {
   Impl& s = *impl_;
   const auto start = Clock::now();
-  s.summary = {.tasks = static_cast<int64_t>(s.tasks.size()),
+  s.summary = {.name = s.options.name,
+               .tasks = static_cast<int64_t>(s.tasks.size()),
                .waves = static_cast<int64_t>(s.waves.size()),
                .worldSize = s.group.worldSize(),
                .rank = s.group.rank()};
@@ -470,6 +477,7 @@ std::vector<TaskRecord> DistributedTaskScheduler::run() {
       const auto agreeing = Clock::now();
       s.agree(wave, w);
       double syncSeconds = since(agreeing);
+      s.summary.agreeSeconds += syncSeconds;
       const std::vector<Outcome> outcomes = s.execute(wave, w, records);
       const auto syncing = Clock::now();
       for (size_t index : wave.tasks) records[index].parallel = true;
@@ -482,7 +490,7 @@ std::vector<TaskRecord> DistributedTaskScheduler::run() {
   }
   s.summary.wallSeconds = since(start);
   logger->debug(s.where(), ": ", s.summary.line());
-  if (s.summary.parallelWaves > 0 && s.summary.syncSeconds > s.summary.execSeconds - s.summary.myExecSeconds) {
+  if (s.summary.notWorthSplitting()) {
     logger->debug(s.where(), ": syncing took ", s.summary.syncSeconds, " s, more than the ",
                   s.summary.execSeconds - s.summary.myExecSeconds, " s of tasks other ranks ran: not worth splitting");
   }

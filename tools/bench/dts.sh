@@ -2,7 +2,7 @@
 # The distributed task scheduler's speed-up (docs/scheduler.md): each practice as 1 rank x 1
 # thread and 2 ranks x 1 thread on this host, SmolLM2-135M. Prints the whole run's wall time, the
 # sub-task phase (the scheduler's run()s: on 1 rank Σ their wall time, on 2 ranks rank 0's Σ wall
-# time, from quant_report.json's dts_* values), both speed-ups, and whether the 2-rank checkpoint
+# time, from quant_report.json's dts:<scheduler>:wall_seconds), both speed-ups, and whether the 2-rank checkpoint
 # is the 1-rank one byte for byte (qpipe compare).
 #   tools/bench/dts.sh
 # Environment: QPIPE (build/bin/qpipe), MODEL (.cache/models/smollm2-135m), SAMPLES (32),
@@ -19,14 +19,14 @@ work=$root/.cache/bench/dts
 mkdir -p "$work"
 export OMP_WAIT_POLICY=passive
 
-phase() {  # Σ dts_wall_seconds over the layers of report $1
+phase() {  # Σ of every scheduler's wall seconds over the layers of report $1
   python3 - "$1" <<'PY'
 import json, sys
 report = json.load(open(sys.argv[1]))
 total = 0.0
 for layer in report["layers"]:
     for module, values in layer.get("values", {}).items():
-        total += values.get("dts_wall_seconds", 0.0)
+        total += sum(v for k, v in values.items() if k.startswith("dts:") and k.endswith(":wall_seconds"))
 print(f"{total:.2f}")
 PY
 }

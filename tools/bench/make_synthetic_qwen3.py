@@ -12,6 +12,10 @@ with SmolLM2's tokenizer files (vocab_size = its 49,152 tokens).
 Weights: normal(0, 0.02), RMSNorm weights 1. Each tensor has its own generator seeded from
 (seed, tensor index), so the bytes do not depend on the shard size. The folder is written to a
 temporary name and renamed when complete; an existing complete folder is left alone.
+
+With --moe E: a Qwen3-MoE with E experts per layer at small widths instead (hidden 256, 4 heads /
+2 KV heads of 64, experts of width 128, 8 per token, SmolLM2's vocabulary): the scheduler's bench
+of hundreds of per-expert subgraphs in one wave (tools/bench/dts.sh with MODEL set to it).
 """
 
 import argparse
@@ -29,33 +33,35 @@ ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER_DIR = ROOT / ".cache/models/smollm2-135m"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
-HIDDEN = 2048
-INTERMEDIATE = 6144
-HEADS = 16
-KV_HEADS = 8
-HEAD_DIM = 128
 VOCAB = 49152
+DENSE = {"hidden": 2048, "intermediate": 6144, "heads": 16, "kv_heads": 8, "head_dim": 128, "experts": 0}
+MOE = {"hidden": 256, "intermediate": 128, "heads": 4, "kv_heads": 2, "head_dim": 64, "top_k": 8}
 
 
-def config(num_layers):
+def config(num_layers, shape):
+    moe = {}
+    if shape["experts"]:
+        moe = {"num_experts": shape["experts"], "num_experts_per_tok": shape["top_k"],
+               "moe_intermediate_size": shape["intermediate"], "norm_topk_prob": True, "decoder_sparse_step": 1,
+               "mlp_only_layers": []}
     return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+        "architectures": ["Qwen3MoeForCausalLM" if shape["experts"] else "Qwen3ForCausalLM"],
+        "model_type": "qwen3_moe" if shape["experts"] else "qwen3",
         "attention_bias": False,
         "attention_dropout": 0.0,
         "bos_token_id": 1,
         "eos_token_id": 2,
         "pad_token_id": 2,
-        "head_dim": HEAD_DIM,
+        "head_dim": shape["head_dim"],
         "hidden_act": "silu",
-        "hidden_size": HIDDEN,
+        "hidden_size": shape["hidden"],
         "initializer_range": 0.02,
-        "intermediate_size": INTERMEDIATE,
+        "intermediate_size": shape["intermediate"],
         "max_position_embeddings": 40960,
         "max_window_layers": num_layers,
-        "num_attention_heads": HEADS,
+        "num_attention_heads": shape["heads"],
         "num_hidden_layers": num_layers,
-        "num_key_value_heads": KV_HEADS,
+        "num_key_value_heads": shape["kv_heads"],
         "rms_norm_eps": 1e-6,
         "rope_scaling": None,
         "rope_theta": 1000000.0,
@@ -65,28 +71,32 @@ def config(num_layers):
         "torch_dtype": "bfloat16",
         "use_cache": True,
         "vocab_size": VOCAB,
+        **moe,
     }
 
 
-def tensor_shapes(num_layers):
+def tensor_shapes(num_layers, shape):
     """(name, shape) in the order transformers' state_dict lists them."""
-    shapes = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
+    hidden, inter, heads, kv, dim = (shape[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))
+    shapes = [("model.embed_tokens.weight", (VOCAB, hidden))]
     for i in range(num_layers):
         p = f"model.layers.{i}."
         shapes += [
-            (p + "self_attn.q_proj.weight", (HEADS * HEAD_DIM, HIDDEN)),
-            (p + "self_attn.k_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN)),
-            (p + "self_attn.v_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN)),
-            (p + "self_attn.o_proj.weight", (HIDDEN, HEADS * HEAD_DIM)),
-            (p + "self_attn.q_norm.weight", (HEAD_DIM,)),
-            (p + "self_attn.k_norm.weight", (HEAD_DIM,)),
-            (p + "mlp.gate_proj.weight", (INTERMEDIATE, HIDDEN)),
-            (p + "mlp.up_proj.weight", (INTERMEDIATE, HIDDEN)),
-            (p + "mlp.down_proj.weight", (HIDDEN, INTERMEDIATE)),
-            (p + "input_layernorm.weight", (HIDDEN,)),
-            (p + "post_attention_layernorm.weight", (HIDDEN,)),
+            (p + "self_attn.q_proj.weight", (heads * dim, hidden)),
+            (p + "self_attn.k_proj.weight", (kv * dim, hidden)),
+            (p + "self_attn.v_proj.weight", (kv * dim, hidden)),
+            (p + "self_attn.o_proj.weight", (hidden, heads * dim)),
+            (p + "self_attn.q_norm.weight", (dim,)),
+            (p + "self_attn.k_norm.weight", (dim,)),
         ]
-    shapes += [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
+        experts = [f"mlp.experts.{e}." for e in range(shape["experts"])] or ["mlp."]
+        if shape["experts"]:
+            shapes.append((p + "mlp.gate.weight", (shape["experts"], hidden)))
+        for e in experts:
+            shapes += [(p + e + "gate_proj.weight", (inter, hidden)), (p + e + "up_proj.weight", (inter, hidden)),
+                       (p + e + "down_proj.weight", (hidden, inter))]
+        shapes += [(p + "input_layernorm.weight", (hidden,)), (p + "post_attention_layernorm.weight", (hidden,))]
+    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (VOCAB, hidden))]
     return shapes
 
 
@@ -110,8 +120,11 @@ def main():
     parser.add_argument("--num_layers", type=int, default=40)
     parser.add_argument("--shard_bytes", type=int, default=2_000_000_000, help="max bytes per shard")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--moe", type=int, default=0, metavar="E", help="a small Qwen3-MoE with E experts per layer")
     args = parser.parse_args()
-    out = args.out or ROOT / f".cache/bench/qwen3-synthetic-{args.num_layers}l"
+    dims = {**MOE, "experts": args.moe} if args.moe else DENSE
+    kind = f"qwen3-moe{args.moe}-synthetic" if args.moe else "qwen3-synthetic"
+    out = args.out or ROOT / f".cache/bench/{kind}-{args.num_layers}l"
     if (out / "model.safetensors.index.json").exists():
         print(f"{out}: present")
         return
@@ -119,7 +132,7 @@ def main():
         if not (TOKENIZER_DIR / f).exists():
             sys.exit(f"{TOKENIZER_DIR / f} is missing; run tools/setup.sh first")
 
-    shapes = tensor_shapes(args.num_layers)
+    shapes = tensor_shapes(args.num_layers, dims)
     # Shards as transformers' split_torch_state_dict_into_shards: fill in order, a new shard when
     # the next tensor would pass the limit.
     shards, current, current_bytes = [], [], 0
@@ -149,7 +162,7 @@ def main():
 
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (tmp / "config.json").write_text(json.dumps(config(args.num_layers), indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(config(args.num_layers, dims), indent=2) + "\n")
     (tmp / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}, indent=2) + "\n")
     for f in TOKENIZER_FILES:

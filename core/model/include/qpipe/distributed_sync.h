@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -18,7 +19,8 @@ class Module;
 
 // One task after DistributedTaskScheduler::run(), in submit order.
 struct TaskRecord {
-  std::string taskId;     // "w<wave>_t<index in submit order>"
+  std::string taskId;  // "w<wave>_t<index in submit order>"
+  int64_t wave = 0;
   std::string name;       // the task function's stable name
   int executorRank = 0;   // the rank that ran it; in a local wave every rank ran it (this rank)
   bool parallel = false;  // ran once, in a parallel wave, and was then synced to every rank
@@ -26,6 +28,7 @@ struct TaskRecord {
   std::vector<std::string> dependencies;
   double execSeconds = 0;  // on the executor
   double syncSeconds = 0;  // on this rank
+  int64_t syncBytes = 0;   // what levels 2 and 3 broadcast for it (0 in a local wave)
 };
 
 struct SyncContext {

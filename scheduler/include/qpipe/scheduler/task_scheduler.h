@@ -69,6 +69,7 @@ struct SchedulerOptions {
 
 // What one run() (or several, added up) cost.
 struct RunSummary {
+  std::string name;  // the scheduler's (SchedulerOptions::name)
   int64_t tasks = 0;
   int64_t myTasks = 0;  // tasks this rank executed
   int64_t waves = 0;
@@ -78,13 +79,17 @@ struct RunSummary {
   double execSeconds = 0;    // Σ over tasks of their time on their executor
   double myExecSeconds = 0;  // this rank's share of it
   double syncSeconds = 0;    // this rank's time in agreement, record exchange and sync
+  double agreeSeconds = 0;   // of it, in the agreements: one collective per parallel wave
   double wallSeconds = 0;    // this rank's time in run()
   // Σexec / wall: how much faster than one rank running every task, for the same work.
   double speedup() const { return wallSeconds > 0 ? execSeconds / wallSeconds : 1.0; }
+  // Syncing cost this rank more than the tasks the other ranks ran for it: splitting lost time.
+  bool notWorthSplitting() const { return parallelWaves > 0 && syncSeconds > execSeconds - myExecSeconds; }
   RunSummary& operator+=(const RunSummary& other);
   // "tasks=… waves=… world_size=… rank=… my_tasks=… exec_s=… my_exec_s=… sync_s=… wall_s=… speedup=…"
   std::string line() const;
-  // For the quant report: dts_tasks, dts_exec_seconds, dts_sync_seconds, dts_wall_seconds.
+  // For the quant report: "dts:<name>:tasks", ":parallel_waves", ":exec_seconds", ":sync_seconds",
+  // ":agree_seconds", ":wall_seconds".
   std::vector<std::pair<std::string, double>> reportValues() const;
 };
 
@@ -112,6 +117,17 @@ class DistributedTaskScheduler {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// A task's cost for the quant report and tools/bench/dts_simulate.py, as
+// request.report(module, key, value) calls with keys "dts:<task name>:seconds" (on its
+// executor), ":wave" and ":sync_bytes".
+template <typename Request>
+void reportTask(Request& request, const std::string& module, const TaskRecord& record) {
+  const std::string key = "dts:" + record.name + ":";
+  request.report(module, key + "seconds", record.execSeconds);
+  request.report(module, key + "wave", static_cast<double>(record.wave));
+  request.report(module, key + "sync_bytes", static_cast<double>(record.syncBytes));
+}
 
 // A tensor as a task argument: {shape, dtype, device} (no values).
 ConfigNode tensorMeta(const at::Tensor& tensor);

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Projects the distributed task scheduler's speed-up to many ranks (docs/scheduler.md).
+
+    tools/bench/dts_simulate.py REPORT [--ranks 2 8 64 512] [--latency_ms L] [--bandwidth_gbs B]
+
+REPORT is the quant_report.json of a 2-rank run (tools/bench/dts.sh writes them): every task's
+time on its executor (`dts:<task>:seconds`), its wave and the bytes its sync broadcast
+(`:sync_bytes`), per module. The schedulers' agreements give the cost of one collective
+(`dts:<scheduler>:agree_seconds` per parallel wave) unless --latency_ms is given.
+
+Each wave of each scheduler run is replayed on N ranks:
+  dynamic      each task, in submit order, goes to the rank that is free first, and pays one
+               store round trip (a tenth of a collective);
+  round-robin  task i runs on rank i mod N;
+then the wave's sync: 2 + min(N, tasks) collectives (agreement, outcomes, one broadcast per
+executor), each costing latency · log2(N) (a tree's depth; the measured latency is at N = 2), plus
+the wave's bytes at the bandwidth. The projected speed-up of the sub-task phase is Σ task seconds
+over Σ (makespan + sync). The rest of a run (loading, the calibration forward, saving) is not
+part of it.
+"""
+
+import argparse
+import heapq
+import json
+import math
+from collections import defaultdict
+
+
+def waves(report):
+    """[(seconds, bytes), ...] per (layer, task name, wave), in the report's module order."""
+    out = defaultdict(list)
+    for layer in report["layers"]:
+        for module, values in layer.get("values", {}).items():
+            for key, seconds in values.items():
+                if key.startswith("dts:") and key.endswith(":seconds") and key.count(":") == 2:
+                    task = key[len("dts:") : -len(":seconds")]
+                    if values.get(f"dts:{task}:wave") is None:
+                        continue  # a scheduler's summary, not a task
+                    wave = int(values[f"dts:{task}:wave"])
+                    out[(layer["name"], task, wave)].append((seconds, values.get(f"dts:{task}:sync_bytes", 0.0)))
+    return out
+
+
+def measured_latency(report):
+    """Seconds per agreement collective: the ranks arrive together there (the previous wave ended
+    in a collective), so it is a collective's cost without the waiting for a slower rank."""
+    seconds = waves_run = 0.0
+    for layer in report["layers"]:
+        for values in layer.get("values", {}).values():
+            for key, value in values.items():
+                if key.startswith("dts:") and key.endswith(":agree_seconds"):
+                    seconds += value
+                    waves_run += values[key.replace(":agree_seconds", ":parallel_waves")]
+    return seconds / waves_run if waves_run else 0.0
+
+
+def makespan(costs, ranks, dynamic, take):
+    if not dynamic:
+        per_rank = [0.0] * ranks
+        for i, c in enumerate(costs):
+            per_rank[i % ranks] += c
+        return max(per_rank)
+    free = [0.0] * ranks
+    heapq.heapify(free)
+    for c in costs:
+        heapq.heappush(free, heapq.heappop(free) + take + c)
+    return max(free)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("report")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8, 64, 512])
+    parser.add_argument("--latency_ms", type=float, default=None)
+    parser.add_argument("--bandwidth_gbs", type=float, default=1.0)
+    args = parser.parse_args()
+    report = json.load(open(args.report))
+    groups = waves(report)
+    latency = args.latency_ms / 1000 if args.latency_ms is not None else measured_latency(report)
+    total = sum(c for tasks in groups.values() for c, _ in tasks)
+    count = sum(len(tasks) for tasks in groups.values())
+    print(f"{args.report}: {count} tasks in {len(groups)} waves, {total:.2f} s of tasks; "
+          f"{latency * 1000:.3f} ms per collective, {args.bandwidth_gbs} GB/s")
+    print()
+    print("| ranks | assignment | projected s | speed-up | of N |")
+    print("| ---: | --- | ---: | ---: | ---: |")
+    for n in args.ranks:
+        depth = max(1.0, math.log2(n))
+        for dynamic in (True, False):
+            projected = 0.0
+            for tasks in groups.values():
+                costs = [c for c, _ in tasks]
+                sync = (2 + min(n, len(tasks))) * latency * depth + sum(b for _, b in tasks) / (args.bandwidth_gbs * 1e9)
+                projected += makespan(costs, n, dynamic, latency / 10) + sync
+            speedup = total / projected if projected else 1.0
+            print(f"| {n} | {'dynamic' if dynamic else 'round-robin'} | {projected:.2f} | {speedup:.2f}x | "
+                  f"{speedup / n:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
