@@ -73,7 +73,9 @@ class PluginRegistrar {
 // DecoderLayer declares them.
 // 6.0: LayerRequest carries forwardUntil (calibrateInputsOf, forwards that stop at the last
 // watched module); RMSNorm may hold a bias.
-#define QPIPE_PLUGIN_ABI_MAJOR 6
+// 7.0: the task scheduler (qpipe/scheduler/task_scheduler.h): ProcessGroup gains counterAdd,
+// LinearQuantizer defers its weight solve and implements DistributedSync.
+#define QPIPE_PLUGIN_ABI_MAJOR 7
 #define QPIPE_PLUGIN_ABI_MINOR 0
 
 #define QPIPE_STRINGIFY_IMPL(x) #x
