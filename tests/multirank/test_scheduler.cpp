@@ -84,39 +84,34 @@ TEST(SchedulerOneRank, EndsInTheSameState) {
   EXPECT_TRUE(has(results[0].out, "waves: 3 parallel 0")) << results[0].out;
 }
 
-TEST(SchedulerErrors, RanksThatSubmitDifferentTasksFailTogetherNamingTheFirstDifference) {
-  const auto results = run(world("dts_disagree", 3));
-  for (int r = 0; r < 3; ++r) {
-    EXPECT_EQ(results[r].exitCode, 7) << results[r].out;
-    EXPECT_EQ(results[r].out, connected(r, 3) +
-                                  "error: scheduler 'test': the ranks disagree on parallel wave 0 (rank 0 has 2 "
-                                  "tasks, rank 2 has 2): task 1 is 'noop {k: 1} on [b]' on rank 0 and 'noop {k: 2} "
-                                  "on [b]' on rank 2; every rank must submit the same parallel tasks\n");
+// Every rank of `scenario` exits with `code` and prints `message` alone, long before the timeout.
+void expectEveryRankFails(const std::string& scenario, int ranks, int code, const std::string& message) {
+  const auto results = run(world(scenario, ranks));
+  for (int r = 0; r < ranks; ++r) {
+    EXPECT_EQ(results[r].exitCode, code) << results[r].out;
+    EXPECT_EQ(results[r].out, connected(r, ranks) + "error: " + message + "\n");
     EXPECT_LT(results[r].seconds, 10.0);
   }
+}
+
+TEST(SchedulerErrors, RanksThatSubmitDifferentTasksFailTogetherNamingTheFirstDifference) {
+  expectEveryRankFails("dts_disagree", 3, 7,
+                       "scheduler 'test': the ranks disagree on parallel wave 0 (rank 0 has 2 tasks, rank 2 has 2): "
+                       "task 1 is 'noop {k: 1} on [b]' on rank 0 and 'noop {k: 2} on [b]' on rank 2; every rank must "
+                       "submit the same parallel tasks");
 }
 
 TEST(SchedulerErrors, ACollectiveInsideAParallelTaskIsAnErrorNotAHang) {
-  const auto results = run(world("dts_collective", 2));
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(results[r].exitCode, 4) << results[r].out;
-    EXPECT_EQ(results[r].out,
-              connected(r, 2) +
-                  "error: scheduler 'test': task w0_t0 (reduce {} on [a]) failed on rank 0: task w0_t0 (reduce) called "
-                  "allReduce inside a parallel task, where the other ranks run other tasks and would never join it; "
-                  "submit it with parallel = false or move the collective into its sync\n");
-    EXPECT_LT(results[r].seconds, 10.0);
-  }
+  expectEveryRankFails("dts_collective", 2, 4,
+                       "scheduler 'test': task w0_t0 (reduce {} on [a]) failed on rank 0: task w0_t0 (reduce) called "
+                       "allReduce inside a parallel task, where the other ranks run other tasks and would never join "
+                       "it; submit it with parallel = false or move the collective into its sync");
 }
 
 TEST(SchedulerErrors, AFailingTaskFailsEveryRankNamingTheTaskAndItsRank) {
-  const auto results = run(world("dts_task_fails", 2));
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(results[r].exitCode, 5) << results[r].out;
-    EXPECT_EQ(results[r].out, connected(r, 2) +
-                                  "error: scheduler 'test': task w0_t2 (maybe_fail {module: c} on [c]) failed on "
-                                  "rank 0: module c: weights are NaN\n");
-  }
+  expectEveryRankFails("dts_task_fails", 2, 5,
+                       "scheduler 'test': task w0_t2 (maybe_fail {module: c} on [c]) failed on rank 0: module c: "
+                       "weights are NaN");
 }
 
 }  // namespace
