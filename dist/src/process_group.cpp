@@ -54,10 +54,6 @@ std::string failedKey(int rank) {
   return "qpipe/failed/" + std::to_string(rank);
 }
 
-std::string firstLine(std::string_view text) {
-  return std::string(text.substr(0, text.find('\n')));
-}
-
 // c10 errors carry a C++ backtrace after the message; users get the message.
 std::string describe(const std::exception& error) {
   if (const auto* c10Error = dynamic_cast<const c10::Error*>(&error)) {

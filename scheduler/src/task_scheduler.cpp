@@ -30,10 +30,6 @@ double since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-std::string firstLine(const std::string& text) {
-  return text.substr(0, text.find('\n'));
-}
-
 // Whether module paths a and b overlap: the same path, or one is an ancestor of the other.
 bool overlaps(const std::string& a, const std::string& b) {
   const auto below = [](const std::string& path, const std::string& ancestor) {

@@ -4,6 +4,10 @@ namespace qpipe {
 
 Error::~Error() = default;
 
+std::string firstLine(std::string_view text) {
+  return std::string(text.substr(0, text.find('\n')));
+}
+
 std::string_view errorCodeName(ErrorCode code) {
   switch (code) {
     case ErrorCode::kInternal:

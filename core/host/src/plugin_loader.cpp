@@ -33,12 +33,6 @@ bool looksLikeLibrary(const fs::path& path) {
   return name.size() > 3 && (name.ends_with(".so") || name.find(".so.") != std::string::npos);
 }
 
-std::string firstLine(std::string text) {
-  const size_t newline = text.find('\n');
-  if (newline != std::string::npos) text.resize(newline);
-  return text;
-}
-
 }  // namespace
 
 PluginLoader::PluginLoader(Registry& registry) : registry_(registry) {}

@@ -22,6 +22,9 @@ enum class ErrorCode : int {
 
 std::string_view errorCodeName(ErrorCode code);
 
+// The text up to its first newline: one line of a multi-line message (a c10 backtrace follows it).
+std::string firstLine(std::string_view text);
+
 class Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
