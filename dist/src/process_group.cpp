@@ -39,6 +39,7 @@ constexpr const char* kReadyReadKey = "qpipe/ready_read";
 constexpr const char* kFailureSeenKey = "qpipe/failure_seen";
 // ProcessGroup::counterAdd keys live under this prefix, apart from the keys above.
 constexpr const char* kCounterPrefix = "qpipe/counter/";
+constexpr const char* kValuePrefix = "qpipe/value/";  // ProcessGroup::storeSet keys
 // How long a rank whose collective failed looks for the failed peer's report: the peer writes
 // it before its sockets close, so it is normally there at once.
 constexpr milliseconds kFailureLookup{1000};
@@ -315,6 +316,43 @@ class C10dGroup final : public ProcessGroup {
       return store_->add(kCounterPrefix + key, delta);
     } catch (const std::exception& e) {
       throw Error(ErrorCode::kDistributed, concat("rank ", rank(), ": the store did not answer counter '", key, "' (",
+                                                  firstLine(e.what()), "); rank 0, which hosts it, may be gone"));
+    }
+  }
+
+  void storeSet(const std::string& key, const std::string& value) override {
+    try {
+      store_->set(kValuePrefix + key, bytes(value));
+    } catch (const std::exception& e) {
+      throw Error(ErrorCode::kDistributed, concat("rank ", rank(), ": the store did not take '", key, "' (",
+                                                  firstLine(e.what()), "); rank 0, which hosts it, may be gone"));
+    }
+  }
+
+  std::string storeGet(const std::string& key) override {
+    const std::string stored = kValuePrefix + key;
+    const auto deadline = Clock::now() + options_.timeout;
+    try {
+      while (true) {
+        try {
+          store_->wait({stored}, kPollInterval);
+          return text(store_->get(stored));
+        } catch (const c10::DistStoreError&) {
+          // Not set yet: a failed peer will never set it.
+        }
+        for (int r = 0; r < worldSize(); ++r) {
+          if (r != rank() && store_->check({failedKey(r)})) {
+            throw Error(ErrorCode::kDistributed, concat("rank ", rank(), " waited for '", key, "', but rank ", r,
+                                                        " failed: ", text(store_->get(failedKey(r)))));
+          }
+        }
+        QPIPE_REQUIRE(Clock::now() < deadline, ErrorCode::kDistributed, "rank ", rank(), " waited ",
+                      seconds(options_.timeout), " for '", key, "', which no rank set");
+      }
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw Error(ErrorCode::kDistributed, concat("rank ", rank(), ": the store did not answer '", key, "' (",
                                                   firstLine(e.what()), "); rank 0, which hosts it, may be gone"));
     }
   }

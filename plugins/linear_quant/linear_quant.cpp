@@ -9,8 +9,11 @@
 //   postprocess  LinearQuantizer → QuantLinear, what savers write and inference runs
 // The weight solves (SSZ, minmax) are one scheduler task per Linear (docs/scheduler.md), spread
 // over the ranks: at preprocess with static activations, at postprocess when data-free.
+// Layers independent when data-free: a multi-rank run may then split them over the ranks.
 // Distributed-complete: the observers' merged states are the 1-rank states bit for bit
 // (qpipe/dist/observer_sync.h), so W ranks give the 1-rank checkpoint.
+#include <ATen/ATen.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,9 +66,16 @@ class LinearQuant final : public Processor {
     for (Pending& p : pending_) request.module->replace(p.path, p.quantizer->deploy(p.name));
     quantized_ += static_cast<int64_t>(pending_.size());
     pending_.clear();
+    splitLayers_ = request.splitLayers;
   }
 
   void postRun() override {
+    if (splitLayers_) {
+      // Each rank quantized the layers it executed.
+      at::Tensor count = at::tensor({quantized_}, at::kLong);
+      context_.group->allReduce(count, ReduceOp::kSum);
+      quantized_ = count.item<int64_t>();
+    }
     context_.logger->info("linear_quant: ", quantized_, " Linear modules quantized (", qconfig_.describe(), ")");
     if (scheduled_.parallelWaves > 0) context_.logger->info("linear_quant: weight solves [DTS] ", scheduled_.line());
     if (scheduled_.notWorthSplitting()) {
@@ -78,6 +88,8 @@ class LinearQuant final : public Processor {
   // Weights are data-free, dynamic activations have nothing to merge and static observers are
   // synchronised (every rank calls synchronizeAll on the same quantizers in the same order).
   bool supportDistributed() const override { return true; }
+  // A data-free layer's quantizers depend on its weights alone.
+  bool layersIndependent() const override { return isDataFree(); }
 
  private:
   struct Pending {
@@ -122,6 +134,7 @@ class LinearQuant final : public Processor {
   std::shared_ptr<ModuleFilter> filter_;
   std::vector<Pending> pending_;
   int64_t quantized_ = 0;
+  bool splitLayers_ = false;         // of the last unit: every rank's last is the non-layer unit
   scheduler::RunSummary scheduled_;  // the weight solves of every unit
 };
 

@@ -229,7 +229,10 @@ struct DistributedTaskScheduler::Impl {
 
   std::string where() const { return "scheduler '" + options.name + "'"; }
 
-  bool parallelAllowed() const { return group.worldSize() > 1 && !options.disableParallel && !globalDisabled; }
+  // Inside another scheduler's parallel task the ranks run different tasks: nothing pairs up.
+  bool parallelAllowed() const {
+    return group.worldSize() > 1 && !options.disableParallel && !globalDisabled && !ParallelTaskScope::active();
+  }
 
   std::string taskId(size_t wave, size_t index) const {
     return "w" + std::to_string(wave) + "_t" + std::to_string(index);

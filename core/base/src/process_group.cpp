@@ -32,9 +32,16 @@ class SingleGroup final : public ProcessGroup {
   void reportFailure(const std::string&) noexcept override {}
   Traffic traffic() const override { return {}; }
   int64_t counterAdd(const std::string& key, int64_t delta) override { return counters_[key] += delta; }
+  void storeSet(const std::string& key, const std::string& value) override { values_[key] = value; }
+  std::string storeGet(const std::string& key) override {
+    const auto found = values_.find(key);
+    QPIPE_CHECK(found != values_.end(), "storeGet('", key, "') on one rank before any storeSet: it would wait forever");
+    return found->second;
+  }
 
  private:
   std::map<std::string, int64_t> counters_;
+  std::map<std::string, std::string> values_;
 };
 
 }  // namespace
@@ -51,6 +58,10 @@ void ParallelTaskScope::check(const char* collective) {
   QPIPE_REQUIRE(currentTask == nullptr, ErrorCode::kPlugin, "task ", *currentTask, " called ", collective,
                 " inside a parallel task, where the other ranks run other tasks and would never join it; submit "
                 "it with parallel = false or move the collective into its sync");
+}
+
+bool ParallelTaskScope::active() {
+  return currentTask != nullptr;
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::single() {

@@ -4,7 +4,9 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
+#include <cstdio>
 
 #include "qpipe/dataset.h"
 #include "qpipe/error.h"
@@ -47,6 +49,8 @@ class JoinedLater final : public ProcessGroup {
   }
   Traffic traffic() const override { return group_ ? group_->traffic() : Traffic{}; }
   int64_t counterAdd(const std::string& key, int64_t delta) override { return joined().counterAdd(key, delta); }
+  void storeSet(const std::string& key, const std::string& value) override { joined().storeSet(key, value); }
+  std::string storeGet(const std::string& key) override { return joined().storeGet(key); }
 
  private:
   ProcessGroup& joined() const {
@@ -173,8 +177,37 @@ QuantizeResult quantize(const QuantizeOptions& options) {
   }
 
   QuantizeResult result{.saver = saving.type, .saved = saves};
-  LayerWiseRunner runner(*model, prepared.processors,
-                         {.group = prepared.group, .mode = prepared.mode, .report = saves ? &result.report : nullptr});
+  RunnerOptions runnerOptions{
+      .group = prepared.group, .mode = prepared.mode, .report = saves ? &result.report : nullptr};
+  // Split layers (docs/scheduler.md): every rank writes the layers it executes as segments in
+  // rank 0's partial folder, which must therefore be on a file system every rank sees.
+  std::unique_ptr<CheckpointSaver> segmentSaver;
+  if (splitsLayers(prepared.processors, group.worldSize(), prepared.mode)) {
+    segmentSaver = prepared.registry.createSaver(saving.type, saving.config, *model, options.savePath, true);
+    const fs::path partial = CheckpointSaver::partialDir(options.savePath);
+    group.barrier();  // rank 0's saver has made the folder
+    const std::vector<std::string> seen = group.allGatherBytes(segmentSaver && fs::is_directory(partial) ? "1" : "0");
+    const auto blind = std::find(seen.begin(), seen.end(), "0");
+    if (blind == seen.end()) {
+      const auto segment = [partial](int64_t index) {
+        std::array<char, 16> number{};
+        std::snprintf(number.data(), number.size(), "%05lld", static_cast<long long>(index));
+        return partial / (std::string(".layer-") + number.data() + ".safetensors");
+      };
+      runnerOptions.segments = LayerSegments{
+          .write = [&segmentSaver, segment](
+                       int64_t index, const std::string& name,
+                       Module& layer) { return segmentSaver->writeSegment(index, name, layer, segment(index)); },
+          .adopt = [&saver, segment](int64_t index,
+                                     const std::string& notes) { saver->adoptSegment(index, segment(index), notes); }};
+    } else if (saves) {
+      logger->info(segmentSaver ? concat("rank ", blind - seen.begin(), " does not see '", partial.string(),
+                                         "': every rank runs every layer (to split them over the ranks, save to a "
+                                         "file system they all share)")
+                                : concat("saver '", saving.type, "' writes no segments: every rank runs every layer"));
+    }
+  }
+  LayerWiseRunner runner(*model, prepared.processors, std::move(runnerOptions));
   runner.run(share, [&](int64_t index, const std::string& name, Module& layer) {
     if (saver) saver->writeLayer(index, name, layer);
   });

@@ -42,6 +42,9 @@ class GuardedProcessor final : public Processor {
   bool supportDistributed() const override {
     return guard("supportDistributed", "", [&] { return inner_->supportDistributed(); });
   }
+  bool layersIndependent() const override {
+    return guard("layersIndependent", "", [&] { return inner_->layersIndependent(); });
+  }
   bool isDataFree() const override {
     return guard("isDataFree", "", [&] { return inner_->isDataFree(); });
   }
@@ -107,6 +110,15 @@ class GuardedSaver final : public CheckpointSaver {
   }
   void finish() override {
     guardCall(where_ + "finish: ", true, [&] { inner_->finish(); });
+  }
+  std::string writeSegment(int64_t index, const std::string& name, Module& layer,
+                           const std::filesystem::path& segment) override {
+    return guardCall(where_ + "writeSegment(" + name + "): ", true,
+                     [&] { return inner_->writeSegment(index, name, layer, segment); });
+  }
+  void adoptSegment(int64_t index, const std::filesystem::path& segment, const std::string& notes) override {
+    guardCall(where_ + "adoptSegment(" + segment.filename().string() + "): ", true,
+              [&] { inner_->adoptSegment(index, segment, notes); });
   }
 
  private:
@@ -209,12 +221,14 @@ std::unique_ptr<Processor> Registry::createProcessor(std::string_view type, cons
 }
 
 std::unique_ptr<CheckpointSaver> Registry::createSaver(std::string_view type, const ConfigNode& config, CausalLM& model,
-                                                       const std::filesystem::path& saveDir) const {
+                                                       const std::filesystem::path& saveDir, bool segmentsOnly) const {
   const SaverEntry* entry = findSaver(type);
   QPIPE_CHECK(entry != nullptr, "no factory for saver type '", type, "'");
+  const SaverFactory& factory = segmentsOnly ? entry->info.segmentFactory : entry->info.factory;
+  if (!factory) return nullptr;
   const std::string where = concat("saver '", type, "' (plugin '", entry->plugin, "') ");
   std::unique_ptr<CheckpointSaver> created =
-      guardCall(where + "could not be created: ", true, [&] { return entry->info.factory(config, model, saveDir); });
+      guardCall(where + "could not be created: ", true, [&] { return factory(config, model, saveDir); });
   QPIPE_REQUIRE(created != nullptr, ErrorCode::kPlugin, where, "could not be created: the factory returned no saver");
   return std::make_unique<GuardedSaver>(std::move(created), where + "failed in ", entry->owner);
 }

@@ -45,6 +45,39 @@ std::string QuantReport::toJson() const {
   return json.dump(2) + "\n";
 }
 
+std::string LayerReport::serialize() const {
+  nlohmann::json modulesJson = nlohmann::json::array();
+  for (const ModuleReport& module : modules) modulesJson.push_back({module.name, module.scheme, module.relativeMse});
+  nlohmann::json valuesJson = nlohmann::json::array();
+  for (const ReportValue& value : values) valuesJson.push_back({value.module, value.key, value.value});
+  return nlohmann::json{{"name", name},
+                        {"seconds", seconds},
+                        {"processor_seconds", processorSeconds},
+                        {"relative_mse", relativeMse},
+                        {"modules", modulesJson},
+                        {"sync", {syncCollectives, syncBytes, syncSeconds}},
+                        {"values", valuesJson}}
+      .dump();
+}
+
+LayerReport LayerReport::deserialize(const std::string& text) {
+  const nlohmann::json json = nlohmann::json::parse(text);
+  LayerReport report{.name = json["name"].get<std::string>(),
+                     .seconds = json["seconds"].get<double>(),
+                     .processorSeconds = json["processor_seconds"].get<std::vector<double>>(),
+                     .relativeMse = json["relative_mse"].get<double>()};
+  for (const auto& m : json["modules"]) {
+    report.modules.push_back({m[0].get<std::string>(), m[1].get<std::string>(), m[2].get<double>()});
+  }
+  report.syncCollectives = json["sync"][0].get<int64_t>();
+  report.syncBytes = json["sync"][1].get<int64_t>();
+  report.syncSeconds = json["sync"][2].get<double>();
+  for (const auto& v : json["values"]) {
+    report.values.push_back({v[0].get<std::string>(), v[1].get<std::string>(), v[2].get<double>()});
+  }
+  return report;
+}
+
 namespace {
 
 std::string format(const char* pattern, auto... values) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <optional>
@@ -15,6 +16,7 @@
 #include "qpipe/host/report.h"
 #include "qpipe/log.h"
 #include "qpipe/progress.h"
+#include "qpipe/scheduler/task_scheduler.h"
 #include "qpipe/staged.h"
 
 namespace qpipe {
@@ -71,9 +73,13 @@ class Probe {
     for (auto& [module, handle] : hooks) module->removeHook(handle);
   }
 
+  const TensorList& input() const { return input_; }
+
   // Fills the module errors and the unit's. A decoder layer's quantized output becomes the probe's
   // next input; the non-layer unit is compared only when a processor replaced one of its modules.
-  void compare(Module& unit, const std::string& prefix, const Forward& forward, bool propagate, LayerReport& report) {
+  // `output`: the unit's output on the probe when it was already computed.
+  void compare(Module& unit, const std::string& prefix, const Forward& forward, bool propagate, LayerReport& report,
+               at::Tensor output = {}) {
     for (auto& [name, module] : unit.namedModules(prefix)) {
       const auto it = io_.find(name);
       if (it == io_.end() || module->typeName() == "Linear") continue;
@@ -81,7 +87,7 @@ class Probe {
       report.modules.push_back({name, QuantReport::describe(*module), relativeMse((*module)(x), y)});
     }
     if (propagate || !report.modules.empty()) {
-      const at::Tensor output = forward(input_);
+      if (!output.defined()) output = forward(input_);
       report.relativeMse = relativeMse(output, floatOutput_);
       if (propagate) input_[0] = output;
     }
@@ -146,6 +152,31 @@ class NonLayerUnit {
   std::vector<std::string> paths_;                           // the root's modules it holds
 };
 
+// The probe chain over split layers: the hidden state that enters layer `index`, in the group's
+// store as the raw bytes of [1, tokens, hidden] in the compute dtype, or one of these markers.
+std::string probeKey(int64_t index) {
+  return "runner/probe/" + std::to_string(index);
+}
+constexpr std::string_view kProbeOff = "off";        // the run has no report
+constexpr std::string_view kProbeFailed = "failed";  // the layer before failed (its error is the run's)
+
+std::string hiddenBytes(const at::Tensor& hidden) {
+  const at::Tensor flat = hidden.contiguous().cpu();
+  return {static_cast<const char*>(flat.data_ptr()), flat.nbytes()};
+}
+
+// The probe's input from hiddenBytes: the hidden state with its rotary tables.
+TensorList probeInput(CausalLM& model, const std::string& bytes) {
+  const ModelConfig& config = model.config();
+  const at::ScalarType dtype = model.options().dtype;
+  const int64_t tokens = static_cast<int64_t>(bytes.size() / c10::elementSize(dtype)) / config.hiddenSize;
+  at::Tensor hidden = at::empty({1, tokens, config.hiddenSize}, at::TensorOptions().dtype(dtype));
+  std::memcpy(hidden.data_ptr(), bytes.data(), bytes.size());
+  const at::Tensor positions = at::arange(tokens, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
+  const Rotary rotary = model.rotary(positions.to(model.options().device));
+  return {hidden.to(model.options().device), rotary.cos, rotary.sin};
+}
+
 // What one unit (a decoder layer, or the non-layer modules) runs: the probe's float record, every
 // processor's preprocess → process → postprocess, the probe's comparison, and the report.
 struct UnitRun {
@@ -205,12 +236,21 @@ LayerWiseRunner::LayerWiseRunner(CausalLM& model, std::vector<std::unique_ptr<Pr
   QPIPE_CHECK(options_.group != nullptr, "the runner needs a process group");
 }
 
+bool splitsLayers(const std::vector<std::unique_ptr<Processor>>& processors, int worldSize, RunnerMode mode) {
+  return worldSize > 1 && mode == RunnerMode::kLayerWise &&
+         std::all_of(processors.begin(), processors.end(),
+                     [](const auto& processor) { return processor->isDataFree() && processor->layersIndependent(); });
+}
+
 void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSink& sink) {
   c10::InferenceMode inference;
   const auto runStart = Clock::now();
   ProcessGroup& group = *options_.group;
   const bool needsData = std::any_of(processors_.begin(), processors_.end(),
                                      [](const auto& processor) { return needsCalibration(*processor); });
+  const bool split = options_.segments.has_value();
+  QPIPE_CHECK(!split || splitsLayers(processors_, group.worldSize(), options_.mode),
+              "segments for a run that cannot split its layers");
   for (auto& processor : processors_) processor->preRun();
 
   // Layer 0's inputs: the embeddings of every sample, with its rotary tables.
@@ -236,9 +276,9 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     report.syncSeconds = after.seconds - before.seconds;
   };
   // Runs the unit; returns whether a calibration forward ran.
-  const auto runUnit = [&](const UnitRun& unit, LayerReport& report) {
+  const auto runUnit = [&](const UnitRun& unit, LayerReport& report, Probe* unitProbe) {
     LayerRequest& request = unit.request;
-    if (probe) probe->recordFloat(*request.module, request.name, unit.probeForward);
+    if (unitProbe) unitProbe->recordFloat(*request.module, request.name, unit.probeForward);
     bool forwarded = false;
     for (size_t i = 0; i < processors_.size(); ++i) {
       Processor* processor = processors_[i].get();
@@ -255,26 +295,17 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       processor->postprocess(request);
       report.processorSeconds.push_back(secondsSince(start));
     }
-    if (probe) probe->compare(*request.module, request.name, unit.probeForward, unit.propagateProbe, report);
+    if (unitProbe) unitProbe->compare(*request.module, request.name, unit.probeForward, unit.propagateProbe, report);
     report.values = std::move(request.reportValues);
     return forwarded;
   };
-
-  const int64_t layers = model_.config().numLayers;
-  const bool resident = options_.mode == RunnerMode::kModelWise;
-  if (resident) {
-    for (int64_t index = 0; index < layers; ++index) model_.layer(index);
-  }
-  ProgressBar bar("layers", layers, "layers");
-  for (int64_t index = 0; index < layers; ++index) {
-    const auto layerStart = Clock::now();
-    const ProcessGroup::Traffic trafficBefore = group.traffic();
-    DecoderLayer& layer = model_.layer(index);
-    LayerRequest request{.name = model_.layerName(index), .module = &layer, .inputs = std::move(inputs)};
+  const auto layerRequest = [&](DecoderLayer& layer, int64_t index, std::vector<TensorList> layerInputs) {
+    LayerRequest request{.name = model_.layerName(index), .module = &layer, .inputs = std::move(layerInputs)};
     request.staged = layer.uniformForward();
     request.family = layer.family();
     request.sampleIds = sampleIds;
     request.subgraphs = layer.subgraphs();
+    request.splitLayers = split;
     request.forward = [&layer](LayerRequest& r) {
       r.outputs.assign(r.inputs.size(), {});
       const auto sample = [&](int64_t s) {
@@ -284,36 +315,118 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       // (currentSample); without settle points each task runs to its end before the next.
       runStaged(static_cast<int64_t>(r.inputs.size()), sample);
     };
-    LayerReport report{.name = request.name};
+    return request;
+  };
+  const auto layerUnit = [](LayerRequest& request, DecoderLayer& layer) {
     UnitRun unit{request, [&layer](const TensorList& input) { return forwardLayer(layer, input); }, true};
     if (request.staged) {
       unit.forwardUntil = [&layer](LayerRequest& r, const std::vector<Module*>& watched) {
         forwardLayerUntil(layer, r, watched);
       };
     }
-    const bool forwarded = runUnit(unit, report);
-    if (sink) sink(index, request.name, layer);
-    // Lock-step: no rank runs ahead of rank 0's writing by more than one layer.
-    group.barrier();
+    return unit;
+  };
 
-    inputs = std::move(request.inputs);
-    if (forwarded) {
-      QPIPE_CHECK(request.outputs.size() == inputs.size(), "layer ", request.name, ": ", request.outputs.size(),
-                  " outputs for ", inputs.size(), " inputs");
-      for (size_t s = 0; s < inputs.size(); ++s) {
-        QPIPE_CHECK(!request.outputs[s].empty(), "layer ", request.name, ": no output for sample ", s);
-        inputs[s][0] = request.outputs[s][0];
+  // A split layer, on its executor: processed, probed (the quantized output goes on to the next
+  // layer's executor first; the float reference is a second copy of the layer from the
+  // checkpoint), written as a segment and released. Its notes and report are the task's result.
+  const auto runSplitLayer = [&](int64_t index) {
+    const auto layerStart = Clock::now();
+    const std::string name = model_.layerName(index);
+    LayerReport report{.name = name};
+    std::string notes;
+    bool passedOn = false;
+    try {
+      DecoderLayer& layer = model_.layer(index);
+      LayerRequest request = layerRequest(layer, index, {});
+      runUnit(layerUnit(request, layer), report, nullptr);
+      const std::string entering = group.storeGet(probeKey(index));
+      QPIPE_REQUIRE(entering != kProbeFailed, ErrorCode::kDistributed, name, ": the layer before it failed");
+      if (entering == kProbeOff) {
+        group.storeSet(probeKey(index + 1), std::string(kProbeOff));
+        passedOn = true;
+      } else {
+        Probe layerProbe(probeInput(model_, entering));
+        const at::Tensor output = forwardLayer(layer, layerProbe.input());
+        group.storeSet(probeKey(index + 1), hiddenBytes(output));
+        passedOn = true;
+        const std::shared_ptr<DecoderLayer> reference = model_.loadLayerCopy(index);
+        layerProbe.recordFloat(*reference, name,
+                               [&reference](const TensorList& input) { return forwardLayer(*reference, input); });
+        layerProbe.compare(layer, name, {}, true, report, output);
       }
-    }
-    if (!resident) {
+      notes = options_.segments->write(index, name, layer);
       model_.releaseLayer(index);
-      // glibc keeps freed heap otherwise, and the layer's buffers would pile up over the run.
       ::malloc_trim(0);
+    } catch (...) {
+      if (!passedOn) group.storeSet(probeKey(index + 1), std::string(kProbeFailed));
+      throw;
     }
     report.seconds = secondsSince(layerStart);
-    countTraffic(trafficBefore, report);  // the lock-step barrier included
-    if (options_.report != nullptr) options_.report->layers.push_back(std::move(report));
-    bar.update(index + 1);
+    return ConfigNode::map({{"notes", ConfigNode::string(notes)}, {"report", ConfigNode::string(report.serialize())}});
+  };
+
+  const int64_t layers = model_.config().numLayers;
+  if (split) {
+    if (group.rank() == 0) group.storeSet(probeKey(0), probe ? hiddenBytes(probe->input()[0]) : std::string(kProbeOff));
+    scheduler::DistributedTaskScheduler tasks(model_.root(), group, {.name = "runner"});
+    for (int64_t index = 0; index < layers; ++index) {
+      tasks.submit({.name = "runner.layer",
+                    .fn = [&runSplitLayer, index](const ConfigNode&) { return runSplitLayer(index); },
+                    .args = ConfigNode::map({{"layer", ConfigNode::integer(index)}}),
+                    .dependencies = {model_.layerName(index)},
+                    .sync =
+                        [this, &group, index](const TaskRecord& record, SyncContext&) {
+                          if (group.rank() != 0) return;
+                          options_.segments->adopt(index, record.result.at("notes").asString());
+                          if (options_.report == nullptr) return;
+                          LayerReport report = LayerReport::deserialize(record.result.at("report").asString());
+                          report.values.push_back(
+                              {report.name, "dts:runner:executor_rank", static_cast<double>(record.executorRank)});
+                          options_.report->layers.push_back(std::move(report));
+                        },
+                    .syncName = "runner.adopt_segment"});
+    }
+    tasks.run();
+    log::logger()->info("runner: ", layers, " decoder layers split over ", group.worldSize(), " ranks [DTS] ",
+                        tasks.summary().line());
+    if (probe) probe.emplace(probeInput(model_, group.storeGet(probeKey(layers))));
+  } else {
+    const bool resident = options_.mode == RunnerMode::kModelWise;
+    if (resident) {
+      for (int64_t index = 0; index < layers; ++index) model_.layer(index);
+    }
+    ProgressBar bar("layers", layers, "layers");
+    for (int64_t index = 0; index < layers; ++index) {
+      const auto layerStart = Clock::now();
+      const ProcessGroup::Traffic trafficBefore = group.traffic();
+      DecoderLayer& layer = model_.layer(index);
+      LayerRequest request = layerRequest(layer, index, std::move(inputs));
+      LayerReport report{.name = request.name};
+      const bool forwarded = runUnit(layerUnit(request, layer), report, probe ? &*probe : nullptr);
+      if (sink) sink(index, request.name, layer);
+      // Lock-step: no rank runs ahead of rank 0's writing by more than one layer.
+      group.barrier();
+
+      inputs = std::move(request.inputs);
+      if (forwarded) {
+        QPIPE_CHECK(request.outputs.size() == inputs.size(), "layer ", request.name, ": ", request.outputs.size(),
+                    " outputs for ", inputs.size(), " inputs");
+        for (size_t s = 0; s < inputs.size(); ++s) {
+          QPIPE_CHECK(!request.outputs[s].empty(), "layer ", request.name, ": no output for sample ", s);
+          inputs[s][0] = request.outputs[s][0];
+        }
+      }
+      if (!resident) {
+        model_.releaseLayer(index);
+        // glibc keeps freed heap otherwise, and the layer's buffers would pile up over the run.
+        ::malloc_trim(0);
+      }
+      report.seconds = secondsSince(layerStart);
+      countTraffic(trafficBefore, report);  // the lock-step barrier included
+      if (options_.report != nullptr) options_.report->layers.push_back(std::move(report));
+      bar.update(index + 1);
+    }
   }
 
   // The non-layer unit: the final norm's inputs are the last layer's outputs.
@@ -325,6 +438,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     Module& module = unit.module();
     LayerRequest request{.name = "", .module = &module};
     request.sampleIds = sampleIds;
+    request.splitLayers = split;
     for (TensorList& input : inputs) request.inputs.push_back({std::move(input[0])});
     inputs.clear();
     Module* const floatHead = &module.getSubmodule("lm_head");
@@ -341,7 +455,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       return module.getSubmodule("lm_head")(module.getSubmodule("model.norm")(input[0]));
     };
     LayerReport report{.name = std::string(kNonLayerReportName)};
-    runUnit({request, probeForward, false}, report);
+    runUnit({request, probeForward, false}, report, probe ? &*probe : nullptr);
     unit.writeBack(model_.root());
     report.seconds = secondsSince(unitStart);
     countTraffic(trafficBefore, report);

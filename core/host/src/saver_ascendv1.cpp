@@ -22,6 +22,8 @@ using quant::QScope;
 // msmodelslim's AscendV1Saver.QUANT_TYPE_PRIORITY, restricted to the types qpipe writes: the
 // model's type is the one latest in this list (lower bits win; W8A8 over the dynamic types).
 // W4A8_DYNAMIC is deliberately absent, as in msmodelslim: it never becomes model_quant_type.
+// msmodelslim's initial model_quant_type, kept when nothing is written.
+constexpr const char* kUnknownType = "Unknown";
 constexpr std::array<std::string_view, 5> kTypePriority{"FLOAT", "W8A16", "W8A8_DYNAMIC", "W8A8", "WFP8AFP8_DYNAMIC"};
 
 // msmodelslim's process_scale (save/utils/pack.py) tells the W4A8 scale_bias layouts apart by
@@ -165,6 +167,24 @@ class AscendV1Saver final : public SaverBase {
     extra_["kv_quant_type"] = "C8";
   }
 
+  std::string takeNotes() override {
+    const nlohmann::ordered_json notes = {
+        {"description", description_}, {"extra", extra_}, {"type", modelType_}, {"group_size", groupSize_}};
+    description_ = nlohmann::ordered_json::object();
+    extra_.clear();
+    modelType_ = kUnknownType;
+    groupSize_ = 0;
+    return notes.dump();
+  }
+
+  void mergeNotes(const std::string& text) override {
+    const nlohmann::ordered_json notes = nlohmann::ordered_json::parse(text);
+    for (const auto& [name, type] : notes["description"].items()) description_[name] = type;
+    for (const auto& [key, value] : notes["extra"].items()) extra_[key] = value.get<std::string>();
+    noteType(notes["type"].get<std::string>());
+    if (const int64_t size = notes["group_size"].get<int64_t>(); size != 0) groupSize_ = size;
+  }
+
   void writeMetadata(const fs::path& dir) override {
     nlohmann::ordered_json description = description_;
     for (const auto& [key, value] : extra_) description[key] = value;
@@ -242,7 +262,7 @@ class AscendV1Saver final : public SaverBase {
 
   nlohmann::ordered_json description_;
   std::map<std::string, std::string> extra_;  // fa_quant_type, kv_cache_type, kv_quant_type
-  std::string modelType_ = "Unknown";         // msmodelslim's initial value, kept when nothing is written
+  std::string modelType_ = kUnknownType;
   int64_t groupSize_ = 0;
 };
 

@@ -1,5 +1,6 @@
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <array>
 #include <fstream>
 #include <optional>
@@ -29,10 +30,11 @@ Schema saverSchema() {
   return schema;
 }
 
-SaverFactory factoryFor(std::string format) {
-  return [format](const ConfigNode& config, CausalLM& model, const fs::path& saveDir) {
-    return createBuiltinSaver({.format = format, .partFileSizeGb = config.at("part_file_size").asFloat()}, model,
-                              saveDir);
+SaverFactory factoryFor(std::string format, bool segmentsOnly) {
+  return [format, segmentsOnly](const ConfigNode& config, CausalLM& model, const fs::path& saveDir) {
+    return createBuiltinSaver(
+        {.format = format, .partFileSizeGb = config.at("part_file_size").asFloat(), .segmentsOnly = segmentsOnly},
+        model, saveDir);
   };
 }
 
@@ -40,8 +42,10 @@ SaverFactory factoryFor(std::string format) {
 
 std::vector<SaverInfo> builtinSavers() {
   return {
-      {kDefaultSaver, "compressed-tensors: what vLLM and transformers load", saverSchema(), factoryFor(kDefaultSaver)},
-      {"ascendv1_saver", "msmodelslim's ascendv1 layout (vllm-ascend)", saverSchema(), factoryFor("ascendv1_saver")},
+      {kDefaultSaver, "compressed-tensors: what vLLM and transformers load", saverSchema(),
+       factoryFor(kDefaultSaver, false), factoryFor(kDefaultSaver, true)},
+      {"ascendv1_saver", "msmodelslim's ascendv1 layout (vllm-ascend)", saverSchema(),
+       factoryFor("ascendv1_saver", false), factoryFor("ascendv1_saver", true)},
   };
 }
 
@@ -103,7 +107,8 @@ std::string missingKvText(const AttentionInputs& inputs) {
 
 SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::path& saveDir,
                      const std::string& weightsPrefix)
-    : model_(model), start_(std::chrono::steady_clock::now()) {
+    : model_(model), start_(std::chrono::steady_clock::now()), segmentsOnly_(options.segmentsOnly) {
+  if (segmentsOnly_) return;  // rank 0's saver owns the folder
   final_ = fs::absolute(saveDir).lexically_normal();
   if (final_.filename().empty()) final_ = final_.parent_path();  // "out/" names "out"
   std::error_code ec;
@@ -128,7 +133,7 @@ SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::pat
 }
 
 SaverBase::~SaverBase() {
-  if (finished_) return;
+  if (finished_ || segmentsOnly_) return;
   writer_.reset();
   std::error_code ignored;
   fs::remove_all(temporary_, ignored);
@@ -173,9 +178,35 @@ void SaverBase::writeModule(const std::string& prefix, Module& module, const std
 }
 
 void SaverBase::writeLayer(int64_t index, const std::string& name, Module& layer) {
-  QPIPE_CHECK(!finished_, "writeLayer after finish");
+  QPIPE_CHECK(!finished_ && !segmentsOnly_, "writeLayer after finish or on a segment saver");
   QPIPE_CHECK(layersWritten_.insert(index).second, "layer ", index, " written twice");
   writeModule(name, layer, "");
+}
+
+std::string SaverBase::writeSegment(int64_t index, const std::string& name, Module& layer, const fs::path& segment) {
+  QPIPE_CHECK(segmentsOnly_, "writeSegment(", index, ") on the saver that owns the folder");
+  QPIPE_CHECK(segment.extension() == ".safetensors", "segment '", segment.string(), "' is not a .safetensors file");
+  writer_.emplace(segment.parent_path(), safetensors::WriterOptions{.filePrefix = segment.stem().string()});
+  writeModule(name, layer, "");
+  writer_->finish();
+  writer_.reset();
+  return takeNotes();
+}
+
+void SaverBase::adoptSegment(int64_t index, const fs::path& segment, const std::string& notes) {
+  QPIPE_CHECK(!finished_ && !segmentsOnly_, "adoptSegment after finish or on a segment saver");
+  QPIPE_CHECK(layersWritten_.insert(index).second, "layer ", index, " written twice");
+  {
+    const std::shared_ptr<const safetensors::File> file = safetensors::File::open(segment);
+    std::vector<const safetensors::TensorInfo*> inOrder;
+    for (const safetensors::TensorInfo& info : file->tensors()) inOrder.push_back(&info);
+    // In the order writeSegment added them, which is the order of their bytes.
+    std::sort(inOrder.begin(), inOrder.end(), [](const auto* a, const auto* b) { return a->begin < b->begin; });
+    for (const safetensors::TensorInfo* info : inOrder) add(info->name, file->tensor(info->name));
+  }
+  mergeNotes(notes);
+  std::error_code ignored;
+  fs::remove(segment, ignored);
 }
 
 void SaverBase::addFile(const std::string& fileName, const std::string& content) {

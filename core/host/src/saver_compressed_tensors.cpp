@@ -59,14 +59,7 @@ class CompressedTensorsSaver final : public SaverBase {
                     "per_head");
       QPIPE_REQUIRE(quant->scheme().symmetric, ErrorCode::kConfig, "compressed_tensors: ", name,
                     " is asymmetric, which vLLM's KV cache does not support; use symmetric: True");
-      const SortedJson args = compressedTensorsKvCacheArgs(quant->scheme());
-      if (attentionArgs_.is_null()) {
-        attentionArgs_ = args;
-        attentionArgsOf_ = name;
-      }
-      QPIPE_REQUIRE(args == attentionArgs_, ErrorCode::kConfig, "compressed_tensors: ", name, " is ",
-                    quant->scheme().name(), " but ", attentionArgsOf_,
-                    " is not; compressed-tensors quantizes every K and V (and Q) with one scheme");
+      noteAttentionArgs(compressedTensorsKvCacheArgs(quant->scheme()), name, quant->scheme().name());
       const at::Tensor scale = quant->parameter("scale").to(at::kFloat);
       add(attention + "." + input + "_scale",
           quant->scheme().scope == QScope::kPerHead ? scale.reshape({-1, 1, 1}) : scale.reshape({1}));
@@ -90,14 +83,7 @@ class CompressedTensorsSaver final : public SaverBase {
                          {"input_activations", input ? compressedTensorsInputArgs(*input) : SortedJson(nullptr)},
                          {"output_activations", nullptr},
                          {"weights", compressedTensorsWeightArgs(w)}};
-    const std::string key = scheme.dump();
-    auto found = groupByKey_.find(key);
-    if (found == groupByKey_.end()) {
-      found = groupByKey_.emplace(key, static_cast<int>(groups_.size())).first;
-      groups_.push_back({std::move(scheme), {}});
-    }
-    groups_[found->second].members.push_back(name);
-    assignment_[name] = found->second;
+    joinGroup(scheme, name);
 
     const at::Tensor q = linear.parameter("weight");
     const at::Tensor scale = linear.parameter("weight_scale").to(at::kFloat);
@@ -127,6 +113,44 @@ class CompressedTensorsSaver final : public SaverBase {
       }
     }
     if (linear.hasParameter("bias")) writeFloat(name + ".bias", linear.parameter("bias"));
+  }
+
+  std::string takeNotes() override {
+    SortedJson groups = SortedJson::array();
+    for (const Group& group : groups_) groups.push_back({{"scheme", group.scheme}, {"members", group.members}});
+    SortedJson floats = SortedJson::array();
+    for (const auto& [name, group] : assignment_) {
+      if (group < 0) floats.push_back(name);
+    }
+    const SortedJson notes = {{"groups", groups},
+                              {"float", floats},
+                              {"attention", attentionArgs_},
+                              {"attention_of", attentionArgsOf_},
+                              {"attention_scheme", attentionScheme_},
+                              {"with_q", withQ_},
+                              {"without_q", withoutQ_}};
+    groups_.clear();
+    groupByKey_.clear();
+    assignment_.clear();
+    attentionArgs_ = nullptr;
+    attentionArgsOf_.clear();
+    attentionScheme_.clear();
+    withQ_ = withoutQ_ = false;
+    return notes.dump();
+  }
+
+  void mergeNotes(const std::string& text) override {
+    const SortedJson notes = SortedJson::parse(text);
+    for (const SortedJson& group : notes["groups"]) {
+      for (const SortedJson& member : group["members"]) joinGroup(group["scheme"], member.get<std::string>());
+    }
+    for (const SortedJson& name : notes["float"]) assignment_[name.get<std::string>()] = -1;
+    if (!notes["attention"].is_null()) {
+      noteAttentionArgs(notes["attention"], notes["attention_of"].get<std::string>(),
+                        notes["attention_scheme"].get<std::string>());
+    }
+    withQ_ = withQ_ || notes["with_q"].get<bool>();
+    withoutQ_ = withoutQ_ || notes["without_q"].get<bool>();
   }
 
   void writeMetadata(const fs::path& dir) override {
@@ -244,11 +268,34 @@ class CompressedTensorsSaver final : public SaverBase {
     return true;
   }
 
+  // `name` joins the group of `scheme`, a new one (numbered in order of first use) if none has it.
+  void joinGroup(const SortedJson& scheme, const std::string& name) {
+    const std::string key = scheme.dump();
+    auto found = groupByKey_.find(key);
+    if (found == groupByKey_.end()) {
+      found = groupByKey_.emplace(key, static_cast<int>(groups_.size())).first;
+      groups_.push_back({scheme, {}});
+    }
+    groups_[found->second].members.push_back(name);
+    assignment_[name] = found->second;
+  }
+
+  void noteAttentionArgs(const SortedJson& args, const std::string& name, const std::string& schemeName) {
+    if (attentionArgs_.is_null()) {
+      attentionArgs_ = args;
+      attentionArgsOf_ = name;
+      attentionScheme_ = schemeName;
+    }
+    QPIPE_REQUIRE(args == attentionArgs_, ErrorCode::kConfig, "compressed_tensors: ", name, " is ", schemeName, " but ",
+                  attentionArgsOf_, " is not; compressed-tensors quantizes every K and V (and Q) with one scheme");
+  }
+
   std::vector<Group> groups_;
   std::map<std::string, int> groupByKey_;
   std::map<std::string, int> assignment_;  // every Linear: its group, or -1 when float
   SortedJson attentionArgs_;               // null until an attention input is written
   std::string attentionArgsOf_;            // the first module written with it
+  std::string attentionScheme_;            // and its scheme's name
   bool withQ_ = false;                     // an attention with Q quantized was written
   bool withoutQ_ = false;                  // one with K and V only
 };

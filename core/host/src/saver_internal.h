@@ -39,6 +39,9 @@ class SaverBase : public CheckpointSaver {
   void writeLayer(int64_t index, const std::string& name, Module& layer) final;
   void addFile(const std::string& fileName, const std::string& content) final;
   void finish() final;
+  std::string writeSegment(int64_t index, const std::string& name, Module& layer,
+                           const std::filesystem::path& segment) final;
+  void adoptSegment(int64_t index, const std::filesystem::path& segment, const std::string& notes) final;
 
  protected:
   // A quantized module, all of its tensors.
@@ -56,6 +59,10 @@ class SaverBase : public CheckpointSaver {
   virtual bool skipsTiedHead() const = 0;
   // config.json and the format's description, into `dir` (the temporary directory).
   virtual void writeMetadata(const std::filesystem::path& dir) = 0;
+  // What the hooks above noted for writeMetadata since the last call, which then forgets it (a
+  // segment's notes); mergeNotes adds such notes as if their modules had been written here.
+  virtual std::string takeNotes() = 0;
+  virtual void mergeNotes(const std::string& notes) = 0;
 
   void add(const std::string& name, const at::Tensor& tensor);
   CausalLM& model() { return model_; }
@@ -81,6 +88,7 @@ class SaverBase : public CheckpointSaver {
   std::chrono::steady_clock::time_point start_;
   bool finished_ = false;
   bool headUntied_ = false;  // set by finish()
+  bool segmentsOnly_ = false;
 };
 
 std::unique_ptr<CheckpointSaver> makeCompressedTensorsSaver(const SaverOptions& options, CausalLM& model,

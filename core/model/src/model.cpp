@@ -319,18 +319,19 @@ bool CausalLM::undeclaredBias(const std::string& name) const {
 }
 
 DecoderLayer& CausalLM::layer(int64_t index) {
-  QPIPE_CHECK(index >= 0 && index < config_.numLayers, "layer ", index, " out of range");
-  if (!isLoaded(index)) {
-    const LayerSource source{
-        [this](const std::string& name) { return weight(name); },
-        [this](const std::string& name) { return checkpoint_.contains(name); },
-        [this](const std::string& name, bool bias) { return linear(name, bias); },
-        [this](const std::string& name) { return norm(name); },
-        [this](const std::string& attention, char input) { return attentionInput(attention, input); }};
-    layers_->replace(std::to_string(index),
-                     std::make_shared<LlamaLayer>(source, layerName(index) + ".", index, config_));
-  }
+  if (!isLoaded(index)) layers_->replace(std::to_string(index), loadLayerCopy(index));
   return static_cast<DecoderLayer&>(layers_->child(static_cast<size_t>(index)));
+}
+
+std::shared_ptr<DecoderLayer> CausalLM::loadLayerCopy(int64_t index) {
+  QPIPE_CHECK(index >= 0 && index < config_.numLayers, "layer ", index, " out of range");
+  const LayerSource source{
+      [this](const std::string& name) { return weight(name); },
+      [this](const std::string& name) { return checkpoint_.contains(name); },
+      [this](const std::string& name, bool bias) { return linear(name, bias); },
+      [this](const std::string& name) { return norm(name); },
+      [this](const std::string& attention, char input) { return attentionInput(attention, input); }};
+  return std::make_shared<LlamaLayer>(source, layerName(index) + ".", index, config_);
 }
 
 bool CausalLM::isLoaded(int64_t index) const {

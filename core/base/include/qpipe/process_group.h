@@ -55,6 +55,14 @@ class ProcessGroup {
   // whenever it wants, so it is allowed inside a parallel task. The scheduler's dynamic assignment
   // takes task indices from it.
   virtual int64_t counterAdd(const std::string& key, int64_t delta) = 0;
+
+  // A value in the same store, for handing bytes from one rank to another outside collectives:
+  // storeSet writes `key`; storeGet waits until some rank has set it (up to the group's timeout;
+  // a failed peer's report ends the wait at once) and returns it. Not collectives either, so both
+  // are allowed inside a parallel task, where a rank that waits must know that the setter gets
+  // there without waiting on it (the runner's probe chain over split layers, docs/scheduler.md).
+  virtual void storeSet(const std::string& key, const std::string& value) = 0;
+  virtual std::string storeGet(const std::string& key) = 0;
 };
 
 // This thread runs one task of a parallel wave of the scheduler (scheduler/, docs/scheduler.md):
@@ -69,6 +77,8 @@ class ParallelTaskScope {
 
   // Error(kPlugin) naming the task and `collective` when called inside a scope.
   static void check(const char* collective);
+  // Whether this thread runs inside a parallel task (a scheduler there runs its waves locally).
+  static bool active();
 
  private:
   std::string task_;

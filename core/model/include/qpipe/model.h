@@ -112,6 +112,9 @@ class CausalLM {
   // Loads decoder layer `index` from the checkpoint if it is not loaded, and returns it.
   DecoderLayer& layer(int64_t index);
   bool isLoaded(int64_t index) const;
+  // A new instance of decoder layer `index` from the checkpoint, not part of the model: the float
+  // reference of a layer that processors are changing.
+  std::shared_ptr<DecoderLayer> loadLayerCopy(int64_t index);
   // Frees the layer's tensors; layer(index) loads it again.
   void releaseLayer(int64_t index);
 

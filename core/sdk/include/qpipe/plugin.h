@@ -75,7 +75,9 @@ class PluginRegistrar {
 // watched module); RMSNorm may hold a bias.
 // 7.0: the task scheduler (qpipe/scheduler/task_scheduler.h): ProcessGroup gains counterAdd,
 // LinearQuantizer defers its weight solve and implements DistributedSync.
-#define QPIPE_PLUGIN_ABI_MAJOR 7
+// 8.0: split layers: Processor::layersIndependent, LayerRequest::splitLayers, ProcessGroup's
+// storeSet/storeGet, savers that write layer segments.
+#define QPIPE_PLUGIN_ABI_MAJOR 8
 #define QPIPE_PLUGIN_ABI_MINOR 0
 
 #define QPIPE_STRINGIFY_IMPL(x) #x

@@ -83,8 +83,13 @@ struct LayerRequest {
   // declares (qpipe/subgraph.h), in forward order; both empty for the non-layer unit.
   std::string family;
   std::vector<Subgraph> subgraphs;
-  // What processors reported for this unit, in order (rank 0's land in quant_report.json).
+  // What processors reported for this unit, in order (rank 0's land in quant_report.json; of a
+  // split layer, its executor's).
   std::vector<ReportValue> reportValues;
+  // True on every unit of a run whose decoder layers the runner split over the ranks (a data-free
+  // run whose processors are all layersIndependent()): this rank sees only the layers it executes,
+  // inside a parallel task of the runner's scheduler, and every rank sees the non-layer unit.
+  bool splitLayers = false;
 
   void report(std::string moduleName, std::string key, double value) {
     reportValues.push_back({std::move(moduleName), std::move(key), value});
@@ -180,6 +185,11 @@ class Processor {
   virtual bool supportDistributed() const { return false; }
   // True when the processor needs no calibration forward (process() is then never called).
   virtual bool isDataFree() const { return false; }
+  // True when each decoder layer's result depends on that layer alone: no state carried from one
+  // layer to the next, no collective in a decoder layer's preprocess or postprocess. When every
+  // processor of a data-free multi-rank run says so, the runner spreads the layers over the ranks
+  // (LayerRequest::splitLayers; docs/scheduler.md).
+  virtual bool layersIndependent() const { return false; }
 };
 
 // Whether the runner runs the processor's process(): the one place this is decided.

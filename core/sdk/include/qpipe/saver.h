@@ -41,6 +41,17 @@ class CheckpointSaver {
   // Writes the non-layer modules, the index and the metadata, copies the tokenizer and
   // generation files, and renames the directory into place.
   virtual void finish() = 0;
+
+  // A run that splits its decoder layers over the ranks (docs/scheduler.md) has each rank write
+  // the layers it executed as segments, on a saver from SaverInfo::segmentFactory: writeSegment
+  // writes layer `index` into the safetensors file `segment` (under partialDir) and returns what
+  // the format noted of it. Rank 0's saver then adopts the segments in layer order, and writes
+  // the checkpoint writeLayer would have written, byte for byte. Only for savers that have a
+  // segmentFactory.
+  virtual std::string writeSegment(int64_t index, const std::string& name, Module& layer,
+                                   const std::filesystem::path& segment);
+  // Takes layer `index` from `segment` (removed afterwards) with the notes writeSegment returned.
+  virtual void adoptSegment(int64_t index, const std::filesystem::path& segment, const std::string& notes);
 };
 
 // Builds a saver from its validated spec.save step (defaults filled in, `type` removed).
@@ -53,6 +64,9 @@ struct SaverInfo {
   std::string description;
   Schema schema;
   SaverFactory factory;
+  // Optional: a saver of the same format and configuration that only writes segments (it makes no
+  // folder of its own); without one, a run never splits its layers.
+  SaverFactory segmentFactory;
 };
 
 }  // namespace qpipe

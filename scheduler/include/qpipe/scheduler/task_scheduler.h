@@ -8,8 +8,9 @@
 //             a module) and puts the task in the current wave, or opens a new one when a
 //             dependency overlaps one of the wave's (the same path, an ancestor or a descendant)
 //             or the task's parallel flag differs from the wave's
-//   run()     runs the waves in order. A local wave (parallel = false, one rank, or parallel
-//             disabled) runs every task on every rank, with no collective. A parallel wave:
+//   run()     runs the waves in order. A local wave (parallel = false, one rank, parallel
+//             disabled, or a scheduler inside another's parallel task) runs every task on every
+//             rank, with no collective. A parallel wave:
 //               1. the ranks agree on the wave (task count and semantic hash: name, arguments,
 //                  dependencies, sync name), else Error(kDistributed) on every rank naming the
 //                  first task that differs;

@@ -52,10 +52,11 @@ class Registry {
   // processor made through its context that matched no module.
   std::unique_ptr<Processor> createProcessor(std::string_view type, const ConfigNode& config, std::string_view path,
                                              const ProcessorContext& context) const;
-  // Calls the factory of saver `type` with its validated step. The result guards every call into
-  // plugin code (errors name the saver and plugin) and keeps the library loaded.
+  // Calls the factory of saver `type` with its validated step, or its segmentFactory
+  // (`segmentsOnly`; null when it has none). The result guards every call into plugin code
+  // (errors name the saver and plugin) and keeps the library loaded.
   std::unique_ptr<CheckpointSaver> createSaver(std::string_view type, const ConfigNode& config, CausalLM& model,
-                                               const std::filesystem::path& saveDir) const;
+                                               const std::filesystem::path& saveDir, bool segmentsOnly = false) const;
 
  private:
   std::vector<ProcessorEntry> processors_;

@@ -34,6 +34,10 @@ struct LayerReport {
   double syncSeconds = 0;
   // What processors reported on the unit (LayerRequest::report), in order.
   std::vector<ReportValue> values;
+
+  // Every field as text and back, exactly (a split layer's report travels from its executor).
+  std::string serialize() const;
+  static LayerReport deserialize(const std::string& text);
 };
 
 struct QuantReport {

@@ -19,6 +19,13 @@
 // error of quantized activations propagates as in msmodelslim. When no processor needs data,
 // no forward runs at all. Every rank runs every unit, the non-layer one included, in the same
 // order, so the collectives processors register there pair up.
+//
+// Split layers (docs/scheduler.md): a data-free run on several ranks whose processors are all
+// layersIndependent(), given RunnerOptions::segments, runs its decoder layers as the parallel
+// tasks of one scheduler wave instead: each layer is loaded, processed, probed and written as a
+// segment by one rank, and rank 0 adopts the segments in layer order. The report probe's
+// hidden state goes from each layer's executor to the next one's through the group's store, so
+// the report is the one rank's too; the non-layer unit and postRun() stay on every rank.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,6 +33,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,6 +60,18 @@ struct QuantReport;
 // resident (loaded before the first unit, never released), layer_wise one at a time.
 enum class RunnerMode { kLayerWise, kModelWise };
 
+// Called once per decoder layer after the last postprocess, before the layer is released (not for
+// the non-layer unit).
+using LayerSink = std::function<void(int64_t index, const std::string& name, Module& layer)>;
+
+// What split layers are written with (CheckpointSaver::writeSegment / adoptSegment).
+struct LayerSegments {
+  // On the layer's executor, before the layer is released: writes it, returns its notes.
+  std::function<std::string(int64_t index, const std::string& name, Module& layer)> write;
+  // On rank 0 after every layer ran, in layer order: takes the layer's segment and notes.
+  std::function<void(int64_t index, const std::string& notes)> adopt;
+};
+
 struct RunnerOptions {
   // The ranks calibrating together; this rank's samples are its share (rankShare).
   std::shared_ptr<ProcessGroup> group = ProcessGroup::single();
@@ -62,11 +82,14 @@ struct RunnerOptions {
   // a data-free run).
   QuantReport* report = nullptr;
   int64_t probeTokens = 32;
+  // Set on every rank (or on none) where splitsLayers(): the run splits its layers, and the sink
+  // sees none.
+  std::optional<LayerSegments> segments;
 };
 
-// Called once per decoder layer after the last postprocess, before the layer is released (not for
-// the non-layer unit).
-using LayerSink = std::function<void(int64_t index, const std::string& name, Module& layer)>;
+// Whether a run of these processors on `worldSize` ranks splits its decoder layers when given
+// segments: several ranks, layer-wise, every processor data-free and layersIndependent().
+bool splitsLayers(const std::vector<std::unique_ptr<Processor>>& processors, int worldSize, RunnerMode mode);
 
 class LayerWiseRunner {
  public:

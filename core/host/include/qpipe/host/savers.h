@@ -21,6 +21,8 @@ inline constexpr const char* kDefaultSaver = "compressed_tensors";
 struct SaverOptions {
   std::string format = kDefaultSaver;  // compressed_tensors | ascendv1_saver
   double partFileSizeGb = 4;           // >= 0 (the schema's minimum); 0: one file
+  // Writes segments only (SaverInfo::segmentFactory): no folder of its own, writeSegment alone.
+  bool segmentsOnly = false;
 };
 
 // compressed_tensors and ascendv1_saver, with their spec.save schema.
