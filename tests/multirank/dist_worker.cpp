@@ -362,6 +362,44 @@ void schedulerTaskFails() {
   std::cout << "unexpected: ran" << std::endl;
 }
 
+// Split layers' mechanics: four parallel tasks, each running a scheduler of its own (whose waves
+// are then local: no collective, every task here) and passing a running sum to the next task
+// through the store, as the runner's probe chain does.
+void schedulerNestedAndChained() {
+  ProcessGroup& group = world();
+  auto root = schedulerModel();
+  dts::DistributedTaskScheduler scheduler(*root, group, {.name = "outer"});
+  if (group.rank() == 0) group.storeSet("chain/0", "0");
+  const std::vector<std::string> names = {"a", "b", "c", "d"};
+  for (size_t i = 0; i < names.size(); ++i) {
+    scheduler.submit({.name = "outer_task",
+                      .fn =
+                          [&, i](const qpipe::ConfigNode&) {
+                            dts::DistributedTaskScheduler inner(*root, group, {.name = "inner"});
+                            for (const char* d : {"a", "b"}) {
+                              inner.submit({.name = "inner_task",
+                                            .fn = [](const qpipe::ConfigNode&) { return qpipe::ConfigNode::null({}); },
+                                            .dependencies = {d}});
+                            }
+                            int64_t parallel = 0;
+                            for (const qpipe::TaskRecord& record : inner.run()) parallel += record.parallel ? 1 : 0;
+                            const int64_t sum = std::stoll(group.storeGet("chain/" + std::to_string(i)));
+                            group.storeSet("chain/" + std::to_string(i + 1), std::to_string(sum + 10 * (i + 1)));
+                            return qpipe::ConfigNode::integer(parallel);
+                          },
+                      .args = qpipe::ConfigNode::map({{"i", qpipe::ConfigNode::integer(static_cast<int64_t>(i))}}),
+                      .dependencies = {names[i]},
+                      .sync = [](const qpipe::TaskRecord&, qpipe::SyncContext&) {},
+                      .syncName = "none"});
+  }
+  int64_t nestedParallel = 0;
+  for (const qpipe::TaskRecord& record : scheduler.run()) nestedParallel += record.result.asInt();
+  std::cout << "outer parallel waves: " << scheduler.summary().parallelWaves << "\n";
+  std::cout << "inner parallel tasks: " << nestedParallel << "\n";
+  std::cout << "chain: " << group.storeGet("chain/4") << "\n";
+  std::cout << "done" << std::endl;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -397,6 +435,8 @@ int main(int argc, char** argv) {
       schedulerCollective();
     } else if (scenario == "dts_task_fails") {
       schedulerTaskFails();
+    } else if (scenario == "dts_nested_chain") {
+      schedulerNestedAndChained();
     } else {
       throw qpipe::Error(qpipe::ErrorCode::kUsage, "unknown scenario '" + scenario + "'");
     }

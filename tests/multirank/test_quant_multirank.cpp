@@ -6,6 +6,7 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <nlohmann/json.hpp>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -203,6 +204,19 @@ std::vector<pid_t> ranksOnceSaving(const Process& launcher, const fs::path& out)
   return {};
 }
 
+// The report probe's relative errors, layer by layer and module by module, as text.
+std::string probeErrors(const fs::path& checkpoint) {
+  const nlohmann::json report = nlohmann::json::parse(qpipe::test::slurp(checkpoint / "quant_report.json"));
+  std::string out;
+  for (const auto& layer : report["layers"]) {
+    out += layer["name"].get<std::string>() + " " + layer["relative_mse"].dump() + "\n";
+    for (const auto& module : layer["modules"]) {
+      out += "  " + module["name"].get<std::string>() + " " + module["relative_mse"].dump() + "\n";
+    }
+  }
+  return out;
+}
+
 void expectNothingSaved(const fs::path& out) {
   EXPECT_FALSE(fs::exists(out)) << out;
   EXPECT_FALSE(fs::exists(out.parent_path() / ("." + out.filename().string() + ".qpipe-partial")))
@@ -251,7 +265,42 @@ TEST(QuantMultirank, TwoRanksWriteTheCheckpointOfOne) {
         << multi.out;
     EXPECT_EQ(multi.out.find("saved compressed_tensors"), multi.out.rfind("saved compressed_tensors")) << multi.out;
     expectSameCheckpoint(one, two);
+    // Data-free: the decoder layers were split over the ranks, and the report probe went from each
+    // layer's executor to the next one's, so the report's errors are the one rank's.
+    EXPECT_NE(multi.err.find("[rank 0/2] [info] runner: 2 decoder layers split over 2 ranks [DTS] tasks=2 waves=1 "
+                             "parallel_waves=1 world_size=2 rank=0 my_tasks="),
+              std::string::npos)
+        << multi.err;
+    EXPECT_EQ(probeErrors(one), probeErrors(two));
+    // Each rank counted the modules of its layers; postRun adds them up.
+    const std::string count = "linear_quant: 14 Linear modules";
+    EXPECT_NE(single.err.find("[info] " + count), std::string::npos) << single.err;
+    EXPECT_NE(multi.err.find("[rank 0/2] [info] " + count), std::string::npos) << multi.err;
   }
+}
+
+// Split layers: a layer that fails on whichever rank runs it fails the run on every rank, naming
+// the layer's task, and leaves nothing at --save_path (the segments lie in the partial folder).
+TEST(QuantMultirank, ASplitLayerThatFailsStopsTheRunAndLeavesNothing) {
+  const fs::path out = qpipe::test::testDir() / "quantized";
+  fs::remove_all(out);
+  const fs::path pipeline = pipelineFile(
+      "split_fault.yaml", kW8A8 + "    - {type: rank_fault, fail_in_layer: 1, layers_independent: True}\n");
+  const CommandResult r = qpipe::test::runQpipe(
+      quantArgs(qpipe::test::tinyLlama("llama"), out,
+                "--config_path " + quote(pipeline) + " --plugin_dir " + quote(kFixturePlugins) + " --device cpu:0,1"));
+  EXPECT_EQ(r.exitCode, code(ErrorCode::kPlugin)) << r.err;
+  const std::string last = lastLine(r.err);
+  EXPECT_EQ(last.rfind("qpipe: plugin error: ", 0), 0u) << r.err;
+  EXPECT_NE(last.find("scheduler 'runner': task w0_t1 (runner.layer {layer: 1} on [model.layers.1] sync "
+                      "runner.adopt_segment) failed on rank "),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(last.find(": processor 'rank_fault' (plugin 'rank_fault') failed in preprocess(model.layers.1): injected "
+                      "failure on rank "),
+            std::string::npos)
+      << r.err;
+  expectNothingSaved(out);
 }
 
 TEST(QuantMultirank, TorchrunStyleRanksWriteTheLauncherCheckpoint) {

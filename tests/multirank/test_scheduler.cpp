@@ -75,6 +75,20 @@ TEST_P(Scheduler, ParallelDisabledRunsEveryTaskEverywhereWithTheSameResult) {
   }
 }
 
+// Inside a parallel task a scheduler runs its waves locally, and tasks hand values on through the
+// store (the runner's split layers, docs/scheduler.md).
+TEST_P(Scheduler, NestedSchedulersRunLocallyAndTasksChainThroughTheStore) {
+  const int w = GetParam();
+  const auto results = run(world("dts_nested_chain", w));
+  for (int r = 0; r < w; ++r) {
+    const std::string& out = results[r].out;
+    ASSERT_EQ(results[r].exitCode, 0) << "rank " << r << ": " << out;
+    EXPECT_TRUE(has(out, "outer parallel waves: 1")) << out;
+    EXPECT_TRUE(has(out, "inner parallel tasks: 0")) << out;
+    EXPECT_TRUE(has(out, "chain: 100")) << out;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, Scheduler, ::testing::Values(2, 3));
 
 TEST(SchedulerOneRank, EndsInTheSameState) {

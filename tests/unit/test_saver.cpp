@@ -358,6 +358,80 @@ TEST(CompressedTensorsSaver, FloatHeadOfATiedModelStaysTied) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Segments (split layers, docs/scheduler.md)
+
+// Every file of `dir`, name → bytes.
+std::map<std::string, std::string> filesOf(const fs::path& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& entry : fs::directory_iterator(dir))
+    files[entry.path().filename().string()] = test::slurp(entry.path());
+  return files;
+}
+
+// Layers written as segments by a segment saver, in reverse order, then adopted in layer order by
+// the saver of the folder, give the folder writeLayer gives, byte for byte: shards, index, the
+// config's groups (numbered in order of first use) or the ascendv1 description.
+void expectSegmentsWriteTheSameFolder(const std::string& name, const SaverOptions& options,
+                                      const std::function<std::optional<Spec>(const std::string&)>& specFor) {
+  auto lm = CausalLM::open(test::tinyLlama(name + "-src"));
+  quantize(*lm, specFor);
+  const fs::path direct = test::testDir() / (name + "-direct"), adopted = test::testDir() / (name + "-adopted");
+  fs::remove_all(direct);
+  fs::remove_all(adopted);
+  test::saveCheckpoint(*lm, direct, options);
+
+  auto saver = createBuiltinSaver(options, *lm, adopted);
+  SaverOptions segmentOptions = options;
+  segmentOptions.segmentsOnly = true;
+  auto segments = createBuiltinSaver(segmentOptions, *lm, adopted);
+  const fs::path partial = CheckpointSaver::partialDir(adopted);
+  const auto segment = [&](int64_t i) { return partial / (".layer-" + std::to_string(i) + ".safetensors"); };
+  std::vector<std::string> notes(static_cast<size_t>(lm->config().numLayers));
+  for (int64_t i = lm->config().numLayers - 1; i >= 0; --i) {
+    notes[static_cast<size_t>(i)] = segments->writeSegment(i, lm->layerName(i), lm->layer(i), segment(i));
+  }
+  for (int64_t i = 0; i < lm->config().numLayers; ++i) {
+    saver->adoptSegment(i, segment(i), notes[static_cast<size_t>(i)]);
+    EXPECT_FALSE(fs::exists(segment(i)));
+  }
+  saver->finish();
+  EXPECT_EQ(filesOf(adopted), filesOf(direct));
+}
+
+TEST(SaverSegments, CompressedTensorsMixedAndShardedFromSegments) {
+  expectSegmentsWriteTheSameFolder("segments-ct", {.partFileSizeGb = 2e-6}, [](const std::string& name) {
+    if (name == "model.layers.1.mlp.down_proj") return std::optional<Spec>();
+    if (name.starts_with("model.layers.1.mlp")) return std::optional<Spec>(Spec{kInt8Channel, kInt8Token});
+    if (name.find("self_attn") != std::string::npos) return std::optional<Spec>(Spec{kInt4Group, std::nullopt});
+    return std::optional<Spec>(Spec{kFp8Channel, kFp8Token});
+  });
+}
+
+TEST(SaverSegments, AscendV1MixedFromSegments) {
+  expectSegmentsWriteTheSameFolder("segments-ascend", {.format = "ascendv1_saver"}, [](const std::string& name) {
+    if (name == "model.layers.0.mlp.up_proj") return std::optional<Spec>();
+    if (name.find("self_attn") != std::string::npos) return std::optional<Spec>(Spec{kInt8Channel, kInt8Token});
+    return std::optional<Spec>(Spec{kInt8Channel, std::nullopt});
+  });
+}
+
+TEST(SaverSegments, OnlyTheirOwnRole) {
+  auto lm = CausalLM::open(test::tinyLlama("segments-roles-src"));
+  const fs::path out = test::testDir() / "segments-roles";
+  fs::remove_all(out);
+  auto segments = createBuiltinSaver({.segmentsOnly = true}, *lm, out);
+  EXPECT_FALSE(fs::exists(CheckpointSaver::partialDir(out)));  // the folder is rank 0's saver's
+  EXPECT_NE(test::errorOf([&] { segments->writeLayer(0, lm->layerName(0), lm->layer(0)); }, ErrorCode::kInternal)
+                .find("writeLayer after finish or on a segment saver"),
+            std::string::npos);
+  auto saver = createBuiltinSaver({}, *lm, out);
+  EXPECT_NE(test::errorOf([&] { saver->writeSegment(0, lm->layerName(0), lm->layer(0), out / "x.safetensors"); },
+                          ErrorCode::kInternal)
+                .find("on the saver that owns the folder"),
+            std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Atomicity and user errors
 
 TEST(SaverAtomicity, FolderAppearsOnlyAtFinish) {

@@ -12,8 +12,8 @@
 #include "qpipe/linear_quantizer.h"
 #include "qpipe/module.h"
 #include "qpipe/qconfig.h"
-#include "qpipe/schema.h"
 #include "qpipe/scheduler/task_scheduler.h"
+#include "qpipe/schema.h"
 #include "test_helpers.h"
 
 namespace qpipe {
@@ -105,6 +105,11 @@ TEST(Scheduler, ACollectiveInsideAParallelTaskScopeIsRefused) {
             "sync");
   EXPECT_EQ(group.counterAdd("k", 2), 2);  // the store counter is not a collective
   EXPECT_EQ(group.counterAdd("k", 1), 3);
+  EXPECT_TRUE(ParallelTaskScope::active());
+  group.storeSet("probe", "bytes");  // nor are the store's values
+  EXPECT_EQ(group.storeGet("probe"), "bytes");
+  EXPECT_EQ(test::errorOf([&] { group.storeGet("unset"); }, ErrorCode::kInternal),
+            "internal error: storeGet('unset') on one rank before any storeSet: it would wait forever");
 }
 
 TEST(Scheduler, GlobalSwitchAndTensorMeta) {
