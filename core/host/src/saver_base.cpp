@@ -196,17 +196,18 @@ std::string SaverBase::writeSegment(int64_t index, const std::string& name, Modu
 void SaverBase::adoptSegment(int64_t index, const fs::path& segment, const std::string& notes) {
   QPIPE_CHECK(!finished_ && !segmentsOnly_, "adoptSegment after finish or on a segment saver");
   QPIPE_CHECK(layersWritten_.insert(index).second, "layer ", index, " written twice");
-  {
-    const std::shared_ptr<const safetensors::File> file = safetensors::File::open(segment);
-    std::vector<const safetensors::TensorInfo*> inOrder;
-    for (const safetensors::TensorInfo& info : file->tensors()) inOrder.push_back(&info);
-    // In the order writeSegment added them, which is the order of their bytes.
-    std::sort(inOrder.begin(), inOrder.end(), [](const auto* a, const auto* b) { return a->begin < b->begin; });
-    for (const safetensors::TensorInfo* info : inOrder) add(info->name, file->tensor(info->name));
+  const std::shared_ptr<const safetensors::File> file = safetensors::File::open(segment);
+  std::vector<const safetensors::TensorInfo*> inOrder;
+  for (const safetensors::TensorInfo& info : file->tensors()) inOrder.push_back(&info);
+  // In the order writeSegment added them, which is the order of their bytes. The bytes stay in
+  // the segment until finish() copies them into the shards once.
+  std::sort(inOrder.begin(), inOrder.end(), [](const auto* a, const auto* b) { return a->begin < b->begin; });
+  for (const safetensors::TensorInfo* info : inOrder) {
+    writer_->addFrom(*file, info->name);
+    bytesWritten_ += info->end - info->begin;
   }
+  adopted_.push_back(segment);
   mergeNotes(notes);
-  std::error_code ignored;
-  fs::remove(segment, ignored);
 }
 
 void SaverBase::addFile(const std::string& fileName, const std::string& content) {
@@ -250,6 +251,11 @@ void SaverBase::finish() {
   // The decoder layers were written (and released) one by one; the rest of the model now.
   writeModule("", model_.root(), "model.layers.");
   const size_t files = writer_->finish().size();
+  for (const fs::path& segment : adopted_) {
+    std::error_code ec;
+    fs::remove(segment, ec);
+    QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot remove '", segment.string(), "': ", ec.message());
+  }
   copySideFiles();
   writeMetadata(temporary_);
   std::error_code ec;

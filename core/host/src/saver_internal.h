@@ -10,6 +10,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "qpipe/attention_quant.h"
 #include "qpipe/host/savers.h"
@@ -89,6 +90,7 @@ class SaverBase : public CheckpointSaver {
   bool finished_ = false;
   bool headUntied_ = false;  // set by finish()
   bool segmentsOnly_ = false;
+  std::vector<std::filesystem::path> adopted_;  // segments whose bytes finish() copies
 };
 
 std::unique_ptr<CheckpointSaver> makeCompressedTensorsSaver(const SaverOptions& options, CausalLM& model,

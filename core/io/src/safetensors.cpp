@@ -214,6 +214,7 @@ std::shared_ptr<const File> File::open(const fs::path& path) {
     invalid(path, concat(dataSize - expected, " bytes after the last tensor belong to no tensor"));
   }
   file->data_ = bytes + 8 + headerSize;
+  file->dataOffset_ = 8 + headerSize;
   return file;
 }
 
@@ -341,9 +342,23 @@ uint64_t Checkpoint::totalBytes() const {
 // Writing: each shard's data goes to a temporary file as tensors arrive; finish() writes each
 // final file as header + data (a kernel-side copy) under a temporary name and renames it.
 
+namespace {
+
+// A run of a shard's data bytes: `bytes` of `source` from `offset` (the shard's own data file, or a
+// file another writer completed, Writer::addFrom).
+struct Piece {
+  fs::path source;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
+}  // namespace
+
 struct Writer::Impl {
   struct Shard {
     fs::path dataPath;
+    uint64_t dataBytes = 0;  // written to dataPath
+    std::vector<Piece> pieces;
     std::vector<TensorInfo> tensors;
     uint64_t bytes = 0;
   };
@@ -362,6 +377,26 @@ struct Writer::Impl {
     data.open(shard.dataPath, std::ios::binary | std::ios::trunc);
     QPIPE_REQUIRE(data.good(), ErrorCode::kIo, "cannot write '", shard.dataPath.string(), "'");
     shards.push_back(std::move(shard));
+  }
+
+  // The shard a tensor of `bytes` goes to: the current one, or a new one when it would overflow.
+  Shard& shardFor(uint64_t bytes) {
+    if (options.maxShardBytes > 0 && shards.back().bytes > 0 && shards.back().bytes + bytes > options.maxShardBytes) {
+      openShard();
+    }
+    return shards.back();
+  }
+
+  void record(Shard& shard, const std::string& name, at::ScalarType dtype, std::vector<int64_t> shape, Piece piece) {
+    QPIPE_REQUIRE(names.insert(name).second, ErrorCode::kInternal, "tensor '", name, "' written twice");
+    shard.tensors.push_back({name, dtypeName(dtype), std::move(shape), shard.bytes, shard.bytes + piece.bytes});
+    shard.bytes += piece.bytes;
+    Piece* last = shard.pieces.empty() ? nullptr : &shard.pieces.back();
+    if (last != nullptr && last->source == piece.source && last->offset + last->bytes == piece.offset) {
+      last->bytes += piece.bytes;
+    } else {
+      shard.pieces.push_back(std::move(piece));
+    }
   }
 
   void removeTemporaries() {
@@ -386,23 +421,29 @@ Writer::~Writer() {
 
 void Writer::add(const std::string& name, const at::Tensor& tensor) {
   QPIPE_CHECK(!impl_->finished, "Writer::add after finish");
-  QPIPE_REQUIRE(impl_->names.insert(name).second, ErrorCode::kInternal, "tensor '", name, "' written twice");
+  QPIPE_REQUIRE(!impl_->names.count(name), ErrorCode::kInternal, "tensor '", name, "' written twice");
   const at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
   const uint64_t bytes = cpu.nbytes();
-  Impl::Shard* shard = &impl_->shards.back();
-  if (impl_->options.maxShardBytes > 0 && shard->bytes > 0 && shard->bytes + bytes > impl_->options.maxShardBytes) {
-    impl_->openShard();
-    shard = &impl_->shards.back();
-  }
+  Impl::Shard& shard = impl_->shardFor(bytes);
   impl_->data.write(static_cast<const char*>(cpu.data_ptr()), static_cast<std::streamsize>(bytes));
-  QPIPE_REQUIRE(impl_->data.good(), ErrorCode::kIo, "writing '", shard->dataPath.string(), "' failed (disk full?)");
-  shard->tensors.push_back({name, dtypeName(cpu.scalar_type()), cpu.sizes().vec(), shard->bytes, shard->bytes + bytes});
-  shard->bytes += bytes;
+  QPIPE_REQUIRE(impl_->data.good(), ErrorCode::kIo, "writing '", shard.dataPath.string(), "' failed (disk full?)");
+  impl_->record(shard, name, cpu.scalar_type(), cpu.sizes().vec(), {shard.dataPath, shard.dataBytes, bytes});
+  shard.dataBytes += bytes;
+}
+
+void Writer::addFrom(const File& source, const std::string& name) {
+  QPIPE_CHECK(!impl_->finished, "Writer::addFrom after finish");
+  const TensorInfo* info = source.find(name);
+  QPIPE_CHECK(info != nullptr, "no tensor '", name, "' in ", source.path().string());
+  const uint64_t bytes = info->end - info->begin;
+  Impl::Shard& shard = impl_->shardFor(bytes);
+  impl_->record(shard, name, scalarType(info->dtype), info->shape,
+                {source.path(), source.dataOffset() + info->begin, bytes});
 }
 
 namespace {
 
-void writeAtomically(const fs::path& finalPath, const std::string& header, const fs::path& dataPath) {
+void writeAtomically(const fs::path& finalPath, const std::string& header, const std::vector<Piece>& pieces) {
   const fs::path temporary = finalPath.string() + ".tmp";
   {
     std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
@@ -413,19 +454,21 @@ void writeAtomically(const fs::path& finalPath, const std::string& header, const
     out.write(header.data(), static_cast<std::streamsize>(header.size()));
     QPIPE_REQUIRE(out.good(), ErrorCode::kIo, "writing '", temporary.string(), "' failed (disk full?)");
   }
-  if (!dataPath.empty()) {
-    Fd in(::open(dataPath.c_str(), O_RDONLY | O_CLOEXEC));
+  {
     // sendfile refuses O_APPEND descriptors: seek to the end instead.
     Fd out(::open(temporary.c_str(), O_WRONLY | O_CLOEXEC));
-    QPIPE_REQUIRE(in.get() >= 0 && out.get() >= 0 && ::lseek(out.get(), 0, SEEK_END) >= 0, ErrorCode::kIo,
-                  "cannot reopen '", temporary.string(), "'");
-    struct stat st {};
-    ::fstat(in.get(), &st);
-    off_t remaining = st.st_size;
-    while (remaining > 0) {
-      const ssize_t copied = ::sendfile(out.get(), in.get(), nullptr, static_cast<size_t>(remaining));
-      QPIPE_REQUIRE(copied > 0, ErrorCode::kIo, "writing '", temporary.string(), "' failed: ", std::strerror(errno));
-      remaining -= copied;
+    QPIPE_REQUIRE(out.get() >= 0 && ::lseek(out.get(), 0, SEEK_END) >= 0, ErrorCode::kIo, "cannot reopen '",
+                  temporary.string(), "'");
+    for (const Piece& piece : pieces) {
+      Fd in(::open(piece.source.c_str(), O_RDONLY | O_CLOEXEC));
+      QPIPE_REQUIRE(in.get() >= 0, ErrorCode::kIo, "cannot read '", piece.source.string(), "'");
+      auto offset = static_cast<off_t>(piece.offset);
+      uint64_t remaining = piece.bytes;
+      while (remaining > 0) {
+        const ssize_t copied = ::sendfile(out.get(), in.get(), &offset, static_cast<size_t>(remaining));
+        QPIPE_REQUIRE(copied > 0, ErrorCode::kIo, "writing '", temporary.string(), "' failed: ", std::strerror(errno));
+        remaining -= static_cast<uint64_t>(copied);
+      }
     }
   }
   fs::rename(temporary, finalPath);
@@ -460,7 +503,7 @@ std::vector<fs::path> Writer::finish() {
     }
     std::string text = header.dump();
     text.append((8 - text.size() % 8) % 8, ' ');  // keeps the data section 8-byte aligned
-    writeAtomically(impl_->dir / fileName, text, shards[i].dataPath);
+    writeAtomically(impl_->dir / fileName, text, shards[i].pieces);
     fs::remove(shards[i].dataPath);
     written.push_back(impl_->dir / fileName);
   }

@@ -41,6 +41,8 @@ class File : public std::enable_shared_from_this<File> {
   const std::vector<TensorInfo>& tensors() const { return tensors_; }  // in header order
   const TensorInfo* find(std::string_view name) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // Where the data section starts in the file (TensorInfo offsets count from there).
+  uint64_t dataOffset() const { return dataOffset_; }
 
   // A zero-copy view of the mapped bytes that keeps this file mapped. The mapping is private
   // copy-on-write: writing to the tensor never changes the file. Error(kInput) if absent.
@@ -56,6 +58,7 @@ class File : public std::enable_shared_from_this<File> {
   std::vector<TensorInfo> tensors_;
   std::map<std::string, std::string> metadata_;
   const uint8_t* data_ = nullptr;  // start of the data section
+  uint64_t dataOffset_ = 0;
   void* mapping_ = nullptr;
   size_t mappingSize_ = 0;
 };
@@ -102,6 +105,9 @@ class Writer {
   // Writes `tensor` (any device, contiguous or not) to the current shard now; the caller may
   // free it afterwards. Names must be unique.
   void add(const std::string& name, const at::Tensor& tensor);
+  // Tensor `name` of `source`, as it is: finish() copies its bytes from the file, which must
+  // stay until then (no copy now; the savers' adopted segments).
+  void addFrom(const File& source, const std::string& name);
 
   // Completes the last shard, names the shards (prefix.safetensors, or
   // prefix-0000i-of-0000N.safetensors with prefix.safetensors.index.json) and returns the
