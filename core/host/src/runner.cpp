@@ -367,6 +367,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
   };
 
   const int64_t layers = model_.config().numLayers;
+  std::optional<scheduler::RunSummary> splitSummary;  // the layer wave's, for the report
   if (split) {
     if (group.rank() == 0) group.storeSet(probeKey(0), probe ? hiddenBytes(probe->input()[0]) : std::string(kProbeOff));
     scheduler::DistributedTaskScheduler tasks(model_.root(), group, {.name = "runner"});
@@ -388,6 +389,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
                     .syncName = "runner.adopt_segment"});
     }
     tasks.run();
+    splitSummary = tasks.summary();
     log::logger()->info("runner: ", layers, " decoder layers split over ", group.worldSize(), " ranks [DTS] ",
                         tasks.summary().line());
     if (probe) probe.emplace(probeInput(model_, group.storeGet(probeKey(layers))));
@@ -456,6 +458,9 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     };
     LayerReport report{.name = std::string(kNonLayerReportName)};
     runUnit({request, probeForward, false}, report, probe ? &*probe : nullptr);
+    if (splitSummary) {
+      for (const auto& [key, value] : splitSummary->reportValues()) report.values.push_back({"", key, value});
+    }
     unit.writeBack(model_.root());
     report.seconds = secondsSince(unitStart);
     countTraffic(trafficBefore, report);
