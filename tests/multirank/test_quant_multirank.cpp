@@ -204,11 +204,12 @@ std::vector<pid_t> ranksOnceSaving(const Process& launcher, const fs::path& out)
   return {};
 }
 
-// The report probe's relative errors, layer by layer and module by module, as text.
+// The report probe's relative errors, decoder layer by layer and module by module, as text.
 std::string probeErrors(const fs::path& checkpoint) {
   const nlohmann::json report = nlohmann::json::parse(qpipe::test::slurp(checkpoint / "quant_report.json"));
   std::string out;
   for (const auto& layer : report["layers"]) {
+    if (!layer["name"].get<std::string>().starts_with("model.layers.")) continue;
     out += layer["name"].get<std::string>() + " " + layer["relative_mse"].dump() + "\n";
     for (const auto& module : layer["modules"]) {
       out += "  " + module["name"].get<std::string>() + " " + module["relative_mse"].dump() + "\n";

@@ -108,8 +108,9 @@ TEST(Scheduler, ACollectiveInsideAParallelTaskScopeIsRefused) {
   EXPECT_TRUE(ParallelTaskScope::active());
   group.storeSet("probe", "bytes");  // nor are the store's values
   EXPECT_EQ(group.storeGet("probe"), "bytes");
-  EXPECT_EQ(test::errorOf([&] { group.storeGet("unset"); }, ErrorCode::kInternal),
-            "internal error: storeGet('unset') on one rank before any storeSet: it would wait forever");
+  EXPECT_NE(test::errorOf([&] { group.storeGet("unset"); }, ErrorCode::kInternal)
+                .find("storeGet('unset') on one rank before any storeSet: it would wait forever"),
+            std::string::npos);
 }
 
 TEST(Scheduler, GlobalSwitchAndTensorMeta) {
