@@ -327,6 +327,12 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     return unit;
   };
 
+  const auto release = [this](int64_t index) {
+    model_.releaseLayer(index);
+    // glibc keeps freed heap otherwise, and the layer's buffers would pile up over the run.
+    ::malloc_trim(0);
+  };
+
   // A split layer, on its executor: processed, probed (the quantized output goes on to the next
   // layer's executor first; the float reference is a second copy of the layer from the
   // checkpoint), written as a segment and released. Its notes and report are the task's result.
@@ -356,8 +362,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
         layerProbe.compare(layer, name, {}, true, report, output);
       }
       notes = options_.segments->write(index, name, layer);
-      model_.releaseLayer(index);
-      ::malloc_trim(0);
+      release(index);
     } catch (...) {
       if (!passedOn) group.storeSet(probeKey(index + 1), std::string(kProbeFailed));
       throw;
@@ -419,11 +424,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
           inputs[s][0] = request.outputs[s][0];
         }
       }
-      if (!resident) {
-        model_.releaseLayer(index);
-        // glibc keeps freed heap otherwise, and the layer's buffers would pile up over the run.
-        ::malloc_trim(0);
-      }
+      if (!resident) release(index);
       report.seconds = secondsSince(layerStart);
       countTraffic(trafficBefore, report);  // the lock-step barrier included
       if (options_.report != nullptr) options_.report->layers.push_back(std::move(report));

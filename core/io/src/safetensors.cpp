@@ -387,9 +387,9 @@ struct Writer::Impl {
     return shards.back();
   }
 
-  void record(Shard& shard, const std::string& name, at::ScalarType dtype, std::vector<int64_t> shape, Piece piece) {
+  void record(Shard& shard, const std::string& name, std::string dtype, std::vector<int64_t> shape, Piece piece) {
     QPIPE_REQUIRE(names.insert(name).second, ErrorCode::kInternal, "tensor '", name, "' written twice");
-    shard.tensors.push_back({name, dtypeName(dtype), std::move(shape), shard.bytes, shard.bytes + piece.bytes});
+    shard.tensors.push_back({name, std::move(dtype), std::move(shape), shard.bytes, shard.bytes + piece.bytes});
     shard.bytes += piece.bytes;
     Piece* last = shard.pieces.empty() ? nullptr : &shard.pieces.back();
     if (last != nullptr && last->source == piece.source && last->offset + last->bytes == piece.offset) {
@@ -427,7 +427,7 @@ void Writer::add(const std::string& name, const at::Tensor& tensor) {
   Impl::Shard& shard = impl_->shardFor(bytes);
   impl_->data.write(static_cast<const char*>(cpu.data_ptr()), static_cast<std::streamsize>(bytes));
   QPIPE_REQUIRE(impl_->data.good(), ErrorCode::kIo, "writing '", shard.dataPath.string(), "' failed (disk full?)");
-  impl_->record(shard, name, cpu.scalar_type(), cpu.sizes().vec(), {shard.dataPath, shard.dataBytes, bytes});
+  impl_->record(shard, name, dtypeName(cpu.scalar_type()), cpu.sizes().vec(), {shard.dataPath, shard.dataBytes, bytes});
   shard.dataBytes += bytes;
 }
 
@@ -437,8 +437,7 @@ void Writer::addFrom(const File& source, const std::string& name) {
   QPIPE_CHECK(info != nullptr, "no tensor '", name, "' in ", source.path().string());
   const uint64_t bytes = info->end - info->begin;
   Impl::Shard& shard = impl_->shardFor(bytes);
-  impl_->record(shard, name, scalarType(info->dtype), info->shape,
-                {source.path(), source.dataOffset() + info->begin, bytes});
+  impl_->record(shard, name, info->dtype, info->shape, {source.path(), source.dataOffset() + info->begin, bytes});
 }
 
 namespace {
