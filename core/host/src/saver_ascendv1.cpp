@@ -50,7 +50,7 @@ int priority(std::string_view type) {
 class AscendV1Saver final : public SaverBase {
  public:
   AscendV1Saver(const SaverOptions& options, CausalLM& model, const fs::path& saveDir)
-      : SaverBase(options, model, saveDir, kAscendWeightsPrefix), description_(nlohmann::ordered_json::object()) {}
+      : SaverBase(options, model, saveDir, kAscendWeightsPrefix) {}
 
  protected:
   // msmodelslim writes lm_head.weight even when it is tied (a clone of the embedding).
@@ -59,7 +59,7 @@ class AscendV1Saver final : public SaverBase {
   void noteFloatLinear(const std::string&) override { noteType("FLOAT"); }
 
   void writeFloat(const std::string& name, const at::Tensor& tensor) override {
-    description_[name] = "FLOAT";
+    notes_.description[name] = "FLOAT";
     SaverBase::writeFloat(name, tensor);
   }
 
@@ -78,7 +78,7 @@ class AscendV1Saver final : public SaverBase {
     };
     const at::Tensor scale = perChannel(linear.parameter("weight_scale"));
     const auto tensor = [&](const std::string& suffix, const at::Tensor& value) {
-      description_[name + suffix] = type;
+      notes_.description[name + suffix] = type;
       add(name + suffix, value);
     };
     if (type == "W8A8") {
@@ -126,9 +126,9 @@ class AscendV1Saver final : public SaverBase {
       const at::Tensor offset = w.symmetric ? at::zeros_like(scale) : perChannel(linear.parameter("weight_zero_point"));
       tensor(".weight_offset", offset);
     }
-    if (w.scope == QScope::kPerGroup) groupSize_ = w.groupSize;
+    if (w.scope == QScope::kPerGroup) notes_.groupSize = w.groupSize;
     if (linear.hasParameter("bias")) {
-      description_[name + ".bias"] = "FLOAT";
+      notes_.description[name + ".bias"] = "FLOAT";
       add(name + ".bias", linear.parameter("bias").to(at::kFloat));
     }
   }
@@ -152,7 +152,7 @@ class AscendV1Saver final : public SaverBase {
       writeFaQuant(attention + ".fa_q", *inputs.q, config.numHeads);
       writeFaQuant(attention + ".fa_k", *inputs.k, config.numKvHeads);
       writeFaQuant(attention + ".fa_v", *inputs.v, config.numKvHeads);
-      extra_["fa_quant_type"] = "FAKQuant";
+      notes_.extra["fa_quant_type"] = "FAKQuant";
       return;
     }
     for (const auto& [quant, hook] : {std::pair{inputs.k, "k_hook"}, {inputs.v, "v_hook"}}) {
@@ -163,35 +163,34 @@ class AscendV1Saver final : public SaverBase {
     }
     writeC8(attention + ".k_proj", *inputs.k, config.numKvHeads, config.headDim);
     writeC8(attention + ".v_proj", *inputs.v, config.numKvHeads, config.headDim);
-    extra_["kv_cache_type"] = "C8";
-    extra_["kv_quant_type"] = "C8";
+    notes_.extra["kv_cache_type"] = "C8";
+    notes_.extra["kv_quant_type"] = "C8";
   }
 
   std::string takeNotes() override {
-    const nlohmann::ordered_json notes = {
-        {"description", description_}, {"extra", extra_}, {"type", modelType_}, {"group_size", groupSize_}};
-    description_ = nlohmann::ordered_json::object();
-    extra_.clear();
-    modelType_ = kUnknownType;
-    groupSize_ = 0;
+    const nlohmann::ordered_json notes = {{"description", notes_.description},
+                                          {"extra", notes_.extra},
+                                          {"type", notes_.modelType},
+                                          {"group_size", notes_.groupSize}};
+    notes_ = {};
     return notes.dump();
   }
 
   void mergeNotes(const std::string& text) override {
     const nlohmann::ordered_json notes = nlohmann::ordered_json::parse(text);
-    for (const auto& [name, type] : notes["description"].items()) description_[name] = type;
-    for (const auto& [key, value] : notes["extra"].items()) extra_[key] = value.get<std::string>();
+    for (const auto& [name, type] : notes["description"].items()) notes_.description[name] = type;
+    for (const auto& [key, value] : notes["extra"].items()) notes_.extra[key] = value.get<std::string>();
     noteType(notes["type"].get<std::string>());
-    if (const int64_t size = notes["group_size"].get<int64_t>(); size != 0) groupSize_ = size;
+    if (const int64_t size = notes["group_size"].get<int64_t>(); size != 0) notes_.groupSize = size;
   }
 
   void writeMetadata(const fs::path& dir) override {
-    nlohmann::ordered_json description = description_;
-    for (const auto& [key, value] : extra_) description[key] = value;
+    nlohmann::ordered_json description = notes_.description;
+    for (const auto& [key, value] : notes_.extra) description[key] = value;
     description["version"] = "1.0.0";
-    description["model_quant_type"] = modelType_;
+    description["model_quant_type"] = notes_.modelType;
     description["metadata"] = nlohmann::ordered_json::object();
-    description["group_size"] = groupSize_;
+    description["group_size"] = notes_.groupSize;
     description["optional"] = nlohmann::ordered_json::object();
     writeJson(dir / kAscendDescription, description);
     // A leftover quantization_config makes vllm-ascend misread the checkpoint (msmodelslim
@@ -242,28 +241,32 @@ class AscendV1Saver final : public SaverBase {
   void writeFaQuant(const std::string& prefix, AttentionQuant& quant, int64_t heads) {
     const auto [scale, zeroPoint] = perHead(quant, heads);
     const bool int8 = quant.scheme().dtype == QDtype::kInt8;
-    description_[prefix + ".scale"] = "FAQuant";
-    description_[prefix + ".offset"] = "FAQuant";
+    notes_.description[prefix + ".scale"] = "FAQuant";
+    notes_.description[prefix + ".offset"] = "FAQuant";
     add(prefix + ".scale", scale.reshape({heads, 1}));
     add(prefix + ".offset", (int8 ? zeroPoint.to(at::kChar) : zeroPoint.to(at::kFloat)).reshape({heads, 1}));
   }
 
   void writeC8(const std::string& projection, AttentionQuant& quant, int64_t heads, int64_t headDim) {
     const auto [scale, zeroPoint] = perHead(quant, heads);
-    description_[projection + ".kv_cache_scale"] = "C8";
-    description_[projection + ".kv_cache_offset"] = "C8";
+    notes_.description[projection + ".kv_cache_scale"] = "C8";
+    notes_.description[projection + ".kv_cache_offset"] = "C8";
     add(projection + ".kv_cache_scale", scale.repeat_interleave(headDim));
     add(projection + ".kv_cache_offset", zeroPoint.to(at::kFloat).repeat_interleave(headDim));
   }
 
   void noteType(std::string_view type) {
-    if (priority(type) > priority(modelType_)) modelType_ = type;
+    if (priority(type) > priority(notes_.modelType)) notes_.modelType = type;
   }
 
-  nlohmann::ordered_json description_;
-  std::map<std::string, std::string> extra_;  // fa_quant_type, kv_cache_type, kv_quant_type
-  std::string modelType_ = kUnknownType;
-  int64_t groupSize_ = 0;
+  // What the hooks noted for the description (takeNotes hands it on and starts afresh).
+  struct Notes {
+    nlohmann::ordered_json description = nlohmann::ordered_json::object();
+    std::map<std::string, std::string> extra;  // fa_quant_type, kv_cache_type, kv_quant_type
+    std::string modelType = kUnknownType;
+    int64_t groupSize = 0;
+  };
+  Notes notes_;
 };
 
 }  // namespace

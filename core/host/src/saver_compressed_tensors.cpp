@@ -44,7 +44,7 @@ class CompressedTensorsSaver final : public SaverBase {
  protected:
   bool skipsTiedHead() const override { return true; }
 
-  void noteFloatLinear(const std::string& name) override { assignment_[name] = -1; }
+  void noteFloatLinear(const std::string& name) override { notes_.assignment[name] = -1; }
 
   // K and V as compressed-tensors' kv_cache_scheme, Q (when quantized) as a config group on the
   // attention modules, all with one scheme (compressed-tensors initializes an attention group's
@@ -66,7 +66,7 @@ class CompressedTensorsSaver final : public SaverBase {
     }
     QPIPE_REQUIRE(inputs.k && inputs.v, ErrorCode::kConfig, "compressed_tensors: ", attention, " has ",
                   missingKvText(inputs), "; compressed-tensors quantizes K and V together (and Q with their scheme)");
-    (inputs.q ? withQ_ : withoutQ_) = true;
+    (inputs.q ? notes_.withQ : notes_.withoutQ) = true;
   }
 
   void noteNormBias(const std::string& name) override {
@@ -117,25 +117,19 @@ class CompressedTensorsSaver final : public SaverBase {
 
   std::string takeNotes() override {
     SortedJson groups = SortedJson::array();
-    for (const Group& group : groups_) groups.push_back({{"scheme", group.scheme}, {"members", group.members}});
+    for (const Group& group : notes_.groups) groups.push_back({{"scheme", group.scheme}, {"members", group.members}});
     SortedJson floats = SortedJson::array();
-    for (const auto& [name, group] : assignment_) {
+    for (const auto& [name, group] : notes_.assignment) {
       if (group < 0) floats.push_back(name);
     }
     const SortedJson notes = {{"groups", groups},
                               {"float", floats},
-                              {"attention", attentionArgs_},
-                              {"attention_of", attentionArgsOf_},
-                              {"attention_scheme", attentionScheme_},
-                              {"with_q", withQ_},
-                              {"without_q", withoutQ_}};
-    groups_.clear();
-    groupByKey_.clear();
-    assignment_.clear();
-    attentionArgs_ = nullptr;
-    attentionArgsOf_.clear();
-    attentionScheme_.clear();
-    withQ_ = withoutQ_ = false;
+                              {"attention", notes_.attentionArgs},
+                              {"attention_of", notes_.attentionArgsOf},
+                              {"attention_scheme", notes_.attentionScheme},
+                              {"with_q", notes_.withQ},
+                              {"without_q", notes_.withoutQ}};
+    notes_ = {};
     return notes.dump();
   }
 
@@ -144,43 +138,43 @@ class CompressedTensorsSaver final : public SaverBase {
     for (const SortedJson& group : notes["groups"]) {
       for (const SortedJson& member : group["members"]) joinGroup(group["scheme"], member.get<std::string>());
     }
-    for (const SortedJson& name : notes["float"]) assignment_[name.get<std::string>()] = -1;
+    for (const SortedJson& name : notes["float"]) notes_.assignment[name.get<std::string>()] = -1;
     if (!notes["attention"].is_null()) {
       noteAttentionArgs(notes["attention"], notes["attention_of"].get<std::string>(),
                         notes["attention_scheme"].get<std::string>());
     }
-    withQ_ = withQ_ || notes["with_q"].get<bool>();
-    withoutQ_ = withoutQ_ || notes["without_q"].get<bool>();
+    notes_.withQ = notes_.withQ || notes["with_q"].get<bool>();
+    notes_.withoutQ = notes_.withoutQ || notes["without_q"].get<bool>();
   }
 
   void writeMetadata(const fs::path& dir) override {
     // Nothing quantized (a smoothing-only pipeline): a plain HF checkpoint, which transformers and
     // vLLM load as the float model it is.
-    QPIPE_REQUIRE(!withQ_ || !withoutQ_, ErrorCode::kConfig,
+    QPIPE_REQUIRE(!notes_.withQ || !notes_.withoutQ, ErrorCode::kConfig,
                   "compressed_tensors: Q is quantized in some attentions and not in others; compressed-tensors' "
                   "attention group takes all of them or none");
-    if (groups_.empty() && attentionArgs_.is_null()) {
+    if (notes_.groups.empty() && notes_.attentionArgs.is_null()) {
       writeJson(dir / "config.json", sourceConfig());
       return;
     }
     SortedJson groups = SortedJson::object();
     std::vector<std::vector<std::string>> targets = chooseTargets();
     std::set<std::string> formats;
-    for (size_t i = 0; i < groups_.size(); ++i) {
-      SortedJson scheme = groups_[i].scheme;
+    for (size_t i = 0; i < notes_.groups.size(); ++i) {
+      SortedJson scheme = notes_.groups[i].scheme;
       scheme["targets"] = targets[i];
       formats.insert(scheme["format"].get<std::string>());
       groups["group_" + std::to_string(i)] = scheme;
     }
-    if (withQ_) {
-      groups["group_" + std::to_string(groups_.size())] = {{"format", "dense"},
-                                                           {"input_activations", attentionArgs_},
-                                                           {"output_activations", nullptr},
-                                                           {"targets", {kAttentionTarget}},
-                                                           {"weights", nullptr}};
+    if (notes_.withQ) {
+      groups["group_" + std::to_string(notes_.groups.size())] = {{"format", "dense"},
+                                                                 {"input_activations", notes_.attentionArgs},
+                                                                 {"output_activations", nullptr},
+                                                                 {"targets", {kAttentionTarget}},
+                                                                 {"weights", nullptr}};
     }
     std::vector<std::string> floats;
-    for (const auto& [name, group] : assignment_) {
+    for (const auto& [name, group] : notes_.assignment) {
       if (group < 0) floats.push_back(name);
     }
     const SortedJson quantization = {
@@ -190,7 +184,7 @@ class CompressedTensorsSaver final : public SaverBase {
                                          : "mixed-precision"},
         {"global_compression_ratio", nullptr},
         {"ignore", targets.back()},
-        {"kv_cache_scheme", attentionArgs_},
+        {"kv_cache_scheme", notes_.attentionArgs},
         {"quant_method", "compressed-tensors"},
         {"quantization_status", "compressed"},
         {"sparsity_config", SortedJson::object()},
@@ -209,24 +203,24 @@ class CompressedTensorsSaver final : public SaverBase {
   // one group (or entirely float), else the exact names. The result is checked by matching every
   // module as compressed-tensors and vLLM do (ignore first, then the first matching group).
   std::vector<std::vector<std::string>> chooseTargets() const {
-    std::vector<std::vector<std::string>> out(groups_.size() + 1);
-    if (groups_.size() == 1) {
+    std::vector<std::vector<std::string>> out(notes_.groups.size() + 1);
+    if (notes_.groups.size() == 1) {
       out[0] = {"Linear"};
       out[1] = compress(-1);
     } else {
-      for (size_t i = 0; i < groups_.size(); ++i) out[i] = compress(static_cast<int>(i));
+      for (size_t i = 0; i < notes_.groups.size(); ++i) out[i] = compress(static_cast<int>(i));
       out.back() = compress(-1);
     }
     if (resolvesExactly(out)) return out;
     for (size_t i = 0; i < out.size(); ++i) out[i] = exactNames(i + 1 == out.size() ? -1 : static_cast<int>(i));
-    if (groups_.size() == 1) out[0] = {"Linear"};
+    if (notes_.groups.size() == 1) out[0] = {"Linear"};
     QPIPE_CHECK(resolvesExactly(out), "compressed-tensors targets do not reproduce the quantized modules");
     return out;
   }
 
   std::vector<std::string> exactNames(int group) const {
     std::vector<std::string> names;
-    for (const auto& [name, assigned] : assignment_) {
+    for (const auto& [name, assigned] : notes_.assignment) {
       if (assigned == group) names.push_back(name);
     }
     return names;
@@ -234,7 +228,7 @@ class CompressedTensorsSaver final : public SaverBase {
 
   std::vector<std::string> compress(int group) const {
     std::map<std::string, std::pair<int, int>> suffixCount;  // suffix -> (in group, in total)
-    for (const auto& [name, assigned] : assignment_) {
+    for (const auto& [name, assigned] : notes_.assignment) {
       const std::string suffix = layerSuffix(name);
       if (suffix.empty()) continue;
       auto& [inGroup, total] = suffixCount[suffix];
@@ -245,7 +239,7 @@ class CompressedTensorsSaver final : public SaverBase {
     for (const auto& [suffix, count] : suffixCount) {
       if (count.first > 0 && count.first == count.second) targets.push_back("re:.*\\." + escapeRegex(suffix) + "$");
     }
-    for (const auto& [name, assigned] : assignment_) {
+    for (const auto& [name, assigned] : notes_.assignment) {
       if (assigned != group) continue;
       const std::string suffix = layerSuffix(name);
       if (suffix.empty() || suffixCount.at(suffix).first != suffixCount.at(suffix).second) targets.push_back(name);
@@ -254,7 +248,7 @@ class CompressedTensorsSaver final : public SaverBase {
   }
 
   bool resolvesExactly(const std::vector<std::vector<std::string>>& targets) const {
-    for (const auto& [name, assigned] : assignment_) {
+    for (const auto& [name, assigned] : notes_.assignment) {
       int resolved = -1;
       bool ignored = false;
       for (const auto& entry : targets.back()) ignored = ignored || compressedTensorsMatches(entry, name);
@@ -271,33 +265,38 @@ class CompressedTensorsSaver final : public SaverBase {
   // `name` joins the group of `scheme`, a new one (numbered in order of first use) if none has it.
   void joinGroup(const SortedJson& scheme, const std::string& name) {
     const std::string key = scheme.dump();
-    auto found = groupByKey_.find(key);
-    if (found == groupByKey_.end()) {
-      found = groupByKey_.emplace(key, static_cast<int>(groups_.size())).first;
-      groups_.push_back({scheme, {}});
+    auto found = notes_.groupByKey.find(key);
+    if (found == notes_.groupByKey.end()) {
+      found = notes_.groupByKey.emplace(key, static_cast<int>(notes_.groups.size())).first;
+      notes_.groups.push_back({scheme, {}});
     }
-    groups_[found->second].members.push_back(name);
-    assignment_[name] = found->second;
+    notes_.groups[found->second].members.push_back(name);
+    notes_.assignment[name] = found->second;
   }
 
   void noteAttentionArgs(const SortedJson& args, const std::string& name, const std::string& schemeName) {
-    if (attentionArgs_.is_null()) {
-      attentionArgs_ = args;
-      attentionArgsOf_ = name;
-      attentionScheme_ = schemeName;
+    if (notes_.attentionArgs.is_null()) {
+      notes_.attentionArgs = args;
+      notes_.attentionArgsOf = name;
+      notes_.attentionScheme = schemeName;
     }
-    QPIPE_REQUIRE(args == attentionArgs_, ErrorCode::kConfig, "compressed_tensors: ", name, " is ", schemeName, " but ",
-                  attentionArgsOf_, " is not; compressed-tensors quantizes every K and V (and Q) with one scheme");
+    QPIPE_REQUIRE(args == notes_.attentionArgs, ErrorCode::kConfig, "compressed_tensors: ", name, " is ", schemeName,
+                  " but ", notes_.attentionArgsOf,
+                  " is not; compressed-tensors quantizes every K and V (and Q) with one scheme");
   }
 
-  std::vector<Group> groups_;
-  std::map<std::string, int> groupByKey_;
-  std::map<std::string, int> assignment_;  // every Linear: its group, or -1 when float
-  SortedJson attentionArgs_;               // null until an attention input is written
-  std::string attentionArgsOf_;            // the first module written with it
-  std::string attentionScheme_;            // and its scheme's name
-  bool withQ_ = false;                     // an attention with Q quantized was written
-  bool withoutQ_ = false;                  // one with K and V only
+  // What the hooks noted for the metadata (takeNotes hands it on and starts afresh).
+  struct Notes {
+    std::vector<Group> groups;
+    std::map<std::string, int> groupByKey;
+    std::map<std::string, int> assignment;  // every Linear: its group, or -1 when float
+    SortedJson attentionArgs;               // null until an attention input is written
+    std::string attentionArgsOf;            // the first module written with it
+    std::string attentionScheme;            // and its scheme's name
+    bool withQ = false;                     // an attention with Q quantized was written
+    bool withoutQ = false;                  // one with K and V only
+  };
+  Notes notes_;
 };
 
 }  // namespace
