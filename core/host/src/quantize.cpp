@@ -1,7 +1,6 @@
 #include "qpipe/host/quantize.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <array>
@@ -105,7 +104,8 @@ struct Prepared {
     pipeline = loadPipeline(pipelineFile, registry);
     mode = runnerMode(pipeline, options.worldSize);
     group = std::make_shared<JoinedLater>(options.rank, options.worldSize);
-    processors = buildProcessors(pipeline, registry, {.logger = log::logger(), .group = group});
+    processors = buildProcessors(pipeline, registry,
+                                 {.logger = log::logger(), .group = group, .savePath = options.savePath.string()});
     if (options.worldSize > 1) {
       for (size_t i = 0; i < processors.size(); ++i) {
         QPIPE_REQUIRE(processors[i]->supportDistributed(), ErrorCode::kUsage, pipeline.process[i].path, " (",
@@ -138,9 +138,11 @@ void checkQuantize(const QuantizeOptions& options) {
 }
 
 QuantizeResult quantize(const QuantizeOptions& options) {
-  c10::InferenceMode inference;
   const auto logger = log::logger();
   Prepared prepared(options);
+  // Inference mode skips autograd's bookkeeping, but its tensors cannot take part in a backward
+  // pass: a pipeline that trains runs with gradients merely off (Processor::trains).
+  const GradientScope gradients(anyTrains(prepared.processors));
   if (options.worldSize > 1) {
     QPIPE_CHECK(static_cast<bool>(options.joinGroup), "a run of ", options.worldSize, " ranks without joinGroup");
     const auto joining = std::chrono::steady_clock::now();

@@ -48,6 +48,9 @@ class GuardedProcessor final : public Processor {
   bool isDataFree() const override {
     return guard("isDataFree", "", [&] { return inner_->isDataFree(); });
   }
+  bool trains() const override {
+    return guard("trains", "", [&] { return inner_->trains(); });
+  }
 
  private:
   // What error messages call the unit: its HF name, or what the report calls the non-layer one.

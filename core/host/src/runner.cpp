@@ -1,7 +1,6 @@
 #include "qpipe/host/runner.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/InferenceMode.h>
 #include <malloc.h>
 
 #include <algorithm>
@@ -243,7 +242,7 @@ bool splitsLayers(const std::vector<std::unique_ptr<Processor>>& processors, int
 }
 
 void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSink& sink) {
-  c10::InferenceMode inference;
+  const GradientScope gradients(anyTrains(processors_));
   const auto runStart = Clock::now();
   ProcessGroup& group = *options_.group;
   const bool needsData = std::any_of(processors_.begin(), processors_.end(),

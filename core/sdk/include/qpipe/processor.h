@@ -154,6 +154,9 @@ struct ProcessorContext {
   // Where the step sits in the pipeline ("spec.process[2]"), for the field paths of the
   // configuration errors a factory throws (configError; docs/plugins.md).
   std::string configPath;
+  // The run's --save_path (empty where there is none, e.g. `qpipe check`): what a processor names
+  // files beside the checkpoint after (a training log).
+  std::string savePath;
   // The filters made by moduleFilter(); the host warns, after postRun(), about each of their
   // patterns that matched no module.
   std::shared_ptr<std::vector<std::shared_ptr<ModuleFilter>>> filters =
@@ -190,7 +193,19 @@ class Processor {
   // processor of a data-free multi-rank run says so, the runner spreads the layers over the ranks
   // (LayerRequest::splitLayers; docs/scheduler.md).
   virtual bool layersIndependent() const { return false; }
+  // True when the processor trains (backward passes, optimizer steps): the run then keeps autograd
+  // available, with gradients off unless the processor turns them on (at::AutoGradMode), instead of
+  // running in LibTorch's inference mode, whose tensors cannot be saved for a backward pass.
+  virtual bool trains() const { return false; }
 };
+
+// True when any processor of the pipeline trains (Processor::trains).
+inline bool anyTrains(const std::vector<std::unique_ptr<Processor>>& processors) {
+  for (const auto& processor : processors) {
+    if (processor->trains()) return true;
+  }
+  return false;
+}
 
 // Whether the runner runs the processor's process(): the one place this is decided.
 inline bool needsCalibration(const Processor& processor) {

@@ -29,6 +29,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 
 #include <cstdint>
 #include <functional>
@@ -55,6 +57,23 @@ std::vector<T> rankShare(const std::vector<T>& samples, int rank, int worldSize)
 }
 
 struct QuantReport;
+
+// What a run's forwards execute under: LibTorch's inference mode, or, for a pipeline that trains
+// (Processor::trains), gradients off with autograd still available.
+class GradientScope {
+ public:
+  explicit GradientScope(bool trains) {
+    if (trains) {
+      noGrad_.emplace();
+    } else {
+      inference_.emplace();
+    }
+  }
+
+ private:
+  std::optional<c10::InferenceMode> inference_;
+  std::optional<at::NoGradGuard> noGrad_;
+};
 
 // spec.runner (docs/pipeline.md): both run the schedule above; model_wise keeps every decoder layer
 // resident (loaded before the first unit, never released), layer_wise one at a time.

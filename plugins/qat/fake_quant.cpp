@@ -1,0 +1,156 @@
+#include "fake_quant.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
+
+#include "qpipe/error.h"
+
+namespace qpipe::qat {
+namespace {
+
+// A value whose forward is `value` and whose gradient passes to `through` unchanged:
+// (value − through).detach() + through. The difference and the sum are exact here (docs/qat.md),
+// so the result is `value` bit for bit.
+at::Tensor straightThrough(const at::Tensor& value, const at::Tensor& through) {
+  return (value - through).detach() + through;
+}
+
+// The scale as the forward uses it, with its gradient multiplied by `factor` on the way back; the
+// value is the scale's own (an alias, not a product).
+at::Tensor gradientScaled(const at::Tensor& scale, double factor) {
+  if (!scale.requires_grad()) return scale;
+  at::Tensor alias = scale.view_as(scale);
+  alias.register_hook([factor](const at::Tensor& gradient) { return gradient * factor; });
+  return alias;
+}
+
+// A trained scale stays at or above this fraction of its start: below it every element saturates.
+constexpr double kScaleFloor = 0.01;
+
+at::Tensor withGrad(at::Tensor value, bool trains) {
+  value.set_requires_grad(trains);
+  return value;
+}
+
+at::Tensor copyOf(const at::Tensor& scale) {
+  return scale.detach().to(at::kFloat).clone();
+}
+
+}  // namespace
+
+at::Tensor fakeQuantize(const at::Tensor& x, const at::Tensor& scale, const quant::QScheme& scheme, Ste ste) {
+  QPIPE_CHECK(scheme.symmetric, "learnable fake quantization takes symmetric schemes, got ", scheme.name());
+  if (scheme.dtype == quant::QDtype::kFloat) return x;
+  const bool grouped = scheme.scope == quant::QScope::kPerGroup;
+  const at::Tensor values = grouped ? x.reshape({x.size(0), x.size(1) / scheme.groupSize, scheme.groupSize}) : x;
+  at::Tensor s = grouped ? scale.unsqueeze(-1) : scale;
+  const double qmax = quant::qmax(scheme.dtype);
+  if (ste == Ste::kLsq) {
+    const double perScale = static_cast<double>(x.numel()) / static_cast<double>(scale.numel());
+    s = gradientScaled(s, 1.0 / std::sqrt(perScale * qmax));
+  }
+  const at::Tensor u = values.to(at::kFloat) / s;
+  const double lo = quant::qmin(scheme.dtype);
+  const auto clamp = [&](const at::Tensor& t) {
+    return ste == Ste::kLsq ? t.clamp(lo, qmax) : straightThrough(t.clamp(lo, qmax), t);
+  };
+  at::Tensor q;
+  if (scheme.dtype == quant::QDtype::kFp8E4m3) {
+    const at::Tensor clamped = clamp(u);
+    q = straightThrough(quant::toFp8E4m3(clamped.detach()).to(at::kFloat), clamped);
+  } else {
+    q = clamp(straightThrough(at::round(u), u));
+  }
+  return (q * s).reshape(x.sizes()).to(x.scalar_type());
+}
+
+QatLinear::QatLinear(at::Tensor weight, at::Tensor bias, QuantLinear& init, const QatOptions& options)
+    : Module("QatLinear"),
+      weight_(weight.detach()),
+      bias_(bias.defined() ? bias.detach() : bias),
+      weightScheme_(init.weightScheme()),
+      input_(init.inputQuant()),
+      options_(options) {
+  const bool relative = options.param == ScaleParam::kRelative;
+  const auto parameterFor = [relative](const at::Tensor& initial, bool trains) {
+    return withGrad(relative ? at::ones_like(initial) : initial.clone(), trains);
+  };
+  weightInitial_ = copyOf(init.weightParams().scale);
+  weightScale_ = parameterFor(weightInitial_, options.learnable.weightScale && !options.learnable.lwc);
+  if (options.learnable.lwc) {
+    std::tie(groupMin_, groupMax_) = quant::minMax(weight_, weightScheme_);
+    clipMax_ = withGrad(at::full_like(weightInitial_, options.lwcInit), true);
+    clipMin_ = withGrad(at::full_like(weightInitial_, options.lwcInit), true);
+  }
+  if (input_ && !input_->isDynamic() && input_->scheme.dtype != quant::QDtype::kFloat) {
+    inputInitial_ = copyOf(input_->params.scale);
+    inputScale_ = parameterFor(inputInitial_, options.learnable.actScale);
+  }
+}
+
+at::Tensor QatLinear::effective(const at::Tensor& param, const at::Tensor& initial) const {
+  return options_.param == ScaleParam::kRelative ? initial * param : param;
+}
+
+at::Tensor QatLinear::scaleFromClip() const {
+  const at::Tensor hi = (at::sigmoid(clipMax_) * groupMax_).abs();
+  const at::Tensor lo = (at::sigmoid(clipMin_) * groupMin_).abs();
+  return at::maximum(at::maximum(hi, lo) / quant::qmax(weightScheme_.dtype), weightInitial_ * kScaleFloor);
+}
+
+at::Tensor QatLinear::weightScale() const {
+  return options_.learnable.lwc ? scaleFromClip() : effective(weightScale_, weightInitial_);
+}
+
+at::Tensor QatLinear::forward(const at::Tensor& input) {
+  const at::Tensor w = fakeQuantize(weight_, weightScale(), weightScheme_, options_.ste);
+  at::Tensor x = input;
+  if (input_ && input_->scheme.dtype != quant::QDtype::kFloat) {
+    const at::Tensor scale = input_->isDynamic() ? quant::computeQParams(input.detach(), input_->scheme).scale
+                                                 : effective(inputScale_, inputInitial_);
+    x = fakeQuantize(input, scale, input_->scheme, options_.ste);
+  }
+  return at::linear(x, w, bias_);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> QatLinear::trainable() const {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& [name, tensor] : {std::pair<std::string, at::Tensor>{"weight_scale", weightScale_},
+                                     {"clip_max", clipMax_},
+                                     {"clip_min", clipMin_},
+                                     {"input_scale", inputScale_}}) {
+    if (tensor.defined() && tensor.requires_grad()) tensors.emplace_back(name, tensor);
+  }
+  return tensors;
+}
+
+void QatLinear::projectOne(at::Tensor& param, const at::Tensor& initial) const {
+  if (!param.defined() || !param.requires_grad()) return;
+  at::NoGradGuard noGrad;
+  if (options_.param == ScaleParam::kRelative) {
+    param.clamp_min_(kScaleFloor);
+  } else {
+    param.clamp_min_(initial * kScaleFloor);
+  }
+}
+
+void QatLinear::project() {
+  projectOne(weightScale_, weightInitial_);
+  projectOne(inputScale_, inputInitial_);
+}
+
+std::shared_ptr<QuantLinear> QatLinear::deploy() const {
+  at::NoGradGuard noGrad;
+  const at::Tensor scale = weightScale().detach().clone();
+  const quant::QParams params{scale, at::zeros(scale.sizes(), scale.options().dtype(at::kInt))};
+  std::optional<ActivationQuant> input = input_;
+  if (inputScale_.defined()) {
+    const at::Tensor s = effective(inputScale_, inputInitial_).detach().clone();
+    input->params = {s, at::zeros(s.sizes(), s.options().dtype(at::kInt))};
+  }
+  return std::make_shared<QuantLinear>(quant::quantize(weight_, params, weightScheme_), params, weightScheme_,
+                                       std::move(input), bias_, weight_.scalar_type());
+}
+
+}  // namespace qpipe::qat

@@ -1,0 +1,92 @@
+// Fake quantization whose scales learn (docs/qat.md). The forward computes the value the deployed
+// QuantLinear computes, bit for bit; the backward is a straight-through estimator, so the scales
+// (and the inputs) get gradients through round and clamp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "qpipe/module.h"
+#include "qpipe/quant.h"
+#include "qpipe/quant_linear.h"
+
+namespace qpipe::qat {
+
+// How gradients pass round and clamp, with u = x / s and Q the quantizer's grid:
+//   kAngelSlim  both straight through (AngelSlim's Quantizer): ∂y/∂x = 1 everywhere and
+//               ∂y/∂s = Q(u) − u for every element, saturated ones included.
+//   kLsq        round straight through, clamp real (Esser et al., LSQ): ∂y/∂x = 0 and
+//               ∂y/∂s = ±qmax outside the range, Q(u) − u inside; the scale's gradient is
+//               multiplied by 1/sqrt(N·qmax), N the elements one scale value covers.
+enum class Ste { kAngelSlim, kLsq };
+
+// dequantize(quantize(x)) for a symmetric scheme with `scale` in the scheme's keepdim shape
+// (quant.h; per_group [out, in/group]), differentiable in x and scale as `ste` says. The value
+// equals quant::fakeQuantize(x, {scale, 0}, scheme) bit for bit (docs/qat.md says why).
+at::Tensor fakeQuantize(const at::Tensor& x, const at::Tensor& scale, const quant::QScheme& scheme, Ste ste);
+
+// What trains (AngelSlim's plugin_config.quant_config.learnable); the float weights never do.
+struct Learnable {
+  bool weightScale = true;  // the weight scales
+  bool actScale = false;    // static activations' input_scale
+  bool lwc = false;         // OmniQuant's learnable weight clipping (replaces weightScale's tensor)
+};
+
+// What the optimizer holds for a scale s that starts at s0:
+//   kAbsolute  s itself (AngelSlim's nn.Parameter): a learning rate is in the scale's units, so one
+//              rate moves a layer's small scales far more, relative to their size, than its large ones;
+//   kRelative  α with s = s0·α, α from 1 (mcore_qad's LearnableScale): the learning rate is a
+//              relative step, the same for every scale.
+enum class ScaleParam { kAbsolute, kRelative };
+
+struct QatOptions {
+  Learnable learnable;
+  Ste ste = Ste::kAngelSlim;
+  ScaleParam param = ScaleParam::kRelative;
+  double lwcInit = 4.0;  // the clip factors' initial logit: σ(4) ≈ 0.982 of the range
+};
+
+// typeName "QatLinear": a Linear under scale-only QAT. The float weight and bias are frozen; the
+// weight's scales (or, with lwc, the clip factors they come from) and a static input scale are
+// parameters (ScaleParam says in which form). It starts from a PTQ module's scales, so before any
+// step it computes what that module computes. Scales are projected onto [s0/100, ∞) after each
+// step (project()): the forward never clamps, so the scale exported is the one trained.
+class QatLinear : public Module {
+ public:
+  QatLinear(at::Tensor weight, at::Tensor bias, QuantLinear& init, const QatOptions& options);
+
+  at::Tensor forward(const at::Tensor& input) override;
+
+  // The tensors an optimizer updates, by local name: weight_scale, clip_max and clip_min (lwc),
+  // input_scale (with kRelative, weight_scale and input_scale hold α); each requires grad.
+  std::vector<std::pair<std::string, at::Tensor>> trainable() const;
+  bool isClipFactor(const std::string& name) const { return name == "clip_max" || name == "clip_min"; }
+  // After an optimizer step: every scale back to at least its floor.
+  void project();
+  // The weight scales the forward uses now (from the clip factors with lwc), detached.
+  at::Tensor weightScale() const;
+  // The deployed module with the learned scales: quantized weight, weight_scale, input_scale.
+  std::shared_ptr<QuantLinear> deploy() const;
+
+ private:
+  at::Tensor scaleFromClip() const;  // lwc: σ(c)·range / qmax per scale value, with the floor
+  // The scale a parameter stands for (s0·α with kRelative).
+  at::Tensor effective(const at::Tensor& param, const at::Tensor& initial) const;
+  void projectOne(at::Tensor& param, const at::Tensor& initial) const;
+
+  at::Tensor weight_;  // frozen float weight [out, in]
+  at::Tensor bias_;
+  quant::QScheme weightScheme_;
+  std::optional<ActivationQuant> input_;
+  QatOptions options_;
+  at::Tensor weightScale_, weightInitial_;  // the parameter (trainable unless lwc), and s0
+  at::Tensor clipMax_, clipMin_, groupMax_, groupMin_;  // lwc: logits, and the weight's ranges
+  at::Tensor inputScale_, inputInitial_;                // static activations
+};
+
+}  // namespace qpipe::qat

@@ -1,0 +1,387 @@
+// learnable_scale_qat: scale-only quantization-aware training (docs/qat.md), AngelSlim's QAT with
+// learnable scales, in the blockwise mode of its BlockwiseTrainer (EfficientQAT's Block-AP). Per
+// decoder layer, with the weights frozen:
+//   1. the float layer's outputs on the float stream (the layer inputs of the unquantized model,
+//      carried by this processor from layer to layer): the targets;
+//   2. the PTQ start: every matched Linear calibrated exactly as linear_quant does with the same
+//      qconfig, its scales handed to a QatLinear (qpipe/… fake_quant.h);
+//   3. AdamW on those scales, minimising the MSE between the layer's output on its quantized inputs
+//      (the runner's stream) and the targets;
+//   4. the learned scales baked into QuantLinear modules, what the savers write and qpipe eval runs;
+//      their outputs go on to the next layer.
+// One layer is in memory at a time, as in every qpipe run, plus the float stream (one hidden state
+// per calibration sample). Single rank (issue 16 makes it multi-rank).
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fake_quant.h"
+#include "qpipe/linear_quantizer.h"
+#include "qpipe/plugin.h"
+#include "qpipe/progress.h"
+#include "qpipe/qconfig.h"
+#include "trainer.h"
+
+namespace qpipe::qat {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct TrainingSettings {
+  double learningRate = 0;
+  double lwcLearningRate = 0;
+  double weightDecay = 0;
+  int64_t batchSize = 1;
+  int64_t accumulation = 1;
+  int64_t maxSteps = -1;
+  double epochs = 1;
+  double warmupRatio = 0;
+  Schedule schedule = Schedule::kCosine;
+  double maxGradNorm = 1;
+  int64_t seed = 42;
+  int64_t loggingSteps = 0;
+};
+
+std::string scientific(double value) {
+  std::ostringstream out;
+  out.precision(3);
+  out << std::scientific << value;
+  return out.str();
+}
+
+double meanSquaredError(const at::Tensor& value, const at::Tensor& target) {
+  return at::mse_loss(value.to(at::kFloat), target.to(at::kFloat)).item<double>();
+}
+
+class LearnableScaleQat final : public Processor {
+ public:
+  LearnableScaleQat(const ConfigNode& config, const ProcessorContext& context)
+      : context_(context),
+        qconfig_(quant::parseLinearQConfig(config.at("qconfig"), context.fieldPath("qconfig"))),
+        filter_(context.moduleFilter(config)) {
+    const std::string& mode = config.at("training_mode").asString();
+    if (mode != "blockwise") {
+      throw context.configError(config, "training_mode",
+                                concat("'", mode,
+                                       "' is not built yet (docs/qat.md: end2end, the whole-model KD training, is "
+                                       "planned); use blockwise"));
+    }
+    for (const auto* side : {&qconfig_.weight, &qconfig_.act}) {
+      if (side->enabled() && !side->scheme.symmetric) {
+        throw context.configError(config, "qconfig", "learnable scales take symmetric schemes (symmetric: True)");
+      }
+    }
+    const ConfigNode& learnable = config.at("plugin_config").at("quant_config").at("learnable");
+    for (const char* unbuilt : {"kv_scale", "norm"}) {
+      if (learnable.at(unbuilt).asBool()) {
+        throw context.configError(config, concat("plugin_config.quant_config.learnable.", unbuilt),
+                                  "is not built yet (docs/qat.md); set it False");
+      }
+    }
+    options_.learnable = {.weightScale = learnable.at("weight_scale").asBool(),
+                          .actScale = learnable.at("act_scale").asBool(),
+                          .lwc = learnable.at("lwc").asBool()};
+    if (options_.learnable.lwc && qconfig_.weight.scheme.scope == quant::QScope::kPerTensor) {
+      throw context.configError(config, "plugin_config.quant_config.learnable.lwc",
+                                "learnable weight clipping takes per_channel or per_group weights");
+    }
+    const bool staticActs = qconfig_.act.enabled() && !qconfig_.act.isDynamic();
+    if (!options_.learnable.weightScale && !options_.learnable.lwc && !(options_.learnable.actScale && staticActs)) {
+      throw context.configError(config, "plugin_config.quant_config.learnable",
+                                "nothing to train: enable weight_scale, lwc, or act_scale with static activations");
+    }
+    options_.ste = config.at("ste").asString() == "lsq" ? Ste::kLsq : Ste::kAngelSlim;
+    options_.param =
+        config.at("scale_parametrization").asString() == "absolute" ? ScaleParam::kAbsolute : ScaleParam::kRelative;
+    options_.lwcInit = config.at("lwc_init_value").asFloat();
+    training_ = {.learningRate = config.at("learning_rate").asFloat(),
+                 .lwcLearningRate = config.at("lwc_lr").asFloat(),
+                 .weightDecay = config.at("weight_decay").asFloat(),
+                 .batchSize = config.at("per_device_train_batch_size").asInt(),
+                 .accumulation = config.at("gradient_accumulation_steps").asInt(),
+                 .maxSteps = config.at("max_steps").asInt(),
+                 .epochs = config.at("num_train_epochs").asFloat(),
+                 .warmupRatio = config.at("warmup_ratio").asFloat(),
+                 .schedule = parseSchedule(config.at("lr_scheduler_type").asString()),
+                 .maxGradNorm = config.at("max_grad_norm").asFloat(),
+                 .seed = config.at("seed").asInt(),
+                 .loggingSteps = config.at("logging_steps").asInt()};
+    if (training_.maxSteps <= 0 && training_.epochs <= 0) {
+      throw context.configError(config, "num_train_epochs", "no training: set num_train_epochs > 0 or max_steps > 0");
+    }
+    logPath_ = config.at("logging_file").asString();
+    if (logPath_.empty() && !context.savePath.empty()) {
+      std::filesystem::path save(context.savePath);
+      if (save.filename().empty()) save = save.parent_path();
+      logPath_ = save.string() + ".qat_log.jsonl";
+    }
+  }
+
+  void preRun() override {
+    if (!logPath_.empty()) {
+      log_.open(logPath_, std::ios::trunc);
+      QPIPE_REQUIRE(log_.good(), ErrorCode::kIo, "learnable_scale_qat: cannot write its training log '", logPath_, "'");
+    }
+  }
+
+  void process(LayerRequest& request) override {
+    if (isNonLayerUnit(request)) return;  // blockwise trains decoder layers (docs/qat.md)
+    const auto start = Clock::now();
+    std::vector<TensorList> floatInputs = request.inputs;
+    if (!floatStream_.empty()) {
+      QPIPE_CHECK(floatStream_.size() == floatInputs.size(), "float stream of ", floatStream_.size(), " samples for ",
+                  floatInputs.size());
+      for (size_t s = 0; s < floatInputs.size(); ++s) floatInputs[s][0] = floatStream_[s];
+    }
+    std::vector<at::Tensor> targets = forwardAll(request, floatInputs);
+
+    std::vector<std::shared_ptr<QatLinear>> modules = startFromPtq(request);
+    if (modules.empty()) {
+      request.forward(request);
+    } else {
+      const double before = meanError(request, targets);
+      const int64_t steps = train(request, modules, targets);
+      for (const Entry& e : entries_) request.module->replace(e.path, e.qat->deploy());
+      request.forward(request);  // the deployed modules' outputs: the next layer's inputs
+      double after = 0;
+      for (size_t s = 0; s < targets.size(); ++s) after += meanSquaredError(request.outputs[s][0], targets[s]);
+      after /= static_cast<double>(targets.size());
+      request.report(request.name, "qat:mse_ptq", before);
+      request.report(request.name, "qat:mse_qat", after);
+      request.report(request.name, "qat:steps", static_cast<double>(steps));
+      context_.logger->info("learnable_scale_qat: ", request.name, ": ", modules.size(), " Linear, ", steps,
+                            " steps, output mse ", scientific(before), " (PTQ) -> ", scientific(after), " (QAT, ",
+                            before > 0 ? static_cast<int>(std::lround(100 * (after - before) / before)) : 0, "%), ",
+                            std::chrono::duration<double>(Clock::now() - start).count(), " s");
+      totalSteps_ += steps;
+      trained_ += static_cast<int64_t>(modules.size());
+      sumBefore_ += before;
+      sumAfter_ += after;
+    }
+    entries_.clear();
+    floatStream_ = std::move(targets);
+  }
+
+  void postRun() override {
+    context_.logger->info("learnable_scale_qat: ", trained_, " Linear modules trained in ", totalSteps_,
+                          " steps (", qconfig_.describe(), "); summed layer output mse ", scientific(sumBefore_),
+                          " (PTQ) -> ", scientific(sumAfter_), " (QAT)", logPath_.empty() ? "" : "; steps in ",
+                          logPath_);
+    floatStream_.clear();
+  }
+
+  bool trains() const override { return true; }
+
+ private:
+  struct Entry {
+    std::string path;
+    std::string name;
+    std::shared_ptr<QatLinear> qat;
+  };
+
+  // The layer's output for each of `inputs` (no gradients).
+  static std::vector<at::Tensor> forwardAll(LayerRequest& request, std::vector<TensorList> inputs) {
+    LayerRequest batch{.inputs = std::move(inputs)};
+    request.forward(batch);
+    std::vector<at::Tensor> outputs;
+    for (TensorList& output : batch.outputs) outputs.push_back(std::move(output[0]));
+    return outputs;
+  }
+
+  static at::Tensor forwardOne(LayerRequest& request, const TensorList& input) {
+    LayerRequest one{.inputs = {input}};
+    request.forward(one);
+    return one.outputs[0][0];
+  }
+
+  double meanError(LayerRequest& request, const std::vector<at::Tensor>& targets) {
+    const std::vector<at::Tensor> outputs = forwardAll(request, request.inputs);
+    double sum = 0;
+    for (size_t s = 0; s < outputs.size(); ++s) sum += meanSquaredError(outputs[s], targets[s]);
+    return sum / static_cast<double>(outputs.size());
+  }
+
+  // Calibrates every matched Linear as linear_quant would (one staged forward, or observe then
+  // freeze) and replaces each by a QatLinear starting from those scales.
+  std::vector<std::shared_ptr<QatLinear>> startFromPtq(LayerRequest& request) {
+    std::vector<std::shared_ptr<LinearQuantizer>> quantizers;
+    std::vector<std::pair<at::Tensor, at::Tensor>> floats;  // weight and bias, kept past the quantizer
+    forEach<Linear>(request, *filter_, [&](const std::string& path, const std::string& name, Linear& linear) {
+      qconfig_.checkFits(name, linear.inFeatures());
+      floats.emplace_back(linear.weight(), linear.bias());
+      auto quantizer = std::make_shared<LinearQuantizer>(linear, qconfig_);
+      if (request.staged) quantizer->settleInForward([](LinearQuantizer& q) { q.freeze(); });
+      entries_.push_back({path, name, nullptr});
+      quantizers.push_back(quantizer);
+      request.module->replace(path, quantizer);
+    });
+    if (entries_.empty()) return {};
+    if (!qconfig_.isDataFree()) {
+      request.forward(request);
+      for (const auto& quantizer : quantizers) {
+        if (!quantizer->frozen()) quantizer->freeze();
+      }
+    }
+    std::vector<std::shared_ptr<QatLinear>> modules;
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const std::shared_ptr<QuantLinear> ptq = quantizers[i]->deploy(entries_[i].name);
+      entries_[i].qat = std::make_shared<QatLinear>(floats[i].first, floats[i].second, *ptq, options_);
+      request.module->replace(entries_[i].path, entries_[i].qat);
+      modules.push_back(entries_[i].qat);
+    }
+    return modules;
+  }
+
+  int64_t train(LayerRequest& request, const std::vector<std::shared_ptr<QatLinear>>& modules,
+                const std::vector<at::Tensor>& targets) {
+    const auto samples = static_cast<int64_t>(request.inputs.size());
+    const int64_t perStep = training_.batchSize * training_.accumulation;
+    const int64_t stepsPerEpoch = (samples + perStep - 1) / perStep;
+    const int64_t total =
+        training_.maxSteps > 0
+            ? training_.maxSteps
+            : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(training_.epochs * static_cast<double>(stepsPerEpoch))));
+    ParamGroup scales{.learningRate = training_.learningRate};
+    ParamGroup clips{.learningRate = training_.lwcLearningRate};
+    for (const auto& module : modules) {
+      for (const auto& [name, tensor] : module->trainable()) {
+        (module->isClipFactor(name) ? clips : scales).params.push_back(tensor);
+      }
+    }
+    Optimizer optimizer({scales, clips}, {.weightDecay = training_.weightDecay,
+                                          .maxGradNorm = training_.maxGradNorm,
+                                          .schedule = training_.schedule,
+                                          .totalSteps = total,
+                                          .warmupSteps = static_cast<int64_t>(
+                                              std::ceil(training_.warmupRatio * static_cast<double>(total)))});
+    ProgressBar bar("qat " + request.name, total, "steps");
+    int64_t epoch = 0, position = 0;
+    std::vector<int64_t> order = epochOrder(samples, training_.seed, epoch);
+    const auto nextSample = [&] {
+      if (position == samples) {
+        order = epochOrder(samples, training_.seed, ++epoch);
+        position = 0;
+      }
+      return order[static_cast<size_t>(position++)];
+    };
+    at::AutoGradMode gradients(true);
+    for (int64_t step = 0; step < total; ++step) {
+      double loss = 0;
+      for (int64_t k = 0; k < perStep; ++k) {
+        const int64_t s = nextSample();
+        const at::Tensor sampleLoss =
+            at::mse_loss(forwardOne(request, request.inputs[static_cast<size_t>(s)]).to(at::kFloat),
+                         targets[static_cast<size_t>(s)].to(at::kFloat));
+        (sampleLoss / static_cast<double>(perStep)).backward();
+        loss += sampleLoss.item<double>() / static_cast<double>(perStep);
+      }
+      const StepStats stats = optimizer.step();
+      for (const auto& module : modules) module->project();
+      const double epochs = static_cast<double>(epoch) + static_cast<double>(position) / static_cast<double>(samples);
+      if (log_.is_open()) {
+        log_ << "{\"layer\": \"" << request.name << "\", \"step\": " << step + 1 << ", \"epoch\": " << epochs
+             << ", \"loss\": " << loss << ", \"grad_norm\": " << stats.gradNorm << ", \"lr\": " << stats.learningRate
+             << "}\n";
+        log_.flush();
+      }
+      if (training_.loggingSteps > 0 && (step + 1) % training_.loggingSteps == 0) {
+        context_.logger->info("learnable_scale_qat: ", request.name, " step ", step + 1, "/", total, ": loss ",
+                              scientific(loss), ", grad_norm ", scientific(stats.gradNorm), ", lr ",
+                              scientific(stats.learningRate));
+      }
+      bar.update(step + 1, "loss " + scientific(loss));
+    }
+    return total;
+  }
+
+  ProcessorContext context_;
+  quant::LinearQConfig qconfig_;
+  std::shared_ptr<ModuleFilter> filter_;
+  QatOptions options_;
+  TrainingSettings training_;
+  std::string logPath_;
+  std::ofstream log_;
+  std::vector<Entry> entries_;          // the layer being trained
+  std::vector<at::Tensor> floatStream_;  // the next layer's float inputs, one per sample
+  int64_t totalSteps_ = 0, trained_ = 0;
+  double sumBefore_ = 0, sumAfter_ = 0;
+};
+
+Schema learnableSchema() {
+  Schema schema;
+  schema.optional("weight_scale", ValueType::kBool, ConfigNode::boolean(true), "train the weight scales")
+      .optional("act_scale", ValueType::kBool, ConfigNode::boolean(false), "train static activations' input scales")
+      .optional("lwc", ValueType::kBool, ConfigNode::boolean(false),
+                "learnable weight clipping (OmniQuant): train σ(c)·range in place of the weight scales")
+      .optional("kv_scale", ValueType::kBool, ConfigNode::boolean(false), "k/v output scales (not built yet)")
+      .optional("norm", ValueType::kBool, ConfigNode::boolean(false), "norm weights (not built yet)");
+  return schema;
+}
+
+FieldSpec number(std::string name, double value, double minimum, std::string help) {
+  return {.name = std::move(name),
+          .type = ValueType::kFloat,
+          .help = std::move(help),
+          .defaultValue = ConfigNode::number(value),
+          .minimum = minimum};
+}
+
+FieldSpec integer(std::string name, int64_t value, double minimum, std::string help) {
+  return {.name = std::move(name),
+          .type = ValueType::kInt,
+          .help = std::move(help),
+          .defaultValue = ConfigNode::integer(value),
+          .minimum = minimum};
+}
+
+void registerProcessors(PluginRegistrar& registrar) {
+  Schema quantConfig;
+  quantConfig.nested("learnable", learnableSchema(), false, "what trains");
+  Schema pluginConfig;
+  pluginConfig.nested("quant_config", std::move(quantConfig), false, "AngelSlim's quant_config");
+  Schema schema;
+  schema.choice("training_mode", {"blockwise", "end2end"}, "blockwise", "blockwise: per decoder layer, MSE to float")
+      .nested("qconfig", quant::linearQConfigSchema(), true, "the quantization trained (linear_quant's qconfig)")
+      .nested("plugin_config", std::move(pluginConfig), false, "AngelSlim's plugin_config")
+      .choice("ste", {"angelslim", "lsq"}, "angelslim", "straight-through estimator of round and clamp")
+      .choice("scale_parametrization", {"relative", "absolute"}, "relative",
+              "relative: s = s0·α, α trained (learning rates are relative steps); absolute: s itself (AngelSlim)")
+      .add(number("lwc_init_value", 4.0, -1e9, "clip factors' initial logit"))
+      .add(number("learning_rate", 1e-3, 0, "AdamW learning rate of the scales"))
+      .add(number("lwc_lr", 1e-2, 0, "AdamW learning rate of the clip factors"))
+      .add(number("weight_decay", 0, 0, "AdamW weight decay"))
+      .add(integer("per_device_train_batch_size", 1, 1, "samples per micro-batch"))
+      .add(integer("gradient_accumulation_steps", 1, 1, "micro-batches per optimizer step"))
+      .add(integer("max_steps", -1, -1, "optimizer steps per layer; > 0 overrides num_train_epochs"))
+      .add(number("num_train_epochs", 2, 0, "passes over the calibration samples per layer"))
+      .add(number("warmup_ratio", 0, 0, "fraction of the steps warming up"))
+      .choice("lr_scheduler_type", {"constant", "constant_with_warmup", "linear", "cosine"}, "cosine",
+              "learning rate schedule (HF's)")
+      .add(number("max_grad_norm", 1.0, 0, "gradient clipping; 0: none"))
+      .add(integer("seed", 42, 0, "the sample order's seed"))
+      .add(integer("logging_steps", 0, 0, "an info line every N steps; 0: one per layer"))
+      .optional("logging_file", ValueType::kString, ConfigNode::string(""),
+                "per-step JSON lines; default <save_path>.qat_log.jsonl")
+      .includeExclude();
+  registrar.addProcessor({
+      .type = "learnable_scale_qat",
+      .description = "scale-only QAT: trains the quantizers' scales with the weights frozen, exports real checkpoints",
+      .schema = std::move(schema),
+      .factory = [](const ConfigNode& config,
+                    const ProcessorContext& context) { return std::make_unique<LearnableScaleQat>(config, context); },
+  });
+}
+
+}  // namespace
+}  // namespace qpipe::qat
+
+QPIPE_PLUGIN("qat", "1.0.0", "learnable_scale_qat: scale-only quantization-aware training (blockwise)",
+             qpipe::qat::registerProcessors)

@@ -1,0 +1,97 @@
+#include "trainer.h"
+
+#include <ATen/core/grad_mode.h>
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+#include <random>
+
+#include "qpipe/error.h"
+
+namespace qpipe::qat {
+
+Schedule parseSchedule(const std::string& name) {
+  if (name == "constant") return Schedule::kConstant;
+  if (name == "constant_with_warmup") return Schedule::kConstantWithWarmup;
+  if (name == "linear") return Schedule::kLinear;
+  if (name == "cosine") return Schedule::kCosine;
+  throw Error(ErrorCode::kConfig, concat("unknown lr_scheduler_type '", name, "'"));
+}
+
+double scheduleFactor(Schedule schedule, int64_t step, int64_t total, int64_t warmup) {
+  if (schedule == Schedule::kConstant) return 1;
+  if (step < warmup) return static_cast<double>(step) / static_cast<double>(std::max<int64_t>(1, warmup));
+  const double decaying = static_cast<double>(std::max<int64_t>(1, total - warmup));
+  switch (schedule) {
+    case Schedule::kConstantWithWarmup:
+      return 1;
+    case Schedule::kLinear:
+      return std::max(0.0, static_cast<double>(total - step) / decaying);
+    case Schedule::kCosine: {
+      const double progress = static_cast<double>(step - warmup) / decaying;
+      return std::max(0.0, 0.5 * (1 + std::cos(std::numbers::pi * progress)));
+    }
+    case Schedule::kConstant:
+      break;
+  }
+  return 1;
+}
+
+Optimizer::Optimizer(std::vector<ParamGroup> groups, const OptimizerOptions& options) : options_(options) {
+  std::vector<torch::optim::OptimizerParamGroup> adamGroups;
+  for (ParamGroup& group : groups) {
+    if (group.params.empty()) continue;
+    baseRates_.push_back(group.learningRate);
+    params_.insert(params_.end(), group.params.begin(), group.params.end());
+    adamGroups.emplace_back(std::move(group.params), std::make_unique<torch::optim::AdamWOptions>(
+                                                         torch::optim::AdamWOptions(group.learningRate)
+                                                             .weight_decay(options.weightDecay)));
+  }
+  QPIPE_CHECK(!adamGroups.empty(), "an optimizer without parameters");
+  adam_ = std::make_unique<torch::optim::AdamW>(std::move(adamGroups));
+}
+
+Optimizer::~Optimizer() = default;
+
+StepStats Optimizer::step() {
+  at::NoGradGuard noGrad;
+  double squares = 0;
+  for (const at::Tensor& p : params_) {
+    if (p.grad().defined()) squares += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+  }
+  StepStats stats{.gradNorm = std::sqrt(squares)};
+  // torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
+  if (options_.maxGradNorm > 0) {
+    const double coefficient = options_.maxGradNorm / (stats.gradNorm + 1e-6);
+    if (coefficient < 1) {
+      for (const at::Tensor& p : params_) {
+        if (p.grad().defined()) p.mutable_grad().mul_(coefficient);
+      }
+    }
+  }
+  const double factor = scheduleFactor(options_.schedule, steps_, options_.totalSteps, options_.warmupSteps);
+  auto& groups = adam_->param_groups();
+  for (size_t i = 0; i < groups.size(); ++i) {
+    static_cast<torch::optim::AdamWOptions&>(groups[i].options()).lr(baseRates_[i] * factor);
+  }
+  stats.learningRate = baseRates_.front() * factor;
+  adam_->step();
+  adam_->zero_grad(/*set_to_none=*/true);
+  ++steps_;
+  return stats;
+}
+
+std::vector<int64_t> epochOrder(int64_t n, int64_t seed, int64_t epoch) {
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) order[static_cast<size_t>(i)] = i;
+  std::mt19937_64 engine(static_cast<uint64_t>(seed + epoch));
+  for (int64_t i = n - 1; i > 0; --i) {
+    const auto j = static_cast<int64_t>(engine() % static_cast<uint64_t>(i + 1));
+    std::swap(order[static_cast<size_t>(i)], order[static_cast<size_t>(j)]);
+  }
+  return order;
+}
+
+}  // namespace qpipe::qat

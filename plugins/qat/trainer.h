@@ -1,0 +1,69 @@
+// The optimisation loop's parts (docs/qat.md): LibTorch's AdamW over parameter groups, learning
+// rate schedules as HF's get_*_schedule_with_warmup, gradient clipping as
+// torch.nn.utils.clip_grad_norm_, and the sample order of each epoch.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch::optim {
+class AdamW;
+}
+
+namespace qpipe::qat {
+
+enum class Schedule { kConstant, kConstantWithWarmup, kLinear, kCosine };
+
+// HF's spellings: constant, constant_with_warmup, linear, cosine.
+Schedule parseSchedule(const std::string& name);
+
+// The factor on the base learning rate at optimizer step `step` (0-based) of `total`, `warmup`
+// of them warming up: HF's LambdaLR functions exactly (step 0 of a warmup trains at factor 0).
+double scheduleFactor(Schedule schedule, int64_t step, int64_t total, int64_t warmup);
+
+struct ParamGroup {
+  std::vector<at::Tensor> params;
+  double learningRate = 0;
+};
+
+struct OptimizerOptions {
+  double weightDecay = 0;  // HF's default; AdamW's own default (0.01) would shrink the scales
+  double maxGradNorm = 1;  // 0: no clipping
+  Schedule schedule = Schedule::kCosine;
+  int64_t totalSteps = 1;
+  int64_t warmupSteps = 0;
+};
+
+struct StepStats {
+  double gradNorm = 0;      // the total L2 norm before clipping, as HF logs it
+  double learningRate = 0;  // of the first group, at this step
+};
+
+// AdamW over the groups, each with its own base learning rate, scheduled together.
+class Optimizer {
+ public:
+  Optimizer(std::vector<ParamGroup> groups, const OptimizerOptions& options);
+  ~Optimizer();
+
+  // After the step's backward passes: clips the gradients, sets this step's learning rates,
+  // updates the parameters and zeroes the gradients.
+  StepStats step();
+  int64_t stepsTaken() const { return steps_; }
+
+ private:
+  std::vector<double> baseRates_;
+  std::vector<at::Tensor> params_;
+  OptimizerOptions options_;
+  std::unique_ptr<torch::optim::AdamW> adam_;
+  int64_t steps_ = 0;
+};
+
+// The order of `n` samples in epoch `epoch`: a Fisher–Yates shuffle driven by a 64-bit Mersenne
+// Twister seeded with seed + epoch, so it is the same on every platform and standard library.
+std::vector<int64_t> epochOrder(int64_t n, int64_t seed, int64_t epoch);
+
+}  // namespace qpipe::qat

@@ -1,0 +1,87 @@
+// learnable_scale_qat's QatLinear and Optimizer against the same training written in plain
+// PyTorch (tests/oracle/qat_oracle.py): the first step's scale gradients and the scales after
+// three steps of MSE, gradient clipping and AdamW, for int8, fp8 and int4 schemes under both
+// straight-through estimators and both scale parametrizations.
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <gtest/gtest.h>
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fake_quant.h"
+#include "qpipe/quant.h"
+#include "test_helpers.h"
+#include "trainer.h"
+
+namespace qpipe {
+namespace {
+
+at::Tensor fromHex(const std::string& hex, std::vector<int64_t> shape) {
+  std::vector<uint8_t> bytes(hex.size() / 2);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+  return at::from_blob(bytes.data(), shape, at::kFloat).clone();
+}
+
+double relativeError(const at::Tensor& actual, const at::Tensor& expected) {
+  return ((actual - expected).abs().max() / expected.abs().max()).item<double>();
+}
+
+TEST(QatOracle, GradientsAndThreeAdamWStepsMatchPyTorch) {
+  constexpr int64_t kOut = 8, kIn = 16, kTokens = 6;
+  std::istringstream lines(test::runOracle("qat_oracle.py", ""));
+  std::string line;
+  int cases = 0;
+  while (std::getline(lines, line)) {
+    std::istringstream in(line);
+    std::string name, dtype, scope, ste, act, param, wHex, xHex, yHex, sw0Hex, sa0Hex, gwHex, gaHex, swHex, saHex;
+    int64_t group = 0;
+    double loss0 = 0;
+    in >> name >> dtype >> scope >> group >> ste >> act >> param >> wHex >> xHex >> yHex >> sw0Hex >> sa0Hex >> gwHex >> gaHex >>
+        swHex >> saHex >> loss0;
+    SCOPED_TRACE(name);
+    const quant::QScheme weight{.dtype = quant::parseQDtype(dtype, name),
+                                .scope = quant::parseQScope(scope, name),
+                                .groupSize = group};
+    const std::vector<int64_t> scaleShape = scope == "per_tensor"    ? std::vector<int64_t>{1}
+                                            : scope == "per_channel" ? std::vector<int64_t>{kOut, 1}
+                                                                     : std::vector<int64_t>{kOut, kIn / group};
+    const at::Tensor w = fromHex(wHex, {kOut, kIn}), x = fromHex(xHex, {kTokens, kIn}), y = fromHex(yHex, {kTokens, kOut});
+    const quant::QParams wParams{fromHex(sw0Hex, scaleShape), at::zeros(scaleShape, at::kInt)};
+    std::optional<ActivationQuant> input;
+    if (act != "float") {
+      input = ActivationQuant{{.dtype = quant::parseQDtype(act, name), .scope = quant::QScope::kPerTensor},
+                              {fromHex(sa0Hex, {1}), at::zeros({1}, at::kInt)}};
+    }
+    QuantLinear ptq(quant::quantize(w, wParams, weight), wParams, weight, input, {}, at::kFloat);
+    qat::QatLinear module(w, {}, ptq,
+                          {.learnable = {.weightScale = true, .actScale = true},
+                           .ste = ste == "lsq" ? qat::Ste::kLsq : qat::Ste::kAngelSlim,
+                           .param = param == "relative" ? qat::ScaleParam::kRelative : qat::ScaleParam::kAbsolute});
+    std::vector<at::Tensor> params;
+    for (const auto& [tensorName, tensor] : module.trainable()) params.push_back(tensor);
+    ASSERT_EQ(params.size(), act == "float" ? 1u : 2u);
+    qat::Optimizer optimizer({{.params = params, .learningRate = param == "relative" ? 1e-2 : 1e-4}},
+                             {.maxGradNorm = 5e-3, .schedule = qat::Schedule::kConstant, .totalSteps = 3});
+    at::AutoGradMode gradients(true);
+    for (int step = 0; step < 3; ++step) {
+      const at::Tensor loss = at::mse_loss(module.forward(x), y);
+      loss.backward();
+      if (step == 0) {
+        EXPECT_NEAR(loss.item<double>(), loss0, 1e-6 * loss0);
+        EXPECT_LE(relativeError(params[0].grad(), fromHex(gwHex, scaleShape)), 1e-5);
+        if (act != "float") EXPECT_LE(relativeError(params[1].grad(), fromHex(gaHex, {1})), 1e-5);
+      }
+      optimizer.step();
+      module.project();
+    }
+    EXPECT_LE(relativeError(module.weightScale(), fromHex(swHex, scaleShape)), 1e-5);
+    if (act != "float") EXPECT_LE(relativeError(module.deploy()->inputQuant()->params.scale, fromHex(saHex, {1})), 1e-5);
+    ++cases;
+  }
+  EXPECT_EQ(cases, 9);
+}
+
+}  // namespace
+}  // namespace qpipe
