@@ -117,6 +117,7 @@ class LearnableScaleQat final : public Processor {
     if (training_.maxSteps <= 0 && training_.epochs <= 0) {
       throw context.configError(config, "num_train_epochs", "no training: set num_train_epochs > 0 or max_steps > 0");
     }
+    floatStreamTarget_ = config.at("target").asString() == "float_stream";
     logPath_ = config.at("logging_file").asString();
     if (logPath_.empty() && !context.savePath.empty()) {
       std::filesystem::path save(context.savePath);
@@ -129,6 +130,7 @@ class LearnableScaleQat final : public Processor {
     if (!logPath_.empty()) {
       log_.open(logPath_, std::ios::trunc);
       QPIPE_REQUIRE(log_.good(), ErrorCode::kIo, "learnable_scale_qat: cannot write its training log '", logPath_, "'");
+      log_.precision(9);
     }
   }
 
@@ -136,12 +138,12 @@ class LearnableScaleQat final : public Processor {
     if (isNonLayerUnit(request)) return;  // blockwise trains decoder layers (docs/qat.md)
     const auto start = Clock::now();
     std::vector<TensorList> floatInputs = request.inputs;
-    if (!floatStream_.empty()) {
+    if (floatStreamTarget_ && !floatStream_.empty()) {
       QPIPE_CHECK(floatStream_.size() == floatInputs.size(), "float stream of ", floatStream_.size(), " samples for ",
                   floatInputs.size());
       for (size_t s = 0; s < floatInputs.size(); ++s) floatInputs[s][0] = floatStream_[s];
     }
-    std::vector<at::Tensor> targets = forwardAll(request, floatInputs);
+    std::vector<at::Tensor> targets = forwardAll(request, std::move(floatInputs));
 
     std::vector<std::shared_ptr<QatLinear>> modules = startFromPtq(request);
     if (modules.empty()) {
@@ -167,7 +169,7 @@ class LearnableScaleQat final : public Processor {
       sumAfter_ += after;
     }
     entries_.clear();
-    floatStream_ = std::move(targets);
+    if (floatStreamTarget_) floatStream_ = std::move(targets);
   }
 
   void postRun() override {
@@ -310,7 +312,8 @@ class LearnableScaleQat final : public Processor {
   std::string logPath_;
   std::ofstream log_;
   std::vector<Entry> entries_;          // the layer being trained
-  std::vector<at::Tensor> floatStream_;  // the next layer's float inputs, one per sample
+  bool floatStreamTarget_ = true;
+  std::vector<at::Tensor> floatStream_;  // the next layer's float inputs, one per sample (float_stream)
   int64_t totalSteps_ = 0, trained_ = 0;
   double sumBefore_ = 0, sumAfter_ = 0;
 };
@@ -350,6 +353,9 @@ void registerProcessors(PluginRegistrar& registrar) {
   Schema schema;
   schema.choice("training_mode", {"blockwise", "end2end"}, "blockwise", "blockwise: per decoder layer, MSE to float")
       .nested("qconfig", quant::linearQConfigSchema(), true, "the quantization trained (linear_quant's qconfig)")
+      .choice("target", {"float_stream", "layer"}, "float_stream",
+              "blockwise targets: the float model's layer outputs (float_stream), or the float layer on the "
+              "quantized inputs (layer)")
       .nested("plugin_config", std::move(pluginConfig), false, "AngelSlim's plugin_config")
       .choice("ste", {"angelslim", "lsq"}, "angelslim", "straight-through estimator of round and clamp")
       .choice("scale_parametrization", {"relative", "absolute"}, "relative",

@@ -157,7 +157,9 @@ void PrintTo(const PracticeCase& c, std::ostream* os) {
 
 std::vector<PracticeCase> practiceCases() {
   std::vector<PracticeCase> out;
-  for (const fs::path& practice : yamlFiles(kSource / "configs" / "default")) {
+  std::vector<fs::path> practices = yamlFiles(kSource / "configs" / "default");
+  for (const fs::path& qat : yamlFiles(kSource / "configs" / "qat")) practices.push_back(qat);
+  for (const fs::path& practice : practices) {
     const std::string yaml = qpipe::test::slurp(practice);
     // W4A8_DYNAMIC in ascendv1 needs row-parallel widths that are multiples of 16, which the tiny
     // Llama lacks (W4A8AscendV1RefusesRowParallelWidthNotMultipleOf16 checks the refusal).
@@ -196,10 +198,13 @@ TEST_P(QuantPractice, QuantizesSavesAndEvaluates) {
   if (const int64_t group = groupSizeOf(yaml);
       c.family == "llama" && group > 0 &&
       (qpipe::test::kTinyHidden % group != 0 || qpipe::test::kTinyInter % group != 0)) {
+    const bool qat = yaml.find("type: learnable_scale_qat") != std::string::npos;
     expectOneLineError(quant(practice), code(ErrorCode::kConfig),
-                       "qpipe: configuration error: processor 'linear_quant' (plugin 'linear_quant') failed in "
-                       "preprocess(model.layers.0): model.layers.0.self_attn.q_proj: in_features 16 is not a "
-                       "multiple of group_size " +
+                       std::string("qpipe: configuration error: processor ") +
+                           (qat ? "'learnable_scale_qat' (plugin 'qat') failed in process"
+                                : "'linear_quant' (plugin 'linear_quant') failed in preprocess") +
+                           "(model.layers.0): model.layers.0.self_attn.q_proj: in_features 16 is not a "
+                           "multiple of group_size " +
                            std::to_string(group) + "; choose a group_size that divides it or exclude the module");
     EXPECT_FALSE(fs::exists(out));
     practice = qpipe::test::writeTempFile(
