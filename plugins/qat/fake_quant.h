@@ -84,7 +84,7 @@ class QatLinear : public Module {
   quant::QScheme weightScheme_;
   std::optional<ActivationQuant> input_;
   QatOptions options_;
-  at::Tensor weightScale_, weightInitial_;  // the parameter (trainable unless lwc), and s0
+  at::Tensor weightScale_, weightInitial_;              // the parameter (trainable unless lwc), and s0
   at::Tensor clipMax_, clipMin_, groupMax_, groupMin_;  // lwc: logits, and the weight's ranges
   at::Tensor inputScale_, inputInitial_;                // static activations
 };

@@ -1,10 +1,11 @@
 // learnable_scale_qat: scale-only quantization-aware training (docs/qat.md), AngelSlim's QAT with
 // learnable scales, in the blockwise mode of its BlockwiseTrainer (EfficientQAT's Block-AP). Per
 // decoder layer, with the weights frozen:
-//   1. the float layer's outputs on the float stream (the layer inputs of the unquantized model,
-//      carried by this processor from layer to layer): the targets;
+//   1. the targets: the float layer's outputs on the float stream (the layer inputs of the
+//      unquantized model, carried by this processor from layer to layer), or with `target: layer`
+//      on the quantized inputs;
 //   2. the PTQ start: every matched Linear calibrated exactly as linear_quant does with the same
-//      qconfig, its scales handed to a QatLinear (qpipe/… fake_quant.h);
+//      qconfig, its scales handed to a QatLinear (fake_quant.h);
 //   3. AdamW on those scales, minimising the MSE between the layer's output on its quantized inputs
 //      (the runner's stream) and the targets;
 //   4. the learned scales baked into QuantLinear modules, what the savers write and qpipe eval runs;
@@ -28,6 +29,8 @@
 #include "qpipe/plugin.h"
 #include "qpipe/progress.h"
 #include "qpipe/qconfig.h"
+#include "qpipe/quantized_checkpoint.h"
+#include "qpipe/safetensors.h"
 #include "trainer.h"
 
 namespace qpipe::qat {
@@ -57,9 +60,61 @@ std::string scientific(double value) {
   return out.str();
 }
 
+// "w int4_per_group_sym (group 64), a float": how errors name a module's quantization.
+std::string describe(const QuantLinear& linear) {
+  const quant::QScheme& weight = linear.weightScheme();
+  return concat("w ", weight.name(), weight.groupSize > 0 ? concat(" (group ", weight.groupSize, ")") : "", ", a ",
+                linear.inputQuant() ? linear.inputQuant()->scheme.name() : "float");
+}
+
 double meanSquaredError(const at::Tensor& value, const at::Tensor& target) {
   return at::mse_loss(value.to(at::kFloat), target.to(at::kFloat)).item<double>();
 }
+
+// from_ptq_ckpt: the quantized Linear modules of a checkpoint qpipe wrote (compressed-tensors or
+// ascendv1), read as `qpipe eval` reads them, found by module name or by a suffix of it (a
+// checkpoint saved with or without a leading "model." or another wrapper's prefix).
+class PtqCheckpoint {
+ public:
+  explicit PtqCheckpoint(const std::filesystem::path& dir) : dir_(dir.string()) {
+    format_ = detail::QuantizedCheckpoint::detect(dir);
+    QPIPE_REQUIRE(format_ != nullptr, ErrorCode::kInput, "from_ptq_ckpt '", dir_,
+                  "' is not a quantized checkpoint (no quantization_config in its config.json, no ",
+                  detail::kAscendDescription, ")");
+    weights_ = safetensors::Checkpoint::open(dir, format_->weightsPrefix());
+    for (const std::string& name : weights_.names()) {
+      for (const std::string_view suffix : {".weight_packed", ".weight"}) {
+        if (name.ends_with(suffix)) {
+          stored_.push_back(name.substr(0, name.size() - suffix.size()));
+          break;
+        }
+      }
+    }
+  }
+
+  const std::string& dir() const { return dir_; }
+
+  // Module `name`'s PTQ module, or nullptr where the checkpoint has none or keeps it in float.
+  std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias) const {
+    const std::string* stored = nullptr;
+    for (const std::string& candidate : stored_) {
+      if (candidate == name || name.ends_with("." + candidate) || candidate.ends_with("." + name)) {
+        stored = &candidate;
+        if (candidate == name) break;
+      }
+    }
+    if (stored == nullptr) return nullptr;
+    return format_->linear(
+        *stored, hasBias, [this](const std::string& tensor) { return weights_.tensor(tensor); },
+        [this](const std::string& tensor) { return weights_.contains(tensor); }, at::kFloat);
+  }
+
+ private:
+  std::string dir_;
+  std::unique_ptr<detail::QuantizedCheckpoint> format_;
+  safetensors::Checkpoint weights_;
+  std::vector<std::string> stored_;  // module names with a weight
+};
 
 class LearnableScaleQat final : public Processor {
  public:
@@ -118,6 +173,12 @@ class LearnableScaleQat final : public Processor {
       throw context.configError(config, "num_train_epochs", "no training: set num_train_epochs > 0 or max_steps > 0");
     }
     floatStreamTarget_ = config.at("target").asString() == "float_stream";
+    if (const std::string& ptq = config.at("from_ptq_ckpt").asString(); !ptq.empty()) {
+      if (!std::filesystem::is_directory(ptq)) {
+        throw context.configError(config, "from_ptq_ckpt", concat("'", ptq, "' is not a folder"));
+      }
+      ptqCheckpoint_.emplace(ptq);
+    }
     logPath_ = config.at("logging_file").asString();
     if (logPath_.empty() && !context.savePath.empty()) {
       std::filesystem::path save(context.savePath);
@@ -173,10 +234,19 @@ class LearnableScaleQat final : public Processor {
   }
 
   void postRun() override {
-    context_.logger->info("learnable_scale_qat: ", trained_, " Linear modules trained in ", totalSteps_,
-                          " steps (", qconfig_.describe(), "); summed layer output mse ", scientific(sumBefore_),
-                          " (PTQ) -> ", scientific(sumAfter_), " (QAT)", logPath_.empty() ? "" : "; steps in ",
-                          logPath_);
+    if (ptqCheckpoint_) {
+      std::string missing;
+      for (size_t i = 0; i < calibratedNames_.size() && i < 3; ++i) missing += (i ? ", " : "") + calibratedNames_[i];
+      if (calibratedNames_.size() > 3) missing += ", …";
+      context_.logger->info("learnable_scale_qat: ", loaded_, " modules start from the scales in '",
+                            ptqCheckpoint_->dir(), "'",
+                            calibratedNames_.empty()
+                                ? std::string()
+                                : concat("; ", calibratedNames_.size(), " it lacks were calibrated (", missing, ")"));
+    }
+    context_.logger->info("learnable_scale_qat: ", trained_, " Linear modules trained in ", totalSteps_, " steps (",
+                          qconfig_.describe(), "); summed layer output mse ", scientific(sumBefore_), " (PTQ) -> ",
+                          scientific(sumAfter_), " (QAT)", logPath_.empty() ? "" : "; steps in ", logPath_);
     floatStream_.clear();
   }
 
@@ -234,12 +304,34 @@ class LearnableScaleQat final : public Processor {
     }
     std::vector<std::shared_ptr<QatLinear>> modules;
     for (size_t i = 0; i < entries_.size(); ++i) {
-      const std::shared_ptr<QuantLinear> ptq = quantizers[i]->deploy(entries_[i].name);
+      std::shared_ptr<QuantLinear> ptq = quantizers[i]->deploy(entries_[i].name);
+      if (ptqCheckpoint_) ptq = loadedStart(entries_[i].name, floats[i].first, floats[i].second, ptq);
       entries_[i].qat = std::make_shared<QatLinear>(floats[i].first, floats[i].second, *ptq, options_);
       request.module->replace(entries_[i].path, entries_[i].qat);
       modules.push_back(entries_[i].qat);
     }
     return modules;
+  }
+
+  // The start of module `name` with the scales of the PTQ checkpoint where it has them, else
+  // `calibrated`; a module the checkpoint quantizes with another scheme is an error.
+  std::shared_ptr<QuantLinear> loadedStart(const std::string& name, const at::Tensor& weight, const at::Tensor& bias,
+                                           const std::shared_ptr<QuantLinear>& calibrated) {
+    const std::shared_ptr<QuantLinear> stored = ptqCheckpoint_->linear(name, bias.defined());
+    if (stored == nullptr) {
+      calibratedNames_.push_back(name);
+      return calibrated;
+    }
+    const quant::QScheme& scheme = calibrated->weightScheme();
+    QPIPE_REQUIRE(describe(*stored) == describe(*calibrated), ErrorCode::kConfig, "from_ptq_ckpt '",
+                  ptqCheckpoint_->dir(), "': ", name, " is quantized there as ", describe(*stored),
+                  ", but the qconfig asks for ", describe(*calibrated));
+    std::optional<ActivationQuant> input = calibrated->inputQuant();
+    if (input && !input->isDynamic()) input->params = stored->inputQuant()->params;
+    const quant::QParams params = stored->weightParams();
+    ++loaded_;
+    return std::make_shared<QuantLinear>(quant::quantize(weight, params, scheme), params, scheme, std::move(input),
+                                         bias, weight.scalar_type());
   }
 
   int64_t train(LayerRequest& request, const std::vector<std::shared_ptr<QatLinear>>& modules,
@@ -250,7 +342,8 @@ class LearnableScaleQat final : public Processor {
     const int64_t total =
         training_.maxSteps > 0
             ? training_.maxSteps
-            : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(training_.epochs * static_cast<double>(stepsPerEpoch))));
+            : std::max<int64_t>(1,
+                                static_cast<int64_t>(std::ceil(training_.epochs * static_cast<double>(stepsPerEpoch))));
     ParamGroup scales{.learningRate = training_.learningRate};
     ParamGroup clips{.learningRate = training_.lwcLearningRate};
     for (const auto& module : modules) {
@@ -258,12 +351,13 @@ class LearnableScaleQat final : public Processor {
         (module->isClipFactor(name) ? clips : scales).params.push_back(tensor);
       }
     }
-    Optimizer optimizer({scales, clips}, {.weightDecay = training_.weightDecay,
-                                          .maxGradNorm = training_.maxGradNorm,
-                                          .schedule = training_.schedule,
-                                          .totalSteps = total,
-                                          .warmupSteps = static_cast<int64_t>(
-                                              std::ceil(training_.warmupRatio * static_cast<double>(total)))});
+    Optimizer optimizer(
+        {scales, clips},
+        {.weightDecay = training_.weightDecay,
+         .maxGradNorm = training_.maxGradNorm,
+         .schedule = training_.schedule,
+         .totalSteps = total,
+         .warmupSteps = static_cast<int64_t>(std::ceil(training_.warmupRatio * static_cast<double>(total)))});
     ProgressBar bar("qat " + request.name, total, "steps");
     int64_t epoch = 0, position = 0;
     std::vector<int64_t> order = epochOrder(samples, training_.seed, epoch);
@@ -311,7 +405,10 @@ class LearnableScaleQat final : public Processor {
   TrainingSettings training_;
   std::string logPath_;
   std::ofstream log_;
-  std::vector<Entry> entries_;          // the layer being trained
+  std::optional<PtqCheckpoint> ptqCheckpoint_;
+  int64_t loaded_ = 0;                        // modules that started from ptqCheckpoint_
+  std::vector<std::string> calibratedNames_;  // modules it lacks, calibrated instead
+  std::vector<Entry> entries_;                // the layer being trained
   bool floatStreamTarget_ = true;
   std::vector<at::Tensor> floatStream_;  // the next layer's float inputs, one per sample (float_stream)
   int64_t totalSteps_ = 0, trained_ = 0;
@@ -360,6 +457,8 @@ void registerProcessors(PluginRegistrar& registrar) {
       .choice("ste", {"angelslim", "lsq"}, "angelslim", "straight-through estimator of round and clamp")
       .choice("scale_parametrization", {"relative", "absolute"}, "relative",
               "relative: s = s0·α, α trained (learning rates are relative steps); absolute: s itself (AngelSlim)")
+      .optional("from_ptq_ckpt", ValueType::kString, ConfigNode::string(""),
+                "a qpipe checkpoint (compressed-tensors or ascendv1) whose scales the training starts from")
       .add(number("lwc_init_value", 4.0, -1e9, "clip factors' initial logit"))
       .add(number("learning_rate", 1e-3, 0, "AdamW learning rate of the scales"))
       .add(number("lwc_lr", 1e-2, 0, "AdamW learning rate of the clip factors"))

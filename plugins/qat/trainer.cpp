@@ -45,9 +45,9 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, const OptimizerOptions& opt
     if (group.params.empty()) continue;
     baseRates_.push_back(group.learningRate);
     params_.insert(params_.end(), group.params.begin(), group.params.end());
-    adamGroups.emplace_back(std::move(group.params), std::make_unique<torch::optim::AdamWOptions>(
-                                                         torch::optim::AdamWOptions(group.learningRate)
-                                                             .weight_decay(options.weightDecay)));
+    adamGroups.emplace_back(std::move(group.params),
+                            std::make_unique<torch::optim::AdamWOptions>(
+                                torch::optim::AdamWOptions(group.learningRate).weight_decay(options.weightDecay)));
   }
   QPIPE_CHECK(!adamGroups.empty(), "an optimizer without parameters");
   adam_ = std::make_unique<torch::optim::AdamW>(std::move(adamGroups));

@@ -14,11 +14,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "qpipe/safetensors.h"
 #include "test_helpers.h"
 #include "tiny_model.h"
 
@@ -641,6 +643,116 @@ TEST(QuantCli, KilledRunLeavesNoSavePathAndRerunSucceeds) {
   EXPECT_EQ(e.exitCode, 0) << e.err;
   EXPECT_NE(e.out.find("perplexity: "), std::string::npos) << e.out;
   fs::remove_all(out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// learnable_scale_qat's from_ptq_ckpt (docs/qat.md).
+
+// Symmetric static W8A8 (learnable scales take symmetric schemes), `extra` lines after qconfig.
+std::string symmetricStatic(const std::string& type, const std::string& extra) {
+  return "    - type: " + type +
+         "\n"
+         "      qconfig:\n"
+         "        act: {dtype: int8, scope: per_tensor, symmetric: True, method: minmax}\n"
+         "        weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}\n" +
+         extra;
+}
+
+// Every *_scale tensor of a saved checkpoint.
+std::map<std::string, at::Tensor> scalesOf(const fs::path& dir) {
+  const auto checkpoint = qpipe::safetensors::Checkpoint::open(dir);
+  std::map<std::string, at::Tensor> scales;
+  for (const std::string& name : checkpoint.names()) {
+    if (name.ends_with("_scale")) scales[name] = checkpoint.tensor(name).clone();
+  }
+  return scales;
+}
+
+TEST(QuantCli, QatStartsFromTheScalesOfAPtqCheckpoint) {
+  const fs::path model = qpipe::test::tinyLlama("qat_from_ptq");
+  const fs::path dir = qpipe::test::testDir();
+  for (const char* out : {"ptq", "qat_loaded", "qat_calibrated", "ptq_attention", "qat_partial"}) {
+    fs::remove_all(dir / out);
+  }
+  const auto quant = [&](const std::string& out, const std::string& process, const std::string& calib) {
+    return qpipe("quant --model_path " + quote(model) + " --save_path " + quote(dir / out) + " --config_path " +
+                 quote(pipelineFile(out + ".yaml", process)) + calib);
+  };
+  // The PTQ checkpoint calibrates on other windows than the QAT runs, so its input scales differ
+  // from those a QAT run would calibrate itself.
+  ASSERT_EQ(
+      quant("ptq", symmetricStatic("linear_quant", "      exclude: [\"lm_head\"]\n"), " --calib_samples 2 --seq_len 16")
+          .exitCode,
+      0);
+  const std::string zero = "      learning_rate: 0\n      from_ptq_ckpt: " + (dir / "ptq").string() + "\n";
+  const CommandResult loaded = quant("qat_loaded", symmetricStatic("learnable_scale_qat", zero), kTinyCalib);
+  ASSERT_EQ(loaded.exitCode, 0) << loaded.err;
+  EXPECT_NE(
+      loaded.err.find("learnable_scale_qat: 14 modules start from the scales in '" + (dir / "ptq").string() + "'"),
+      std::string::npos)
+      << loaded.err;
+  const CommandResult calibrated =
+      quant("qat_calibrated", symmetricStatic("learnable_scale_qat", "      learning_rate: 0\n"), kTinyCalib);
+  ASSERT_EQ(calibrated.exitCode, 0) << calibrated.err;
+  const auto ptqScales = scalesOf(dir / "ptq");
+  const auto loadedScales = scalesOf(dir / "qat_loaded");
+  const auto calibratedScales = scalesOf(dir / "qat_calibrated");
+  ASSERT_EQ(ptqScales.size(), 28u);  // weight_scale and input_scale of 14 Linear modules
+  bool calibrationDiffers = false;
+  for (const auto& [name, scale] : ptqScales) {
+    EXPECT_TRUE(at::equal(loadedScales.at(name), scale)) << name;
+    calibrationDiffers |= !at::equal(calibratedScales.at(name), scale);
+  }
+  EXPECT_TRUE(calibrationDiffers);
+
+  // A checkpoint holding only the attention projections: the MLP's start calibrated, and said so.
+  ASSERT_EQ(quant("ptq_attention", symmetricStatic("linear_quant", "      include: [\"*self_attn*\"]\n"), kTinyCalib)
+                .exitCode,
+            0);
+  const CommandResult partial =
+      quant("qat_partial",
+            symmetricStatic("learnable_scale_qat",
+                            "      max_steps: 1\n      from_ptq_ckpt: " + (dir / "ptq_attention").string() + "\n"),
+            kTinyCalib);
+  ASSERT_EQ(partial.exitCode, 0) << partial.err;
+  EXPECT_NE(
+      partial.err.find("learnable_scale_qat: 8 modules start from the scales in '" + (dir / "ptq_attention").string() +
+                       "'; 6 it lacks were calibrated (model.layers.0.mlp.gate_proj, "
+                       "model.layers.0.mlp.up_proj, model.layers.0.mlp.down_proj, …)"),
+      std::string::npos)
+      << partial.err;
+
+  // Another scheme in the checkpoint, a missing folder, a folder that is no quantized checkpoint.
+  const fs::path fp8 = pipelineFile("fp8.yaml",
+                                    "    - type: learnable_scale_qat\n"
+                                    "      qconfig:\n"
+                                    "        weight: {dtype: fp8_e4m3, scope: per_tensor, symmetric: True}\n"
+                                    "      from_ptq_ckpt: " +
+                                        (dir / "ptq").string() + "\n");
+  expectOneLineError(qpipe("--log_level error quant --model_path " + quote(model) + " --save_path " +
+                           quote(dir / "bad") + " --config_path " + quote(fp8) + kTinyCalib),
+                     code(ErrorCode::kConfig),
+                     "qpipe: configuration error: processor 'learnable_scale_qat' (plugin 'qat') failed in "
+                     "process(model.layers.0): from_ptq_ckpt '" +
+                         (dir / "ptq").string() +
+                         "': model.layers.0.self_attn.q_proj is quantized there as w int8_per_channel_sym, a "
+                         "int8_per_tensor_sym, but the qconfig asks for w fp8_e4m3_per_tensor_sym, a float");
+  const fs::path missing =
+      pipelineFile("missing.yaml", symmetricStatic("learnable_scale_qat", "      from_ptq_ckpt: /nonexistent/ptq\n"));
+  const CommandResult noFolder = qpipe("check --config_path " + quote(missing));
+  EXPECT_EQ(noFolder.exitCode, code(ErrorCode::kConfig)) << noFolder.err;
+  EXPECT_NE(noFolder.err.find("spec.process[0].from_ptq_ckpt: '/nonexistent/ptq' is not a folder"), std::string::npos)
+      << noFolder.err;
+  const fs::path floatModel = pipelineFile(
+      "float.yaml", symmetricStatic("learnable_scale_qat", "      from_ptq_ckpt: " + model.string() + "\n"));
+  const CommandResult notQuantized = qpipe("check --config_path " + quote(floatModel));
+  EXPECT_EQ(notQuantized.exitCode, code(ErrorCode::kInput)) << notQuantized.err;
+  EXPECT_NE(notQuantized.err.find("from_ptq_ckpt '" + model.string() +
+                                  "' is not a quantized checkpoint (no quantization_config in its config.json, no "
+                                  "quant_model_description.json)"),
+            std::string::npos)
+      << notQuantized.err;
+  EXPECT_FALSE(fs::exists(dir / "bad"));
 }
 
 }  // namespace

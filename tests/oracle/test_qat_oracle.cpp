@@ -20,7 +20,8 @@ namespace {
 
 at::Tensor fromHex(const std::string& hex, std::vector<int64_t> shape) {
   std::vector<uint8_t> bytes(hex.size() / 2);
-  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+  for (size_t i = 0; i < bytes.size(); ++i)
+    bytes[i] = static_cast<uint8_t>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
   return at::from_blob(bytes.data(), shape, at::kFloat).clone();
 }
 
@@ -38,16 +39,16 @@ TEST(QatOracle, GradientsAndThreeAdamWStepsMatchPyTorch) {
     std::string name, dtype, scope, ste, act, param, wHex, xHex, yHex, sw0Hex, sa0Hex, gwHex, gaHex, swHex, saHex;
     int64_t group = 0;
     double loss0 = 0;
-    in >> name >> dtype >> scope >> group >> ste >> act >> param >> wHex >> xHex >> yHex >> sw0Hex >> sa0Hex >> gwHex >> gaHex >>
-        swHex >> saHex >> loss0;
+    in >> name >> dtype >> scope >> group >> ste >> act >> param >> wHex >> xHex >> yHex >> sw0Hex >> sa0Hex >> gwHex >>
+        gaHex >> swHex >> saHex >> loss0;
     SCOPED_TRACE(name);
-    const quant::QScheme weight{.dtype = quant::parseQDtype(dtype, name),
-                                .scope = quant::parseQScope(scope, name),
-                                .groupSize = group};
+    const quant::QScheme weight{
+        .dtype = quant::parseQDtype(dtype, name), .scope = quant::parseQScope(scope, name), .groupSize = group};
     const std::vector<int64_t> scaleShape = scope == "per_tensor"    ? std::vector<int64_t>{1}
                                             : scope == "per_channel" ? std::vector<int64_t>{kOut, 1}
                                                                      : std::vector<int64_t>{kOut, kIn / group};
-    const at::Tensor w = fromHex(wHex, {kOut, kIn}), x = fromHex(xHex, {kTokens, kIn}), y = fromHex(yHex, {kTokens, kOut});
+    const at::Tensor w = fromHex(wHex, {kOut, kIn}), x = fromHex(xHex, {kTokens, kIn}),
+                     y = fromHex(yHex, {kTokens, kOut});
     const quant::QParams wParams{fromHex(sw0Hex, scaleShape), at::zeros(scaleShape, at::kInt)};
     std::optional<ActivationQuant> input;
     if (act != "float") {
@@ -77,7 +78,8 @@ TEST(QatOracle, GradientsAndThreeAdamWStepsMatchPyTorch) {
       module.project();
     }
     EXPECT_LE(relativeError(module.weightScale(), fromHex(swHex, scaleShape)), 1e-5);
-    if (act != "float") EXPECT_LE(relativeError(module.deploy()->inputQuant()->params.scale, fromHex(saHex, {1})), 1e-5);
+    if (act != "float")
+      EXPECT_LE(relativeError(module.deploy()->inputQuant()->params.scale, fromHex(saHex, {1})), 1e-5);
     ++cases;
   }
   EXPECT_EQ(cases, 9);

@@ -117,8 +117,8 @@ std::vector<SchemeCase> schemeCases() {
   const QScheme fp8Channel{.dtype = QDtype::kFp8E4m3, .scope = QScope::kPerChannel};
   const QScheme int8Tensor{.dtype = QDtype::kInt8, .scope = QScope::kPerTensor};
   const QScheme int8Token{.dtype = QDtype::kInt8, .scope = QScope::kPerToken};
-  return {{"w8a8_static", int8Channel, int8Tensor},  {"w8a8_dynamic", int8Channel, int8Token},
-          {"fp8_static", fp8Tensor, fp8Tensor},      {"fp8_channel_static", fp8Channel, fp8Tensor},
+  return {{"w8a8_static", int8Channel, int8Tensor}, {"w8a8_dynamic", int8Channel, int8Token},
+          {"fp8_static", fp8Tensor, fp8Tensor},     {"fp8_channel_static", fp8Channel, fp8Tensor},
           {"w4a16_group", int4Group, std::nullopt}, {"w4a8_dynamic", int4Group, int8Token}};
 }
 
@@ -128,8 +128,8 @@ std::shared_ptr<QuantLinear> ptqModule(const SchemeCase& c, const at::Tensor& w,
   const quant::QParams params = quant::computeQParams(w, c.weight);
   std::optional<ActivationQuant> input;
   if (c.act) {
-    input = ActivationQuant{*c.act, c.act->scope == QScope::kPerToken ? quant::QParams{}
-                                                                      : quant::computeQParams(x, *c.act)};
+    input = ActivationQuant{*c.act,
+                            c.act->scope == QScope::kPerToken ? quant::QParams{} : quant::computeQParams(x, *c.act)};
   }
   return std::make_shared<QuantLinear>(quant::quantize(w, params, c.weight), params, c.weight, input, b, at::kFloat);
 }
@@ -314,9 +314,10 @@ double reportValue(const LayerReport& layer, const std::string& key) {
 TEST_F(QatProcessor, AZeroLearningRateGivesLinearQuantsCheckpointBitForBit) {
   const fs::path dir = test::tinyLlama("qat_zero_lr");
   auto [ptq, ptqReport] = run("    - type: linear_quant\n      qconfig:\n" + std::string(kW8a8Static), dir);
-  auto [qat, qatReport] = run(
-      qatStep(kW8a8Static, "      learning_rate: 0\n      plugin_config: {quant_config: {learnable: {act_scale: True}}}\n"),
-      dir);
+  auto [qat, qatReport] =
+      run(qatStep(kW8a8Static,
+                  "      learning_rate: 0\n      plugin_config: {quant_config: {learnable: {act_scale: True}}}\n"),
+          dir);
   for (int64_t layer = 0; layer < test::kTinyLayers; ++layer) {
     for (const std::string& path : test::tinyLayerLinears()) {
       SCOPED_TRACE(path);
@@ -334,11 +335,11 @@ TEST_F(QatProcessor, TrainingStartsAtThePtqErrorMovesTheScalesAndLogsEachStep) {
   const fs::path save = test::testDir() / "qat_trains_out";
   auto [ptq, ptqReport] = run("    - type: linear_quant\n      qconfig:\n" + std::string(kW8a8Static), dir);
   // One batch of all six samples per step: the first step's loss is the PTQ error of the layer.
-  auto [model, report] = run(
-      qatStep(kW8a8Static,
-              "      learning_rate: 1e-2\n      max_steps: 4\n      per_device_train_batch_size: 6\n"
-              "      ste: lsq\n      plugin_config: {quant_config: {learnable: {act_scale: True}}}\n"),
-      dir, save.string());
+  auto [model, report] =
+      run(qatStep(kW8a8Static,
+                  "      learning_rate: 1e-2\n      max_steps: 4\n      per_device_train_batch_size: 6\n"
+                  "      ste: lsq\n      plugin_config: {quant_config: {learnable: {act_scale: True}}}\n"),
+          dir, save.string());
   ASSERT_EQ(report.layers.size(), static_cast<size_t>(test::kTinyLayers));
   std::ifstream log(save.string() + ".qat_log.jsonl");
   std::string line;
@@ -384,11 +385,10 @@ TEST_F(QatProcessor, EverySchemeTrainsAndDeploys) {
             "        weight: {dtype: int4, scope: per_group, symmetric: True, method: minmax, ext: {group_size: 8}}\n",
             "{}"}}) {
     SCOPED_TRACE(name);
-    auto [model, report] = run(qatStep(qconfig, "      max_steps: 3\n      ste: " +
-                                                    std::string(name.ends_with("lsq") ? "lsq" : "angelslim") +
-                                                    "\n      plugin_config: {quant_config: {learnable: " + learnable +
-                                                    "}}\n"),
-                               dir);
+    auto [model, report] = run(
+        qatStep(qconfig, "      max_steps: 3\n      ste: " + std::string(name.ends_with("lsq") ? "lsq" : "angelslim") +
+                             "\n      plugin_config: {quant_config: {learnable: " + learnable + "}}\n"),
+        dir);
     for (const LayerReport& layer : report.layers) {
       EXPECT_EQ(reportValue(layer, "qat:steps"), 3) << layer.name;
       EXPECT_TRUE(std::isfinite(reportValue(layer, "qat:mse_qat"))) << layer.name;
