@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Perplexity of float, PTQ and blockwise QAT checkpoints on held-out text (docs/quality.md):
+# for each scheme, linear_quant with the scheme's qconfig (lm_head left in float, as QAT leaves
+# it) and the QAT practice of configs/qat/, both calibrated on the same windows of
+# data/calib.jsonl, then `qpipe eval` on data/eval.jsonl. Prints a table with the share of the
+# PTQ gap to float that QAT recovers, and each run's time.
+#   tools/bench/qat_quality.sh [MODEL_DIR] [SAMPLES] [SEQ_LEN]
+# Environment: SCHEMES (default "fp8_static w8a8_static w4a16"), QPIPE (default build/bin/qpipe).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+model=$(realpath "${1:-$root/.cache/models/smollm2-135m}")
+samples=${2:-32}
+seq=${3:-512}
+qpipe=${QPIPE:-$root/build/bin/qpipe}
+schemes=${SCHEMES:-fp8_static w8a8_static w4a16}
+work=$root/.cache/bench/qat_quality
+mkdir -p "$work"
+
+practice() {
+  case $1 in
+    fp8_static) echo "$root/configs/qat/w8a8_fp8_static_qat.yaml" ;;
+    w8a8_static) echo "$root/configs/qat/w8a8_static_qat.yaml" ;;
+    w4a16) echo "$root/configs/qat/w4a16_qat.yaml" ;;
+    *) echo "unknown scheme $1" >&2; exit 2 ;;
+  esac
+}
+
+# The PTQ pipeline: the practice's qconfig under linear_quant.
+ptq_pipeline() {
+  python3 - "$1" "$2" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+qconfig = re.search(r"(      qconfig:\n(?:        .*\n)+)", text).group(1)
+open(sys.argv[2], "w").write(
+    "apiversion: modelslim_v1\nspec:\n  process:\n    - type: linear_quant\n" + qconfig +
+    '      exclude: ["lm_head"]\n  save:\n    - {type: compressed_tensors, part_file_size: 4}\n')
+PY
+}
+
+ppl() {
+  "$qpipe" --log_level warning eval --model_path "$1" --data "$root/data/eval.jsonl" --seq_len 512 |
+    sed -n 's/^perplexity: //p'
+}
+
+quant() {  # out pipeline -> seconds
+  rm -rf "$1" "$1.qat_log.jsonl"
+  local start=$SECONDS
+  "$qpipe" --log_level warning quant --model_path "$model" --save_path "$1" --config_path "$2" \
+    --calib_samples "$samples" --seq_len "$seq" > /dev/null
+  echo $((SECONDS - start))
+}
+
+float=$(ppl "$model")
+printf '| %-12s | %10s | %10s | %10s | %9s | %7s | %7s |\n' scheme float PTQ QAT recovered "PTQ s" "QAT s"
+printf '| %-12s | %10s | %10s | %10s | %9s | %7s | %7s |\n' --- ---: ---: ---: ---: ---: ---:
+for scheme in $schemes; do
+  qat_yaml=$(practice "$scheme")
+  ptq_pipeline "$qat_yaml" "$work/$scheme-ptq.yaml"
+  ptq_s=$(quant "$work/$scheme-ptq" "$work/$scheme-ptq.yaml")
+  ptq=$(ppl "$work/$scheme-ptq")
+  qat_s=$(quant "$work/$scheme-qat" "$qat_yaml")
+  qat=$(ppl "$work/$scheme-qat")
+  recovered=$(python3 -c "import sys; f, p, q = map(float, sys.argv[1:]); print(f'{100 * (p - q) / (p - f):.0f} %')" \
+    "$float" "$ptq" "$qat")
+  printf '| %-12s | %10s | %10s | %10s | %9s | %7s | %7s |\n' "$scheme" "$float" "$ptq" "$qat" "$recovered" "$ptq_s" "$qat_s"
+  rm -rf "$work/$scheme-ptq" "$work/$scheme-qat"
+done
