@@ -58,7 +58,8 @@ at::Tensor fakeQuantize(const at::Tensor& x, const at::Tensor& scale, const quan
   at::Tensor q;
   if (scheme.dtype == quant::QDtype::kFp8E4m3) {
     const at::Tensor clamped = clamp(u);
-    q = straightThrough(quant::toFp8E4m3(clamped.detach()).to(at::kFloat), clamped);
+    // LibTorch's cast of the clamped value: the codes quant::toFp8E4m3 gives (quant.h), in one op.
+    q = straightThrough(clamped.detach().to(at::kFloat8_e4m3fn).to(at::kFloat), clamped);
   } else {
     q = clamp(straightThrough(at::round(u), u));
   }

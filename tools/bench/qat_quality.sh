@@ -38,14 +38,14 @@ PY
 }
 
 ppl() {
-  "$qpipe" --log_level warning eval --model_path "$1" --data "$root/data/eval.jsonl" --seq_len 512 |
+  "$qpipe" --log_level warn eval --model_path "$1" --data "$root/data/eval.jsonl" --seq_len 512 |
     sed -n 's/^perplexity: //p'
 }
 
 quant() {  # out pipeline -> seconds
   rm -rf "$1" "$1.qat_log.jsonl"
   local start=$SECONDS
-  "$qpipe" --log_level warning quant --model_path "$model" --save_path "$1" --config_path "$2" \
+  "$qpipe" --log_level warn quant --model_path "$model" --save_path "$1" --config_path "$2" \
     --calib_samples "$samples" --seq_len "$seq" > /dev/null
   echo $((SECONDS - start))
 }

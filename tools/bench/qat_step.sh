@@ -32,7 +32,7 @@ spec:
     - {type: compressed_tensors}
 YAML
   rm -rf "$work/out-$1" "$work/out-$1.qat_log.jsonl"
-  /usr/bin/time -f "%e %M" -o "$work/time-$1" env OMP_NUM_THREADS="$threads" "$qpipe" --log_level warning quant \
+  /usr/bin/time -f "%e %M" -o "$work/time-$1" env OMP_NUM_THREADS="$threads" "$qpipe" --log_level warn quant \
     --model_path "$model" --save_path "$work/out-$1" --config_path "$work/qat-$1.yaml" \
     --calib_samples 1 --seq_len 512 > /dev/null
   rm -rf "$work/out-$1"
@@ -41,11 +41,12 @@ YAML
 
 read -r short_s short_kib < <(run_qpipe 2)
 read -r long_s long_kib < <(run_qpipe 6)
-qpipe_step=$(python3 -c "print(f'{($2 - $1) / ($3 * 4):.4f}')" "$short_s" "$long_s" "$layers")
+qpipe_step=$(python3 -c 'import sys; a, b, n = map(float, sys.argv[1:]); print(f"{(b - a) / (n * 4):.4f}")' \
+  "$short_s" "$long_s" "$layers")
 qpipe_rss=$(( long_kib / 1024 ))
 read -r torch_step torch_rss < <(OMP_NUM_THREADS="$threads" "$root/.venv-test/bin/python" \
   "$root/tools/bench/qat_step_torch.py" "$model" 12 "$threads" 2>/dev/null)
-speedup=$(python3 -c "print(f'{$2 / $1:.2f}')" "$qpipe_step" "$torch_step")
+speedup=$(python3 -c 'import sys; q, t = map(float, sys.argv[1:]); print(f"{t / q:.2f}")' "$qpipe_step" "$torch_step")
 printf '| %-28s | %14s | %13s |\n' "tool ($threads threads)" "s / step" "peak RSS MiB"
 printf '| %-28s | %14s | %13s |\n' "---" "---:" "---:"
 printf '| %-28s | %14s | %13s |\n' "qpipe learnable_scale_qat" "$qpipe_step" "$qpipe_rss"
