@@ -426,19 +426,13 @@ Schema learnableSchema() {
   return schema;
 }
 
-FieldSpec number(std::string name, double value, double minimum, std::string help) {
+// An int or float field (the default's kind decides which) with a lower bound.
+FieldSpec bounded(std::string name, ConfigNode value, double minimum, std::string help) {
+  const ValueType type = value.kind() == ConfigNode::Kind::kInt ? ValueType::kInt : ValueType::kFloat;
   return {.name = std::move(name),
-          .type = ValueType::kFloat,
+          .type = type,
           .help = std::move(help),
-          .defaultValue = ConfigNode::number(value),
-          .minimum = minimum};
-}
-
-FieldSpec integer(std::string name, int64_t value, double minimum, std::string help) {
-  return {.name = std::move(name),
-          .type = ValueType::kInt,
-          .help = std::move(help),
-          .defaultValue = ConfigNode::integer(value),
+          .defaultValue = std::move(value),
           .minimum = minimum};
 }
 
@@ -459,20 +453,21 @@ void registerProcessors(PluginRegistrar& registrar) {
               "relative: s = s0·α, α trained (learning rates are relative steps); absolute: s itself (AngelSlim)")
       .optional("from_ptq_ckpt", ValueType::kString, ConfigNode::string(""),
                 "a qpipe checkpoint (compressed-tensors or ascendv1) whose scales the training starts from")
-      .add(number("lwc_init_value", 4.0, -1e9, "clip factors' initial logit"))
-      .add(number("learning_rate", 1e-3, 0, "AdamW learning rate of the scales"))
-      .add(number("lwc_lr", 1e-2, 0, "AdamW learning rate of the clip factors"))
-      .add(number("weight_decay", 0, 0, "AdamW weight decay"))
-      .add(integer("per_device_train_batch_size", 1, 1, "samples per micro-batch"))
-      .add(integer("gradient_accumulation_steps", 1, 1, "micro-batches per optimizer step"))
-      .add(integer("max_steps", -1, -1, "optimizer steps per layer; > 0 overrides num_train_epochs"))
-      .add(number("num_train_epochs", 2, 0, "passes over the calibration samples per layer"))
-      .add(number("warmup_ratio", 0, 0, "fraction of the steps warming up"))
+      .add(bounded("lwc_init_value", ConfigNode::number(4.0), -1e9, "clip factors' initial logit"))
+      .add(bounded("learning_rate", ConfigNode::number(1e-3), 0, "AdamW learning rate of the scales"))
+      .add(bounded("lwc_lr", ConfigNode::number(1e-2), 0, "AdamW learning rate of the clip factors"))
+      .add(bounded("weight_decay", ConfigNode::number(0), 0, "AdamW weight decay"))
+      .add(bounded("per_device_train_batch_size", ConfigNode::integer(1), 1, "samples per micro-batch"))
+      .add(bounded("gradient_accumulation_steps", ConfigNode::integer(1), 1, "micro-batches per optimizer step"))
+      .add(bounded("max_steps", ConfigNode::integer(-1), -1,
+                   "optimizer steps per layer; > 0 overrides num_train_epochs"))
+      .add(bounded("num_train_epochs", ConfigNode::number(2), 0, "passes over the calibration samples per layer"))
+      .add(bounded("warmup_ratio", ConfigNode::number(0), 0, "fraction of the steps warming up"))
       .choice("lr_scheduler_type", {"constant", "constant_with_warmup", "linear", "cosine"}, "cosine",
               "learning rate schedule (HF's)")
-      .add(number("max_grad_norm", 1.0, 0, "gradient clipping; 0: none"))
-      .add(integer("seed", 42, 0, "the sample order's seed"))
-      .add(integer("logging_steps", 0, 0, "an info line every N steps; 0: one per layer"))
+      .add(bounded("max_grad_norm", ConfigNode::number(1.0), 0, "gradient clipping; 0: none"))
+      .add(bounded("seed", ConfigNode::integer(42), 0, "the sample order's seed"))
+      .add(bounded("logging_steps", ConfigNode::integer(0), 0, "an info line every N steps; 0: one per layer"))
       .optional("logging_file", ValueType::kString, ConfigNode::string(""),
                 "per-step JSON lines; default <save_path>.qat_log.jsonl")
       .includeExclude();
