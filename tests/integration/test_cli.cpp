@@ -61,7 +61,8 @@ TEST(Cli, PluginsListsEveryBrokenFixtureWithItsReasonAndExitsZero) {
            "match",
            "libfault_no_descriptor.so\n    no qpipe plugin descriptor",
            "libfault_not_elf.so\n    not a shared library",
-           "Loaded plugins (6):",  // the three fault fixtures that load, and the built-in linear_quant, smooth, fa3
+           // the three fault fixtures that load, and the built-in linear_quant, smooth, fa3, qat
+           "Loaded plugins (7):",
            "type: factory_throws",
            "type: linear_quant",
        }) {
@@ -88,7 +89,7 @@ TEST(Cli, CheckRejectsUnknownTypeNamingFileLineTypeAndKnownTypes) {
           "qpipe: configuration error: " + kPipelines +
               "unknown_type.yaml:6:13: spec.process[1].type: "
               "unknown processor type 'awq_magic'; known types: fa3_quant, flex_awq_ssz, flex_smooth_quant, group, "
-              "iter_smooth, linear_quant, log_layers, module_stats, smooth_quant",
+              "iter_smooth, learnable_scale_qat, linear_quant, log_layers, module_stats, smooth_quant",
           0),
       0u)
       << r.err;
