@@ -206,26 +206,26 @@ class LearnableScaleQat final : public Processor {
     }
     std::vector<at::Tensor> targets = forwardAll(request, std::move(floatInputs));
 
-    std::vector<std::shared_ptr<QatLinear>> modules = startFromPtq(request);
-    if (modules.empty()) {
+    startFromPtq(request);
+    if (entries_.empty()) {
       request.forward(request);
     } else {
-      const double before = meanError(request, targets);
-      const int64_t steps = train(request, modules, targets);
+      const double before = meanError(forwardAll(request, request.inputs), targets);
+      const int64_t steps = train(request, targets);
       for (const Entry& e : entries_) request.module->replace(e.path, e.qat->deploy());
       request.forward(request);  // the deployed modules' outputs: the next layer's inputs
-      double after = 0;
-      for (size_t s = 0; s < targets.size(); ++s) after += meanSquaredError(request.outputs[s][0], targets[s]);
-      after /= static_cast<double>(targets.size());
+      std::vector<at::Tensor> outputs;
+      for (const TensorList& output : request.outputs) outputs.push_back(output[0]);
+      const double after = meanError(outputs, targets);
       request.report(request.name, "qat:mse_ptq", before);
       request.report(request.name, "qat:mse_qat", after);
       request.report(request.name, "qat:steps", static_cast<double>(steps));
-      context_.logger->info("learnable_scale_qat: ", request.name, ": ", modules.size(), " Linear, ", steps,
+      context_.logger->info("learnable_scale_qat: ", request.name, ": ", entries_.size(), " Linear, ", steps,
                             " steps, output mse ", scientific(before), " (PTQ) -> ", scientific(after), " (QAT, ",
                             before > 0 ? static_cast<int>(std::lround(100 * (after - before) / before)) : 0, "%), ",
                             std::chrono::duration<double>(Clock::now() - start).count(), " s");
       totalSteps_ += steps;
-      trained_ += static_cast<int64_t>(modules.size());
+      trained_ += static_cast<int64_t>(entries_.size());
       sumBefore_ += before;
       sumAfter_ += after;
     }
@@ -274,16 +274,16 @@ class LearnableScaleQat final : public Processor {
     return one.outputs[0][0];
   }
 
-  double meanError(LayerRequest& request, const std::vector<at::Tensor>& targets) {
-    const std::vector<at::Tensor> outputs = forwardAll(request, request.inputs);
+  // The mean over samples of each output's MSE to its target.
+  static double meanError(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& targets) {
     double sum = 0;
     for (size_t s = 0; s < outputs.size(); ++s) sum += meanSquaredError(outputs[s], targets[s]);
     return sum / static_cast<double>(outputs.size());
   }
 
   // Calibrates every matched Linear as linear_quant would (one staged forward, or observe then
-  // freeze) and replaces each by a QatLinear starting from those scales.
-  std::vector<std::shared_ptr<QatLinear>> startFromPtq(LayerRequest& request) {
+  // freeze) and replaces each by a QatLinear starting from those scales (entries_).
+  void startFromPtq(LayerRequest& request) {
     std::vector<std::shared_ptr<LinearQuantizer>> quantizers;
     std::vector<std::pair<at::Tensor, at::Tensor>> floats;  // weight and bias, kept past the quantizer
     forEach<Linear>(request, *filter_, [&](const std::string& path, const std::string& name, Linear& linear) {
@@ -295,22 +295,19 @@ class LearnableScaleQat final : public Processor {
       quantizers.push_back(quantizer);
       request.module->replace(path, quantizer);
     });
-    if (entries_.empty()) return {};
+    if (entries_.empty()) return;
     if (!qconfig_.isDataFree()) {
       request.forward(request);
       for (const auto& quantizer : quantizers) {
         if (!quantizer->frozen()) quantizer->freeze();
       }
     }
-    std::vector<std::shared_ptr<QatLinear>> modules;
     for (size_t i = 0; i < entries_.size(); ++i) {
       std::shared_ptr<QuantLinear> ptq = quantizers[i]->deploy(entries_[i].name);
       if (ptqCheckpoint_) ptq = loadedStart(entries_[i].name, floats[i].first, floats[i].second, ptq);
       entries_[i].qat = std::make_shared<QatLinear>(floats[i].first, floats[i].second, *ptq, options_);
       request.module->replace(entries_[i].path, entries_[i].qat);
-      modules.push_back(entries_[i].qat);
     }
-    return modules;
   }
 
   // The start of module `name` with the scales of the PTQ checkpoint where it has them, else
@@ -334,8 +331,8 @@ class LearnableScaleQat final : public Processor {
                                          bias, weight.scalar_type());
   }
 
-  int64_t train(LayerRequest& request, const std::vector<std::shared_ptr<QatLinear>>& modules,
-                const std::vector<at::Tensor>& targets) {
+  // Trains the scales of entries_ on the layer's inputs against `targets`; returns the steps.
+  int64_t train(LayerRequest& request, const std::vector<at::Tensor>& targets) {
     const auto samples = static_cast<int64_t>(request.inputs.size());
     const int64_t perStep = training_.batchSize * training_.accumulation;
     const int64_t stepsPerEpoch = (samples + perStep - 1) / perStep;
@@ -346,9 +343,9 @@ class LearnableScaleQat final : public Processor {
                                 static_cast<int64_t>(std::ceil(training_.epochs * static_cast<double>(stepsPerEpoch))));
     ParamGroup scales{.learningRate = training_.learningRate};
     ParamGroup clips{.learningRate = training_.lwcLearningRate};
-    for (const auto& module : modules) {
-      for (const auto& [name, tensor] : module->trainable()) {
-        (module->isClipFactor(name) ? clips : scales).params.push_back(tensor);
+    for (const Entry& e : entries_) {
+      for (const auto& [name, tensor] : e.qat->trainable()) {
+        (e.qat->isClipFactor(name) ? clips : scales).params.push_back(tensor);
       }
     }
     Optimizer optimizer(
@@ -380,7 +377,7 @@ class LearnableScaleQat final : public Processor {
         loss += sampleLoss.item<double>() / static_cast<double>(perStep);
       }
       const StepStats stats = optimizer.step();
-      for (const auto& module : modules) module->project();
+      for (const Entry& e : entries_) e.qat->project();
       const double epochs = static_cast<double>(epoch) + static_cast<double>(position) / static_cast<double>(samples);
       if (log_.is_open()) {
         log_ << "{\"layer\": \"" << request.name << "\", \"step\": " << step + 1 << ", \"epoch\": " << epochs
