@@ -1,7 +1,8 @@
 // learnable_scale_qat's QatLinear and Optimizer against the same training written in plain
 // PyTorch (tests/oracle/qat_oracle.py): the first step's scale gradients and the scales after
 // three steps of MSE, gradient clipping and AdamW, for int8, fp8 and int4 schemes under both
-// straight-through estimators and both scale parametrizations.
+// straight-through estimators and both scale parametrizations; and every training loss, its terms
+// and its gradient against tests/oracle/qat_loss_oracle.py.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "fake_quant.h"
+#include "losses.h"
 #include "qpipe/quant.h"
 #include "test_helpers.h"
 #include "trainer.h"
@@ -18,11 +20,11 @@
 namespace qpipe {
 namespace {
 
-at::Tensor fromHex(const std::string& hex, std::vector<int64_t> shape) {
+at::Tensor fromHex(const std::string& hex, std::vector<int64_t> shape, at::ScalarType dtype = at::kFloat) {
   std::vector<uint8_t> bytes(hex.size() / 2);
   for (size_t i = 0; i < bytes.size(); ++i)
     bytes[i] = static_cast<uint8_t>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
-  return at::from_blob(bytes.data(), shape, at::kFloat).clone();
+  return at::from_blob(bytes.data(), shape, dtype).clone();
 }
 
 double relativeError(const at::Tensor& actual, const at::Tensor& expected) {
@@ -72,17 +74,62 @@ TEST(QatOracle, GradientsAndThreeAdamWStepsMatchPyTorch) {
       if (step == 0) {
         EXPECT_NEAR(loss.item<double>(), loss0, 1e-6 * loss0);
         EXPECT_LE(relativeError(params[0].grad(), fromHex(gwHex, scaleShape)), 1e-5);
-        if (act != "float") EXPECT_LE(relativeError(params[1].grad(), fromHex(gaHex, {1})), 1e-5);
+        if (act != "float") {
+          EXPECT_LE(relativeError(params[1].grad(), fromHex(gaHex, {1})), 1e-5);
+        }
       }
       optimizer.step();
       module.project();
     }
     EXPECT_LE(relativeError(module.weightScale(), fromHex(swHex, scaleShape)), 1e-5);
-    if (act != "float")
+    if (act != "float") {
       EXPECT_LE(relativeError(module.deploy()->inputQuant()->params.scale, fromHex(saHex, {1})), 1e-5);
+    }
     ++cases;
   }
   EXPECT_EQ(cases, 9);
+}
+
+TEST(QatOracle, LossesTermsAndGradientsMatchPyTorch) {
+  constexpr int64_t kBatch = 2, kSeq = 7, kVocab = 50;
+  std::istringstream lines(test::runOracle("qat_loss_oracle.py", ""));
+  std::string line;
+  int cases = 0;
+  while (std::getline(lines, line)) {
+    std::istringstream in(line);
+    std::string name, type, studentHex, teacherHex, labelsHex, totalHex, lmHex, kdHex, fklHex, bklHex, gradHex;
+    int64_t topK = 0;
+    double temperature = 0, lmWeight = 0, kdWeight = 0;
+    in >> name >> type >> topK >> temperature >> lmWeight >> kdWeight >> studentHex >> teacherHex >> labelsHex >>
+        totalHex >> lmHex >> kdHex >> fklHex >> bklHex >> gradHex;
+    SCOPED_TRACE(name);
+    qat::LossSpec spec = qat::parseLoss(type, topK);
+    spec.temperature = temperature;
+    spec.lmWeight = lmWeight;
+    spec.kdWeight = kdWeight;
+    const std::vector<int64_t> shape{kBatch, kSeq, kVocab};
+    at::AutoGradMode gradients(true);
+    const at::Tensor student = fromHex(studentHex, shape).requires_grad_(true);
+    const qat::LossTerms terms = qat::computeLoss(student, spec.distills() ? fromHex(teacherHex, shape) : at::Tensor(),
+                                                  fromHex(labelsHex, {kBatch, kSeq}, at::kLong), spec);
+    terms.total.backward();
+    EXPECT_EQ(terms.tokens, kBatch * (kSeq - 1) - 3);
+    const auto expectTerm = [](const at::Tensor& actual, const std::string& hex, const char* what) {
+      SCOPED_TRACE(what);
+      ASSERT_EQ(actual.defined(), hex != "-");
+      if (hex != "-") {
+        EXPECT_LE(relativeError(actual.reshape({1}), fromHex(hex, {1})), 1e-6);
+      }
+    };
+    expectTerm(terms.total, totalHex, "total");
+    expectTerm(terms.lm, lmHex, "lm");
+    expectTerm(terms.kd, kdHex, "kd");
+    expectTerm(terms.forwardKl, fklHex, "forward_kl");
+    expectTerm(terms.backwardKl, bklHex, "backward_kl");
+    EXPECT_LE(relativeError(student.grad(), fromHex(gradHex, shape)), 1e-6);
+    ++cases;
+  }
+  EXPECT_EQ(cases, 11);
 }
 
 }  // namespace
