@@ -105,6 +105,7 @@ at::Tensor QatLinear::weightScale() const {
 }
 
 at::Tensor QatLinear::forward(const at::Tensor& input) {
+  if (bypassed_) return at::linear(input, weight_, bias_);
   const at::Tensor w = fakeQuantize(weight_, weightScale(), weightScheme_, options_.ste);
   at::Tensor x = input;
   if (input_ && input_->scheme.dtype != quant::QDtype::kFloat) {

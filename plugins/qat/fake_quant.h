@@ -72,6 +72,8 @@ class QatLinear : public Module {
   at::Tensor weightScale() const;
   // The deployed module with the learned scales: quantized weight, weight_scale, input_scale.
   std::shared_ptr<QuantLinear> deploy() const;
+  // While bypassed, forward is the float Linear's: the model is its own teacher (end2end KD).
+  void setBypassed(bool bypassed) { bypassed_ = bypassed; }
 
  private:
   at::Tensor scaleFromClip() const;  // lwc: σ(c)·range / qmax per scale value, with the floor
@@ -87,6 +89,7 @@ class QatLinear : public Module {
   at::Tensor weightScale_, weightInitial_;              // the parameter (trainable unless lwc), and s0
   at::Tensor clipMax_, clipMin_, groupMax_, groupMin_;  // lwc: logits, and the weight's ranges
   at::Tensor inputScale_, inputInitial_;                // static activations
+  bool bypassed_ = false;
 };
 
 }  // namespace qpipe::qat

@@ -52,14 +52,14 @@ LossSpec parseLoss(const std::string& name, int64_t topK) {
                            std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; });
       if (!numeric) break;
       suffix = std::stoll(std::string(digits));
-      QPIPE_REQUIRE(suffix > 0, ErrorCode::kConfig, "loss_type '", name, "': K must be at least 1");
+      QPIPE_REQUIRE(suffix > 0, ErrorCode::kConfig, "'", name, "': K must be at least 1");
     }
     spec.type = type;
     spec.topK = topK > 0 ? topK : suffix;
     return spec;
   }
-  throw Error(ErrorCode::kConfig, concat("unknown loss_type '", name,
-                                         "' (origin, kl, rkl, mse, kd, cakld, kl_top[_K], r_kl_top[_K])"));
+  throw Error(ErrorCode::kConfig, concat("'", name,
+                                         "' is not a loss (origin, kl, rkl, mse, kd, cakld, kl_top[_K], r_kl_top[_K])"));
 }
 
 LossTerms computeLoss(const at::Tensor& studentLogits, const at::Tensor& teacherLogits, const at::Tensor& labels,

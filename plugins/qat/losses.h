@@ -34,7 +34,8 @@ struct LossSpec {
 };
 
 // AngelSlim's spellings: origin, kl, rkl, mse, kd, cakld, kl_top[_K], r_kl_top[_K] (and rkl_top[_K]).
-// K is `topK` where it is > 0, else the name's suffix, else 1000. Error(kConfig) for another name.
+// K is `topK` where it is > 0, else the name's suffix, else 1000. Error(kConfig) "'<name>' is not a
+// loss (…)" for another name.
 LossSpec parseLoss(const std::string& name, int64_t topK);
 
 struct LossTerms {

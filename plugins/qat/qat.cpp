@@ -1,6 +1,15 @@
 // learnable_scale_qat: scale-only quantization-aware training (docs/qat.md), AngelSlim's QAT with
-// learnable scales, in the blockwise mode of its BlockwiseTrainer (EfficientQAT's Block-AP). Per
-// decoder layer, with the weights frozen:
+// learnable scales, with the weights frozen, in one of two modes.
+//
+// end2end (AngelSlim's End2EndTrainer, mcore_qad): on the runner's whole-model unit, every matched
+// Linear of the decoder layers is calibrated as linear_quant would (static activations observed on
+// the first lazy_init_samples samples, float activations flowing), becomes a QatLinear, and the
+// model trains on its logits: the LM loss on the samples and a distillation loss (losses.h) to the
+// teacher, the same model with its quantizers bypassed under no-grad, so no second copy exists.
+// The learned scales are baked into QuantLinear modules, which the savers write. Memory: the whole
+// model, plus one sample's activations for the backward pass and its two logits.
+//
+// blockwise (AngelSlim's BlockwiseTrainer, EfficientQAT's Block-AP), per decoder layer:
 //   1. the targets: the float layer's outputs on the float stream (the layer inputs of the
 //      unquantized model, carried by this processor from layer to layer), or with `target: layer`
 //      on the quantized inputs;
@@ -11,13 +20,16 @@
 //   4. the learned scales baked into QuantLinear modules, what the savers write and qpipe eval runs;
 //      their outputs go on to the next layer.
 // One layer is in memory at a time, as in every qpipe run, plus the float stream (one hidden state
-// per calibration sample). Single rank (issue 16 makes it multi-rank).
+// per calibration sample).
+//
+// Single rank (issue 16 makes it multi-rank).
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -25,6 +37,7 @@
 #include <vector>
 
 #include "fake_quant.h"
+#include "losses.h"
 #include "qpipe/linear_quantizer.h"
 #include "qpipe/plugin.h"
 #include "qpipe/progress.h"
@@ -52,6 +65,14 @@ struct TrainingSettings {
   int64_t seed = 42;
   int64_t loggingSteps = 0;
 };
+
+// What one sample adds to a step: the loss it minimises, and the values logged of it (the step
+// logs their mean over its samples), in a fixed order.
+struct SampleLoss {
+  at::Tensor loss;
+  std::vector<std::pair<std::string, double>> logged;
+};
+using SampleLossFn = std::function<SampleLoss(int64_t sample)>;
 
 std::string scientific(double value) {
   std::ostringstream out;
@@ -122,13 +143,22 @@ class LearnableScaleQat final : public Processor {
       : context_(context),
         qconfig_(quant::parseLinearQConfig(config.at("qconfig"), context.fieldPath("qconfig"))),
         filter_(context.moduleFilter(config)) {
-    const std::string& mode = config.at("training_mode").asString();
-    if (mode != "blockwise") {
-      throw context.configError(config, "training_mode",
-                                concat("'", mode,
-                                       "' is not built yet (docs/qat.md: end2end, the whole-model KD training, is "
-                                       "planned); use blockwise"));
+    end2end_ = config.at("training_mode").asString() == "end2end";
+    try {
+      loss_ = parseLoss(config.at("loss_type").asString(), config.at("loss_topk").asInt());
+    } catch (const Error& error) {
+      throw context.configError(config, "loss_type", error.what());
     }
+    loss_.temperature = config.at("kd_temperature").asFloat();
+    loss_.lmWeight = config.at("lm_loss_weight").asFloat();
+    loss_.kdWeight = config.at("kd_loss_weight").asFloat();
+    if (end2end_ && loss_.lmWeight <= 0 && !loss_.distills()) {
+      throw context.configError(config, "lm_loss_weight",
+                                loss_.type == LossType::kOrigin
+                                    ? "nothing to minimise: it is 0, and loss_type origin has no distillation term"
+                                    : "nothing to minimise: lm_loss_weight and kd_loss_weight are both 0");
+    }
+    lazyInitSamples_ = config.at("lazy_init_samples").asInt();
     for (const auto* side : {&qconfig_.weight, &qconfig_.act}) {
       if (side->enabled() && !side->scheme.symmetric) {
         throw context.configError(config, "qconfig", "learnable scales take symmetric schemes (symmetric: True)");
@@ -196,6 +226,10 @@ class LearnableScaleQat final : public Processor {
   }
 
   void process(LayerRequest& request) override {
+    if (request.wholeModel) {
+      trainModel(request);
+      return;
+    }
     if (isNonLayerUnit(request)) return;  // blockwise trains decoder layers (docs/qat.md)
     const auto start = Clock::now();
     std::vector<TensorList> floatInputs = request.inputs;
@@ -206,12 +240,18 @@ class LearnableScaleQat final : public Processor {
     }
     std::vector<at::Tensor> targets = forwardAll(request, std::move(floatInputs));
 
-    startFromPtq(request);
+    startFromPtq(request, [&request] { request.forward(request); });
     if (entries_.empty()) {
       request.forward(request);
     } else {
       const double before = meanError(forwardAll(request, request.inputs), targets);
-      const int64_t steps = train(request, targets);
+      const int64_t steps =
+          train(request.name, static_cast<int64_t>(request.inputs.size()), [&](int64_t s) -> SampleLoss {
+            const auto sample = static_cast<size_t>(s);
+            const at::Tensor loss = at::mse_loss(forwardOne(request, request.inputs[sample]).to(at::kFloat),
+                                                 targets[sample].to(at::kFloat));
+            return {loss, {{"loss", loss.item<double>()}}};
+          });
       for (const Entry& e : entries_) request.module->replace(e.path, e.qat->deploy());
       request.forward(request);  // the deployed modules' outputs: the next layer's inputs
       std::vector<at::Tensor> outputs;
@@ -245,12 +285,14 @@ class LearnableScaleQat final : public Processor {
                                 : concat("; ", calibratedNames_.size(), " it lacks were calibrated (", missing, ")"));
     }
     context_.logger->info("learnable_scale_qat: ", trained_, " Linear modules trained in ", totalSteps_, " steps (",
-                          qconfig_.describe(), "); summed layer output mse ", scientific(sumBefore_), " (PTQ) -> ",
-                          scientific(sumAfter_), " (QAT)", logPath_.empty() ? "" : "; steps in ", logPath_);
+                          qconfig_.describe(), "); ", end2end_ ? "total loss " : "summed layer output mse ",
+                          scientific(sumBefore_), " (PTQ) -> ", scientific(sumAfter_), " (QAT)",
+                          logPath_.empty() ? "" : "; steps in ", logPath_);
     floatStream_.clear();
   }
 
   bool trains() const override { return true; }
+  bool wholeModel() const override { return end2end_; }
 
  private:
   struct Entry {
@@ -258,6 +300,71 @@ class LearnableScaleQat final : public Processor {
     std::string name;
     std::shared_ptr<QatLinear> qat;
   };
+
+  // end2end on the whole-model unit: the PTQ start, training on the logits, the baked modules.
+  void trainModel(LayerRequest& request) {
+    const auto start = Clock::now();
+    const auto samples = static_cast<int64_t>(request.inputs.size());
+    startFromPtq(request, [&] {
+      for (int64_t s = 0; s < std::min(lazyInitSamples_, samples); ++s) {
+        forwardOne(request, request.inputs[static_cast<size_t>(s)]);
+      }
+    });
+    QPIPE_REQUIRE(!entries_.empty(), ErrorCode::kConfig,
+                  "learnable_scale_qat: no float Linear of the decoder layers matches its include/exclude; nothing "
+                  "to train");
+    const auto lossOf = [&](int64_t s) -> SampleLoss {
+      const TensorList& input = request.inputs[static_cast<size_t>(s)];
+      const at::Tensor teacher = loss_.distills() ? teacherLogits(request, input) : at::Tensor();
+      LossTerms terms = computeLoss(forwardOne(request, input), teacher, input[1], loss_);
+      SampleLoss sample{.loss = terms.total};
+      if (terms.lm.defined()) sample.logged.emplace_back("lm_loss", terms.lm.item<double>());
+      if (terms.kd.defined()) {
+        sample.logged.emplace_back("kd/" + loss_.name, terms.kd.item<double>());
+        sample.logged.emplace_back("kd/forward_kl", terms.forwardKl.item<double>());
+        sample.logged.emplace_back("kd/backward_kl", terms.backwardKl.item<double>());
+      }
+      sample.logged.emplace_back("total_loss", terms.total.item<double>());
+      return sample;
+    };
+    // The mean total loss over every sample, without gradients.
+    const auto evaluate = [&] {
+      at::NoGradGuard noGrad;
+      double sum = 0;
+      for (int64_t s = 0; s < samples; ++s) sum += lossOf(s).loss.item<double>();
+      return sum / static_cast<double>(samples);
+    };
+    const double before = evaluate();
+    const int64_t steps = train("", samples, lossOf);
+    const double after = evaluate();
+    for (const Entry& e : entries_) request.module->replace(e.path, e.qat->deploy());
+    request.report("", "qat:total_loss_ptq", before);
+    request.report("", "qat:total_loss_qat", after);
+    request.report("", "qat:steps", static_cast<double>(steps));
+    context_.logger->info("learnable_scale_qat: end2end: ", entries_.size(), " Linear, ", steps, " steps, ",
+                          loss_.lmWeight, "·lm", loss_.distills() ? concat(" + ", loss_.kdWeight, "·", loss_.name) : "",
+                          " ", scientific(before), " (PTQ) -> ", scientific(after), " (QAT), ",
+                          std::chrono::duration<double>(Clock::now() - start).count(), " s");
+    totalSteps_ = steps;
+    trained_ = static_cast<int64_t>(entries_.size());
+    sumBefore_ = before;
+    sumAfter_ = after;
+    entries_.clear();
+  }
+
+  // The teacher's logits: the same model with every QatLinear bypassed (float), no gradients.
+  at::Tensor teacherLogits(LayerRequest& request, const TensorList& input) {
+    struct Bypass {
+      std::vector<Entry>& entries;
+      explicit Bypass(std::vector<Entry>& e) : entries(e) { set(true); }
+      ~Bypass() { set(false); }
+      void set(bool on) {
+        for (Entry& entry : entries) entry.qat->setBypassed(on);
+      }
+    } bypass(entries_);
+    at::NoGradGuard noGrad;
+    return forwardOne(request, input);
+  }
 
   // The layer's output for each of `inputs` (no gradients).
   static std::vector<at::Tensor> forwardAll(LayerRequest& request, std::vector<TensorList> inputs) {
@@ -281,12 +388,14 @@ class LearnableScaleQat final : public Processor {
     return sum / static_cast<double>(outputs.size());
   }
 
-  // Calibrates every matched Linear as linear_quant would (one staged forward, or observe then
-  // freeze) and replaces each by a QatLinear starting from those scales (entries_).
-  void startFromPtq(LayerRequest& request) {
+  // Calibrates every matched Linear of the decoder layers as linear_quant would (`observe` runs
+  // the observing forward: one staged forward of a layer, or the first samples of the whole model;
+  // then freeze) and replaces each by a QatLinear starting from those scales (entries_).
+  void startFromPtq(LayerRequest& request, const std::function<void()>& observe) {
     std::vector<std::shared_ptr<LinearQuantizer>> quantizers;
     std::vector<std::pair<at::Tensor, at::Tensor>> floats;  // weight and bias, kept past the quantizer
     forEach<Linear>(request, *filter_, [&](const std::string& path, const std::string& name, Linear& linear) {
+      if (request.wholeModel && !name.starts_with("model.layers.")) return;  // embeddings and lm_head stay
       qconfig_.checkFits(name, linear.inFeatures());
       floats.emplace_back(linear.weight(), linear.bias());
       auto quantizer = std::make_shared<LinearQuantizer>(linear, qconfig_);
@@ -297,7 +406,7 @@ class LearnableScaleQat final : public Processor {
     });
     if (entries_.empty()) return;
     if (!qconfig_.isDataFree()) {
-      request.forward(request);
+      observe();
       for (const auto& quantizer : quantizers) {
         if (!quantizer->frozen()) quantizer->freeze();
       }
@@ -331,9 +440,9 @@ class LearnableScaleQat final : public Processor {
                                          bias, weight.scalar_type());
   }
 
-  // Trains the scales of entries_ on the layer's inputs against `targets`; returns the steps.
-  int64_t train(LayerRequest& request, const std::vector<at::Tensor>& targets) {
-    const auto samples = static_cast<int64_t>(request.inputs.size());
+  // Trains the scales of entries_ on `samples` samples, each step on the losses lossOf gives for
+  // batch × accumulation of them; returns the steps. `unit` names a blockwise layer ("" for end2end).
+  int64_t train(const std::string& unit, int64_t samples, const SampleLossFn& lossOf) {
     const int64_t perStep = training_.batchSize * training_.accumulation;
     const int64_t stepsPerEpoch = (samples + perStep - 1) / perStep;
     const int64_t total =
@@ -355,7 +464,7 @@ class LearnableScaleQat final : public Processor {
          .schedule = training_.schedule,
          .totalSteps = total,
          .warmupSteps = static_cast<int64_t>(std::ceil(training_.warmupRatio * static_cast<double>(total)))});
-    ProgressBar bar("qat " + request.name, total, "steps");
+    ProgressBar bar(unit.empty() ? "qat end2end" : "qat " + unit, total, "steps");
     int64_t epoch = 0, position = 0;
     std::vector<int64_t> order = epochOrder(samples, training_.seed, epoch);
     const auto nextSample = [&] {
@@ -367,30 +476,36 @@ class LearnableScaleQat final : public Processor {
     };
     at::AutoGradMode gradients(true);
     for (int64_t step = 0; step < total; ++step) {
-      double loss = 0;
+      std::vector<std::pair<std::string, double>> logged;  // the step's means
       for (int64_t k = 0; k < perStep; ++k) {
-        const int64_t s = nextSample();
-        const at::Tensor sampleLoss =
-            at::mse_loss(forwardOne(request, request.inputs[static_cast<size_t>(s)]).to(at::kFloat),
-                         targets[static_cast<size_t>(s)].to(at::kFloat));
-        (sampleLoss / static_cast<double>(perStep)).backward();
-        loss += sampleLoss.item<double>() / static_cast<double>(perStep);
+        SampleLoss sample = lossOf(nextSample());
+        (sample.loss / static_cast<double>(perStep)).backward();
+        if (logged.empty()) {
+          for (const auto& [key, value] : sample.logged) logged.emplace_back(key, 0.0);
+        }
+        for (size_t i = 0; i < logged.size(); ++i) {
+          logged[i].second += sample.logged[i].second / static_cast<double>(perStep);
+        }
       }
       const StepStats stats = optimizer.step();
       for (const Entry& e : entries_) e.qat->project();
       const double epochs = static_cast<double>(epoch) + static_cast<double>(position) / static_cast<double>(samples);
+      std::string losses;  // "lm_loss 2.1e+00, total_loss 2.2e+00"
+      for (const auto& [key, value] : logged) losses += concat(losses.empty() ? "" : ", ", key, " ", scientific(value));
       if (log_.is_open()) {
-        log_ << "{\"layer\": \"" << request.name << "\", \"step\": " << step + 1 << ", \"epoch\": " << epochs
-             << ", \"loss\": " << loss << ", \"grad_norm\": " << stats.gradNorm << ", \"lr\": " << stats.learningRate
-             << "}\n";
+        log_ << "{";
+        if (!unit.empty()) log_ << "\"layer\": \"" << unit << "\", ";
+        log_ << "\"step\": " << step + 1 << ", \"epoch\": " << epochs;
+        for (const auto& [key, value] : logged) log_ << ", \"" << key << "\": " << value;
+        log_ << ", \"grad_norm\": " << stats.gradNorm << ", \"lr\": " << stats.learningRate << "}\n";
         log_.flush();
       }
       if (training_.loggingSteps > 0 && (step + 1) % training_.loggingSteps == 0) {
-        context_.logger->info("learnable_scale_qat: ", request.name, " step ", step + 1, "/", total, ": loss ",
-                              scientific(loss), ", grad_norm ", scientific(stats.gradNorm), ", lr ",
+        context_.logger->info("learnable_scale_qat: ", unit.empty() ? "end2end" : unit, " step ", step + 1, "/", total,
+                              ": ", losses, ", grad_norm ", scientific(stats.gradNorm), ", lr ",
                               scientific(stats.learningRate));
       }
-      bar.update(step + 1, "loss " + scientific(loss));
+      bar.update(step + 1, losses);
     }
     return total;
   }
@@ -400,6 +515,9 @@ class LearnableScaleQat final : public Processor {
   std::shared_ptr<ModuleFilter> filter_;
   QatOptions options_;
   TrainingSettings training_;
+  bool end2end_ = false;
+  LossSpec loss_;
+  int64_t lazyInitSamples_ = 10;
   std::string logPath_;
   std::ofstream log_;
   std::optional<PtqCheckpoint> ptqCheckpoint_;
@@ -439,7 +557,9 @@ void registerProcessors(PluginRegistrar& registrar) {
   Schema pluginConfig;
   pluginConfig.nested("quant_config", std::move(quantConfig), false, "AngelSlim's quant_config");
   Schema schema;
-  schema.choice("training_mode", {"blockwise", "end2end"}, "blockwise", "blockwise: per decoder layer, MSE to float")
+  schema
+      .choice("training_mode", {"blockwise", "end2end"}, "blockwise",
+              "blockwise: per decoder layer, MSE to float; end2end: the whole model's logits, LM + KD loss")
       .nested("qconfig", quant::linearQConfigSchema(), true, "the quantization trained (linear_quant's qconfig)")
       .choice("target", {"float_stream", "layer"}, "float_stream",
               "blockwise targets: the float model's layer outputs (float_stream), or the float layer on the "
@@ -450,6 +570,14 @@ void registerProcessors(PluginRegistrar& registrar) {
               "relative: s = s0·α, α trained (learning rates are relative steps); absolute: s itself (AngelSlim)")
       .optional("from_ptq_ckpt", ValueType::kString, ConfigNode::string(""),
                 "a qpipe checkpoint (compressed-tensors or ascendv1) whose scales the training starts from")
+      .add(bounded("lazy_init_samples", ConfigNode::integer(10), 1,
+                   "end2end: samples the static activation scales are calibrated on"))
+      .optional("loss_type", ValueType::kString, ConfigNode::string("origin"),
+                "end2end: origin, kl, rkl, mse, kd, cakld, kl_top[_K], r_kl_top[_K]")
+      .add(bounded("loss_topk", ConfigNode::integer(0), 0, "K of the top-K losses; 0: the name's, else 1000"))
+      .add(bounded("kd_temperature", ConfigNode::number(1.0), 1e-6, "temperature T of loss_type kd"))
+      .add(bounded("lm_loss_weight", ConfigNode::number(1.0), 0, "end2end: weight of the LM loss"))
+      .add(bounded("kd_loss_weight", ConfigNode::number(1.0), 0, "end2end: weight of the distillation loss"))
       .add(bounded("lwc_init_value", ConfigNode::number(4.0), -1e9, "clip factors' initial logit"))
       .add(bounded("learning_rate", ConfigNode::number(1e-3), 0, "AdamW learning rate of the scales"))
       .add(bounded("lwc_lr", ConfigNode::number(1e-2), 0, "AdamW learning rate of the clip factors"))
@@ -480,5 +608,5 @@ void registerProcessors(PluginRegistrar& registrar) {
 }  // namespace
 }  // namespace qpipe::qat
 
-QPIPE_PLUGIN("qat", "1.0.0", "learnable_scale_qat: scale-only quantization-aware training (blockwise)",
+QPIPE_PLUGIN("qat", "1.0.0", "learnable_scale_qat: scale-only quantization-aware training (end2end, blockwise)",
              qpipe::qat::registerProcessors)

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "fake_quant.h"
+#include "losses.h"
 #include "qpipe/host/pipeline.h"
 #include "qpipe/host/plugin_loader.h"
 #include "qpipe/host/registry.h"
@@ -253,6 +254,33 @@ TEST(QatSchedule, EpochOrdersArePermutationsFixedBySeedAndEpoch) {
   EXPECT_NE(first, qat::epochOrder(20, 7, 0));
 }
 
+TEST(QatLoss, TopKComesFromLossTopkThenTheNameThenIsAThousand) {
+  EXPECT_EQ(qat::parseLoss("kl_top", 0).topK, 1000);
+  EXPECT_EQ(qat::parseLoss("kl_top_64", 0).topK, 64);
+  EXPECT_EQ(qat::parseLoss("kl_top_64", 8).topK, 8);
+  EXPECT_EQ(qat::parseLoss("r_kl_top_5", 0).type, qat::LossType::kRklTopK);
+  EXPECT_EQ(qat::parseLoss("rkl_top_7", 0).topK, 7);
+  EXPECT_EQ(qat::parseLoss("cakld", 0).type, qat::LossType::kCakld);
+  EXPECT_EQ(test::errorOf([] { qat::parseLoss("kl_top_x", 0); }, ErrorCode::kConfig),
+            "'kl_top_x' is not a loss (origin, kl, rkl, mse, kd, cakld, kl_top[_K], r_kl_top[_K])");
+}
+
+TEST(QatLoss, OriginIsTheCrossEntropyOfTheSupervisedTokensAndNoneIsAnError) {
+  at::manual_seed(3);
+  const at::Tensor logits = at::randn({1, 5, 11});
+  at::Tensor labels = at::randint(0, 11, {1, 5}, at::kLong);
+  labels[0][3] = -100;
+  const qat::LossSpec spec = qat::parseLoss("origin", 0);
+  const qat::LossTerms terms = qat::computeLoss(logits, {}, labels, spec);
+  EXPECT_EQ(terms.tokens, 3);
+  EXPECT_FALSE(terms.kd.defined());
+  const at::Tensor expected = at::cross_entropy_loss(logits[0].slice(0, 0, 4), labels[0].slice(0, 1), {}, 1, -100);
+  EXPECT_NEAR(terms.total.item<double>(), expected.item<double>(), 1e-6);
+  EXPECT_EQ(test::errorOf([&] { qat::computeLoss(logits, {}, at::full({1, 5}, -100, at::kLong), spec); },
+                          ErrorCode::kInput),
+            "a training sample has no supervised token (every label -100)");
+}
+
 class QatProcessor : public ::testing::Test {
  protected:
   QatProcessor() : logger_(std::make_shared<Logger>([](LogLevel, std::string_view) {})), loader_(registry_) {
@@ -399,13 +427,105 @@ TEST_F(QatProcessor, EverySchemeTrainsAndDeploys) {
   }
 }
 
+constexpr const char* kW4a16 =
+    "        weight: {dtype: int4, scope: per_group, symmetric: True, method: minmax, ext: {group_size: 8}}\n";
+
+const LayerReport& wholeModelReport(const QuantReport& report) {
+  for (const LayerReport& layer : report.layers) {
+    if (layer.name == "(whole model)") return layer;
+  }
+  throw std::runtime_error("the report has no whole-model unit");
+}
+
+TEST_F(QatProcessor, End2endAtAZeroLearningRateIsLinearQuantsCheckpoint) {
+  const fs::path dir = test::tinyLlama("qat_e2e_zero_lr");
+  for (const std::string qconfig :
+       {std::string(kW4a16), std::string("        act: {dtype: int8, scope: per_token, symmetric: True}\n"
+                                         "        weight: {dtype: int8, scope: per_channel, symmetric: True}\n")}) {
+    SCOPED_TRACE(qconfig);
+    auto [ptq, ptqReport] = run("    - type: linear_quant\n      qconfig:\n" + qconfig, dir);
+    auto [qat, qatReport] =
+        run(qatStep(qconfig, "      training_mode: end2end\n      learning_rate: 0\n      loss_type: kl\n"), dir);
+    EXPECT_EQ(reportValue(wholeModelReport(qatReport), "qat:total_loss_qat"),
+              reportValue(wholeModelReport(qatReport), "qat:total_loss_ptq"));
+    for (int64_t layer = 0; layer < test::kTinyLayers; ++layer) {
+      for (const std::string& path : test::tinyLayerLinears()) {
+        SCOPED_TRACE(path);
+        auto& a = ptq->layer(layer).getSubmodule(path).as<QuantLinear>(path);
+        auto& b = qat->layer(layer).getSubmodule(path).as<QuantLinear>(path);
+        for (const char* name : {"weight", "weight_scale"}) EXPECT_TRUE(at::equal(a.parameter(name), b.parameter(name)));
+      }
+    }
+  }
+}
+
+// The trained model, deployed, computes the loss the training reported for its fake-quantized
+// self: the scales were baked, not approximated. The teacher is the float model.
+TEST_F(QatProcessor, End2endTrainsOnTheLogitsAndItsDeployedModelComputesTheTrainedLoss) {
+  const fs::path dir = test::tinyLlama("qat_e2e");
+  const fs::path save = test::testDir() / "qat_e2e_out";
+  auto [ptq, ptqReport] = run("    - type: linear_quant\n      qconfig:\n" + std::string(kW8a8Static), dir);
+  auto [model, report] =
+      run(qatStep(kW8a8Static,
+                  "      training_mode: end2end\n      loss_type: cakld\n      lm_loss_weight: 0.5\n"
+                  "      learning_rate: 1e-2\n      max_steps: 3\n      per_device_train_batch_size: 6\n"
+                  "      lazy_init_samples: 6\n      ste: lsq\n"
+                  "      plugin_config: {quant_config: {learnable: {act_scale: True}}}\n"),
+          dir, save.string());
+  const LayerReport& whole = wholeModelReport(report);
+  EXPECT_EQ(reportValue(whole, "qat:steps"), 3);
+  std::ifstream log(save.string() + ".qat_log.jsonl");
+  std::string line;
+  int lines = 0;
+  while (std::getline(log, line)) {
+    const auto entry = nlohmann::json::parse(line);
+    EXPECT_FALSE(entry.contains("layer"));
+    EXPECT_EQ(entry["step"], lines + 1);
+    for (const char* key : {"lm_loss", "kd/cakld", "kd/forward_kl", "kd/backward_kl", "total_loss", "grad_norm", "lr"}) {
+      EXPECT_TRUE(entry[key].is_number()) << key;
+    }
+    const double total = entry["total_loss"].get<double>();
+    EXPECT_NEAR(total, 0.5 * entry["lm_loss"].get<double>() + entry["kd/cakld"].get<double>(), 1e-6 * total);
+    // One batch of every sample per step: the first step's loss is the start's.
+    if (lines == 0) EXPECT_NEAR(total, reportValue(whole, "qat:total_loss_ptq"), 1e-6 * total);
+    ++lines;
+  }
+  EXPECT_EQ(lines, 3);
+  for (const std::string& path : test::tinyLayerLinears()) {
+    auto& trained = model->layer(1).getSubmodule(path).as<QuantLinear>(path);
+    auto& start = ptq->layer(1).getSubmodule(path).as<QuantLinear>(path);
+    EXPECT_FALSE(at::equal(trained.parameter("weight_scale"), start.parameter("weight_scale"))) << path;
+  }
+  auto teacher = CausalLM::open(dir);
+  qat::LossSpec spec = qat::parseLoss("cakld", 0);
+  spec.lmWeight = 0.5;
+  spec.kdWeight = 1;
+  double sum = 0;
+  for (const at::Tensor& ids : samples()) {
+    sum += qat::computeLoss(model->forward(ids), teacher->forward(ids), ids, spec).total.item<double>();
+  }
+  const double deployed = sum / static_cast<double>(samples().size());
+  EXPECT_NEAR(deployed, reportValue(whole, "qat:total_loss_qat"), 1e-5 * deployed);
+  EXPECT_NE(reportValue(whole, "qat:total_loss_qat"), reportValue(whole, "qat:total_loss_ptq"));
+}
+
 TEST_F(QatProcessor, ConfigurationErrorsNameTheField) {
   const auto message = [&](const std::string& extra, const std::string& qconfig = kW8a8Static) {
     return configError(qatStep(qconfig, extra));
   };
-  EXPECT_NE(message("      training_mode: end2end\n")
-                .find("spec.process[0].training_mode: 'end2end' is not built yet (docs/qat.md: end2end, the "
-                      "whole-model KD training, is planned); use blockwise"),
+  EXPECT_NE(message("      training_mode: end2end\n      loss_type: jsd\n")
+                .find("spec.process[0].loss_type: 'jsd' is not a loss (origin, kl, rkl, mse, kd, cakld, kl_top[_K], "
+                      "r_kl_top[_K])"),
+            std::string::npos);
+  EXPECT_NE(message("      loss_type: kl_top_0\n").find("spec.process[0].loss_type: 'kl_top_0': K must be at least 1"),
+            std::string::npos);
+  EXPECT_NE(message("      training_mode: end2end\n      loss_type: kl\n      lm_loss_weight: 0\n      kd_loss_weight: 0\n")
+                .find("spec.process[0].lm_loss_weight: nothing to minimise: lm_loss_weight and kd_loss_weight are "
+                      "both 0"),
+            std::string::npos);
+  EXPECT_NE(message("      training_mode: end2end\n      lm_loss_weight: 0\n      loss_type: origin\n")
+                .find("spec.process[0].lm_loss_weight: nothing to minimise: it is 0, and loss_type origin has no "
+                      "distillation term"),
             std::string::npos);
   EXPECT_NE(message("", "        weight: {dtype: int8, scope: per_channel, symmetric: False}\n")
                 .find("spec.process[0].qconfig: learnable scales take symmetric schemes (symmetric: True)"),

@@ -51,10 +51,16 @@ class GuardedProcessor final : public Processor {
   bool trains() const override {
     return guard("trains", "", [&] { return inner_->trains(); });
   }
+  bool wholeModel() const override {
+    return guard("wholeModel", "", [&] { return inner_->wholeModel(); });
+  }
 
  private:
   // What error messages call the unit: its HF name, or what the report calls the non-layer one.
-  static std::string unitName(const LayerRequest& r) { return isNonLayerUnit(r) ? "non-layer modules" : r.name; }
+  static std::string unitName(const LayerRequest& r) {
+    if (r.wholeModel) return "whole model";
+    return isNonLayerUnit(r) ? "non-layer modules" : r.name;
+  }
 
   template <typename F>
   auto guard(const char* call, const std::string& layer, F&& body) const -> decltype(body()) {

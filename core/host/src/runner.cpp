@@ -24,8 +24,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The non-layer unit's entry in the report (its request's name is "").
+// The report's entries of the units whose requests' name is "".
 constexpr std::string_view kNonLayerReportName = "(non-layer modules)";
+constexpr std::string_view kWholeModelReportName = "(whole model)";
 
 double secondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -245,8 +246,13 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
   const GradientScope gradients(anyTrains(processors_));
   const auto runStart = Clock::now();
   ProcessGroup& group = *options_.group;
-  const bool needsData = std::any_of(processors_.begin(), processors_.end(),
-                                     [](const auto& processor) { return needsCalibration(*processor); });
+  // The processors of the layer and non-layer units: all but the whole-model ones, which see only
+  // the whole-model unit at the end.
+  const auto onUnits = [](const std::unique_ptr<Processor>& processor) { return !processor->wholeModel(); };
+  const bool wholeModel = anyWholeModel(processors_);
+  const bool needsData = std::any_of(processors_.begin(), processors_.end(), [&](const auto& processor) {
+    return onUnits(processor) && needsCalibration(*processor);
+  });
   const bool split = options_.segments.has_value();
   QPIPE_CHECK(!split || splitsLayers(processors_, group.worldSize(), options_.mode),
               "segments for a run that cannot split its layers");
@@ -279,13 +285,16 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     LayerRequest& request = unit.request;
     if (unitProbe) unitProbe->recordFloat(*request.module, request.name, unit.probeForward);
     bool forwarded = false;
+    const bool onWholeModel = request.wholeModel;
     for (size_t i = 0; i < processors_.size(); ++i) {
       Processor* processor = processors_[i].get();
+      if (processor->wholeModel() != onWholeModel) continue;
       const auto start = Clock::now();
       processor->preprocess(request);
       if (needsCalibration(*processor)) {
-        const bool followed = std::any_of(processors_.begin() + static_cast<std::ptrdiff_t>(i) + 1, processors_.end(),
-                                          [](const auto& later) { return needsCalibration(*later); });
+        const bool followed =
+            std::any_of(processors_.begin() + static_cast<std::ptrdiff_t>(i) + 1, processors_.end(),
+                        [&](const auto& later) { return onUnits(later) && needsCalibration(*later); });
         request.forwardUntil = followed ? unit.forwardUntil : nullptr;
         processor->process(request);
         request.forwardUntil = nullptr;
@@ -398,7 +407,8 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
                         tasks.summary().line());
     if (probe) probe.emplace(probeInput(model_, group.storeGet(probeKey(layers))));
   } else {
-    const bool resident = options_.mode == RunnerMode::kModelWise;
+    // The whole-model unit needs every layer, and the layers are written after it.
+    const bool resident = options_.mode == RunnerMode::kModelWise || wholeModel;
     if (resident) {
       for (int64_t index = 0; index < layers; ++index) model_.layer(index);
     }
@@ -410,7 +420,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       LayerRequest request = layerRequest(layer, index, std::move(inputs));
       LayerReport report{.name = request.name};
       const bool forwarded = runUnit(layerUnit(request, layer), report, probe ? &*probe : nullptr);
-      if (sink) sink(index, request.name, layer);
+      if (sink && !wholeModel) sink(index, request.name, layer);
       // Lock-step: no rank runs ahead of rank 0's writing by more than one layer.
       group.barrier();
 
@@ -468,6 +478,29 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     // leave them).
     if (options_.report != nullptr && (!report.modules.empty() || !report.values.empty())) {
       options_.report->layers.push_back(std::move(report));
+    }
+  }
+
+  if (wholeModel) {
+    const auto unitStart = Clock::now();
+    LayerRequest request{.name = "", .module = &model_.root()};
+    request.wholeModel = true;
+    for (size_t k = 0; k < samples.size(); ++k) {
+      const at::Tensor ids = samples[k].to(model_.options().device);
+      request.inputs.push_back({ids, ids});
+      request.sampleIds.push_back(group.rank() + static_cast<int64_t>(k) * group.worldSize());
+    }
+    request.forward = [this](LayerRequest& r) {
+      r.outputs.clear();
+      for (const TensorList& input : r.inputs) r.outputs.push_back({model_.forward(input[0])});
+    };
+    LayerReport report{.name = std::string(kWholeModelReportName)};
+    runUnit({request, {}, false}, report, nullptr);
+    report.seconds = secondsSince(unitStart);
+    if (options_.report != nullptr) options_.report->layers.push_back(std::move(report));
+    for (int64_t index = 0; index < layers; ++index) {
+      if (sink) sink(index, model_.layerName(index), model_.layer(index));
+      group.barrier();
     }
   }
 

@@ -15,6 +15,13 @@
 // so only an observing replacement has a use for them), and fills no outputs. What a processor
 // puts in its slots replaces the model's own modules after the last postprocess.
 //
+// The whole-model unit comes last, only when a processor declares wholeModel() (end2end training),
+// and only to those processors, which see no other unit: its module is the model's root, every
+// decoder layer resident with what the layer-wise processors left in it, so module names are the
+// HF names; its inputs are {ids [1, seq], labels [1, seq]} per sample (int64; the labels are the
+// ids: every token of a calibration window is supervised), and its forward fills outputs with
+// {logits [1, seq, vocab]}. The savers write the layers after it.
+//
 // Static calibration fixes each observer's parameters from every sample before any sample goes on
 // past it (docs/quantization.md), in one of two ways:
 // - staged (`request.staged`, a decoder layer whose modules run the same way for every sample):
@@ -90,6 +97,8 @@ struct LayerRequest {
   // run whose processors are all layersIndependent()): this rank sees only the layers it executes,
   // inside a parallel task of the runner's scheduler, and every rank sees the non-layer unit.
   bool splitLayers = false;
+  // True on the whole-model unit (its name is "", as the non-layer unit's).
+  bool wholeModel = false;
 
   void report(std::string moduleName, std::string key, double value) {
     reportValues.push_back({std::move(moduleName), std::move(key), value});
@@ -105,7 +114,7 @@ inline int64_t currentSample(const LayerRequest& request) {
 
 // True for the unit of the modules outside the decoder layers.
 inline bool isNonLayerUnit(const LayerRequest& request) {
-  return request.name.empty();
+  return request.name.empty() && !request.wholeModel;
 }
 
 // The full HF name of the module at `path` below request.module ("" is the unit itself).
@@ -197,7 +206,19 @@ class Processor {
   // available, with gradients off unless the processor turns them on (at::AutoGradMode), instead of
   // running in LibTorch's inference mode, whose tensors cannot be saved for a backward pass.
   virtual bool trains() const { return false; }
+  // True when the processor works on the whole model at once (end2end training): the runner then
+  // gives it the whole-model unit alone, after every unit of the other processors, and keeps every
+  // decoder layer resident for the run (the whole model's memory; docs/architecture.md).
+  virtual bool wholeModel() const { return false; }
 };
+
+// True when any processor of the pipeline works on the whole model (Processor::wholeModel).
+inline bool anyWholeModel(const std::vector<std::unique_ptr<Processor>>& processors) {
+  for (const auto& processor : processors) {
+    if (processor->wholeModel()) return true;
+  }
+  return false;
+}
 
 // True when any processor of the pipeline trains (Processor::trains).
 inline bool anyTrains(const std::vector<std::unique_ptr<Processor>>& processors) {

@@ -13,6 +13,9 @@
 //   the non-layer unit (model.embed_tokens, model.norm, lm_head; processor.h): the same three
 //     calls, with the last layer's outputs as inputs; the modules processors put in its slots
 //     then replace the model's own (the saver writes them at finish())
+//   the whole-model unit, when a processor declares wholeModel() (processor.h): those processors
+//     alone, on the model's root with every layer resident (they were kept loaded), the samples
+//     as inputs; then sink(i, layer) for every layer
 //   postRun() on every processor
 //
 // The next layer's inputs are the outputs of the last calibration forward of the layer, so the
