@@ -755,4 +755,40 @@ TEST(QuantCli, QatStartsFromTheScalesOfAPtqCheckpoint) {
   EXPECT_FALSE(fs::exists(dir / "bad"));
 }
 
+// The baking check from the command line: with the LM loss alone, end2end QAT reports the mean
+// cross entropy of its trained fake-quantized model on the calibration windows; `qpipe eval` of the
+// saved checkpoint on the same text, cut into the same windows, must give exp of it.
+TEST(QuantCli, End2endQatCheckpointEvaluatesToTheLossItTrainedTo) {
+  const fs::path model = qpipe::test::tinyLlama("qat_e2e_cli");
+  const fs::path dir = qpipe::test::testDir();
+  const fs::path out = dir / "qat_e2e_cli_out";
+  fs::remove_all(out);
+  // 200 characters (about 170 tokens): 10 windows of 16 and a rest, which eval drops too.
+  std::string text;
+  while (text.size() < 200) text += "the quick brown fox jumps over the lazy dog, then sleeps. ";
+  const fs::path data = qpipe::test::writeTempFile("qat_e2e_cli.txt", text.substr(0, 200) + "\n");
+  const fs::path config = pipelineFile("qat_e2e_cli.yaml", symmetricStatic("learnable_scale_qat",
+                                                                           "      training_mode: end2end\n"
+                                                                           "      loss_type: origin\n"
+                                                                           "      learning_rate: 1.0e-2\n"
+                                                                           "      max_steps: 4\n"
+                                                                           "      logging_steps: 1\n"));
+  const CommandResult r = qpipe("quant --model_path " + quote(model) + " --save_path " + quote(out) +
+                                " --config_path " + quote(config) + " --calib_data " + quote(data) +
+                                " --calib_samples 100 --seq_len 16");
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find("learnable_scale_qat: end2end step 4/4: lm_loss "), std::string::npos) << r.err;
+  const Json report = readJson(out / "quant_report.json");
+  double trained = std::nan("");
+  for (const Json& layer : report["layers"]) {
+    if (layer["name"] == "(whole model)") trained = layer["values"][""]["qat:total_loss_qat"].get<double>();
+  }
+  const fs::path json = dir / "qat_e2e_cli.eval.json";
+  const CommandResult eval = qpipe("--log_level warn eval --model_path " + quote(out) + " --data " + quote(data) +
+                                   " --seq_len 16 --output_json " + quote(json));
+  ASSERT_EQ(eval.exitCode, 0) << eval.err;
+  const double perplexity = readJson(json)["perplexity"].get<double>();
+  EXPECT_NEAR(std::log(perplexity), trained, 1e-5 * trained);
+}
+
 }  // namespace

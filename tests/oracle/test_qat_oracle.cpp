@@ -1,19 +1,24 @@
 // learnable_scale_qat's QatLinear and Optimizer against the same training written in plain
 // PyTorch (tests/oracle/qat_oracle.py): the first step's scale gradients and the scales after
 // three steps of MSE, gradient clipping and AdamW, for int8, fp8 and int4 schemes under both
-// straight-through estimators and both scale parametrizations; and every training loss, its terms
-// and its gradient against tests/oracle/qat_loss_oracle.py.
+// straight-through estimators and both scale parametrizations; every training loss, its terms
+// and its gradient against tests/oracle/qat_loss_oracle.py; and two steps of end2end training of
+// a transformers Llama against tests/oracle/qat_e2e_oracle.py.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
+#include <iostream>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "fake_quant.h"
 #include "losses.h"
+#include "qpipe/model.h"
 #include "qpipe/quant.h"
+#include "qpipe/safetensors.h"
+#include "run_pipeline.h"
 #include "test_helpers.h"
 #include "trainer.h"
 
@@ -130,6 +135,65 @@ TEST(QatOracle, LossesTermsAndGradientsMatchPyTorch) {
     ++cases;
   }
   EXPECT_EQ(cases, 11);
+}
+
+TEST(QatOracle, TwoEnd2endStepsMatchPyTorch) {
+  const std::filesystem::path dir = test::testDir() / "qat_e2e_src";
+  const std::filesystem::path reference = test::testDir() / "qat_e2e_reference.safetensors";
+  std::filesystem::remove_all(dir);
+  test::runOracle("quantized_checkpoint_oracle.py", "make " + dir.string());
+  test::runOracle("qat_e2e_oracle.py", dir.string() + " " + reference.string());
+  const auto expected = safetensors::File::open(reference);
+
+  auto model = CausalLM::open(dir);
+  const at::Tensor ids = expected->tensor("ids");
+  std::vector<at::Tensor> samples;
+  for (int64_t row = 0; row < ids.size(0); ++row) samples.push_back(ids.slice(0, row, row + 1));
+  const QuantReport report = test::runPipeline(*model, R"(    - type: learnable_scale_qat
+      training_mode: end2end
+      qconfig:
+        weight: {dtype: int4, scope: per_group, symmetric: True, method: minmax, ext: {group_size: 32}}
+      include: ["model.layers.*"]
+      loss_type: cakld
+      ste: lsq
+      learning_rate: 1.0e-2
+      lr_scheduler_type: constant
+      max_steps: 2
+      per_device_train_batch_size: 4
+)",
+                                               samples);
+  const double loss0 = expected->tensor("loss0").item<double>();
+  bool found = false;
+  for (const LayerReport& layer : report.layers) {
+    for (const ReportValue& value : layer.values) {
+      if (value.key != "qat:total_loss_ptq") continue;
+      EXPECT_NEAR(value.value, loss0, 1e-6 * loss0);
+      found = true;
+    }
+  }
+  EXPECT_TRUE(found);
+  auto start = CausalLM::open(dir);
+  const quant::QScheme scheme{.dtype = quant::QDtype::kInt4, .scope = quant::QScope::kPerGroup, .groupSize = 32};
+  int modules = 0;
+  double worst = 0;
+  for (int64_t layer = 0; layer < model->config().numLayers; ++layer) {
+    for (auto& [name, module] : model->layer(layer).namedModules(model->layerName(layer))) {
+      auto* linear = dynamic_cast<QuantLinear*>(module);
+      if (linear == nullptr) continue;
+      const at::Tensor theirs = expected->tensor(name + ".weight_scale");
+      const at::Tensor ours = linear->parameter("weight_scale").reshape(theirs.sizes());
+      worst = std::max(worst, ((ours - theirs).abs() / theirs.abs()).max().item<double>());
+      // The steps moved the scales off their minmax start: Adam's first steps are ±lr each.
+      const std::string path = name.substr(model->layerName(layer).size() + 1);
+      const at::Tensor initial =
+          quant::computeQParams(start->layer(layer).getSubmodule(path).as<Linear>(path).weight(), scheme).scale;
+      EXPECT_GT((ours / initial.reshape(ours.sizes()) - 1).abs().mean().item<double>(), 5e-3) << name;
+      ++modules;
+    }
+  }
+  EXPECT_EQ(modules, 7 * model->config().numLayers);
+  EXPECT_LE(worst, 1e-5);
+  std::cout << "end2end: " << modules << " modules, worst relative scale difference " << worst << "\n";
 }
 
 }  // namespace

@@ -5,7 +5,8 @@
 // transformers, whose loader (5.23 with compressed-tensors 0.20) expects the zero points unpacked.
 // The model is quantized here as linear_quant deploys it: every projection replaced by
 // QuantLinear::fromLinear, static activation ranges from a calibration forward; one case quantizes
-// lm_head of the tied model too, which the saved checkpoint unties.
+// lm_head of the tied model too, which the saved checkpoint unties; and one is trained by
+// learnable_scale_qat (end2end), whose baked scales must load the same way.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -17,6 +18,7 @@
 #include "qpipe/model.h"
 #include "qpipe/quant_linear.h"
 #include "replace_linears.h"
+#include "run_pipeline.h"
 #include "test_helpers.h"
 
 namespace qpipe {
@@ -32,6 +34,9 @@ struct Case {
   std::optional<QScheme> input;
   bool compareLogits = true;
   bool head = false;  // lm_head quantized too
+  // When set, spec.process entries that quantize the model (test::runPipeline) in place of the
+  // deployment above, on four random windows of 24 tokens.
+  std::string pipeline;
 };
 
 constexpr int64_t kVocab = 97;
@@ -86,7 +91,14 @@ void runCase(const std::string& name, const Case& c) {
   fs::remove_all(out);
   test::runOracle("quantized_checkpoint_oracle.py", "make " + src.string());
   auto lm = CausalLM::open(src);
-  quantize(*lm, c);
+  if (c.pipeline.empty()) {
+    quantize(*lm, c);
+  } else {
+    at::manual_seed(5);
+    std::vector<at::Tensor> samples;
+    for (int i = 0; i < 4; ++i) samples.push_back(at::randint(0, kVocab, {1, 24}, at::kLong));
+    test::runPipeline(*lm, c.pipeline, samples);
+  }
   at::manual_seed(29);
   const at::Tensor ids = at::randint(0, kVocab, {2, 19}, at::kLong);
   const at::Tensor ours = lm->forward(ids);
@@ -166,6 +178,22 @@ TEST(QuantizedCheckpointOracle, W4A16Group128Symmetric) {
 TEST(QuantizedCheckpointOracle, W4A16Group128Asymmetric) {
   runCase("w4a16 g128 asym",
           {{.dtype = QDtype::kInt4, .scope = QScope::kPerGroup, .symmetric = false, .groupSize = 128}, std::nullopt});
+}
+
+TEST(QuantizedCheckpointOracle, Fp8StaticTrainedByEnd2endQat) {
+  runCase("fp8 static, end2end QAT",
+          {.weight = {.dtype = QDtype::kFp8E4m3, .scope = QScope::kPerTensor},
+           .pipeline = R"(    - type: learnable_scale_qat
+      training_mode: end2end
+      qconfig:
+        act: {dtype: fp8_e4m3, scope: per_tensor, symmetric: True, method: minmax}
+        weight: {dtype: fp8_e4m3, scope: per_tensor, symmetric: True, method: minmax}
+      plugin_config: {quant_config: {learnable: {act_scale: True}}}
+      loss_type: kl
+      ste: lsq
+      learning_rate: 1.0e-2
+      max_steps: 3
+)"});
 }
 
 }  // namespace

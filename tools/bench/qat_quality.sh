@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Perplexity of float, PTQ and blockwise QAT checkpoints on held-out text (docs/quality.md):
+# Perplexity of float, PTQ and QAT checkpoints on held-out text (docs/quality.md):
 # for each scheme, linear_quant with the scheme's qconfig (lm_head left in float, as QAT leaves
 # it) and the QAT practice of configs/qat/, both calibrated on the same windows of
 # data/calib.jsonl, then `qpipe eval` on data/eval.jsonl. Prints a table with the share of the
 # PTQ gap to float that QAT recovers, and each run's time.
 #   tools/bench/qat_quality.sh [MODEL_DIR] [SAMPLES] [SEQ_LEN]
-# Environment: SCHEMES (default "fp8_static w8a8_static w4a16"), QPIPE (default build/bin/qpipe).
+# Environment: SCHEMES (default "fp8_static w8a8_static w4a16"; the end2end practices are
+# fp8_static_e2e and w4a16_e2e), QPIPE (default build/bin/qpipe).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 model=$(realpath "${1:-$root/.cache/models/smollm2-135m}")
@@ -21,6 +22,8 @@ practice() {
     fp8_static) echo "$root/configs/qat/w8a8_fp8_static_qat.yaml" ;;
     w8a8_static) echo "$root/configs/qat/w8a8_static_qat.yaml" ;;
     w4a16) echo "$root/configs/qat/w4a16_qat.yaml" ;;
+    fp8_static_e2e) echo "$root/configs/qat/w8a8_fp8_static_e2e_qat.yaml" ;;
+    w4a16_e2e) echo "$root/configs/qat/w4a16_e2e_qat.yaml" ;;
     *) echo "unknown scheme $1" >&2; exit 2 ;;
   esac
 }
