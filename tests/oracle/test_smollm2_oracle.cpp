@@ -1,13 +1,17 @@
 // The real model, converted by tools/setup.sh into .cache/models/smollm2-135m, against
-// transformers and tokenizers: tokenizer ids, greedy decoding and `qpipe eval`'s perplexity.
+// transformers and tokenizers: tokenizer ids, greedy decoding, `qpipe eval`'s perplexity, and the
+// SFT samples of data/sft.jsonl against the model's own chat template.
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <sstream>
+
 #include "qpipe/dataset.h"
 #include "qpipe/model.h"
 #include "qpipe/safetensors.h"
+#include "qpipe/sft.h"
 #include "qpipe/tokenizer.h"
 #include "test_helpers.h"
 
@@ -54,6 +58,35 @@ TEST_F(SmolLM2, TokenizerMatchesHuggingFaceOnRealLines) {
     }
   }
   EXPECT_EQ(mismatches, 0u) << "of " << lines.size() << " lines";
+}
+
+TEST_F(SmolLM2, SftSamplesAreTheChatTemplatesTokensWithTheLastAssistantTurnSupervised) {
+  constexpr int64_t kCount = 24, kSeq = 384;  // some chats longer than kSeq: cut like the oracle's
+  std::istringstream lines(test::runOracle(
+      "sft_oracle.py", concat(kModel.string(), " ", (kData / "sft.jsonl").string(), " ", kCount, " ", kSeq)));
+  const ChatFormat format = ChatFormat::fromModel(kModel);
+  EXPECT_EQ(format.kind, ChatFormat::Kind::kChatMl);
+  EXPECT_EQ(format.defaultSystem, "You are a helpful AI assistant named SmolLM, trained by Hugging Face");
+  const std::vector<SftSample> samples = sftSamples(
+      loadDataset(kData / "sft.jsonl"), Tokenizer::fromFile(kModel / "tokenizer.json"), format, kCount, kSeq);
+  ASSERT_EQ(samples.size(), static_cast<size_t>(kCount));
+  std::string line;
+  int64_t cut = 0;
+  for (const SftSample& sample : samples) {
+    ASSERT_TRUE(std::getline(lines, line));
+    const Json expected = Json::parse(line);
+    const auto ids = expected["ids"].get<std::vector<int64_t>>();
+    const auto labels = expected["labels"].get<std::vector<int64_t>>();
+    SCOPED_TRACE(sample.origin);
+    EXPECT_EQ(std::vector<int64_t>(sample.ids.data_ptr<int64_t>(), sample.ids.data_ptr<int64_t>() + sample.ids.numel()),
+              ids);
+    EXPECT_EQ(std::vector<int64_t>(sample.labels.data_ptr<int64_t>(),
+                                   sample.labels.data_ptr<int64_t>() + sample.labels.numel()),
+              labels);
+    cut += sample.ids.size(1) == kSeq;
+  }
+  EXPECT_GT(cut, 0);
+  EXPECT_LT(cut, kCount);
 }
 
 TEST_F(SmolLM2, LogitsMatchTransformers) {

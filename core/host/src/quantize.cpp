@@ -8,6 +8,7 @@
 #include <cstdio>
 
 #include "qpipe/dataset.h"
+#include "qpipe/sft.h"
 #include "qpipe/error.h"
 #include "qpipe/host/pipeline.h"
 #include "qpipe/host/practice.h"
@@ -160,8 +161,25 @@ QuantizeResult quantize(const QuantizeOptions& options) {
   std::unique_ptr<CheckpointSaver> saver;
   if (saves) saver = prepared.registry.createSaver(saving.type, saving.config, *model, options.savePath);
   const Tokenizer tokenizer = Tokenizer::fromFile(options.modelPath / "tokenizer.json");
-  const std::vector<at::Tensor> samples = calibrationWindows(
-      encodeDataset(prepared.calibData, tokenizer), prepared.calibData.string(), options.calibSamples, options.seqLen);
+  // A pipeline that trains the whole model on chat data trains on the chats (SFT); any other run
+  // calibrates on windows of the text.
+  std::vector<at::Tensor> samples, labels;
+  std::vector<DataSample> records;
+  if (anyWholeModel(prepared.processors)) records = loadDataset(prepared.calibData);
+  if (std::any_of(records.begin(), records.end(), [](const DataSample& record) { return !record.turns.empty(); })) {
+    int64_t supervised = 0;
+    for (SftSample& sample : sftSamples(records, tokenizer, ChatFormat::fromModel(options.modelPath),
+                                        options.calibSamples, options.seqLen)) {
+      samples.push_back(std::move(sample.ids));
+      labels.push_back(std::move(sample.labels));
+      supervised += sample.supervised;
+    }
+    logger->info("training: ", samples.size(), " chats of at most ", options.seqLen, " tokens from ",
+                 prepared.calibData.string(), ", their last assistant turns supervised (", supervised, " tokens)");
+  } else {
+    samples = calibrationWindows(encodeDataset(prepared.calibData, tokenizer), prepared.calibData.string(),
+                                 options.calibSamples, options.seqLen);
+  }
   const std::vector<at::Tensor> share = rankShare(samples, group.rank(), group.worldSize());
   if (group.worldSize() > 1) {
     logger->info("calibration: ", share.size(), " of ", samples.size(), " samples x ", options.seqLen, " tokens from ",
@@ -173,7 +191,7 @@ QuantizeResult quantize(const QuantizeOptions& options) {
     QPIPE_REQUIRE(!calibrates || !share.empty(), ErrorCode::kUsage, samples.size(), " calibration samples for ",
                   group.worldSize(), " ranks: every rank needs one; give --calib_samples ", group.worldSize(),
                   " or more, or use fewer devices");
-  } else {
+  } else if (labels.empty()) {
     logger->info("calibration: ", samples.size(), " samples x ", options.seqLen, " tokens from ",
                  prepared.calibData.string());
   }
@@ -181,6 +199,7 @@ QuantizeResult quantize(const QuantizeOptions& options) {
   QuantizeResult result{.saver = saving.type, .saved = saves};
   RunnerOptions runnerOptions{
       .group = prepared.group, .mode = prepared.mode, .report = saves ? &result.report : nullptr};
+  runnerOptions.labels = rankShare(labels, group.rank(), group.worldSize());
   // Split layers (docs/scheduler.md): every rank writes the layers it executes as segments in
   // rank 0's partial folder, which must therefore be on a file system every rank sees.
   std::unique_ptr<CheckpointSaver> segmentSaver;

@@ -485,9 +485,11 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     const auto unitStart = Clock::now();
     LayerRequest request{.name = "", .module = &model_.root()};
     request.wholeModel = true;
+    QPIPE_CHECK(options_.labels.empty() || options_.labels.size() == samples.size(), options_.labels.size(),
+                " labels for ", samples.size(), " samples");
     for (size_t k = 0; k < samples.size(); ++k) {
       const at::Tensor ids = samples[k].to(model_.options().device);
-      request.inputs.push_back({ids, ids});
+      request.inputs.push_back({ids, options_.labels.empty() ? ids : options_.labels[k].to(model_.options().device)});
       request.sampleIds.push_back(group.rank() + static_cast<int64_t>(k) * group.worldSize());
     }
     request.forward = [this](LayerRequest& r) {

@@ -18,8 +18,9 @@
 // The whole-model unit comes last, only when a processor declares wholeModel() (end2end training),
 // and only to those processors, which see no other unit: its module is the model's root, every
 // decoder layer resident with what the layer-wise processors left in it, so module names are the
-// HF names; its inputs are {ids [1, seq], labels [1, seq]} per sample (int64; the labels are the
-// ids: every token of a calibration window is supervised), and its forward fills outputs with
+// HF names; its inputs are {ids [1, seq], labels [1, seq]} per sample (int64; of a calibration
+// window the labels are its ids, of an SFT chat -100 off the last assistant turn: docs/data.md),
+// and its forward fills outputs with
 // {logits [1, seq, vocab]}. The savers write the layers after it.
 //
 // Static calibration fixes each observer's parameters from every sample before any sample goes on

@@ -107,6 +107,9 @@ struct RunnerOptions {
   // Set on every rank (or on none) where splitsLayers(): the run splits its layers, and the sink
   // sees none.
   std::optional<LayerSegments> segments;
+  // The whole-model unit's labels, one [1, seq] per sample (SFT data: -100 off the supervised
+  // tokens); empty: each sample's ids.
+  std::vector<at::Tensor> labels;
 };
 
 // Whether a run of these processors on `worldSize` ranks splits its decoder layers when given
