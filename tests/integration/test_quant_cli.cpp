@@ -791,4 +791,38 @@ TEST(QuantCli, End2endQatCheckpointEvaluatesToTheLossItTrainedTo) {
   EXPECT_NEAR(std::log(perplexity), trained, 1e-5 * trained);
 }
 
+// Chat data makes an end2end run train on the chats (SFT), not on windows of their text.
+TEST(QuantCli, End2endQatTrainsOnChatData) {
+  const fs::path model = qpipe::test::tinyLlama("qat_sft_cli");
+  const fs::path out = qpipe::test::testDir() / "qat_sft_cli_out";
+  fs::remove_all(out);
+  const fs::path data = qpipe::test::writeTempFile(
+      "chats.jsonl", R"({"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi"}]}
+{"conversations": [{"from": "human", "value": "and then"}, {"from": "gpt", "value": "the end."}]}
+{"instruction": "count", "output": "one, two, three."}
+)");
+  const fs::path config = pipelineFile("qat_sft_cli.yaml", symmetricStatic("learnable_scale_qat",
+                                                                           "      training_mode: end2end\n"
+                                                                           "      loss_type: kl\n"
+                                                                           "      max_steps: 2\n"));
+  const CommandResult r = qpipe("quant --model_path " + quote(model) + " --save_path " + quote(out) +
+                                " --config_path " + quote(config) + " --calib_data " + quote(data) +
+                                " --calib_samples 8 --seq_len 64");
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find("training: 3 chats of at most 64 tokens from " + data.string() +
+                       ", their last assistant turns supervised ("),
+            std::string::npos)
+      << r.err;
+  EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+  const fs::path plain = qpipe::test::writeTempFile("mixed.jsonl", R"({"text": "plain words"}
+{"instruction": "count", "output": "one."}
+)");
+  expectOneLineError(qpipe("--log_level error quant --model_path " + quote(model) + " --save_path " +
+                           quote(out / "bad") + " --config_path " + quote(config) + " --calib_data " + quote(plain)),
+                     code(ErrorCode::kInput),
+                     "qpipe: input error: " + plain.string() +
+                         ":1: plain text in SFT data; every record must be a chat (messages, conversations, or "
+                         "instruction and output)");
+}
+
 }  // namespace
