@@ -104,6 +104,26 @@ at::Tensor QatLinear::weightScale() const {
   return options_.learnable.lwc ? scaleFromClip() : effective(weightScale_, weightInitial_);
 }
 
+std::vector<std::pair<std::string, at::Tensor>> QatLinear::state() const {
+  at::NoGradGuard noGrad;
+  std::vector<std::pair<std::string, at::Tensor>> tensors{{"weight_scale", weightScale().detach()}};
+  if (inputScale_.defined()) tensors.emplace_back("input_scale", effective(inputScale_, inputInitial_).detach());
+  if (options_.learnable.lwc) {
+    tensors.emplace_back("clip_max", clipMax_.detach());
+    tensors.emplace_back("clip_min", clipMin_.detach());
+  }
+  return tensors;
+}
+
+void QatLinear::restoreClip(const at::Tensor& clipMax, const at::Tensor& clipMin) {
+  QPIPE_CHECK(clipMax_.defined() && clipMax.sizes() == clipMax_.sizes() && clipMin.sizes() == clipMin_.sizes(),
+              "clip factors of shape ", clipMax.sizes(), " for a module whose are ",
+              clipMax_.defined() ? clipMax_.sizes() : at::IntArrayRef{});
+  at::NoGradGuard noGrad;
+  clipMax_.copy_(clipMax);
+  clipMin_.copy_(clipMin);
+}
+
 at::Tensor QatLinear::forward(const at::Tensor& input) {
   if (bypassed_) return at::linear(input, weight_, bias_);
   const at::Tensor w = fakeQuantize(weight_, weightScale(), weightScheme_, options_.ste);

@@ -72,6 +72,11 @@ class QatLinear : public Module {
   at::Tensor weightScale() const;
   // The deployed module with the learned scales: quantized weight, weight_scale, input_scale.
   std::shared_ptr<QuantLinear> deploy() const;
+  // What a scales artifact keeps of the module, by local name: weight_scale and input_scale as the
+  // forward uses them, and with lwc the clip factors' logits clip_max and clip_min; detached.
+  std::vector<std::pair<std::string, at::Tensor>> state() const;
+  // Sets the lwc logits from a scales artifact (the scales come in through the PTQ module).
+  void restoreClip(const at::Tensor& clipMax, const at::Tensor& clipMin);
   // While bypassed, forward is the float Linear's: the model is its own teacher (end2end KD).
   void setBypassed(bool bypassed) { bypassed_ = bypassed; }
 

@@ -137,6 +137,32 @@ class PtqCheckpoint {
   std::vector<std::string> stored_;  // module names with a weight
 };
 
+// The scales artifact: every trained module's state (QatLinear::state, "<module>.<tensor>") in one
+// safetensors file beside the checkpoint, with the qconfig it was trained for in its metadata. A
+// run given it as resume_from starts from those scales (and clip factors) instead of calibrating,
+// and with max_steps 0 exports them again without training.
+constexpr std::string_view kQconfigKey = "qpipe.qat.qconfig";
+
+class ScalesArtifact {
+ public:
+  ScalesArtifact(const std::filesystem::path& path, const std::string& qconfig) : file_(safetensors::File::open(path)) {
+    const auto stored = file_->metadata().find(std::string(kQconfigKey));
+    QPIPE_REQUIRE(stored != file_->metadata().end(), ErrorCode::kInput, "resume_from '", path.string(),
+                  "' is not a scales artifact of learnable_scale_qat (no ", kQconfigKey, " in its metadata)");
+    QPIPE_REQUIRE(stored->second == qconfig, ErrorCode::kConfig, "resume_from '", path.string(),
+                  "' holds scales trained for ", stored->second, ", but the qconfig asks for ", qconfig);
+  }
+
+  const std::string path() const { return file_->path().string(); }
+  // Tensor `name` (a copy), or undefined when the artifact lacks it.
+  at::Tensor tensor(const std::string& name) const {
+    return file_->find(name) != nullptr ? file_->tensor(name).clone() : at::Tensor();
+  }
+
+ private:
+  std::shared_ptr<const safetensors::File> file_;
+};
+
 class LearnableScaleQat final : public Processor {
  public:
   LearnableScaleQat(const ConfigNode& config, const ProcessorContext& context)
@@ -199,8 +225,17 @@ class LearnableScaleQat final : public Processor {
                  .maxGradNorm = config.at("max_grad_norm").asFloat(),
                  .seed = config.at("seed").asInt(),
                  .loggingSteps = config.at("logging_steps").asInt()};
-    if (training_.maxSteps <= 0 && training_.epochs <= 0) {
-      throw context.configError(config, "num_train_epochs", "no training: set num_train_epochs > 0 or max_steps > 0");
+    if (const std::string& resume = config.at("resume_from").asString(); !resume.empty()) {
+      if (!std::filesystem::is_regular_file(resume)) {
+        throw context.configError(config, "resume_from", concat("'", resume, "' is not a file"));
+      }
+      resume_.emplace(resume, qconfig_.describe());
+    }
+    const bool exportOnly = resume_ && training_.maxSteps == 0;
+    if (!exportOnly && training_.maxSteps <= 0 && training_.epochs <= 0) {
+      throw context.configError(config, "num_train_epochs",
+                                "no training: set num_train_epochs > 0 or max_steps > 0 (max_steps 0 with resume_from "
+                                "exports the artifact's scales)");
     }
     floatStreamTarget_ = config.at("target").asString() == "float_stream";
     if (const std::string& ptq = config.at("from_ptq_ckpt").asString(); !ptq.empty()) {
@@ -210,14 +245,24 @@ class LearnableScaleQat final : public Processor {
       ptqCheckpoint_.emplace(ptq);
     }
     logPath_ = config.at("logging_file").asString();
-    if (logPath_.empty() && !context.savePath.empty()) {
+    if (!context.savePath.empty()) {
       std::filesystem::path save(context.savePath);
       if (save.filename().empty()) save = save.parent_path();
-      logPath_ = save.string() + ".qat_log.jsonl";
+      if (logPath_.empty()) logPath_ = save.string() + ".qat_log.jsonl";
+      scalesPath_ = save.string() + ".qat_scales.safetensors";
     }
   }
 
   void preRun() override {
+    if (!scalesPath_.empty()) {
+      const std::filesystem::path path(scalesPath_);
+      scales_ = std::make_unique<safetensors::Writer>(
+          path.parent_path(),
+          safetensors::WriterOptions{
+              .filePrefix = path.filename().string().substr(0, path.filename().string().size() - 12),
+              .metadata = {{std::string(kQconfigKey), qconfig_.describe()},
+                           {"qpipe.qat.training_mode", end2end_ ? "end2end" : "blockwise"}}});
+    }
     if (!logPath_.empty()) {
       log_.open(logPath_, std::ios::trunc);
       QPIPE_REQUIRE(log_.good(), ErrorCode::kIo, "learnable_scale_qat: cannot write its training log '", logPath_, "'");
@@ -252,6 +297,7 @@ class LearnableScaleQat final : public Processor {
                                                  targets[sample].to(at::kFloat));
             return {loss, {{"loss", loss.item<double>()}}};
           });
+      saveScales();
       for (const Entry& e : entries_) request.module->replace(e.path, e.qat->deploy());
       request.forward(request);  // the deployed modules' outputs: the next layer's inputs
       std::vector<at::Tensor> outputs;
@@ -274,6 +320,16 @@ class LearnableScaleQat final : public Processor {
   }
 
   void postRun() override {
+    if (scales_) {
+      scales_->finish();
+      scales_.reset();
+    }
+    if (resume_) {
+      context_.logger->info("learnable_scale_qat: ", resumed_, " modules start from the scales in '", resume_->path(),
+                            "'",
+                            calibratedNames_.empty() ? std::string()
+                                                     : concat("; ", calibratedNames_.size(), " it lacks were calibrated"));
+    }
     if (ptqCheckpoint_) {
       std::string missing;
       for (size_t i = 0; i < calibratedNames_.size() && i < 3; ++i) missing += (i ? ", " : "") + calibratedNames_[i];
@@ -287,7 +343,8 @@ class LearnableScaleQat final : public Processor {
     context_.logger->info("learnable_scale_qat: ", trained_, " Linear modules trained in ", totalSteps_, " steps (",
                           qconfig_.describe(), "); ", end2end_ ? "total loss " : "summed layer output mse ",
                           scientific(sumBefore_), " (PTQ) -> ", scientific(sumAfter_), " (QAT)",
-                          logPath_.empty() ? "" : "; steps in ", logPath_);
+                          logPath_.empty() ? "" : "; steps in ", logPath_,
+                          scalesPath_.empty() ? "" : "; scales in ", scalesPath_);
     floatStream_.clear();
   }
 
@@ -337,6 +394,7 @@ class LearnableScaleQat final : public Processor {
     const double before = evaluate();
     const int64_t steps = train("", samples, lossOf);
     const double after = evaluate();
+    saveScales();
     for (const Entry& e : entries_) request.module->replace(e.path, e.qat->deploy());
     request.report("", "qat:total_loss_ptq", before);
     request.report("", "qat:total_loss_qat", after);
@@ -413,8 +471,23 @@ class LearnableScaleQat final : public Processor {
     }
     for (size_t i = 0; i < entries_.size(); ++i) {
       std::shared_ptr<QuantLinear> ptq = quantizers[i]->deploy(entries_[i].name);
-      if (ptqCheckpoint_) ptq = loadedStart(entries_[i].name, floats[i].first, floats[i].second, ptq);
-      entries_[i].qat = std::make_shared<QatLinear>(floats[i].first, floats[i].second, *ptq, options_);
+      const std::string& name = entries_[i].name;
+      const auto& [weight, bias] = floats[i];
+      const at::Tensor resumed = resume_ ? resume_->tensor(name + ".weight_scale") : at::Tensor();
+      if (resumed.defined()) {
+        ptq = resumedStart(name, weight, bias, resumed, ptq);
+      } else if (ptqCheckpoint_) {
+        ptq = loadedStart(name, weight, bias, ptq);
+      } else if (resume_) {
+        calibratedNames_.push_back(name);
+      }
+      entries_[i].qat = std::make_shared<QatLinear>(weight, bias, *ptq, options_);
+      if (resumed.defined() && options_.learnable.lwc) {
+        const at::Tensor clipMax = resume_->tensor(name + ".clip_max"), clipMin = resume_->tensor(name + ".clip_min");
+        QPIPE_REQUIRE(clipMax.defined() && clipMin.defined(), ErrorCode::kInput, "resume_from '", resume_->path(),
+                      "': ", name, " has no clip factors (clip_max, clip_min), and lwc is on");
+        entries_[i].qat->restoreClip(clipMax, clipMin);
+      }
       request.module->replace(entries_[i].path, entries_[i].qat);
     }
   }
@@ -428,21 +501,55 @@ class LearnableScaleQat final : public Processor {
       calibratedNames_.push_back(name);
       return calibrated;
     }
-    const quant::QScheme& scheme = calibrated->weightScheme();
     QPIPE_REQUIRE(describe(*stored) == describe(*calibrated), ErrorCode::kConfig, "from_ptq_ckpt '",
                   ptqCheckpoint_->dir(), "': ", name, " is quantized there as ", describe(*stored),
                   ", but the qconfig asks for ", describe(*calibrated));
     std::optional<ActivationQuant> input = calibrated->inputQuant();
     if (input && !input->isDynamic()) input->params = stored->inputQuant()->params;
-    const quant::QParams params = stored->weightParams();
     ++loaded_;
+    return withScales(weight, bias, *calibrated, stored->weightParams(), std::move(input));
+  }
+
+  // The start of module `name` from the scales artifact (its weight_scale `scale`, and its
+  // input_scale where the activations are static).
+  std::shared_ptr<QuantLinear> resumedStart(const std::string& name, const at::Tensor& weight, const at::Tensor& bias,
+                                            const at::Tensor& scale, const std::shared_ptr<QuantLinear>& calibrated) {
+    const quant::QParams calibratedParams = calibrated->weightParams();
+    QPIPE_REQUIRE(scale.sizes() == calibratedParams.scale.sizes(), ErrorCode::kInput, "resume_from '",
+                  resume_->path(), "': ", name, ".weight_scale has shape ", scale.sizes(), ", this model's ",
+                  calibratedParams.scale.sizes());
+    std::optional<ActivationQuant> input = calibrated->inputQuant();
+    if (input && !input->isDynamic() && input->scheme.dtype != quant::QDtype::kFloat) {
+      const at::Tensor inputScale = resume_->tensor(name + ".input_scale");
+      QPIPE_REQUIRE(inputScale.defined(), ErrorCode::kInput, "resume_from '", resume_->path(), "': ", name,
+                    " has no input_scale, and its activations are static");
+      input->params = {inputScale, at::zeros_like(inputScale, inputScale.options().dtype(at::kInt))};
+    }
+    ++resumed_;
+    return withScales(weight, bias, *calibrated,
+                      {scale, at::zeros_like(scale, scale.options().dtype(at::kInt))}, std::move(input));
+  }
+
+  // A PTQ module of `like`'s schemes with these scales.
+  static std::shared_ptr<QuantLinear> withScales(const at::Tensor& weight, const at::Tensor& bias, QuantLinear& like,
+                                                 const quant::QParams& params, std::optional<ActivationQuant> input) {
+    const quant::QScheme& scheme = like.weightScheme();
     return std::make_shared<QuantLinear>(quant::quantize(weight, params, scheme), params, scheme, std::move(input),
                                          bias, weight.scalar_type());
+  }
+
+  // Adds the trained modules' state to the scales artifact.
+  void saveScales() {
+    if (!scales_) return;
+    for (const Entry& e : entries_) {
+      for (const auto& [key, tensor] : e.qat->state()) scales_->add(e.name + "." + key, tensor);
+    }
   }
 
   // Trains the scales of entries_ on `samples` samples, each step on the losses lossOf gives for
   // batch × accumulation of them; returns the steps. `unit` names a blockwise layer ("" for end2end).
   int64_t train(const std::string& unit, int64_t samples, const SampleLossFn& lossOf) {
+    if (resume_ && training_.maxSteps == 0) return 0;  // export the artifact's scales
     const int64_t perStep = training_.batchSize * training_.accumulation;
     const int64_t stepsPerEpoch = (samples + perStep - 1) / perStep;
     const int64_t total =
@@ -521,6 +628,10 @@ class LearnableScaleQat final : public Processor {
   std::string logPath_;
   std::ofstream log_;
   std::optional<PtqCheckpoint> ptqCheckpoint_;
+  std::optional<ScalesArtifact> resume_;
+  int64_t resumed_ = 0;  // modules that started from resume_
+  std::string scalesPath_;
+  std::unique_ptr<safetensors::Writer> scales_;
   int64_t loaded_ = 0;                        // modules that started from ptqCheckpoint_
   std::vector<std::string> calibratedNames_;  // modules it lacks, calibrated instead
   std::vector<Entry> entries_;                // the layer being trained
@@ -570,6 +681,8 @@ void registerProcessors(PluginRegistrar& registrar) {
               "relative: s = s0·α, α trained (learning rates are relative steps); absolute: s itself (AngelSlim)")
       .optional("from_ptq_ckpt", ValueType::kString, ConfigNode::string(""),
                 "a qpipe checkpoint (compressed-tensors or ascendv1) whose scales the training starts from")
+      .optional("resume_from", ValueType::kString, ConfigNode::string(""),
+                "a scales artifact (<save_path>.qat_scales.safetensors) to start from; with max_steps 0, export it")
       .add(bounded("lazy_init_samples", ConfigNode::integer(10), 1,
                    "end2end: samples the static activation scales are calibrated on"))
       .optional("loss_type", ValueType::kString, ConfigNode::string("origin"),

@@ -825,4 +825,63 @@ TEST(QuantCli, End2endQatTrainsOnChatData) {
                          "instruction and output)");
 }
 
+std::string fileBytes(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// The scales artifact beside a QAT checkpoint: an export redone from it without training is the
+// same checkpoint byte for byte; an artifact of another qconfig, or no artifact, is refused.
+TEST(QuantCli, QatExportsAgainFromItsScalesArtifact) {
+  const fs::path model = qpipe::test::tinyLlama("qat_resume");
+  const fs::path dir = qpipe::test::testDir();
+  for (const char* out : {"qat_trained", "qat_exported"}) fs::remove_all(dir / out);
+  const auto quant = [&](const std::string& out, const std::string& extra) {
+    const fs::path config = pipelineFile(out + ".yaml", symmetricStatic("learnable_scale_qat", extra));
+    return qpipe("quant --model_path " + quote(model) + " --save_path " + quote(dir / out) + " --config_path " +
+                 quote(config) + kTinyCalib);
+  };
+  const std::string learnable = "      plugin_config: {quant_config: {learnable: {act_scale: True}}}\n";
+  const CommandResult trained = quant("qat_trained", learnable + "      max_steps: 3\n      learning_rate: 1.0e-2\n");
+  ASSERT_EQ(trained.exitCode, 0) << trained.err;
+  const fs::path artifact = dir / "qat_trained.qat_scales.safetensors";
+  ASSERT_TRUE(fs::exists(artifact));
+  EXPECT_NE(trained.err.find("; scales in " + artifact.string()), std::string::npos) << trained.err;
+  const CommandResult exported = quant("qat_exported", learnable + "      max_steps: 0\n      resume_from: " +
+                                                           artifact.string() + "\n");
+  ASSERT_EQ(exported.exitCode, 0) << exported.err;
+  EXPECT_NE(exported.err.find("learnable_scale_qat: 14 modules start from the scales in '" + artifact.string() + "'"),
+            std::string::npos)
+      << exported.err;
+  EXPECT_EQ(fileBytes(dir / "qat_exported" / "model.safetensors"), fileBytes(dir / "qat_trained" / "model.safetensors"));
+
+  const fs::path fp8 = pipelineFile("qat_resume_fp8.yaml",
+                                    "    - type: learnable_scale_qat\n"
+                                    "      qconfig:\n"
+                                    "        weight: {dtype: fp8_e4m3, scope: per_tensor, symmetric: True}\n"
+                                    "      resume_from: " +
+                                        artifact.string() + "\n");
+  const CommandResult other = qpipe("check --config_path " + quote(fp8));
+  EXPECT_EQ(other.exitCode, code(ErrorCode::kConfig)) << other.err;
+  EXPECT_NE(other.err.find("resume_from '" + artifact.string() +
+                           "' holds scales trained for w int8 per_channel sym minmax, a int8 per_tensor sym minmax, "
+                           "but the qconfig asks for w fp8_e4m3 per_tensor sym minmax, a float"),
+            std::string::npos)
+      << other.err;
+  const fs::path notArtifact = pipelineFile(
+      "qat_resume_model.yaml",
+      symmetricStatic("learnable_scale_qat", "      resume_from: " + (model / "model.safetensors").string() + "\n"));
+  const CommandResult plain = qpipe("check --config_path " + quote(notArtifact));
+  EXPECT_EQ(plain.exitCode, code(ErrorCode::kInput)) << plain.err;
+  EXPECT_NE(plain.err.find("resume_from '" + (model / "model.safetensors").string() +
+                           "' is not a scales artifact of learnable_scale_qat (no qpipe.qat.qconfig in its metadata)"),
+            std::string::npos)
+      << plain.err;
+  const fs::path missing = pipelineFile("qat_resume_missing.yaml",
+                                        symmetricStatic("learnable_scale_qat", "      resume_from: /nonexistent.st\n"));
+  const CommandResult none = qpipe("check --config_path " + quote(missing));
+  EXPECT_NE(none.err.find("spec.process[0].resume_from: '/nonexistent.st' is not a file"), std::string::npos)
+      << none.err;
+}
+
 }  // namespace
