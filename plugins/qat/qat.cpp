@@ -28,6 +28,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -86,6 +87,13 @@ std::string describe(const QuantLinear& linear) {
   const quant::QScheme& weight = linear.weightScheme();
   return concat("w ", weight.name(), weight.groupSize > 0 ? concat(" (group ", weight.groupSize, ")") : "", ", a ",
                 linear.inputQuant() ? linear.inputQuant()->scheme.name() : "float");
+}
+
+// The same for a qconfig.
+std::string describe(const quant::LinearQConfig& config) {
+  const quant::QScheme& weight = config.weight.scheme;
+  return concat("w ", weight.name(), weight.groupSize > 0 ? concat(" (group ", weight.groupSize, ")") : "", ", a ",
+                config.act.enabled() ? config.act.scheme.name() : "float");
 }
 
 double meanSquaredError(const at::Tensor& value, const at::Tensor& target) {
@@ -277,15 +285,18 @@ class LearnableScaleQat final : public Processor {
     }
     if (isNonLayerUnit(request)) return;  // blockwise trains decoder layers (docs/qat.md)
     const auto start = Clock::now();
+    startFromPtq(request, [&request] { request.forward(request); });
     std::vector<TensorList> floatInputs = request.inputs;
     if (floatStreamTarget_ && !floatStream_.empty()) {
       QPIPE_CHECK(floatStream_.size() == floatInputs.size(), "float stream of ", floatStream_.size(), " samples for ",
                   floatInputs.size());
       for (size_t s = 0; s < floatInputs.size(); ++s) floatInputs[s][0] = floatStream_[s];
     }
-    std::vector<at::Tensor> targets = forwardAll(request, std::move(floatInputs));
-
-    startFromPtq(request, [&request] { request.forward(request); });
+    std::vector<at::Tensor> targets;
+    {
+      const Bypass bypass(entries_);  // the float layer, including what earlier steps quantized
+      targets = forwardAll(request, std::move(floatInputs));
+    }
     if (entries_.empty()) {
       request.forward(request);
     } else {
@@ -358,6 +369,21 @@ class LearnableScaleQat final : public Processor {
     std::shared_ptr<QatLinear> qat;
   };
 
+  // While it lives, every QatLinear of entries_ computes the float Linear's output.
+  class Bypass {
+   public:
+    explicit Bypass(std::vector<Entry>& entries) : entries_(entries) { set(true); }
+    ~Bypass() { set(false); }
+    Bypass(const Bypass&) = delete;
+    Bypass& operator=(const Bypass&) = delete;
+
+   private:
+    void set(bool on) {
+      for (Entry& entry : entries_) entry.qat->setBypassed(on);
+    }
+    std::vector<Entry>& entries_;
+  };
+
   // end2end on the whole-model unit: the PTQ start, training on the logits, the baked modules.
   void trainModel(LayerRequest& request) {
     const auto start = Clock::now();
@@ -368,8 +394,16 @@ class LearnableScaleQat final : public Processor {
       }
     });
     QPIPE_REQUIRE(!entries_.empty(), ErrorCode::kConfig,
-                  "learnable_scale_qat: no float Linear of the decoder layers matches its include/exclude; nothing "
-                  "to train");
+                  "learnable_scale_qat: no Linear of the decoder layers matches its include/exclude; nothing to train");
+    // Rounding an activation has a zero gradient (and an int8 GEMM none): a module quantized that
+    // way which this step does not train would stop the gradient of everything before it.
+    for (auto& [name, module] : request.module->namedModules()) {
+      const auto* quantized = dynamic_cast<QuantLinear*>(module);
+      QPIPE_REQUIRE(quantized == nullptr || !quantized->inputQuant(), ErrorCode::kConfig, "learnable_scale_qat: ", name,
+                    " is quantized with its activations (", describe(*quantized),
+                    ") and not trained here, so no gradient passes it; keep it float in the earlier step (exclude) "
+                    "or match it here");
+    }
     const auto lossOf = [&](int64_t s) -> SampleLoss {
       const TensorList& input = request.inputs[static_cast<size_t>(s)];
       const at::Tensor teacher = loss_.distills() ? teacherLogits(request, input) : at::Tensor();
@@ -412,14 +446,7 @@ class LearnableScaleQat final : public Processor {
 
   // The teacher's logits: the same model with every QatLinear bypassed (float), no gradients.
   at::Tensor teacherLogits(LayerRequest& request, const TensorList& input) {
-    struct Bypass {
-      std::vector<Entry>& entries;
-      explicit Bypass(std::vector<Entry>& e) : entries(e) { set(true); }
-      ~Bypass() { set(false); }
-      void set(bool on) {
-        for (Entry& entry : entries) entry.qat->setBypassed(on);
-      }
-    } bypass(entries_);
+    const Bypass bypass(entries_);
     at::NoGradGuard noGrad;
     return forwardOne(request, input);
   }
@@ -446,9 +473,11 @@ class LearnableScaleQat final : public Processor {
     return sum / static_cast<double>(outputs.size());
   }
 
-  // Calibrates every matched Linear of the decoder layers as linear_quant would (`observe` runs
-  // the observing forward: one staged forward of a layer, or the first samples of the whole model;
-  // then freeze) and replaces each by a QatLinear starting from those scales (entries_).
+  // Makes a QatLinear of every matched Linear of the decoder layers (entries_). A float Linear
+  // starts from the scales linear_quant would calibrate (`observe` runs the observing forward: one
+  // staged forward of a layer, or the first samples of the whole model; then freeze). A QuantLinear
+  // an earlier step of the pipeline deployed starts from its scales, with the float weights of a
+  // fresh copy of its layer. resume_from and from_ptq_ckpt replace either start where they can.
   void startFromPtq(LayerRequest& request, const std::function<void()>& observe) {
     std::vector<std::shared_ptr<LinearQuantizer>> quantizers;
     std::vector<std::pair<at::Tensor, at::Tensor>> floats;  // weight and bias, kept past the quantizer
@@ -462,17 +491,37 @@ class LearnableScaleQat final : public Processor {
       quantizers.push_back(quantizer);
       request.module->replace(path, quantizer);
     });
-    if (entries_.empty()) return;
-    if (!qconfig_.isDataFree()) {
+    if (!quantizers.empty() && !qconfig_.isDataFree()) {
       observe();
       for (const auto& quantizer : quantizers) {
         if (!quantizer->frozen()) quantizer->freeze();
       }
     }
+    std::vector<std::shared_ptr<QuantLinear>> starts;
+    for (size_t i = 0; i < quantizers.size(); ++i) starts.push_back(quantizers[i]->deploy(entries_[i].name));
+    constexpr std::string_view kLayers = "model.layers.";
+    std::map<std::string, std::shared_ptr<Module>> floatLayers;
+    forEach<QuantLinear>(
+        request, *filter_, [&](const std::string& path, const std::string& name, QuantLinear& quantized) {
+          if (!name.starts_with(kLayers)) return;
+          QPIPE_REQUIRE(describe(quantized) == describe(qconfig_), ErrorCode::kConfig, "learnable_scale_qat: ", name,
+                        " is quantized by an earlier step as ", describe(quantized), ", but the qconfig asks for ",
+                        describe(qconfig_));
+          const std::string layer = name.substr(0, name.find('.', kLayers.size()));
+          std::shared_ptr<Module>& copy = floatLayers[layer];
+          if (copy == nullptr) copy = request.loadFloatLayer(layer);
+          auto* linear = dynamic_cast<Linear*>(&copy->getSubmodule(name.substr(layer.size() + 1)));
+          QPIPE_REQUIRE(linear != nullptr, ErrorCode::kInput, "learnable_scale_qat: ", name,
+                        " is quantized in the model's checkpoint; QAT needs its float weights (give the float model)");
+          floats.emplace_back(linear->weight(), linear->bias());
+          starts.push_back(withScales(linear->weight(), linear->bias(), quantized, quantized.weightParams(),
+                                      quantized.inputQuant()));
+          entries_.push_back({path, name, nullptr});
+        });
     for (size_t i = 0; i < entries_.size(); ++i) {
-      std::shared_ptr<QuantLinear> ptq = quantizers[i]->deploy(entries_[i].name);
       const std::string& name = entries_[i].name;
       const auto& [weight, bias] = floats[i];
+      std::shared_ptr<QuantLinear> ptq = std::move(starts[i]);
       const at::Tensor resumed = resume_ ? resume_->tensor(name + ".weight_scale") : at::Tensor();
       if (resumed.defined()) {
         ptq = resumedStart(name, weight, bias, resumed, ptq);

@@ -509,6 +509,48 @@ TEST_F(QatProcessor, End2endTrainsOnTheLogitsAndItsDeployedModelComputesTheTrain
   EXPECT_NE(reportValue(whole, "qat:total_loss_qat"), reportValue(whole, "qat:total_loss_ptq"));
 }
 
+// linear_quant → learnable_scale_qat in one pipeline: the QAT step starts from the scales the
+// PTQ step deployed (its float weights from a fresh copy of the layer), so at a zero learning rate
+// either mode gives linear_quant's checkpoint; with one, the scales move from there.
+TEST_F(QatProcessor, ALinearQuantStepBeforeHandsItsScalesOn) {
+  const fs::path dir = test::tinyLlama("qat_handoff");
+  const std::string ptqStep =
+      "    - type: linear_quant\n      qconfig:\n" + std::string(kW8a8Static) + "      exclude: [\"lm_head\"]\n";
+  auto [ptq, ptqReport] = run(ptqStep, dir);
+  const std::string learnable = "      plugin_config: {quant_config: {learnable: {act_scale: True}}}\n";
+  for (const std::string mode : {"blockwise", "end2end"}) {
+    SCOPED_TRACE(mode);
+    const std::string qat = qatStep(kW8a8Static, "      training_mode: " + mode + "\n" + learnable);
+    auto [still, stillReport] = run(ptqStep + qat + "      learning_rate: 0\n", dir);
+    auto [trained, trainedReport] = run(ptqStep + qat + "      learning_rate: 1.0e-2\n      max_steps: 2\n", dir);
+    for (const std::string& path : test::tinyLayerLinears()) {
+      SCOPED_TRACE(path);
+      auto& a = ptq->layer(1).getSubmodule(path).as<QuantLinear>(path);
+      auto& b = still->layer(1).getSubmodule(path).as<QuantLinear>(path);
+      auto& c = trained->layer(1).getSubmodule(path).as<QuantLinear>(path);
+      for (const char* name : {"weight", "weight_scale", "input_scale"}) {
+        EXPECT_TRUE(at::equal(a.parameter(name), b.parameter(name))) << name;
+      }
+      EXPECT_FALSE(at::equal(a.parameter("weight_scale"), c.parameter("weight_scale")));
+    }
+  }
+  const std::string fp8 =
+      "        weight: {dtype: fp8_e4m3, scope: per_tensor, symmetric: True, method: minmax}\n";
+  auto steps = processors(ptqStep + qatStep(fp8, ""));
+  auto model = CausalLM::open(dir);
+  EXPECT_EQ(test::errorOf([&] { LayerWiseRunner(*model, steps).run(samples(), {}); }, ErrorCode::kConfig),
+            "processor 'learnable_scale_qat' (plugin 'qat') failed in process(model.layers.0): learnable_scale_qat: "
+            "model.layers.0.self_attn.q_proj is quantized by an earlier step as w int8_per_channel_sym, a "
+            "int8_per_tensor_sym, but the qconfig asks for w fp8_e4m3_per_tensor_sym, a float");
+  // lm_head quantized with its inputs by the PTQ step, and not trained by end2end: no gradient.
+  auto headToo = processors("    - type: linear_quant\n      qconfig:\n" + std::string(kW8a8Static) +
+                            qatStep(kW8a8Static, "      training_mode: end2end\n"));
+  EXPECT_EQ(test::errorOf([&] { LayerWiseRunner(*model, headToo).run(samples(), {}); }, ErrorCode::kConfig),
+            "processor 'learnable_scale_qat' (plugin 'qat') failed in process(whole model): learnable_scale_qat: "
+            "lm_head is quantized with its activations (w int8_per_channel_sym, a int8_per_tensor_sym) and not "
+            "trained here, so no gradient passes it; keep it float in the earlier step (exclude) or match it here");
+}
+
 TEST_F(QatProcessor, ConfigurationErrorsNameTheField) {
   const auto message = [&](const std::string& extra, const std::string& qconfig = kW8a8Static) {
     return configError(qatStep(qconfig, extra));

@@ -307,8 +307,15 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     report.values = std::move(request.reportValues);
     return forwarded;
   };
+  const auto loadFloatLayer = [this](const std::string& layerName) -> std::shared_ptr<Module> {
+    for (int64_t index = 0; index < model_.config().numLayers; ++index) {
+      if (model_.layerName(index) == layerName) return model_.loadLayerCopy(index);
+    }
+    throw Error(ErrorCode::kInternal, concat("no decoder layer '", layerName, "'"));
+  };
   const auto layerRequest = [&](DecoderLayer& layer, int64_t index, std::vector<TensorList> layerInputs) {
     LayerRequest request{.name = model_.layerName(index), .module = &layer, .inputs = std::move(layerInputs)};
+    request.loadFloatLayer = loadFloatLayer;
     request.staged = layer.uniformForward();
     request.family = layer.family();
     request.sampleIds = sampleIds;
@@ -485,6 +492,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     const auto unitStart = Clock::now();
     LayerRequest request{.name = "", .module = &model_.root()};
     request.wholeModel = true;
+    request.loadFloatLayer = loadFloatLayer;
     QPIPE_CHECK(options_.labels.empty() || options_.labels.size() == samples.size(), options_.labels.size(),
                 " labels for ", samples.size(), " samples");
     for (size_t k = 0; k < samples.size(); ++k) {

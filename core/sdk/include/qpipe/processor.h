@@ -100,6 +100,10 @@ struct LayerRequest {
   bool splitLayers = false;
   // True on the whole-model unit (its name is "", as the non-layer unit's).
   bool wholeModel = false;
+  // A new instance of decoder layer `layerName` ("model.layers.3") from the model's checkpoint, as
+  // no processor changed it: the float weights of modules an earlier step replaced. Set on the
+  // decoder-layer units and the whole-model unit.
+  std::function<std::shared_ptr<Module>(const std::string& layerName)> loadFloatLayer;
 
   void report(std::string moduleName, std::string key, double value) {
     reportValues.push_back({std::move(moduleName), std::move(key), value});
