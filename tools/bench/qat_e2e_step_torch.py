@@ -1,20 +1,17 @@
-"""The end2end QAT step of tools/bench/qat_e2e_step.sh written in PyTorch: SmolLM2 (transformers)
+"""The end2end QAT step of tools/bench/qat_step.sh (MODE=end2end) written in PyTorch: SmolLM2 (transformers)
 with every decoder-layer Linear fake-quantized as in qat_step_torch.py (FP8 E4M3 per-tensor
 weights and static inputs, LSQ, s = s0 * alpha), trained with AdamW on CAKLD + LM loss to the
 same model with its fake quantization bypassed (no_grad), one 512-token sample per step, gradient
 clipping. Prints the median seconds per step and this process's peak RSS in MiB.
   python qat_e2e_step_torch.py MODEL_DIR STEPS THREADS
 """
-import resource
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from qat_step_torch import FakeQuantLinear
+from qat_step_torch import FakeQuantLinear, time_steps
 
 
 class Bypassable(FakeQuantLinear):
@@ -50,24 +47,14 @@ def main():
     for name in linears:
         parent, _, child = name.rpartition(".")
         setattr(model.model.layers.get_submodule(parent), child, Bypassable(linears[name], inputs[name]))
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
+    def loss():
         with torch.no_grad():
             Bypassable.bypass = True
             teacher = model(ids).logits
             Bypassable.bypass = False
-        loss = cakld_plus_lm(model(ids).logits, teacher, ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"{statistics.median(times[2:]):.4f} {rss:.0f}")
+        return cakld_plus_lm(model(ids).logits, teacher, ids)
 
+    print(time_steps(model, loss, steps))
 
 if __name__ == "__main__":
     main()

@@ -62,21 +62,29 @@ def main():
             full = f"{name}.{child_name}" if name else child_name
             if isinstance(child, torch.nn.Linear):
                 setattr(module, child_name, FakeQuantLinear(child, inputs[full]))
-    params = [p for p in layer.parameters() if p.requires_grad]
+    def loss():
+        out = layer(hidden, position_embeddings=rotary)
+        out = out[0] if isinstance(out, tuple) else out
+        return torch.nn.functional.mse_loss(out, target)
+
+    print(time_steps(layer, loss, steps))
+
+
+def time_steps(module, loss, steps):
+    """AdamW (lr 1e-2) on module's trainable parameters with clipping at 1.0, `steps` times;
+    "<median seconds per step after two> <peak RSS MiB>"."""
+    params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        out = layer(hidden, position_embeddings=rotary)
-        out = out[0] if isinstance(out, tuple) else out
-        loss = torch.nn.functional.mse_loss(out, target)
-        loss.backward()
+        loss().backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"{statistics.median(times[2:]):.4f} {rss:.0f}")
+    return f"{statistics.median(times[2:]):.4f} {rss:.0f}"
 
 
 if __name__ == "__main__":
