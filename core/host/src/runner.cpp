@@ -507,6 +507,25 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     LayerReport report{.name = std::string(kWholeModelReportName)};
     runUnit({request, {}, false}, report, nullptr);
     report.seconds = secondsSince(unitStart);
+    if (options_.report != nullptr && !samples.empty()) {
+      // The layers' module errors as the unit left them: each layer against a float copy from the
+      // checkpoint, on a probe of the quantized stream, replacing what the layer units recorded.
+      Probe after(embedSample(model_, samples.front().slice(1, 0, options_.probeTokens)));
+      for (LayerReport& entry : options_.report->layers) {
+        for (int64_t index = 0; index < layers; ++index) {
+          if (entry.name != model_.layerName(index)) continue;
+          const std::shared_ptr<DecoderLayer> reference = model_.loadLayerCopy(index);
+          after.recordFloat(*reference, entry.name,
+                            [&reference](const TensorList& input) { return forwardLayer(*reference, input); });
+          DecoderLayer& layer = model_.layer(index);
+          LayerReport probed;
+          after.compare(layer, entry.name, [&layer](const TensorList& input) { return forwardLayer(layer, input); },
+                        true, probed);
+          entry.modules = std::move(probed.modules);
+          entry.relativeMse = probed.relativeMse;
+        }
+      }
+    }
     if (options_.report != nullptr) options_.report->layers.push_back(std::move(report));
     for (int64_t index = 0; index < layers; ++index) {
       if (sink) sink(index, model_.layerName(index), model_.layer(index));
