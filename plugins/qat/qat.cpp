@@ -35,6 +35,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fake_quant.h"
@@ -199,12 +200,11 @@ class LearnableScaleQat final : public Processor {
       }
     }
     const ConfigNode& learnable = config.at("plugin_config").at("quant_config").at("learnable");
-    for (const char* unbuilt : {"kv_scale", "norm"}) {
-      if (learnable.at(unbuilt).asBool()) {
-        throw context.configError(config, concat("plugin_config.quant_config.learnable.", unbuilt),
-                                  "is not built yet (docs/qat.md); set it False");
-      }
+    if (learnable.at("kv_scale").asBool()) {
+      throw context.configError(config, "plugin_config.quant_config.learnable.kv_scale",
+                                "is not built yet (docs/qat.md); set it False");
     }
+    trainNorms_ = learnable.at("norm").asBool();
     options_.learnable = {.weightScale = learnable.at("weight_scale").asBool(),
                           .actScale = learnable.at("act_scale").asBool(),
                           .lwc = learnable.at("lwc").asBool()};
@@ -286,6 +286,7 @@ class LearnableScaleQat final : public Processor {
     if (isNonLayerUnit(request)) return;  // blockwise trains decoder layers (docs/qat.md)
     const auto start = Clock::now();
     startFromPtq(request, [&request] { request.forward(request); });
+    startNorms(request);
     std::vector<TensorList> floatInputs = request.inputs;
     if (floatStreamTarget_ && !floatStream_.empty()) {
       QPIPE_CHECK(floatStream_.size() == floatInputs.size(), "float stream of ", floatStream_.size(), " samples for ",
@@ -294,7 +295,7 @@ class LearnableScaleQat final : public Processor {
     }
     std::vector<at::Tensor> targets;
     {
-      const Bypass bypass(entries_);  // the float layer, including what earlier steps quantized
+      const Bypass bypass(entries_, norms_);  // the float layer, including what earlier steps quantized
       targets = forwardAll(request, std::move(floatInputs));
     }
     if (entries_.empty()) {
@@ -309,6 +310,7 @@ class LearnableScaleQat final : public Processor {
             return {loss, {{"loss", loss.item<double>()}}};
           });
       saveScales();
+      finishNorms();
       for (const Entry& e : entries_) request.module->replace(e.path, e.qat->deploy());
       request.forward(request);  // the deployed modules' outputs: the next layer's inputs
       std::vector<at::Tensor> outputs;
@@ -326,6 +328,7 @@ class LearnableScaleQat final : public Processor {
       sumBefore_ += before;
       sumAfter_ += after;
     }
+    finishNorms();
     entries_.clear();
     if (floatStreamTarget_) floatStream_ = std::move(targets);
   }
@@ -369,20 +372,55 @@ class LearnableScaleQat final : public Processor {
     std::shared_ptr<QatLinear> qat;
   };
 
-  // While it lives, every QatLinear of entries_ computes the float Linear's output.
+  // learnable.norm: an RMSNorm weight of the unit that trains with the scales, and its start.
+  struct NormEntry {
+    std::string name;
+    RMSNorm* module;
+    at::Tensor initial;
+  };
+
+  // While it lives, the unit is the float model: every QatLinear of `entries` computes the float
+  // Linear's output, and every trained norm has its start back.
   class Bypass {
    public:
-    explicit Bypass(std::vector<Entry>& entries) : entries_(entries) { set(true); }
-    ~Bypass() { set(false); }
+    Bypass(std::vector<Entry>& entries, std::vector<NormEntry>& norms) : entries_(entries), norms_(norms) {
+      for (Entry& entry : entries_) entry.qat->setBypassed(true);
+      for (NormEntry& norm : norms_) trained_.push_back(std::exchange(norm.module->parameter("weight"), norm.initial));
+    }
+    ~Bypass() {
+      for (Entry& entry : entries_) entry.qat->setBypassed(false);
+      for (size_t i = 0; i < norms_.size(); ++i) norms_[i].module->parameter("weight") = trained_[i];
+    }
     Bypass(const Bypass&) = delete;
     Bypass& operator=(const Bypass&) = delete;
 
    private:
-    void set(bool on) {
-      for (Entry& entry : entries_) entry.qat->setBypassed(on);
-    }
     std::vector<Entry>& entries_;
+    std::vector<NormEntry>& norms_;
+    std::vector<at::Tensor> trained_;
   };
+
+  // learnable.norm: every RMSNorm of the unit (of the decoder layers and model.norm, for the whole
+  // model) trains from now on, from the scales artifact's value where it has one (norms_).
+  void startNorms(LayerRequest& request) {
+    if (!trainNorms_) return;
+    for (auto& [path, module] : request.module->namedModules()) {
+      auto* norm = dynamic_cast<RMSNorm*>(module);
+      if (norm == nullptr) continue;
+      const std::string name = moduleName(request, path);
+      at::Tensor& weight = norm->parameter("weight");
+      at::Tensor start = resume_ ? resume_->tensor(name + ".weight") : at::Tensor();
+      norms_.push_back({name, norm, weight});
+      weight = start.defined() ? start.to(weight.dtype()) : weight.detach().clone();
+      weight.set_requires_grad(true);
+    }
+  }
+
+  // After training: the norms keep what they learned, as plain tensors.
+  void finishNorms() {
+    for (NormEntry& norm : norms_) norm.module->parameter("weight") = norm.module->parameter("weight").detach();
+    norms_.clear();
+  }
 
   // end2end on the whole-model unit: the PTQ start, training on the logits, the baked modules.
   void trainModel(LayerRequest& request) {
@@ -395,6 +433,7 @@ class LearnableScaleQat final : public Processor {
     });
     QPIPE_REQUIRE(!entries_.empty(), ErrorCode::kConfig,
                   "learnable_scale_qat: no Linear of the decoder layers matches its include/exclude; nothing to train");
+    startNorms(request);
     // Rounding an activation has a zero gradient (and an int8 GEMM none): a module quantized that
     // way which this step does not train would stop the gradient of everything before it.
     for (auto& [name, module] : request.module->namedModules()) {
@@ -429,6 +468,7 @@ class LearnableScaleQat final : public Processor {
     const int64_t steps = train("", samples, lossOf);
     const double after = evaluate();
     saveScales();
+    finishNorms();
     for (const Entry& e : entries_) request.module->replace(e.path, e.qat->deploy());
     request.report("", "qat:total_loss_ptq", before);
     request.report("", "qat:total_loss_qat", after);
@@ -446,7 +486,7 @@ class LearnableScaleQat final : public Processor {
 
   // The teacher's logits: the same model with every QatLinear bypassed (float), no gradients.
   at::Tensor teacherLogits(LayerRequest& request, const TensorList& input) {
-    const Bypass bypass(entries_);
+    const Bypass bypass(entries_, norms_);
     at::NoGradGuard noGrad;
     return forwardOne(request, input);
   }
@@ -593,6 +633,7 @@ class LearnableScaleQat final : public Processor {
     for (const Entry& e : entries_) {
       for (const auto& [key, tensor] : e.qat->state()) scales_->add(e.name + "." + key, tensor);
     }
+    for (const NormEntry& norm : norms_) scales_->add(norm.name + ".weight", norm.module->parameter("weight").detach());
   }
 
   // Trains the scales of entries_ on `samples` samples, each step on the losses lossOf gives for
@@ -613,6 +654,7 @@ class LearnableScaleQat final : public Processor {
         (e.qat->isClipFactor(name) ? clips : scales).params.push_back(tensor);
       }
     }
+    for (const NormEntry& norm : norms_) scales.params.push_back(norm.module->parameter("weight"));
     Optimizer optimizer(
         {scales, clips},
         {.weightDecay = training_.weightDecay,
@@ -672,6 +714,8 @@ class LearnableScaleQat final : public Processor {
   QatOptions options_;
   TrainingSettings training_;
   bool end2end_ = false;
+  bool trainNorms_ = false;
+  std::vector<NormEntry> norms_;  // the unit's trained norms (learnable.norm)
   LossSpec loss_;
   int64_t lazyInitSamples_ = 10;
   std::string logPath_;
@@ -697,7 +741,7 @@ Schema learnableSchema() {
       .optional("lwc", ValueType::kBool, ConfigNode::boolean(false),
                 "learnable weight clipping (OmniQuant): train σ(c)·range in place of the weight scales")
       .optional("kv_scale", ValueType::kBool, ConfigNode::boolean(false), "k/v output scales (not built yet)")
-      .optional("norm", ValueType::kBool, ConfigNode::boolean(false), "norm weights (not built yet)");
+      .optional("norm", ValueType::kBool, ConfigNode::boolean(false), "train the RMSNorm weights too");
   return schema;
 }
 

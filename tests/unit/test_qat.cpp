@@ -509,6 +509,39 @@ TEST_F(QatProcessor, End2endTrainsOnTheLogitsAndItsDeployedModelComputesTheTrain
   EXPECT_NE(reportValue(whole, "qat:total_loss_qat"), reportValue(whole, "qat:total_loss_ptq"));
 }
 
+// learnable.norm: the RMSNorm weights train too, and the teacher keeps the float ones: the loss
+// reported for the trained model is its KL to a freshly loaded float model.
+TEST_F(QatProcessor, End2endTrainsNormsAndItsTeacherKeepsTheFloatNorms) {
+  const fs::path dir = test::tinyLlama("qat_e2e_norm");
+  auto [model, report] =
+      run(qatStep(kW8a8Static,
+                  "      training_mode: end2end\n      loss_type: kl\n      lm_loss_weight: 0\n"
+                  "      learning_rate: 5e-2\n      max_steps: 4\n      per_device_train_batch_size: 6\n"
+                  "      lr_scheduler_type: constant\n"
+                  "      plugin_config: {quant_config: {learnable: {norm: True}}}\n"),
+          dir);
+  auto teacher = CausalLM::open(dir);
+  for (int64_t layer = 0; layer < test::kTinyLayers; ++layer) teacher->layer(layer);
+  for (const std::string path : {"model.layers.0.input_layernorm", "model.layers.1.post_attention_layernorm",
+                                 "model.norm"}) {
+    const at::Tensor trained = model->root().getSubmodule(path).parameter("weight");
+    EXPECT_FALSE(trained.requires_grad()) << path;
+    EXPECT_FALSE(at::equal(trained, teacher->root().getSubmodule(path).parameter("weight"))) << path;
+  }
+  qat::LossSpec spec = qat::parseLoss("kl", 0);
+  spec.lmWeight = 0;
+  spec.kdWeight = 1;
+  double sum = 0;
+  for (const at::Tensor& ids : samples()) {
+    sum += qat::computeLoss(model->forward(ids), teacher->forward(ids), ids, spec).total.item<double>();
+  }
+  const double deployed = sum / static_cast<double>(samples().size());
+  // A large rate moves the norms far (the KL grows from 6e-7 to 6e-4): a teacher that moved with
+  // them would report far less. The deployed int8 GEMM and the fake-quantized forward differ by
+  // fp32 rounding, which a KL this small feels at the 1e-5 level.
+  EXPECT_NEAR(deployed, reportValue(wholeModelReport(report), "qat:total_loss_qat"), 1e-4 * deployed);
+}
+
 // linear_quant → learnable_scale_qat in one pipeline: the QAT step starts from the scales the
 // PTQ step deployed (its float weights from a fresh copy of the layer), so at a zero learning rate
 // either mode gives linear_quant's checkpoint; with one, the scales move from there.
