@@ -33,11 +33,32 @@ at::Tensor withGrad(at::Tensor value, bool trains) {
   return value;
 }
 
-at::Tensor copyOf(const at::Tensor& scale) {
-  return scale.detach().to(at::kFloat).clone();
+}  // namespace
+
+LearnedScale::LearnedScale(const at::Tensor& initial, ScaleParam param, bool trains)
+    : initial_(initial.detach().to(at::kFloat).clone()), kind_(param) {
+  param_ = withGrad(kind_ == ScaleParam::kRelative ? at::ones_like(initial_) : initial_.clone(), trains);
 }
 
-}  // namespace
+at::Tensor LearnedScale::value() const {
+  return kind_ == ScaleParam::kRelative ? initial_ * param_ : param_;
+}
+
+void LearnedScale::project() {
+  if (!trains()) return;
+  at::NoGradGuard noGrad;
+  if (kind_ == ScaleParam::kRelative) {
+    param_.clamp_min_(kScaleFloor);
+  } else {
+    param_.clamp_min_(initial_ * kScaleFloor);
+  }
+}
+
+quant::QParams LearnedScale::params() const {
+  at::NoGradGuard noGrad;
+  const at::Tensor s = value().detach().clone();
+  return {s, at::zeros(s.sizes(), s.options().dtype(at::kInt))};
+}
 
 at::Tensor fakeQuantize(const at::Tensor& x, const at::Tensor& scale, const quant::QScheme& scheme, Ste ste) {
   QPIPE_CHECK(scheme.symmetric, "learnable fake quantization takes symmetric schemes, got ", scheme.name());
@@ -72,42 +93,32 @@ QatLinear::QatLinear(at::Tensor weight, at::Tensor bias, QuantLinear& init, cons
       bias_(bias.defined() ? bias.detach() : bias),
       weightScheme_(init.weightScheme()),
       input_(init.inputQuant()),
-      options_(options) {
-  const bool relative = options.param == ScaleParam::kRelative;
-  const auto parameterFor = [relative](const at::Tensor& initial, bool trains) {
-    return withGrad(relative ? at::ones_like(initial) : initial.clone(), trains);
-  };
-  weightInitial_ = copyOf(init.weightParams().scale);
-  weightScale_ = parameterFor(weightInitial_, options.learnable.weightScale && !options.learnable.lwc);
+      options_(options),
+      weightScale_(init.weightParams().scale, options.param, options.learnable.weightScale && !options.learnable.lwc) {
   if (options.learnable.lwc) {
     std::tie(groupMin_, groupMax_) = quant::minMax(weight_, weightScheme_);
-    clipMax_ = withGrad(at::full_like(weightInitial_, options.lwcInit), true);
-    clipMin_ = withGrad(at::full_like(weightInitial_, options.lwcInit), true);
+    clipMax_ = withGrad(at::full_like(weightScale_.initial(), options.lwcInit), true);
+    clipMin_ = withGrad(at::full_like(weightScale_.initial(), options.lwcInit), true);
   }
   if (input_ && !input_->isDynamic() && input_->scheme.dtype != quant::QDtype::kFloat) {
-    inputInitial_ = copyOf(input_->params.scale);
-    inputScale_ = parameterFor(inputInitial_, options.learnable.actScale);
+    inputScale_ = LearnedScale(input_->params.scale, options.param, options.learnable.actScale);
   }
-}
-
-at::Tensor QatLinear::effective(const at::Tensor& param, const at::Tensor& initial) const {
-  return options_.param == ScaleParam::kRelative ? initial * param : param;
 }
 
 at::Tensor QatLinear::scaleFromClip() const {
   const at::Tensor hi = (at::sigmoid(clipMax_) * groupMax_).abs();
   const at::Tensor lo = (at::sigmoid(clipMin_) * groupMin_).abs();
-  return at::maximum(at::maximum(hi, lo) / quant::qmax(weightScheme_.dtype), weightInitial_ * kScaleFloor);
+  return at::maximum(at::maximum(hi, lo) / quant::qmax(weightScheme_.dtype), weightScale_.initial() * kScaleFloor);
 }
 
 at::Tensor QatLinear::weightScale() const {
-  return options_.learnable.lwc ? scaleFromClip() : effective(weightScale_, weightInitial_);
+  return options_.learnable.lwc ? scaleFromClip() : weightScale_.value();
 }
 
 std::vector<std::pair<std::string, at::Tensor>> QatLinear::state() const {
   at::NoGradGuard noGrad;
   std::vector<std::pair<std::string, at::Tensor>> tensors{{"weight_scale", weightScale().detach()}};
-  if (inputScale_.defined()) tensors.emplace_back("input_scale", effective(inputScale_, inputInitial_).detach());
+  if (inputScale_.defined()) tensors.emplace_back("input_scale", inputScale_.value().detach());
   if (options_.learnable.lwc) {
     tensors.emplace_back("clip_max", clipMax_.detach());
     tensors.emplace_back("clip_min", clipMin_.detach());
@@ -130,7 +141,7 @@ at::Tensor QatLinear::forward(const at::Tensor& input) {
   at::Tensor x = input;
   if (input_ && input_->scheme.dtype != quant::QDtype::kFloat) {
     const at::Tensor scale = input_->isDynamic() ? quant::computeQParams(input.detach(), input_->scheme).scale
-                                                 : effective(inputScale_, inputInitial_);
+                                                 : inputScale_.value();
     x = fakeQuantize(input, scale, input_->scheme, options_.ste);
   }
   return at::linear(x, w, bias_);
@@ -138,28 +149,18 @@ at::Tensor QatLinear::forward(const at::Tensor& input) {
 
 std::vector<std::pair<std::string, at::Tensor>> QatLinear::trainable() const {
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& [name, tensor] : {std::pair<std::string, at::Tensor>{"weight_scale", weightScale_},
+  for (const auto& [name, tensor] : {std::pair<std::string, at::Tensor>{"weight_scale", weightScale_.parameter()},
                                      {"clip_max", clipMax_},
                                      {"clip_min", clipMin_},
-                                     {"input_scale", inputScale_}}) {
+                                     {"input_scale", inputScale_.parameter()}}) {
     if (tensor.defined() && tensor.requires_grad()) tensors.emplace_back(name, tensor);
   }
   return tensors;
 }
 
-void QatLinear::projectOne(at::Tensor& param, const at::Tensor& initial) const {
-  if (!param.defined() || !param.requires_grad()) return;
-  at::NoGradGuard noGrad;
-  if (options_.param == ScaleParam::kRelative) {
-    param.clamp_min_(kScaleFloor);
-  } else {
-    param.clamp_min_(initial * kScaleFloor);
-  }
-}
-
 void QatLinear::project() {
-  projectOne(weightScale_, weightInitial_);
-  projectOne(inputScale_, inputInitial_);
+  weightScale_.project();
+  inputScale_.project();
 }
 
 std::shared_ptr<QuantLinear> QatLinear::deploy() const {
@@ -167,12 +168,37 @@ std::shared_ptr<QuantLinear> QatLinear::deploy() const {
   const at::Tensor scale = weightScale().detach().clone();
   const quant::QParams params{scale, at::zeros(scale.sizes(), scale.options().dtype(at::kInt))};
   std::optional<ActivationQuant> input = input_;
-  if (inputScale_.defined()) {
-    const at::Tensor s = effective(inputScale_, inputInitial_).detach().clone();
-    input->params = {s, at::zeros(s.sizes(), s.options().dtype(at::kInt))};
-  }
+  if (inputScale_.defined()) input->params = inputScale_.params();
   return std::make_shared<QuantLinear>(quant::quantize(weight_, params, weightScheme_), params, weightScheme_,
                                        std::move(input), bias_, weight_.scalar_type());
+}
+
+QatAttentionQuant::QatAttentionQuant(AttentionQuant& init, const QatOptions& options, bool trains)
+    : Module("QatAttentionQuant"), scheme_(init.scheme()), ste_(options.ste) {
+  QPIPE_REQUIRE(scheme_.symmetric, ErrorCode::kConfig, "learnable_scale_qat takes symmetric attention quantization, got ",
+                scheme_.name());
+  if (!init.isDynamic()) scale_ = LearnedScale(init.params().scale, options.param, trains);
+}
+
+at::Tensor QatAttentionQuant::forward(const at::Tensor& input) {
+  if (bypassed_) return input;
+  const at::Tensor s = isDynamic() ? quant::computeQParams(input.detach(), scheme_).scale : scale_.value();
+  return fakeQuantize(input, s, scheme_, ste_);
+}
+
+std::vector<at::Tensor> QatAttentionQuant::trainable() const {
+  if (!scale_.trains()) return {};
+  return {scale_.parameter()};
+}
+
+at::Tensor QatAttentionQuant::scale() const {
+  QPIPE_CHECK(!isDynamic(), "QatAttentionQuant::scale of a dynamic module");
+  return scale_.params().scale;
+}
+
+std::shared_ptr<AttentionQuant> QatAttentionQuant::deploy() const {
+  return std::make_shared<AttentionQuant>(scheme_,
+                                          isDynamic() ? std::nullopt : std::optional<quant::QParams>(scale_.params()));
 }
 
 }  // namespace qpipe::qat

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "qpipe/attention_quant.h"
 #include "qpipe/module.h"
 #include "qpipe/quant.h"
 #include "qpipe/quant_linear.h"
@@ -51,6 +52,30 @@ struct QatOptions {
   double lwcInit = 4.0;  // the clip factors' initial logit: σ(4) ≈ 0.982 of the range
 };
 
+// A scale the optimizer may update, held in ScaleParam's form, with its start s0. It never goes
+// below s0/100 (project()): the forward never clamps, so the scale exported is the one trained.
+class LearnedScale {
+ public:
+  LearnedScale() = default;
+  LearnedScale(const at::Tensor& initial, ScaleParam param, bool trains);
+
+  bool defined() const { return initial_.defined(); }
+  // s, differentiable in the parameter (s0·α with kRelative).
+  at::Tensor value() const;
+  // What the optimizer holds: s or α; it requires grad when the scale trains.
+  const at::Tensor& parameter() const { return param_; }
+  const at::Tensor& initial() const { return initial_; }
+  bool trains() const { return param_.defined() && param_.requires_grad(); }
+  // After an optimizer step: back to at least s0/100.
+  void project();
+  // s as QParams (zero points 0), detached.
+  quant::QParams params() const;
+
+ private:
+  at::Tensor param_, initial_;
+  ScaleParam kind_ = ScaleParam::kRelative;
+};
+
 // typeName "QatLinear": a Linear under scale-only QAT. The float weight and bias are frozen; the
 // weight's scales (or, with lwc, the clip factors they come from) and a static input scale are
 // parameters (ScaleParam says in which form). It starts from a PTQ module's scales, so before any
@@ -68,7 +93,7 @@ class QatLinear : public Module {
   bool isClipFactor(const std::string& name) const { return name == "clip_max" || name == "clip_min"; }
   // After an optimizer step: every scale back to at least its floor.
   void project();
-  // The weight scales the forward uses now (from the clip factors with lwc), detached.
+  // The weight scales the forward uses now (from the clip factors with lwc).
   at::Tensor weightScale() const;
   // The deployed module with the learned scales: quantized weight, weight_scale, input_scale.
   std::shared_ptr<QuantLinear> deploy() const;
@@ -82,18 +107,42 @@ class QatLinear : public Module {
 
  private:
   at::Tensor scaleFromClip() const;  // lwc: σ(c)·range / qmax per scale value, with the floor
-  // The scale a parameter stands for (s0·α with kRelative).
-  at::Tensor effective(const at::Tensor& param, const at::Tensor& initial) const;
-  void projectOne(at::Tensor& param, const at::Tensor& initial) const;
 
   at::Tensor weight_;  // frozen float weight [out, in]
   at::Tensor bias_;
   quant::QScheme weightScheme_;
   std::optional<ActivationQuant> input_;
   QatOptions options_;
-  at::Tensor weightScale_, weightInitial_;              // the parameter (trainable unless lwc), and s0
+  LearnedScale weightScale_;                            // trains unless lwc
   at::Tensor clipMax_, clipMin_, groupMax_, groupMin_;  // lwc: logits, and the weight's ranges
-  at::Tensor inputScale_, inputInitial_;                // static activations
+  LearnedScale inputScale_;                             // static activations
+  bool bypassed_ = false;
+};
+
+// typeName "QatAttentionQuant": an AttentionQuant (fa3_quant's, at an Attention's q_hook, k_hook
+// or v_hook) under QAT. Its forward is the AttentionQuant's value, bit for bit, with the
+// straight-through gradient, so the projections before it keep learning; a static module's scale
+// trains when `trains` (learnable.kv_scale, K and V). Dynamic (per_token) ones only pass gradients.
+class QatAttentionQuant : public Module {
+ public:
+  QatAttentionQuant(AttentionQuant& init, const QatOptions& options, bool trains);
+
+  at::Tensor forward(const at::Tensor& input) override;
+
+  // The scale's parameter while it trains, else nothing.
+  std::vector<at::Tensor> trainable() const;
+  void project() { scale_.project(); }
+  // Static only: the scale the forward uses, [1, heads, 1, 1] per_head or [1] per_tensor, detached.
+  at::Tensor scale() const;
+  bool isDynamic() const { return !scale_.defined(); }
+  std::shared_ptr<AttentionQuant> deploy() const;
+  // While bypassed, forward is the identity: the float attention (the teacher, blockwise targets).
+  void setBypassed(bool bypassed) { bypassed_ = bypassed; }
+
+ private:
+  quant::QScheme scheme_;
+  Ste ste_;
+  LearnedScale scale_;  // undefined for per_token
   bool bypassed_ = false;
 };
 

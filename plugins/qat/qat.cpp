@@ -26,6 +26,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <map>
@@ -66,6 +67,7 @@ struct TrainingSettings {
   double maxGradNorm = 1;
   int64_t seed = 42;
   int64_t loggingSteps = 0;
+  bool bf16 = false;
 };
 
 // What one sample adds to a step: the loss it minimises, and the values logged of it (the step
@@ -126,20 +128,34 @@ class PtqCheckpoint {
 
   // Module `name`'s PTQ module, or nullptr where the checkpoint has none or keeps it in float.
   std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias) const {
-    const std::string* stored = nullptr;
-    for (const std::string& candidate : stored_) {
-      if (candidate == name || name.ends_with("." + candidate) || candidate.ends_with("." + name)) {
-        stored = &candidate;
-        if (candidate == name) break;
-      }
-    }
+    const std::string* stored = find(name);
     if (stored == nullptr) return nullptr;
     return format_->linear(
         *stored, hasBias, [this](const std::string& tensor) { return weights_.tensor(tensor); },
         [this](const std::string& tensor) { return weights_.contains(tensor); }, at::kFloat);
   }
 
+  // The quantization of attention `name`'s input 'q', 'k' or 'v' (`heads` heads), or nullptr where
+  // the checkpoint keeps it in float; the attention is found by its k_proj.
+  std::shared_ptr<AttentionQuant> attention(const std::string& name, char input, int64_t heads) const {
+    constexpr std::string_view kProj = ".k_proj";
+    const std::string* stored = find(name + std::string(kProj));
+    if (stored == nullptr) return nullptr;
+    return format_->attentionInput(stored->substr(0, stored->size() - kProj.size()), input, heads,
+                                   [this](const std::string& tensor) { return weights_.tensor(tensor); });
+  }
+
  private:
+  // The stored name of module `name`: itself, or one that is a suffix of it or it of.
+  const std::string* find(const std::string& name) const {
+    const std::string* stored = nullptr;
+    for (const std::string& candidate : stored_) {
+      if (candidate == name) return &candidate;
+      if (name.ends_with("." + candidate) || candidate.ends_with("." + name)) stored = &candidate;
+    }
+    return stored;
+  }
+
   std::string dir_;
   std::unique_ptr<detail::QuantizedCheckpoint> format_;
   safetensors::Checkpoint weights_;
@@ -200,10 +216,7 @@ class LearnableScaleQat final : public Processor {
       }
     }
     const ConfigNode& learnable = config.at("plugin_config").at("quant_config").at("learnable");
-    if (learnable.at("kv_scale").asBool()) {
-      throw context.configError(config, "plugin_config.quant_config.learnable.kv_scale",
-                                "is not built yet (docs/qat.md); set it False");
-    }
+    trainKv_ = learnable.at("kv_scale").asBool();
     trainNorms_ = learnable.at("norm").asBool();
     options_.learnable = {.weightScale = learnable.at("weight_scale").asBool(),
                           .actScale = learnable.at("act_scale").asBool(),
@@ -213,9 +226,11 @@ class LearnableScaleQat final : public Processor {
                                 "learnable weight clipping takes per_channel or per_group weights");
     }
     const bool staticActs = qconfig_.act.enabled() && !qconfig_.act.isDynamic();
-    if (!options_.learnable.weightScale && !options_.learnable.lwc && !(options_.learnable.actScale && staticActs)) {
-      throw context.configError(config, "plugin_config.quant_config.learnable",
-                                "nothing to train: enable weight_scale, lwc, or act_scale with static activations");
+    if (!options_.learnable.weightScale && !options_.learnable.lwc && !(options_.learnable.actScale && staticActs) &&
+        !trainKv_) {
+      throw context.configError(
+          config, "plugin_config.quant_config.learnable",
+          "nothing to train: enable weight_scale, lwc, kv_scale, or act_scale with static activations");
     }
     options_.ste = config.at("ste").asString() == "lsq" ? Ste::kLsq : Ste::kAngelSlim;
     options_.param =
@@ -232,7 +247,8 @@ class LearnableScaleQat final : public Processor {
                  .schedule = parseSchedule(config.at("lr_scheduler_type").asString()),
                  .maxGradNorm = config.at("max_grad_norm").asFloat(),
                  .seed = config.at("seed").asInt(),
-                 .loggingSteps = config.at("logging_steps").asInt()};
+                 .loggingSteps = config.at("logging_steps").asInt(),
+                 .bf16 = config.at("bf16").asBool()};
     if (const std::string& resume = config.at("resume_from").asString(); !resume.empty()) {
       if (!std::filesystem::is_regular_file(resume)) {
         throw context.configError(config, "resume_from", concat("'", resume, "' is not a file"));
@@ -285,7 +301,9 @@ class LearnableScaleQat final : public Processor {
     }
     if (isNonLayerUnit(request)) return;  // blockwise trains decoder layers (docs/qat.md)
     const auto start = Clock::now();
+    device_ = request.inputs.front().front().device().type();
     startFromPtq(request, [&request] { request.forward(request); });
+    startAttention(request);
     startNorms(request);
     std::vector<TensorList> floatInputs = request.inputs;
     if (floatStreamTarget_ && !floatStream_.empty()) {
@@ -295,10 +313,10 @@ class LearnableScaleQat final : public Processor {
     }
     std::vector<at::Tensor> targets;
     {
-      const Bypass bypass(entries_, norms_);  // the float layer, including what earlier steps quantized
+      const Bypass bypass(*this);  // the float layer, including what earlier steps quantized
       targets = forwardAll(request, std::move(floatInputs));
     }
-    if (entries_.empty()) {
+    if (entries_.empty() && trainedAttentions() == 0) {
       request.forward(request);
     } else {
       const double before = meanError(forwardAll(request, request.inputs), targets);
@@ -309,9 +327,9 @@ class LearnableScaleQat final : public Processor {
                                                  targets[sample].to(at::kFloat));
             return {loss, {{"loss", loss.item<double>()}}};
           });
+      const int64_t trainedKv = trainedAttentions();
       saveScales();
-      finishNorms();
-      for (const Entry& e : entries_) request.module->replace(e.path, e.qat->deploy());
+      deploy(request);
       request.forward(request);  // the deployed modules' outputs: the next layer's inputs
       std::vector<at::Tensor> outputs;
       for (const TensorList& output : request.outputs) outputs.push_back(output[0]);
@@ -319,16 +337,18 @@ class LearnableScaleQat final : public Processor {
       request.report(request.name, "qat:mse_ptq", before);
       request.report(request.name, "qat:mse_qat", after);
       request.report(request.name, "qat:steps", static_cast<double>(steps));
-      context_.logger->info("learnable_scale_qat: ", request.name, ": ", entries_.size(), " Linear, ", steps,
+      context_.logger->info("learnable_scale_qat: ", request.name, ": ", entries_.size(), " Linear",
+                            trainKv_ ? concat(", ", trainedKv, " K/V scales") : "", ", ", steps,
                             " steps, output mse ", scientific(before), " (PTQ) -> ", scientific(after), " (QAT, ",
                             before > 0 ? static_cast<int>(std::lround(100 * (after - before) / before)) : 0, "%), ",
                             std::chrono::duration<double>(Clock::now() - start).count(), " s");
       totalSteps_ += steps;
       trained_ += static_cast<int64_t>(entries_.size());
+      trainedKv_ += trainedKv;
       sumBefore_ += before;
       sumAfter_ += after;
     }
-    finishNorms();
+    deploy(request);
     entries_.clear();
     if (floatStreamTarget_) floatStream_ = std::move(targets);
   }
@@ -354,7 +374,9 @@ class LearnableScaleQat final : public Processor {
                                 ? std::string()
                                 : concat("; ", calibratedNames_.size(), " it lacks were calibrated (", missing, ")"));
     }
-    context_.logger->info("learnable_scale_qat: ", trained_, " Linear modules trained in ", totalSteps_, " steps (",
+    context_.logger->info("learnable_scale_qat: ", trained_, " Linear modules",
+                          trainKv_ ? concat(" and ", trainedKv_, " K/V scales") : "", " trained in ", totalSteps_,
+                          " steps (",
                           qconfig_.describe(), "); ", end2end_ ? "total loss " : "summed layer output mse ",
                           scientific(sumBefore_), " (PTQ) -> ", scientific(sumAfter_), " (QAT)",
                           logPath_.empty() ? "" : "; steps in ", logPath_,
@@ -372,6 +394,15 @@ class LearnableScaleQat final : public Processor {
     std::shared_ptr<QatLinear> qat;
   };
 
+  // An AttentionQuant of the unit (fa3_quant's) under QAT: `name` is its checkpoint name,
+  // <attention>.k_scale, and `trains` whether its scale does (learnable.kv_scale, K and V).
+  struct AttentionEntry {
+    std::string path;
+    std::string name;
+    std::shared_ptr<QatAttentionQuant> qat;
+    bool trains;
+  };
+
   // learnable.norm: an RMSNorm weight of the unit that trains with the scales, and its start.
   struct NormEntry {
     std::string name;
@@ -379,26 +410,103 @@ class LearnableScaleQat final : public Processor {
     at::Tensor initial;
   };
 
-  // While it lives, the unit is the float model: every QatLinear of `entries` computes the float
-  // Linear's output, and every trained norm has its start back.
+  // While it lives, the unit is the float model: every QatLinear computes the float Linear's
+  // output, every QatAttentionQuant passes its input through, and every trained norm has its start back.
   class Bypass {
    public:
-    Bypass(std::vector<Entry>& entries, std::vector<NormEntry>& norms) : entries_(entries), norms_(norms) {
-      for (Entry& entry : entries_) entry.qat->setBypassed(true);
-      for (NormEntry& norm : norms_) trained_.push_back(std::exchange(norm.module->parameter("weight"), norm.initial));
-    }
-    ~Bypass() {
-      for (Entry& entry : entries_) entry.qat->setBypassed(false);
-      for (size_t i = 0; i < norms_.size(); ++i) norms_[i].module->parameter("weight") = trained_[i];
-    }
+    explicit Bypass(LearnableScaleQat& qat) : qat_(qat) { set(true); }
+    ~Bypass() { set(false); }
     Bypass(const Bypass&) = delete;
     Bypass& operator=(const Bypass&) = delete;
 
    private:
-    std::vector<Entry>& entries_;
-    std::vector<NormEntry>& norms_;
+    void set(bool bypassed) {
+      for (Entry& entry : qat_.entries_) entry.qat->setBypassed(bypassed);
+      for (AttentionEntry& entry : qat_.attentions_) entry.qat->setBypassed(bypassed);
+      for (size_t i = 0; i < qat_.norms_.size(); ++i) {
+        at::Tensor& weight = qat_.norms_[i].module->parameter("weight");
+        if (bypassed) {
+          trained_.push_back(std::exchange(weight, qat_.norms_[i].initial));
+        } else {
+          weight = trained_[i];
+        }
+      }
+    }
+
+    LearnableScaleQat& qat_;
     std::vector<at::Tensor> trained_;
   };
+
+  int64_t trainedAttentions() const {
+    return std::count_if(attentions_.begin(), attentions_.end(), [](const AttentionEntry& e) { return e.trains; });
+  }
+
+  // Every AttentionQuant of the decoder layers in the unit (an earlier fa3_quant step's) becomes a
+  // QatAttentionQuant: rounding has a zero gradient, so without the straight-through estimator
+  // nothing before K and V would learn. With kv_scale, the static K and V ones the filter matches
+  // (as <attention>.fa_k, fa_v) train, from resume_from's or from_ptq_ckpt's scales where they have them.
+  void startAttention(LayerRequest& request) {
+    std::vector<std::pair<std::string, AttentionQuant*>> found;
+    for (auto& [path, module] : request.module->namedModules()) {
+      if (auto* quant = dynamic_cast<AttentionQuant*>(module); quant != nullptr) found.emplace_back(path, quant);
+    }
+    for (const auto& [path, quant] : found) {
+      const std::string hook = moduleName(request, path);  // model.layers.0.self_attn.k_hook
+      const std::string attention = hook.substr(0, hook.rfind('.'));
+      const char input = hook[attention.size() + 1];
+      const std::string name = concat(attention, ".", input, "_scale");
+      QPIPE_REQUIRE(quant->scheme().symmetric, ErrorCode::kConfig, "learnable_scale_qat: ", attention, ".fa_", input,
+                    " is quantized as ", quant->scheme().name(), " by an earlier step; QAT takes symmetric schemes");
+      const bool trains =
+          trainKv_ && input != 'q' && !quant->isDynamic() && filter_->matches(concat(attention, ".fa_", input));
+      std::shared_ptr<AttentionQuant> start;
+      if (trains) start = attentionStart(attention, input, name, *quant);
+      attentions_.push_back(
+          {path, name, std::make_shared<QatAttentionQuant>(start ? *start : *quant, options_, trains), trains});
+      request.module->replace(path, attentions_.back().qat);
+    }
+    QPIPE_REQUIRE(!trainKv_ || trainedAttentions() > 0, ErrorCode::kConfig, "learnable_scale_qat: kv_scale is on, but ",
+                  request.wholeModel ? "the model" : request.name,
+                  " has no static K/V quantization to train; put fa3_quant (details fa_k and fa_v, per_head or "
+                  "per_tensor) before this step");
+  }
+
+  // The start of a trained K/V scale: resume_from's, else from_ptq_ckpt's, else `calibrated`
+  // (nullptr: keep it).
+  std::shared_ptr<AttentionQuant> attentionStart(const std::string& attention, char input, const std::string& name,
+                                                 AttentionQuant& calibrated) {
+    const at::Tensor scale = calibrated.params().scale;
+    if (resume_) {
+      const at::Tensor resumed = resume_->tensor(name);
+      if (resumed.defined()) {
+        QPIPE_REQUIRE(resumed.sizes() == scale.sizes(), ErrorCode::kInput, "resume_from '", resume_->path(), "': ",
+                      name, " has shape ", resumed.sizes(), ", this model's ", scale.sizes());
+        ++resumed_;
+        return std::make_shared<AttentionQuant>(
+            calibrated.scheme(), quant::QParams{resumed, at::zeros_like(resumed, resumed.options().dtype(at::kInt))});
+      }
+    } else if (ptqCheckpoint_) {
+      const int64_t heads = scale.dim() == 4 ? scale.size(1) : 1;
+      std::shared_ptr<AttentionQuant> stored = ptqCheckpoint_->attention(attention, input, heads);
+      if (stored != nullptr) {
+        QPIPE_REQUIRE(stored->scheme().name() == calibrated.scheme().name(), ErrorCode::kConfig, "from_ptq_ckpt '",
+                      ptqCheckpoint_->dir(), "': ", name, " is quantized there as ", stored->scheme().name(),
+                      ", but the earlier fa3_quant step as ", calibrated.scheme().name());
+        ++loaded_;
+        return stored;
+      }
+    }
+    if (resume_ || ptqCheckpoint_) calibratedNames_.push_back(name);
+    return nullptr;
+  }
+
+  // After training: the deployed QuantLinear and AttentionQuant modules in place of the QAT ones.
+  void deploy(LayerRequest& request) {
+    finishNorms();
+    for (const Entry& e : entries_) request.module->replace(e.path, e.qat->deploy());
+    for (const AttentionEntry& e : attentions_) request.module->replace(e.path, e.qat->deploy());
+    attentions_.clear();
+  }
 
   // learnable.norm: every RMSNorm of the unit (of the decoder layers and model.norm, for the whole
   // model) trains from now on, from the scales artifact's value where it has one (norms_).
@@ -425,6 +533,7 @@ class LearnableScaleQat final : public Processor {
   // end2end on the whole-model unit: the PTQ start, training on the logits, the baked modules.
   void trainModel(LayerRequest& request) {
     const auto start = Clock::now();
+    device_ = request.inputs.front().front().device().type();
     const auto samples = static_cast<int64_t>(request.inputs.size());
     startFromPtq(request, [&] {
       for (int64_t s = 0; s < std::min(lazyInitSamples_, samples); ++s) {
@@ -433,6 +542,7 @@ class LearnableScaleQat final : public Processor {
     });
     QPIPE_REQUIRE(!entries_.empty(), ErrorCode::kConfig,
                   "learnable_scale_qat: no Linear of the decoder layers matches its include/exclude; nothing to train");
+    startAttention(request);
     startNorms(request);
     // Rounding an activation has a zero gradient (and an int8 GEMM none): a module quantized that
     // way which this step does not train would stop the gradient of everything before it.
@@ -460,6 +570,7 @@ class LearnableScaleQat final : public Processor {
     // The mean total loss over every sample, without gradients.
     const auto evaluate = [&] {
       at::NoGradGuard noGrad;
+      const Bf16Autocast autocast(training_.bf16, device_);
       double sum = 0;
       for (int64_t s = 0; s < samples; ++s) sum += lossOf(s).loss.item<double>();
       return sum / static_cast<double>(samples);
@@ -467,18 +578,20 @@ class LearnableScaleQat final : public Processor {
     const double before = evaluate();
     const int64_t steps = train("", samples, lossOf);
     const double after = evaluate();
+    const int64_t trainedKv = trainedAttentions();
     saveScales();
-    finishNorms();
-    for (const Entry& e : entries_) request.module->replace(e.path, e.qat->deploy());
+    deploy(request);
     request.report("", "qat:total_loss_ptq", before);
     request.report("", "qat:total_loss_qat", after);
     request.report("", "qat:steps", static_cast<double>(steps));
-    context_.logger->info("learnable_scale_qat: end2end: ", entries_.size(), " Linear, ", steps, " steps, ",
+    context_.logger->info("learnable_scale_qat: end2end: ", entries_.size(), " Linear",
+                          trainKv_ ? concat(", ", trainedKv, " K/V scales") : "", ", ", steps, " steps, ",
                           loss_.lmWeight, "·lm", loss_.distills() ? concat(" + ", loss_.kdWeight, "·", loss_.name) : "",
                           " ", scientific(before), " (PTQ) -> ", scientific(after), " (QAT), ",
                           std::chrono::duration<double>(Clock::now() - start).count(), " s");
     totalSteps_ = steps;
     trained_ = static_cast<int64_t>(entries_.size());
+    trainedKv_ = trainedKv;
     sumBefore_ = before;
     sumAfter_ = after;
     entries_.clear();
@@ -486,7 +599,7 @@ class LearnableScaleQat final : public Processor {
 
   // The teacher's logits: the same model with every QatLinear bypassed (float), no gradients.
   at::Tensor teacherLogits(LayerRequest& request, const TensorList& input) {
-    const Bypass bypass(entries_, norms_);
+    const Bypass bypass(*this);
     at::NoGradGuard noGrad;
     return forwardOne(request, input);
   }
@@ -633,6 +746,9 @@ class LearnableScaleQat final : public Processor {
     for (const Entry& e : entries_) {
       for (const auto& [key, tensor] : e.qat->state()) scales_->add(e.name + "." + key, tensor);
     }
+    for (const AttentionEntry& e : attentions_) {
+      if (e.trains) scales_->add(e.name, e.qat->scale());
+    }
     for (const NormEntry& norm : norms_) scales_->add(norm.name + ".weight", norm.module->parameter("weight").detach());
   }
 
@@ -654,6 +770,9 @@ class LearnableScaleQat final : public Processor {
         (e.qat->isClipFactor(name) ? clips : scales).params.push_back(tensor);
       }
     }
+    for (const AttentionEntry& e : attentions_) {
+      for (const at::Tensor& tensor : e.qat->trainable()) scales.params.push_back(tensor);
+    }
     for (const NormEntry& norm : norms_) scales.params.push_back(norm.module->parameter("weight"));
     Optimizer optimizer(
         {scales, clips},
@@ -673,6 +792,7 @@ class LearnableScaleQat final : public Processor {
       return order[static_cast<size_t>(position++)];
     };
     at::AutoGradMode gradients(true);
+    const Bf16Autocast autocast(training_.bf16, device_);
     for (int64_t step = 0; step < total; ++step) {
       std::vector<std::pair<std::string, double>> logged;  // the step's means
       for (int64_t k = 0; k < perStep; ++k) {
@@ -687,6 +807,7 @@ class LearnableScaleQat final : public Processor {
       }
       const StepStats stats = optimizer.step();
       for (const Entry& e : entries_) e.qat->project();
+      for (const AttentionEntry& e : attentions_) e.qat->project();
       const double epochs = static_cast<double>(epoch) + static_cast<double>(position) / static_cast<double>(samples);
       std::string losses;  // "lm_loss 2.1e+00, total_loss 2.2e+00"
       for (const auto& [key, value] : logged) losses += concat(losses.empty() ? "" : ", ", key, " ", scientific(value));
@@ -715,6 +836,9 @@ class LearnableScaleQat final : public Processor {
   TrainingSettings training_;
   bool end2end_ = false;
   bool trainNorms_ = false;
+  bool trainKv_ = false;
+  at::DeviceType device_ = at::kCPU;  // where the unit computes (bf16 autocast)
+  std::vector<AttentionEntry> attentions_;  // the unit's attention quantizers
   std::vector<NormEntry> norms_;  // the unit's trained norms (learnable.norm)
   LossSpec loss_;
   int64_t lazyInitSamples_ = 10;
@@ -730,7 +854,7 @@ class LearnableScaleQat final : public Processor {
   std::vector<Entry> entries_;                // the layer being trained
   bool floatStreamTarget_ = true;
   std::vector<at::Tensor> floatStream_;  // the next layer's float inputs, one per sample (float_stream)
-  int64_t totalSteps_ = 0, trained_ = 0;
+  int64_t totalSteps_ = 0, trained_ = 0, trainedKv_ = 0;
   double sumBefore_ = 0, sumAfter_ = 0;
 };
 
@@ -740,7 +864,7 @@ Schema learnableSchema() {
       .optional("act_scale", ValueType::kBool, ConfigNode::boolean(false), "train static activations' input scales")
       .optional("lwc", ValueType::kBool, ConfigNode::boolean(false),
                 "learnable weight clipping (OmniQuant): train σ(c)·range in place of the weight scales")
-      .optional("kv_scale", ValueType::kBool, ConfigNode::boolean(false), "k/v output scales (not built yet)")
+      .optional("kv_scale", ValueType::kBool, ConfigNode::boolean(false), "train the static K/V scales of an earlier fa3_quant step")
       .optional("norm", ValueType::kBool, ConfigNode::boolean(false), "train the RMSNorm weights too");
   return schema;
 }
@@ -798,6 +922,8 @@ void registerProcessors(PluginRegistrar& registrar) {
               "learning rate schedule (HF's)")
       .add(bounded("max_grad_norm", ConfigNode::number(1.0), 0, "gradient clipping; 0: none"))
       .add(bounded("seed", ConfigNode::integer(42), 0, "the sample order's seed"))
+      .optional("bf16", ValueType::kBool, ConfigNode::boolean(false),
+                "train in bf16 autocast (HF's bf16): matrix products in bf16, scales and losses fp32")
       .add(bounded("logging_steps", ConfigNode::integer(0), 0, "an info line every N steps; 0: one per layer"))
       .optional("logging_file", ValueType::kString, ConfigNode::string(""),
                 "per-step JSON lines; default <save_path>.qat_log.jsonl")

@@ -1,5 +1,6 @@
 #include "trainer.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/optim/adamw.h>
 
@@ -81,6 +82,23 @@ StepStats Optimizer::step() {
   adam_->zero_grad(/*set_to_none=*/true);
   ++steps_;
   return stats;
+}
+
+Bf16Autocast::Bf16Autocast(bool enabled, at::DeviceType device) : enabled_(enabled), device_(device) {
+  if (!enabled_) return;
+  wasEnabled_ = at::autocast::is_autocast_enabled(device_);
+  previousDtype_ = at::autocast::get_autocast_dtype(device_);
+  at::autocast::set_autocast_dtype(device_, at::kBFloat16);
+  at::autocast::set_autocast_enabled(device_, true);
+  at::autocast::increment_nesting();
+}
+
+Bf16Autocast::~Bf16Autocast() {
+  if (!enabled_) return;
+  // The casts of the frozen weights are cached while autocast is on; the cache ends with it.
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  at::autocast::set_autocast_enabled(device_, wasEnabled_);
+  at::autocast::set_autocast_dtype(device_, previousDtype_);
 }
 
 std::vector<int64_t> epochOrder(int64_t n, int64_t seed, int64_t epoch) {

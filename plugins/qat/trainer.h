@@ -62,6 +62,23 @@ class Optimizer {
   int64_t steps_ = 0;
 };
 
+// bf16 compute (HF's `bf16: True`, which trains under torch.autocast): while it lives, and when
+// `enabled`, matrix products and attention on `device` run in bf16 with fp32 accumulation, while
+// the parameters, the scales, the fake quantizers' arithmetic and the losses stay fp32.
+class Bf16Autocast {
+ public:
+  Bf16Autocast(bool enabled, at::DeviceType device);
+  ~Bf16Autocast();
+  Bf16Autocast(const Bf16Autocast&) = delete;
+  Bf16Autocast& operator=(const Bf16Autocast&) = delete;
+
+ private:
+  bool enabled_;
+  at::DeviceType device_;
+  bool wasEnabled_ = false;
+  at::ScalarType previousDtype_ = at::kFloat;
+};
+
 // The order of `n` samples in epoch `epoch`: a Fisher–Yates shuffle driven by a 64-bit Mersenne
 // Twister seeded with seed + epoch, so it is the same on every platform and standard library.
 std::vector<int64_t> epochOrder(int64_t n, int64_t seed, int64_t epoch);

@@ -835,6 +835,62 @@ std::string fileBytes(const fs::path& file) {
 
 // The scales artifact beside a QAT checkpoint: an export redone from it without training is the
 // same checkpoint byte for byte; an artifact of another qconfig, or no artifact, is refused.
+// learnable.kv_scale after linear_quant and fa3_quant (int8 per-head K and V): the K/V scales
+// start from a PTQ checkpoint's kv_cache_scheme scales, train, go into the scales artifact, and an
+// export from the artifact is the trained checkpoint byte for byte.
+TEST(QuantCli, QatKvScalesStartFromAPtqCheckpointTrainAndExportAgain) {
+  const fs::path model = qpipe::test::tinyLlama("qat_kv");
+  const fs::path dir = qpipe::test::testDir();
+  for (const char* out : {"kv_ptq", "kv_loaded", "kv_trained", "kv_exported"}) fs::remove_all(dir / out);
+  const std::string ptqSteps = symmetricStatic("linear_quant", "      exclude: [\"lm_head\"]\n") +
+                               "    - type: fa3_quant\n"
+                               "      details:\n"
+                               "        fa_k: {dtype: int8, scope: per_head, symmetric: True, method: minmax}\n"
+                               "        fa_v: {dtype: int8, scope: per_head, symmetric: True, method: minmax}\n";
+  const auto quant = [&](const std::string& out, const std::string& qat, const std::string& calib) {
+    return qpipe("quant --model_path " + quote(model) + " --save_path " + quote(dir / out) + " --config_path " +
+                 quote(pipelineFile(out + ".yaml", ptqSteps + qat)) + calib);
+  };
+  const auto qatStep = [](const std::string& extra) {
+    return symmetricStatic("learnable_scale_qat",
+                           "      plugin_config: {quant_config: {learnable: {kv_scale: True}}}\n" + extra);
+  };
+  ASSERT_EQ(quant("kv_ptq", "", " --calib_samples 2 --seq_len 16").exitCode, 0);
+  const CommandResult loaded = quant(
+      "kv_loaded", qatStep("      learning_rate: 0\n      from_ptq_ckpt: " + (dir / "kv_ptq").string() + "\n"),
+      kTinyCalib);
+  ASSERT_EQ(loaded.exitCode, 0) << loaded.err;
+  // 14 Linear modules and a K and a V scale in each of the 2 layers.
+  EXPECT_NE(loaded.err.find("learnable_scale_qat: 18 modules start from the scales in '" + (dir / "kv_ptq").string() +
+                            "'"),
+            std::string::npos)
+      << loaded.err;
+  EXPECT_NE(loaded.err.find("14 Linear modules and 4 K/V scales trained"), std::string::npos) << loaded.err;
+  const auto ptqScales = scalesOf(dir / "kv_ptq");
+  const auto loadedScales = scalesOf(dir / "kv_loaded");
+  for (const char* name : {"model.layers.0.self_attn.k_scale", "model.layers.1.self_attn.v_scale"}) {
+    ASSERT_TRUE(ptqScales.contains(name)) << name;
+    EXPECT_TRUE(at::equal(loadedScales.at(name), ptqScales.at(name))) << name;
+  }
+
+  const CommandResult trained = quant("kv_trained", qatStep("      max_steps: 3\n      learning_rate: 1.0e-2\n"), kTinyCalib);
+  ASSERT_EQ(trained.exitCode, 0) << trained.err;
+  const fs::path artifact = dir / "kv_trained.qat_scales.safetensors";
+  const auto stored = qpipe::safetensors::Checkpoint::open(artifact.parent_path(), "kv_trained.qat_scales");
+  EXPECT_TRUE(stored.contains("model.layers.1.self_attn.k_scale"));
+  EXPECT_FALSE(stored.contains("model.layers.1.self_attn.q_scale"));
+  const CommandResult exported =
+      quant("kv_exported", qatStep("      max_steps: 0\n      resume_from: " + artifact.string() + "\n"), kTinyCalib);
+  ASSERT_EQ(exported.exitCode, 0) << exported.err;
+  EXPECT_NE(exported.err.find("learnable_scale_qat: 18 modules start from the scales in '" + artifact.string() + "'"),
+            std::string::npos)
+      << exported.err;
+  EXPECT_EQ(fileBytes(dir / "kv_exported" / "model.safetensors"), fileBytes(dir / "kv_trained" / "model.safetensors"));
+  const CommandResult evaluated = qpipe("--log_level warn eval --model_path " + quote(dir / "kv_trained") +
+                                       " --data " + quote(kEvalData) + " --max_samples 2 --seq_len 16");
+  EXPECT_EQ(evaluated.exitCode, 0) << evaluated.err;
+}
+
 TEST(QuantCli, QatExportsAgainFromItsScalesArtifact) {
   const fs::path model = qpipe::test::tinyLlama("qat_resume");
   const fs::path dir = qpipe::test::testDir();

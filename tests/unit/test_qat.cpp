@@ -32,6 +32,7 @@
 #include "trainer.h"
 
 QPIPE_DECLARE_STATIC_PLUGIN(linear_quant);
+QPIPE_DECLARE_STATIC_PLUGIN(fa3);
 QPIPE_DECLARE_STATIC_PLUGIN(qat);
 
 namespace qpipe {
@@ -226,6 +227,56 @@ TEST(QatLinear, LsqLearnsAClippedScaleFromAMinmaxStart) {
   EXPECT_NEAR(ratio, 0.7, 0.1);
 }
 
+// An fa3_quant AttentionQuant under QAT: the same values bit for bit, gradients through the
+// rounding to K and V (and so to k_proj and v_proj), and a trained static scale deployed.
+TEST(QatAttentionQuant, ComputesItsAttentionQuantPassesGradientsAndDeploysTheTrainedScale) {
+  at::manual_seed(9);
+  const at::Tensor x = at::randn({2, 3, 5, 8});
+  const QScheme perHead{.dtype = QDtype::kInt8, .scope = QScope::kPerHead};
+  const QScheme fp8Tensor{.dtype = QDtype::kFp8E4m3, .scope = QScope::kPerTensor};
+  const QScheme perToken{.dtype = QDtype::kInt8, .scope = QScope::kPerToken};
+  for (const QScheme& scheme : {perHead, fp8Tensor, perToken}) {
+    SCOPED_TRACE(scheme.name());
+    std::optional<quant::QParams> params;
+    if (scheme.scope == QScope::kPerHead) {
+      const at::Tensor s = x.abs().amax({0, 2, 3}, true) * 0.8 / 127;  // the largest values saturate
+      params = quant::QParams{s, at::zeros_like(s, s.options().dtype(at::kInt))};
+    } else if (scheme.scope == QScope::kPerTensor) {
+      const at::Tensor s = x.abs().amax().reshape({1}) / 448;
+      params = quant::QParams{s, at::zeros_like(s, s.options().dtype(at::kInt))};
+    }
+    AttentionQuant ptq(scheme, params);
+    qat::QatAttentionQuant module(ptq, {}, /*trains=*/true);
+    EXPECT_TRUE(at::equal(module.forward(x), ptq.forward(x)));
+    const bool dynamic = scheme.scope == QScope::kPerToken;
+    ASSERT_EQ(module.trainable().size(), dynamic ? 0U : 1U);
+    at::AutoGradMode gradients(true);
+    const at::Tensor input = x.clone().requires_grad_(true);
+    module.forward(input).sum().backward();
+    EXPECT_TRUE(at::equal(input.grad(), at::ones_like(x)));  // AngelSlim's straight-through estimator
+    if (dynamic) continue;
+    EXPECT_GT(module.trainable()[0].grad().abs().sum().item<double>(), 0);
+    {
+      at::NoGradGuard noGrad;
+      module.trainable()[0].mul_(1.2);
+    }
+    const auto deployed = module.deploy();
+    EXPECT_TRUE(at::equal(deployed->params().scale, module.scale()));
+    EXPECT_TRUE(at::allclose(module.scale(), params->scale * 1.2));
+    EXPECT_TRUE(at::equal(deployed->forward(x), module.forward(x).detach()));
+    module.setBypassed(true);
+    EXPECT_TRUE(at::equal(module.forward(x), x));
+  }
+  qat::QatAttentionQuant fixed(*std::make_shared<AttentionQuant>(
+                                   perHead, quant::QParams{at::ones({1, 3, 1, 1}), at::zeros({1, 3, 1, 1}, at::kInt)}),
+                               {}, /*trains=*/false);
+  EXPECT_TRUE(fixed.trainable().empty());
+  const QScheme asymmetric{.dtype = QDtype::kInt8, .scope = QScope::kPerToken, .symmetric = false};
+  AttentionQuant ptq(asymmetric, std::nullopt);
+  EXPECT_EQ(test::errorOf([&] { qat::QatAttentionQuant(ptq, {}, false); }, ErrorCode::kConfig),
+            "learnable_scale_qat takes symmetric attention quantization, got int8_per_token_asym");
+}
+
 TEST(QatSchedule, FactorsAreHfLambdas) {
   using qat::Schedule;
   using qat::scheduleFactor;
@@ -285,6 +336,7 @@ class QatProcessor : public ::testing::Test {
  protected:
   QatProcessor() : logger_(std::make_shared<Logger>([](LogLevel, std::string_view) {})), loader_(registry_) {
     loader_.addStatic(qpipe_plugin_descriptor_linear_quant());
+    loader_.addStatic(qpipe_plugin_descriptor_fa3());
     loader_.addStatic(qpipe_plugin_descriptor_qat());
   }
 
@@ -584,6 +636,52 @@ TEST_F(QatProcessor, ALinearQuantStepBeforeHandsItsScalesOn) {
             "trained here, so no gradient passes it; keep it float in the earlier step (exclude) or match it here");
 }
 
+// linear_quant → fa3_quant (int8 per-head K and V) → learnable_scale_qat in one pipeline. The K/V
+// quantizers pass gradients (k_proj and v_proj train even with kv_scale off) and, with kv_scale,
+// their scales train from fa3_quant's and deploy as AttentionQuant; at a zero learning rate
+// everything is the PTQ pipeline's.
+TEST_F(QatProcessor, KvScalesTrainFromAnFa3StepAndKAndVPassGradients) {
+  const fs::path dir = test::tinyLlama("qat_kv");
+  const std::string ptqSteps = "    - type: linear_quant\n      qconfig:\n" + std::string(kW8a8Static) +
+                               "      exclude: [\"lm_head\"]\n"
+                               "    - type: fa3_quant\n"
+                               "      details:\n"
+                               "        fa_k: {dtype: int8, scope: per_head, symmetric: True, method: minmax}\n"
+                               "        fa_v: {dtype: int8, scope: per_head, symmetric: True, method: minmax}\n";
+  auto [ptq, ptqReport] = run(ptqSteps, dir);
+  // Layer 0: blockwise, a later layer's fa3_quant calibrates on the stream the trained layers before it left.
+  const auto scaleOf = [](CausalLM& model, const std::string& hook) {
+    return model.layer(0).getSubmodule("self_attn." + hook).as<AttentionQuant>(hook).params().scale;
+  };
+  for (const std::string mode : {"blockwise", "end2end"}) {
+    SCOPED_TRACE(mode);
+    const std::string qat = qatStep(kW8a8Static, "      training_mode: " + mode + "\n      max_steps: 3\n");
+    const std::string kv = "      plugin_config: {quant_config: {learnable: {kv_scale: True}}}\n";
+    auto [still, stillReport] = run(ptqSteps + qat + kv + "      learning_rate: 0\n", dir);
+    auto [weights, weightsReport] = run(ptqSteps + qat + "      learning_rate: 1.0e-2\n", dir);
+    auto [trained, trainedReport] = run(ptqSteps + qat + kv + "      learning_rate: 1.0e-2\n", dir);
+    for (const std::string hook : {"k_hook", "v_hook"}) {
+      SCOPED_TRACE(hook);
+      EXPECT_TRUE(at::equal(scaleOf(*ptq, hook), scaleOf(*still, hook)));
+      EXPECT_TRUE(at::equal(scaleOf(*ptq, hook), scaleOf(*weights, hook)));
+      EXPECT_FALSE(at::equal(scaleOf(*ptq, hook), scaleOf(*trained, hook)));
+    }
+    for (const std::string path : {"self_attn.k_proj", "self_attn.v_proj"}) {
+      SCOPED_TRACE(path);
+      auto& a = ptq->layer(0).getSubmodule(path).as<QuantLinear>(path);
+      auto& b = weights->layer(0).getSubmodule(path).as<QuantLinear>(path);
+      EXPECT_FALSE(at::equal(a.parameter("weight_scale"), b.parameter("weight_scale")));
+    }
+  }
+  // Without an fa3_quant step there is nothing for kv_scale to train.
+  auto steps = processors(qatStep(kW8a8Static, "      plugin_config: {quant_config: {learnable: {kv_scale: True}}}\n"));
+  auto model = CausalLM::open(dir);
+  EXPECT_EQ(test::errorOf([&] { LayerWiseRunner(*model, steps).run(samples(), {}); }, ErrorCode::kConfig),
+            "processor 'learnable_scale_qat' (plugin 'qat') failed in process(model.layers.0): learnable_scale_qat: "
+            "kv_scale is on, but model.layers.0 has no static K/V quantization to train; put fa3_quant (details fa_k "
+            "and fa_v, per_head or per_tensor) before this step");
+}
+
 TEST_F(QatProcessor, ConfigurationErrorsNameTheField) {
   const auto message = [&](const std::string& extra, const std::string& qconfig = kW8a8Static) {
     return configError(qatStep(qconfig, extra));
@@ -605,13 +703,9 @@ TEST_F(QatProcessor, ConfigurationErrorsNameTheField) {
   EXPECT_NE(message("", "        weight: {dtype: int8, scope: per_channel, symmetric: False}\n")
                 .find("spec.process[0].qconfig: learnable scales take symmetric schemes (symmetric: True)"),
             std::string::npos);
-  EXPECT_NE(message("      plugin_config: {quant_config: {learnable: {kv_scale: True}}}\n")
-                .find("spec.process[0].plugin_config.quant_config.learnable.kv_scale: is not built yet (docs/qat.md); "
-                      "set it False"),
-            std::string::npos);
   EXPECT_NE(message("      plugin_config: {quant_config: {learnable: {weight_scale: False}}}\n")
                 .find("spec.process[0].plugin_config.quant_config.learnable: nothing to train: enable weight_scale, "
-                      "lwc, or act_scale with static activations"),
+                      "lwc, kv_scale, or act_scale with static activations"),
             std::string::npos);
   EXPECT_NE(message("      plugin_config: {quant_config: {learnable: {lwc: True}}}\n",
                     "        weight: {dtype: fp8_e4m3, scope: per_tensor, symmetric: True}\n")

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Perplexity of float, PTQ and QAT checkpoints on held-out text (docs/quality.md):
-# for each scheme, linear_quant with the scheme's qconfig (lm_head left in float, as QAT leaves
-# it) and the QAT practice of configs/qat/, both calibrated on the same windows of
+# for each scheme, the PTQ pipeline (a practice's steps before learnable_scale_qat where it has
+# them, else linear_quant with its qconfig and lm_head left in float, as QAT leaves it) and the QAT
+# practice of configs/qat/, both calibrated on the same windows of
 # data/calib.jsonl, then `qpipe eval` on data/eval.jsonl. Prints a table with the share of the
 # PTQ gap to float that QAT recovers, and each run's time.
 #   tools/bench/qat_quality.sh [MODEL_DIR] [SAMPLES] [SEQ_LEN]
 # Environment: SCHEMES (default "fp8_static w8a8_static w4a16"; the end2end practices are
-# fp8_static_e2e and w4a16_e2e), QPIPE (default build/bin/qpipe).
+# fp8_static_e2e and w4a16_e2e, FP8 static with an FP8 KV cache fp8_static_c8), QPIPE (default
+# build/bin/qpipe).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 model=$(realpath "${1:-$root/.cache/models/smollm2-135m}")
@@ -23,20 +25,23 @@ practice() {
     w8a8_static) echo "$root/configs/qat/w8a8_static_qat.yaml" ;;
     w4a16) echo "$root/configs/qat/w4a16_qat.yaml" ;;
     fp8_static_e2e) echo "$root/configs/qat/w8a8_fp8_static_e2e_qat.yaml" ;;
+    fp8_static_c8) echo "$root/configs/qat/w8a8c8_fp8_static_qat.yaml" ;;
     w4a16_e2e) echo "$root/configs/qat/w4a16_e2e_qat.yaml" ;;
     *) echo "unknown scheme $1" >&2; exit 2 ;;
   esac
 }
 
-# The PTQ pipeline: the practice's qconfig under linear_quant.
+# The PTQ pipeline: the practice's steps before learnable_scale_qat, or its qconfig under linear_quant.
 ptq_pipeline() {
   python3 - "$1" "$2" <<'PY'
 import re, sys
 text = open(sys.argv[1]).read()
-qconfig = re.search(r"(      qconfig:\n(?:        .*\n)+)", text).group(1)
-open(sys.argv[2], "w").write(
-    "apiversion: modelslim_v1\nspec:\n  process:\n    - type: linear_quant\n" + qconfig +
-    '      exclude: ["lm_head"]\n  save:\n    - {type: compressed_tensors, part_file_size: 4}\n')
+process = text[text.index("  process:\n") + len("  process:\n"):text.index("    - type: learnable_scale_qat")]
+if not process:
+    qconfig = re.search(r"(      qconfig:\n(?:        .*\n)+)", text).group(1)
+    process = "    - type: linear_quant\n" + qconfig + '      exclude: ["lm_head"]\n'
+open(sys.argv[2], "w").write("apiversion: modelslim_v1\nspec:\n  process:\n" + process +
+                             "  save:\n    - {type: compressed_tensors, part_file_size: 4}\n")
 PY
 }
 

@@ -7,6 +7,7 @@
 #     turn), PyTorch's is one layer trained with the whole model loaded.
 #   MODE=end2end: the whole model, the teacher's forward with the quantizers bypassed, CAKLD + LM
 #     loss (tools/bench/qat_e2e_step_torch.py); RSS is each process's peak.
+# BF16=1 trains both under bf16 autocast (qpipe's bf16: True, torch.autocast).
 # qpipe's step time is the difference of two runs (max_steps 2 and 6) over the extra steps, so its
 # start-up, calibration, evaluation and save do not count.
 #   [MODE=end2end] tools/bench/qat_step.sh [MODEL_DIR] [THREADS]        needs tools/setup.sh --test
@@ -16,7 +17,8 @@ model=$(realpath "${1:-$root/.cache/models/smollm2-135m}")
 threads=${2:-2}
 qpipe=${QPIPE:-$root/build/bin/qpipe}
 mode=${MODE:-blockwise}
-work=$root/.cache/bench/qat_step_$mode
+bf16=${BF16:-0}
+work=$root/.cache/bench/qat_step_$mode$([[ $bf16 == 1 ]] && echo _bf16 || true)
 mkdir -p "$work"
 case $mode in
   blockwise)  # each step trains one layer: the extra steps are 4 per layer
@@ -41,6 +43,7 @@ $extra
       plugin_config: {quant_config: {learnable: {act_scale: True, weight_scale: True}}}
       ste: lsq
       learning_rate: 1.0e-2
+      bf16: $([[ $bf16 == 1 ]] && echo True || echo False)
       max_steps: $1
   save:
     - {type: compressed_tensors}
@@ -58,10 +61,10 @@ read -r long_s long_kib < <(run_qpipe 6)
 qpipe_step=$(python3 -c 'import sys; a, b, n = map(float, sys.argv[1:]); print(f"{(b - a) / (n * 4):.4f}")' \
   "$short_s" "$long_s" "$units")
 qpipe_rss=$(( long_kib / 1024 ))
-read -r torch_step torch_rss < <(cd "$root/tools/bench" && OMP_NUM_THREADS="$threads" \
+read -r torch_step torch_rss < <(cd "$root/tools/bench" && OMP_NUM_THREADS="$threads" BF16="$bf16" \
   "$root/.venv-test/bin/python" "$torch_script" "$model" "$torch_steps" "$threads" 2>/dev/null)
 speedup=$(python3 -c 'import sys; q, t = map(float, sys.argv[1:]); print(f"{t / q:.2f}")' "$qpipe_step" "$torch_step")
-printf '| %-28s | %14s | %13s |\n' "$mode ($threads threads)" "s / step" "peak RSS MiB"
+printf '| %-28s | %14s | %13s |\n' "$mode$([[ $bf16 == 1 ]] && echo ", bf16" || true) ($threads threads)" "s / step" "peak RSS MiB"
 printf '| %-28s | %14s | %13s |\n' "---" "---:" "---:"
 printf '| %-28s | %14s | %13s |\n' "qpipe learnable_scale_qat" "$qpipe_step" "$qpipe_rss"
 printf '| %-28s | %14s | %13s |\n' "PyTorch + transformers" "$torch_step" "$torch_rss"
