@@ -5,6 +5,7 @@
 // training starts at the PTQ error and moves the deployed scales), its training log, and every
 // configuration error.
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -275,6 +276,21 @@ TEST(QatAttentionQuant, ComputesItsAttentionQuantPassesGradientsAndDeploysTheTra
   AttentionQuant ptq(asymmetric, std::nullopt);
   EXPECT_EQ(test::errorOf([&] { qat::QatAttentionQuant(ptq, {}, false); }, ErrorCode::kConfig),
             "learnable_scale_qat takes symmetric attention quantization, got int8_per_token_asym");
+}
+
+// Inside the guard a Linear's product is bf16 and the fake quantizer's arithmetic fp32; after it,
+// everything is fp32 again. A disabled guard changes nothing.
+TEST(QatBf16, TheGuardRunsProductsInBf16AndRestoresFp32) {
+  const at::Tensor x = at::randn({4, 16}), w = at::randn({8, 16});
+  {
+    const qat::Bf16Autocast autocast(true, at::kCPU);
+    EXPECT_EQ(at::linear(x, w).scalar_type(), at::kBFloat16);
+    const QScheme int8{.dtype = QDtype::kInt8, .scope = QScope::kPerTensor};
+    EXPECT_EQ(qat::fakeQuantize(w, at::full({1}, 0.01), int8, qat::Ste::kAngelSlim).scalar_type(), at::kFloat);
+  }
+  EXPECT_EQ(at::linear(x, w).scalar_type(), at::kFloat);
+  const qat::Bf16Autocast off(false, at::kCPU);
+  EXPECT_EQ(at::linear(x, w).scalar_type(), at::kFloat);
 }
 
 TEST(QatSchedule, FactorsAreHfLambdas) {
@@ -592,6 +608,27 @@ TEST_F(QatProcessor, End2endTrainsNormsAndItsTeacherKeepsTheFloatNorms) {
   // them would report far less. The deployed int8 GEMM and the fake-quantized forward differ by
   // fp32 rounding, which a KL this small feels at the 1e-5 level.
   EXPECT_NEAR(deployed, reportValue(wholeModelReport(report), "qat:total_loss_qat"), 1e-4 * deployed);
+}
+
+// bf16: True trains under bf16 autocast: the losses move by bf16's rounding from the fp32 run's,
+// not more, and the deployed modules compute in fp32 again.
+TEST_F(QatProcessor, Bf16TrainsUnderAutocastAndDeploysFp32Modules) {
+  const fs::path dir = test::tinyLlama("qat_bf16");
+  const std::string qat = qatStep(kW8a8Static,
+                                  "      training_mode: end2end\n      loss_type: kl\n      learning_rate: 1e-2\n"
+                                  "      max_steps: 3\n      lazy_init_samples: 6\n");
+  auto [fp32, fp32Report] = run(qat, dir);
+  auto [bf16, bf16Report] = run(qat + "      bf16: True\n", dir);
+  for (const char* key : {"qat:total_loss_ptq", "qat:total_loss_qat"}) {
+    const double a = reportValue(wholeModelReport(fp32Report), key);
+    const double b = reportValue(wholeModelReport(bf16Report), key);
+    EXPECT_NE(a, b) << key;                  // the products ran in bf16
+    EXPECT_NEAR(a, b, 2e-2 * a + 1e-3) << key;  // and no worse than its rounding
+  }
+  for (const std::string& path : test::tinyLayerLinears()) {
+    EXPECT_EQ(bf16->layer(1).getSubmodule(path).as<QuantLinear>(path).computeDtype(), at::kFloat) << path;
+  }
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
 }
 
 // linear_quant → learnable_scale_qat in one pipeline: the QAT step starts from the scales the
