@@ -210,6 +210,7 @@ class LearnableScaleQat final : public Processor {
                                     : "nothing to minimise: lm_loss_weight and kd_loss_weight are both 0");
     }
     lazyInitSamples_ = config.at("lazy_init_samples").asInt();
+    activationInit_ = config.at("activation_scale_init_value").asFloat();
     for (const auto* side : {&qconfig_.weight, &qconfig_.act}) {
       if (side->enabled() && !side->scheme.symmetric) {
         throw context.configError(config, "qconfig", "learnable scales take symmetric schemes (symmetric: True)");
@@ -373,6 +374,13 @@ class LearnableScaleQat final : public Processor {
                             calibratedNames_.empty()
                                 ? std::string()
                                 : concat("; ", calibratedNames_.size(), " it lacks were calibrated (", missing, ")"));
+    }
+    if (!initializedNames_.empty()) {
+      context_.logger->info("learnable_scale_qat: ", initializedNames_.size(),
+                            " modules no calibration sample reached start from activation_scale_init_value ",
+                            activationInit_, " (", initializedNames_.front(),
+                            initializedNames_.size() > 1 ? ", …" : "", ")");
+      initializedNames_.clear();
     }
     context_.logger->info("learnable_scale_qat: ", trained_, " Linear modules",
                           trainKv_ ? concat(" and ", trainedKv_, " K/V scales") : "", " trained in ", totalSteps_,
@@ -651,7 +659,9 @@ class LearnableScaleQat final : public Processor {
       }
     }
     std::vector<std::shared_ptr<QuantLinear>> starts;
-    for (size_t i = 0; i < quantizers.size(); ++i) starts.push_back(quantizers[i]->deploy(entries_[i].name));
+    for (size_t i = 0; i < quantizers.size(); ++i) {
+      starts.push_back(calibratedStart(*quantizers[i], entries_[i].name, floats[i].first, floats[i].second));
+    }
     constexpr std::string_view kLayers = "model.layers.";
     std::map<std::string, std::shared_ptr<Module>> floatLayers;
     forEach<QuantLinear>(
@@ -692,6 +702,22 @@ class LearnableScaleQat final : public Processor {
       }
       request.module->replace(entries_[i].path, entries_[i].qat);
     }
+  }
+
+  // The PTQ start of a module that calibrated. One no calibration sample reached (an MoE expert
+  // no token was routed to) starts its static input scale at activation_scale_init_value where
+  // that is set, as AngelSlim's quantizer without samples; else deploy() says what is missing.
+  std::shared_ptr<QuantLinear> calibratedStart(LinearQuantizer& quantizer, const std::string& name,
+                                               const at::Tensor& weight, const at::Tensor& bias) {
+    if (quantizer.calibrated() || activationInit_ <= 0) return quantizer.deploy(name);
+    quant::LinearQConfig weightOnly = qconfig_;
+    weightOnly.act = {.scheme = {.dtype = quant::QDtype::kFloat}, .method = quant::QMethod::kNone};
+    Linear linear(weight, bias);
+    const std::shared_ptr<QuantLinear> weights = LinearQuantizer(linear, weightOnly).deploy(name);
+    const at::Tensor scale = at::full({1}, activationInit_, weight.options().dtype(at::kFloat));
+    initializedNames_.push_back(name);
+    return withScales(weight, bias, *weights, weights->weightParams(),
+                      ActivationQuant{qconfig_.act.scheme, {scale, at::zeros({1}, scale.options().dtype(at::kInt))}});
   }
 
   // The start of module `name` with the scales of the PTQ checkpoint where it has them, else
@@ -842,6 +868,8 @@ class LearnableScaleQat final : public Processor {
   std::vector<NormEntry> norms_;  // the unit's trained norms (learnable.norm)
   LossSpec loss_;
   int64_t lazyInitSamples_ = 10;
+  double activationInit_ = 0;                  // activation_scale_init_value; 0: none
+  std::vector<std::string> initializedNames_;  // modules that started from it
   std::string logPath_;
   std::ofstream log_;
   std::optional<PtqCheckpoint> ptqCheckpoint_;
@@ -902,6 +930,8 @@ void registerProcessors(PluginRegistrar& registrar) {
                 "a scales artifact (<save_path>.qat_scales.safetensors) to start from; with max_steps 0, export it")
       .add(bounded("lazy_init_samples", ConfigNode::integer(10), 1,
                    "end2end: samples the static activation scales are calibrated on"))
+      .add(bounded("activation_scale_init_value", ConfigNode::number(0.0), 0,
+                   "input scale of a static module no calibration sample reached; 0: such a module is an error"))
       .optional("loss_type", ValueType::kString, ConfigNode::string("origin"),
                 "end2end: origin, kl, rkl, mse, kd, cakld, kl_top[_K], r_kl_top[_K]")
       .add(bounded("loss_topk", ConfigNode::integer(0), 0, "K of the top-K losses; 0: the name's, else 1000"))

@@ -719,6 +719,32 @@ TEST_F(QatProcessor, KvScalesTrainFromAnFa3StepAndKAndVPassGradients) {
             "and fa_v, per_head or per_tensor) before this step");
 }
 
+// A static module no calibration sample reached, an MoE expert no token was routed to: every
+// sample is one token repeated, so each layer routes every position to the same two of its four
+// experts. Without activation_scale_init_value that is an error naming the module; with it the
+// other two start from it.
+TEST_F(QatProcessor, AModuleNoSampleReachedStartsFromActivationScaleInitValue) {
+  const fs::path dir = test::tinyMoe("qat_moe_unreached");
+  const std::vector<at::Tensor> same(2, at::full({1, 8}, 7, at::kLong));
+  const auto runOn = [&](const std::string& extra) {
+    auto steps = processors(qatStep(kW8a8Static, "      max_steps: 1\n" + extra));
+    auto model = CausalLM::open(dir);
+    LayerWiseRunner(*model, steps, {.mode = RunnerMode::kModelWise}).run(same, {});
+    return model;
+  };
+  EXPECT_NE(test::errorOf([&] { runOn(""); }, ErrorCode::kInput)
+                .find(": no calibration data reached this module, so its static activation scale is unknown"),
+            std::string::npos);
+  auto model = runOn("      activation_scale_init_value: 0.05\n");
+  int initialized = 0;
+  for (int64_t e = 0; e < 4; ++e) {
+    const std::string path = "mlp.experts." + std::to_string(e) + ".up_proj";
+    initialized += model->layer(0).getSubmodule(path).as<QuantLinear>(path).parameter("input_scale").item<float>() ==
+                   0.05f;
+  }
+  EXPECT_EQ(initialized, 2);
+}
+
 TEST_F(QatProcessor, ConfigurationErrorsNameTheField) {
   const auto message = [&](const std::string& extra, const std::string& qconfig = kW8a8Static) {
     return configError(qatStep(qconfig, extra));

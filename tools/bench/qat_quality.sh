@@ -7,7 +7,7 @@
 # PTQ gap to float that QAT recovers, and each run's time.
 #   tools/bench/qat_quality.sh [MODEL_DIR] [SAMPLES] [SEQ_LEN]
 # Environment: SCHEMES (default "fp8_static w8a8_static w4a16"; the end2end practices are
-# fp8_static_e2e and w4a16_e2e, FP8 static with an FP8 KV cache fp8_static_c8), QPIPE (default
+# fp8_static_e2e, w8a8_static_e2e and w4a16_e2e, FP8 static with an FP8 KV cache fp8_static_c8), QPIPE (default
 # build/bin/qpipe).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -25,6 +25,7 @@ practice() {
     w8a8_static) echo "$root/configs/qat/w8a8_static_qat.yaml" ;;
     w4a16) echo "$root/configs/qat/w4a16_qat.yaml" ;;
     fp8_static_e2e) echo "$root/configs/qat/w8a8_fp8_static_e2e_qat.yaml" ;;
+    w8a8_static_e2e) echo "$root/configs/qat/w8a8_static_e2e_qat.yaml" ;;
     fp8_static_c8) echo "$root/configs/qat/w8a8c8_fp8_static_qat.yaml" ;;
     w4a16_e2e) echo "$root/configs/qat/w4a16_e2e_qat.yaml" ;;
     *) echo "unknown scheme $1" >&2; exit 2 ;;
