@@ -602,6 +602,10 @@ std::shared_ptr<ProcessGroup> connect(const GroupOptions& options) {
     glooOptions->devices.push_back(glooDevice(options.masterAddr));
     gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", store),
                                                        options.rank, options.worldSize, glooOptions);
+    // A rank's side of the mesh can be complete while a peer still handshakes with it: without
+    // this barrier a rank that fails at once would close its sockets under that handshake, and the
+    // peer would report a broken connection instead of the rank's error.
+    gloo->barrier()->wait();
   } catch (const std::exception& error) {
     throw Error(ErrorCode::kDistributed,
                 "rank " + std::to_string(options.rank) + " cannot connect to its peers over Gloo: " + describe(error));
