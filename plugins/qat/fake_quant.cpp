@@ -140,8 +140,8 @@ at::Tensor QatLinear::forward(const at::Tensor& input) {
   const at::Tensor w = fakeQuantize(weight_, weightScale(), weightScheme_, options_.ste);
   at::Tensor x = input;
   if (input_ && input_->scheme.dtype != quant::QDtype::kFloat) {
-    const at::Tensor scale = input_->isDynamic() ? quant::computeQParams(input.detach(), input_->scheme).scale
-                                                 : inputScale_.value();
+    const at::Tensor scale =
+        input_->isDynamic() ? quant::computeQParams(input.detach(), input_->scheme).scale : inputScale_.value();
     x = fakeQuantize(input, scale, input_->scheme, options_.ste);
   }
   return at::linear(x, w, bias_);
@@ -175,8 +175,8 @@ std::shared_ptr<QuantLinear> QatLinear::deploy() const {
 
 QatAttentionQuant::QatAttentionQuant(AttentionQuant& init, const QatOptions& options, bool trains)
     : Module("QatAttentionQuant"), scheme_(init.scheme()), ste_(options.ste) {
-  QPIPE_REQUIRE(scheme_.symmetric, ErrorCode::kConfig, "learnable_scale_qat takes symmetric attention quantization, got ",
-                scheme_.name());
+  QPIPE_REQUIRE(scheme_.symmetric, ErrorCode::kConfig,
+                "learnable_scale_qat takes symmetric attention quantization, got ", scheme_.name());
   if (!init.isDynamic()) scale_ = LearnedScale(init.params().scale, options.param, trains);
 }
 

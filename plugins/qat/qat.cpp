@@ -29,9 +29,9 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <map>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -339,8 +339,8 @@ class LearnableScaleQat final : public Processor {
       request.report(request.name, "qat:mse_qat", after);
       request.report(request.name, "qat:steps", static_cast<double>(steps));
       context_.logger->info("learnable_scale_qat: ", request.name, ": ", entries_.size(), " Linear",
-                            trainKv_ ? concat(", ", trainedKv, " K/V scales") : "", ", ", steps,
-                            " steps, output mse ", scientific(before), " (PTQ) -> ", scientific(after), " (QAT, ",
+                            trainKv_ ? concat(", ", trainedKv, " K/V scales") : "", ", ", steps, " steps, output mse ",
+                            scientific(before), " (PTQ) -> ", scientific(after), " (QAT, ",
                             before > 0 ? static_cast<int>(std::lround(100 * (after - before) / before)) : 0, "%), ",
                             std::chrono::duration<double>(Clock::now() - start).count(), " s");
       totalSteps_ += steps;
@@ -378,17 +378,16 @@ class LearnableScaleQat final : public Processor {
     if (!initializedNames_.empty()) {
       context_.logger->info("learnable_scale_qat: ", initializedNames_.size(),
                             " modules no calibration sample reached start from activation_scale_init_value ",
-                            activationInit_, " (", initializedNames_.front(),
-                            initializedNames_.size() > 1 ? ", …" : "", ")");
+                            activationInit_, " (", initializedNames_.front(), initializedNames_.size() > 1 ? ", …" : "",
+                            ")");
       initializedNames_.clear();
     }
     context_.logger->info("learnable_scale_qat: ", trained_, " Linear modules",
                           trainKv_ ? concat(" and ", trainedKv_, " K/V scales") : "", " trained in ", totalSteps_,
-                          " steps (",
-                          qconfig_.describe(), "); ", end2end_ ? "total loss " : "summed layer output mse ",
+                          " steps (", qconfig_.describe(), "); ", end2end_ ? "total loss " : "summed layer output mse ",
                           scientific(sumBefore_), " (PTQ) -> ", scientific(sumAfter_), " (QAT)",
-                          logPath_.empty() ? "" : "; steps in ", logPath_,
-                          scalesPath_.empty() ? "" : "; scales in ", scalesPath_);
+                          logPath_.empty() ? "" : "; steps in ", logPath_, scalesPath_.empty() ? "" : "; scales in ",
+                          scalesPath_);
     floatStream_.clear();
   }
 
@@ -487,8 +486,8 @@ class LearnableScaleQat final : public Processor {
     if (resume_) {
       const at::Tensor resumed = resume_->tensor(name);
       if (resumed.defined()) {
-        QPIPE_REQUIRE(resumed.sizes() == scale.sizes(), ErrorCode::kInput, "resume_from '", resume_->path(), "': ",
-                      name, " has shape ", resumed.sizes(), ", this model's ", scale.sizes());
+        QPIPE_REQUIRE(resumed.sizes() == scale.sizes(), ErrorCode::kInput, "resume_from '", resume_->path(),
+                      "': ", name, " has shape ", resumed.sizes(), ", this model's ", scale.sizes());
         ++resumed_;
         return std::make_shared<AttentionQuant>(
             calibrated.scheme(), quant::QParams{resumed, at::zeros_like(resumed, resumed.options().dtype(at::kInt))});
@@ -863,7 +862,7 @@ class LearnableScaleQat final : public Processor {
   bool end2end_ = false;
   bool trainNorms_ = false;
   bool trainKv_ = false;
-  at::DeviceType device_ = at::kCPU;  // where the unit computes (bf16 autocast)
+  at::DeviceType device_ = at::kCPU;        // where the unit computes (bf16 autocast)
   std::vector<AttentionEntry> attentions_;  // the unit's attention quantizers
   std::vector<NormEntry> norms_;  // the unit's trained norms (learnable.norm)
   LossSpec loss_;
@@ -892,7 +891,8 @@ Schema learnableSchema() {
       .optional("act_scale", ValueType::kBool, ConfigNode::boolean(false), "train static activations' input scales")
       .optional("lwc", ValueType::kBool, ConfigNode::boolean(false),
                 "learnable weight clipping (OmniQuant): train σ(c)·range in place of the weight scales")
-      .optional("kv_scale", ValueType::kBool, ConfigNode::boolean(false), "train the static K/V scales of an earlier fa3_quant step")
+      .optional("kv_scale", ValueType::kBool, ConfigNode::boolean(false),
+                "train the static K/V scales of an earlier fa3_quant step")
       .optional("norm", ValueType::kBool, ConfigNode::boolean(false), "train the RMSNorm weights too");
   return schema;
 }

@@ -856,14 +856,14 @@ TEST(QuantCli, QatKvScalesStartFromAPtqCheckpointTrainAndExportAgain) {
                            "      plugin_config: {quant_config: {learnable: {kv_scale: True}}}\n" + extra);
   };
   ASSERT_EQ(quant("kv_ptq", "", " --calib_samples 2 --seq_len 16").exitCode, 0);
-  const CommandResult loaded = quant(
-      "kv_loaded", qatStep("      learning_rate: 0\n      from_ptq_ckpt: " + (dir / "kv_ptq").string() + "\n"),
-      kTinyCalib);
+  const CommandResult loaded =
+      quant("kv_loaded", qatStep("      learning_rate: 0\n      from_ptq_ckpt: " + (dir / "kv_ptq").string() + "\n"),
+            kTinyCalib);
   ASSERT_EQ(loaded.exitCode, 0) << loaded.err;
   // 14 Linear modules and a K and a V scale in each of the 2 layers.
-  EXPECT_NE(loaded.err.find("learnable_scale_qat: 18 modules start from the scales in '" + (dir / "kv_ptq").string() +
-                            "'"),
-            std::string::npos)
+  EXPECT_NE(
+      loaded.err.find("learnable_scale_qat: 18 modules start from the scales in '" + (dir / "kv_ptq").string() + "'"),
+      std::string::npos)
       << loaded.err;
   EXPECT_NE(loaded.err.find("14 Linear modules and 4 K/V scales trained"), std::string::npos) << loaded.err;
   const auto ptqScales = scalesOf(dir / "kv_ptq");
@@ -873,7 +873,8 @@ TEST(QuantCli, QatKvScalesStartFromAPtqCheckpointTrainAndExportAgain) {
     EXPECT_TRUE(at::equal(loadedScales.at(name), ptqScales.at(name))) << name;
   }
 
-  const CommandResult trained = quant("kv_trained", qatStep("      max_steps: 3\n      learning_rate: 1.0e-2\n"), kTinyCalib);
+  const CommandResult trained =
+      quant("kv_trained", qatStep("      max_steps: 3\n      learning_rate: 1.0e-2\n"), kTinyCalib);
   ASSERT_EQ(trained.exitCode, 0) << trained.err;
   const fs::path artifact = dir / "kv_trained.qat_scales.safetensors";
   const auto stored = qpipe::safetensors::Checkpoint::open(artifact.parent_path(), "kv_trained.qat_scales");
@@ -886,8 +887,8 @@ TEST(QuantCli, QatKvScalesStartFromAPtqCheckpointTrainAndExportAgain) {
             std::string::npos)
       << exported.err;
   EXPECT_EQ(fileBytes(dir / "kv_exported" / "model.safetensors"), fileBytes(dir / "kv_trained" / "model.safetensors"));
-  const CommandResult evaluated = qpipe("--log_level warn eval --model_path " + quote(dir / "kv_trained") +
-                                       " --data " + quote(kEvalData) + " --max_samples 2 --seq_len 16");
+  const CommandResult evaluated = qpipe("--log_level warn eval --model_path " + quote(dir / "kv_trained") + " --data " +
+                                        quote(kEvalData) + " --max_samples 2 --seq_len 16");
   EXPECT_EQ(evaluated.exitCode, 0) << evaluated.err;
 }
 

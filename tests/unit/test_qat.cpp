@@ -622,7 +622,7 @@ TEST_F(QatProcessor, Bf16TrainsUnderAutocastAndDeploysFp32Modules) {
   for (const char* key : {"qat:total_loss_ptq", "qat:total_loss_qat"}) {
     const double a = reportValue(wholeModelReport(fp32Report), key);
     const double b = reportValue(wholeModelReport(bf16Report), key);
-    EXPECT_NE(a, b) << key;                  // the products ran in bf16
+    EXPECT_NE(a, b) << key;                     // the products ran in bf16
     EXPECT_NEAR(a, b, 2e-2 * a + 1e-3) << key;  // and no worse than its rounding
   }
   for (const std::string& path : test::tinyLayerLinears()) {
@@ -739,8 +739,8 @@ TEST_F(QatProcessor, AModuleNoSampleReachedStartsFromActivationScaleInitValue) {
   int initialized = 0;
   for (int64_t e = 0; e < 4; ++e) {
     const std::string path = "mlp.experts." + std::to_string(e) + ".up_proj";
-    initialized += model->layer(0).getSubmodule(path).as<QuantLinear>(path).parameter("input_scale").item<float>() ==
-                   0.05f;
+    initialized +=
+        model->layer(0).getSubmodule(path).as<QuantLinear>(path).parameter("input_scale").item<float>() == 0.05f;
   }
   EXPECT_EQ(initialized, 2);
 }
