@@ -318,6 +318,7 @@ class LearnableScaleQat final : public Processor {
       targets = forwardAll(request, std::move(floatInputs));
     }
     if (entries_.empty() && trainedAttentions() == 0) {
+      deploy(request);
       request.forward(request);
     } else {
       const double before = meanError(forwardAll(request, request.inputs), targets);
@@ -349,7 +350,6 @@ class LearnableScaleQat final : public Processor {
       sumBefore_ += before;
       sumAfter_ += after;
     }
-    deploy(request);
     entries_.clear();
     if (floatStreamTarget_) floatStream_ = std::move(targets);
   }
