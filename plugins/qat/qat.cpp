@@ -22,7 +22,9 @@
 // One layer is in memory at a time, as in every qpipe run, plus the float stream (one hidden state
 // per calibration sample).
 //
-// Single rank (issue 16 makes it multi-rank).
+// On several ranks each rank trains on its share of the samples: a sample's gradient is taken on
+// the rank that holds it, and every rank sums a step's gradients in the run's sample order, so the
+// scales are the one-rank run's bit for bit (Samples, StepGradients; docs/qat.md).
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
@@ -41,6 +43,7 @@
 
 #include "fake_quant.h"
 #include "losses.h"
+#include "qpipe/dist/observer_sync.h"
 #include "qpipe/linear_quantizer.h"
 #include "qpipe/plugin.h"
 #include "qpipe/progress.h"
@@ -76,7 +79,100 @@ struct SampleLoss {
   at::Tensor loss;
   std::vector<std::pair<std::string, double>> logged;
 };
-using SampleLossFn = std::function<SampleLoss(int64_t sample)>;
+using SampleLossFn = std::function<SampleLoss(size_t local)>;
+
+// The unit's samples over every rank. Each rank holds its share (request.sampleIds says which);
+// training, evaluation and the logs combine the ranks' values in the run's sample order, so N
+// ranks compute what one does, bit for bit (docs/qat.md).
+class Samples {
+ public:
+  Samples(const std::vector<int64_t>& ids, ProcessGroup& group) : group_(group) {
+    at::Tensor count = at::full({1}, static_cast<int64_t>(ids.size()), at::kLong);
+    if (group_.worldSize() > 1) group_.allReduce(count, ReduceOp::kSum);
+    count_ = count.item<int64_t>();
+    for (size_t i = 0; i < ids.size(); ++i) local_[ids[i]] = i;
+  }
+
+  // Over every rank.
+  int64_t count() const { return count_; }
+  // This rank's index of sample `id`, if it holds it.
+  std::optional<size_t> local(int64_t id) const {
+    const auto found = local_.find(id);
+    return found == local_.end() ? std::nullopt : std::optional<size_t>(found->second);
+  }
+  // The mean of value(local index) over every sample, summed in sample order.
+  double mean(const std::function<double(size_t)>& value) const {
+    at::Tensor values = at::zeros({count_}, at::kDouble);
+    for (const auto& [id, index] : local_) values[id] = value(index);
+    combine(values);
+    const double* v = values.const_data_ptr<double>();
+    double sum = 0;
+    for (int64_t i = 0; i < count_; ++i) sum += v[i];
+    return sum / static_cast<double>(count_);
+  }
+  // Each row filled on the one rank that holds its sample, zeros elsewhere: the sum over ranks is
+  // every rank's rows, exactly (x + 0 = x).
+  void combine(at::Tensor& rows) const {
+    if (group_.worldSize() > 1) group_.allReduce(rows, ReduceOp::kSum);
+  }
+
+ private:
+  ProcessGroup& group_;
+  int64_t count_ = 0;
+  std::map<int64_t, size_t> local_;  // sample id -> this rank's index
+};
+
+// One optimizer step's gradients: a row per sample of the step (zeros where another rank holds
+// the sample) of every trainable tensor's gradient, and whether the sample reached each tensor.
+class StepGradients {
+ public:
+  StepGradients(std::vector<at::Tensor> params, int64_t samples) : params_(std::move(params)) {
+    for (const at::Tensor& p : params_) width_ += p.numel();
+    rows_ = at::zeros({samples, width_ + static_cast<int64_t>(params_.size())}, at::kFloat);
+  }
+
+  // Before a sample's backward pass: no gradient anywhere.
+  void clear() {
+    for (at::Tensor& p : params_) p.mutable_grad() = at::Tensor();
+  }
+
+  // After it: the gradients it left, as row k.
+  void record(int64_t k) {
+    at::Tensor row = rows_[k];
+    int64_t offset = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const at::Tensor& grad = params_[i].grad();
+      if (grad.defined()) {
+        row.narrow(0, offset, params_[i].numel()).copy_(grad.reshape({-1}));
+        row[width_ + static_cast<int64_t>(i)] = 1;
+      }
+      offset += params_[i].numel();
+    }
+  }
+
+  // Every rank's rows combined; each tensor's gradient is then the sum of the rows in the step's
+  // order, or none where no sample reached it (as after backward passes that never touched it,
+  // which AdamW skips). The rows are zeroed for the next step.
+  void sum(const Samples& samples) {
+    samples.combine(rows_);
+    at::Tensor total = rows_[0].clone();
+    for (int64_t k = 1; k < rows_.size(0); ++k) total.add_(rows_[k]);
+    const float* reached = total.const_data_ptr<float>() + width_;
+    int64_t offset = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const int64_t n = params_[i].numel();
+      params_[i].mutable_grad() =
+          reached[i] > 0 ? total.narrow(0, offset, n).view_as(params_[i]).clone() : at::Tensor();
+      offset += n;
+    }
+    rows_.zero_();
+  }
+
+ private:
+  std::vector<at::Tensor> params_;
+  int64_t width_ = 0;
+  at::Tensor rows_;
+};
 
 std::string scientific(double value) {
   std::ostringstream out;
@@ -271,7 +367,7 @@ class LearnableScaleQat final : public Processor {
     }
     logPath_ = config.at("logging_file").asString();
     if (!context.savePath.empty()) {
-      std::filesystem::path save(context.savePath);
+      std::filesystem::path save = std::filesystem::absolute(context.savePath);  // a relative one has no parent
       if (save.filename().empty()) save = save.parent_path();
       if (logPath_.empty()) logPath_ = save.string() + ".qat_log.jsonl";
       scalesPath_ = save.string() + ".qat_scales.safetensors";
@@ -279,6 +375,7 @@ class LearnableScaleQat final : public Processor {
   }
 
   void preRun() override {
+    if (context_.group->rank() != 0) return;  // rank 0 writes the artifact and the log
     if (!scalesPath_.empty()) {
       const std::filesystem::path path(scalesPath_);
       scales_ = std::make_unique<safetensors::Writer>(
@@ -321,21 +418,20 @@ class LearnableScaleQat final : public Processor {
       deploy(request);
       request.forward(request);
     } else {
-      const double before = meanError(forwardAll(request, request.inputs), targets);
-      const int64_t steps =
-          train(request.name, static_cast<int64_t>(request.inputs.size()), [&](int64_t s) -> SampleLoss {
-            const auto sample = static_cast<size_t>(s);
-            const at::Tensor loss = at::mse_loss(forwardOne(request, request.inputs[sample]).to(at::kFloat),
-                                                 targets[sample].to(at::kFloat));
-            return {loss, {{"loss", loss.item<double>()}}};
-          });
+      const Samples samples(request.sampleIds, *context_.group);
+      const double before = meanError(samples, forwardAll(request, request.inputs), targets);
+      const int64_t steps = train(request.name, samples, {"loss"}, [&](size_t sample) -> SampleLoss {
+        const at::Tensor loss = at::mse_loss(forwardOne(request, request.inputs[sample]).to(at::kFloat),
+                                             targets[sample].to(at::kFloat));
+        return {loss, {{"loss", loss.item<double>()}}};
+      });
       const int64_t trainedKv = trainedAttentions();
       saveScales();
       deploy(request);
       request.forward(request);  // the deployed modules' outputs: the next layer's inputs
       std::vector<at::Tensor> outputs;
       for (const TensorList& output : request.outputs) outputs.push_back(output[0]);
-      const double after = meanError(outputs, targets);
+      const double after = meanError(samples, outputs, targets);
       request.report(request.name, "qat:mse_ptq", before);
       request.report(request.name, "qat:mse_qat", after);
       request.report(request.name, "qat:steps", static_cast<double>(steps));
@@ -392,6 +488,8 @@ class LearnableScaleQat final : public Processor {
   }
 
   bool trains() const override { return true; }
+  // Every rank trains on its samples, and the steps combine them in the run's order (Samples).
+  bool supportDistributed() const override { return true; }
   bool wholeModel() const override { return end2end_; }
 
  private:
@@ -541,10 +639,10 @@ class LearnableScaleQat final : public Processor {
   void trainModel(LayerRequest& request) {
     const auto start = Clock::now();
     device_ = request.inputs.front().front().device().type();
-    const auto samples = static_cast<int64_t>(request.inputs.size());
-    startFromPtq(request, [&] {
-      for (int64_t s = 0; s < std::min(lazyInitSamples_, samples); ++s) {
-        forwardOne(request, request.inputs[static_cast<size_t>(s)]);
+    const Samples samples(request.sampleIds, *context_.group);
+    startFromPtq(request, [&] {  // the run's first lazy_init_samples samples, wherever they are
+      for (size_t s = 0; s < request.inputs.size(); ++s) {
+        if (request.sampleIds[s] < lazyInitSamples_) forwardOne(request, request.inputs[s]);
       }
     });
     QPIPE_REQUIRE(!entries_.empty(), ErrorCode::kConfig,
@@ -560,8 +658,8 @@ class LearnableScaleQat final : public Processor {
                     ") and not trained here, so no gradient passes it; keep it float in the earlier step (exclude) "
                     "or match it here");
     }
-    const auto lossOf = [&](int64_t s) -> SampleLoss {
-      const TensorList& input = request.inputs[static_cast<size_t>(s)];
+    const auto lossOf = [&](size_t s) -> SampleLoss {
+      const TensorList& input = request.inputs[s];
       const at::Tensor teacher = loss_.distills() ? teacherLogits(request, input) : at::Tensor();
       LossTerms terms = computeLoss(forwardOne(request, input), teacher, input[1], loss_);
       SampleLoss sample{.loss = terms.total};
@@ -578,12 +676,10 @@ class LearnableScaleQat final : public Processor {
     const auto evaluate = [&] {
       at::NoGradGuard noGrad;
       const Bf16Autocast autocast(training_.bf16, device_);
-      double sum = 0;
-      for (int64_t s = 0; s < samples; ++s) sum += lossOf(s).loss.item<double>();
-      return sum / static_cast<double>(samples);
+      return samples.mean([&](size_t s) { return lossOf(s).loss.item<double>(); });
     };
     const double before = evaluate();
-    const int64_t steps = train("", samples, lossOf);
+    const int64_t steps = train("", samples, loggedKeys(), lossOf);
     const double after = evaluate();
     const int64_t trainedKv = trainedAttentions();
     saveScales();
@@ -602,6 +698,19 @@ class LearnableScaleQat final : public Processor {
     sumBefore_ = before;
     sumAfter_ = after;
     entries_.clear();
+  }
+
+  // What an end2end sample logs, in lossOf's order: the terms the loss has.
+  std::vector<std::string> loggedKeys() const {
+    std::vector<std::string> keys;
+    if (loss_.lmWeight > 0) keys.emplace_back("lm_loss");
+    if (loss_.distills()) {
+      for (const std::string key : {"kd/" + loss_.name, std::string("kd/forward_kl"), std::string("kd/backward_kl")}) {
+        keys.push_back(key);
+      }
+    }
+    keys.emplace_back("total_loss");
+    return keys;
   }
 
   // The teacher's logits: the same model with every QatLinear bypassed (float), no gradients.
@@ -627,10 +736,9 @@ class LearnableScaleQat final : public Processor {
   }
 
   // The mean over samples of each output's MSE to its target.
-  static double meanError(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& targets) {
-    double sum = 0;
-    for (size_t s = 0; s < outputs.size(); ++s) sum += meanSquaredError(outputs[s], targets[s]);
-    return sum / static_cast<double>(outputs.size());
+  static double meanError(const Samples& samples, const std::vector<at::Tensor>& outputs,
+                          const std::vector<at::Tensor>& targets) {
+    return samples.mean([&](size_t s) { return meanSquaredError(outputs[s], targets[s]); });
   }
 
   // Makes a QatLinear of every matched Linear of the decoder layers (entries_). A float Linear
@@ -646,16 +754,16 @@ class LearnableScaleQat final : public Processor {
       qconfig_.checkFits(name, linear.inFeatures());
       floats.emplace_back(linear.weight(), linear.bias());
       auto quantizer = std::make_shared<LinearQuantizer>(linear, qconfig_);
-      if (request.staged) quantizer->settleInForward([](LinearQuantizer& q) { q.freeze(); });
+      if (request.staged) {
+        quantizer->settleInForward([this](LinearQuantizer& q) { dist::synchronize(*context_.group, q); });
+      }
       entries_.push_back({path, name, nullptr});
       quantizers.push_back(quantizer);
       request.module->replace(path, quantizer);
     });
     if (!quantizers.empty() && !qconfig_.isDataFree()) {
       observe();
-      for (const auto& quantizer : quantizers) {
-        if (!quantizer->frozen()) quantizer->freeze();
-      }
+      for (const auto& quantizer : quantizers) dist::synchronize(*context_.group, *quantizer);
     }
     std::vector<std::shared_ptr<QuantLinear>> starts;
     for (size_t i = 0; i < quantizers.size(); ++i) {
@@ -777,12 +885,19 @@ class LearnableScaleQat final : public Processor {
     for (const NormEntry& norm : norms_) scales_->add(norm.name + ".weight", norm.module->parameter("weight").detach());
   }
 
-  // Trains the scales of entries_ on `samples` samples, each step on the losses lossOf gives for
-  // batch × accumulation of them; returns the steps. `unit` names a blockwise layer ("" for end2end).
-  int64_t train(const std::string& unit, int64_t samples, const SampleLossFn& lossOf) {
+  // Trains the scales of entries_ on the unit's samples, each step on the losses lossOf gives for
+  // batch × accumulation of them, drawn in the run's sample order; returns the steps. `unit` names
+  // a blockwise layer ("" for end2end); `keys` are what each sample logs, in lossOf's order.
+  //
+  // Each sample's gradient is taken alone, on the rank that holds the sample, and the step's
+  // gradient is their sum in the step's sample order, on every rank: what one rank's accumulation
+  // of the backward passes computes, so the scales do not depend on the number of ranks.
+  int64_t train(const std::string& unit, const Samples& samples, const std::vector<std::string>& keys,
+                const SampleLossFn& lossOf) {
     if (resume_ && training_.maxSteps == 0) return 0;  // export the artifact's scales
+    const int64_t count = samples.count();
     const int64_t perStep = training_.batchSize * training_.accumulation;
-    const int64_t stepsPerEpoch = (samples + perStep - 1) / perStep;
+    const int64_t stepsPerEpoch = (count + perStep - 1) / perStep;
     const int64_t total =
         training_.maxSteps > 0
             ? training_.maxSteps
@@ -799,6 +914,8 @@ class LearnableScaleQat final : public Processor {
       for (const at::Tensor& tensor : e.qat->trainable()) scales.params.push_back(tensor);
     }
     for (const NormEntry& norm : norms_) scales.params.push_back(norm.module->parameter("weight"));
+    std::vector<at::Tensor> params = scales.params;
+    params.insert(params.end(), clips.params.begin(), clips.params.end());
     Optimizer optimizer(
         {scales, clips},
         {.weightDecay = training_.weightDecay,
@@ -806,34 +923,46 @@ class LearnableScaleQat final : public Processor {
          .schedule = training_.schedule,
          .totalSteps = total,
          .warmupSteps = static_cast<int64_t>(std::ceil(training_.warmupRatio * static_cast<double>(total)))});
-    ProgressBar bar(unit.empty() ? "qat end2end" : "qat " + unit, total, "steps");
+    StepGradients gradients(params, perStep);
+    std::optional<ProgressBar> bar;
+    if (context_.group->rank() == 0) bar.emplace(unit.empty() ? "qat end2end" : "qat " + unit, total, "steps");
     int64_t epoch = 0, position = 0;
-    std::vector<int64_t> order = epochOrder(samples, training_.seed, epoch);
+    std::vector<int64_t> order = epochOrder(count, training_.seed, epoch);
     const auto nextSample = [&] {
-      if (position == samples) {
-        order = epochOrder(samples, training_.seed, ++epoch);
+      if (position == count) {
+        order = epochOrder(count, training_.seed, ++epoch);
         position = 0;
       }
       return order[static_cast<size_t>(position++)];
     };
-    at::AutoGradMode gradients(true);
+    at::AutoGradMode withGradients(true);
     const Bf16Autocast autocast(training_.bf16, device_);
     for (int64_t step = 0; step < total; ++step) {
-      std::vector<std::pair<std::string, double>> logged;  // the step's means
+      at::Tensor values = at::zeros({perStep, static_cast<int64_t>(keys.size())}, at::kDouble);
       for (int64_t k = 0; k < perStep; ++k) {
-        SampleLoss sample = lossOf(nextSample());
+        const std::optional<size_t> local = samples.local(nextSample());
+        if (!local) continue;
+        gradients.clear();
+        SampleLoss sample = lossOf(*local);
         (sample.loss / static_cast<double>(perStep)).backward();
-        if (logged.empty()) {
-          for (const auto& [key, value] : sample.logged) logged.emplace_back(key, 0.0);
-        }
-        for (size_t i = 0; i < logged.size(); ++i) {
-          logged[i].second += sample.logged[i].second / static_cast<double>(perStep);
-        }
+        gradients.record(k);
+        QPIPE_CHECK(sample.logged.size() == keys.size(), "a sample logged ", sample.logged.size(), " values for ",
+                    keys.size(), " keys");
+        for (size_t i = 0; i < keys.size(); ++i) values[k][static_cast<int64_t>(i)] = sample.logged[i].second;
       }
-      const StepStats stats = optimizer.step();
+      gradients.sum(samples);
+      samples.combine(values);
+      std::vector<std::pair<std::string, double>> logged;  // the step's means
+      const double* v = values.const_data_ptr<double>();
+      for (size_t i = 0; i < keys.size(); ++i) {
+        double mean = 0;
+        for (int64_t k = 0; k < perStep; ++k) mean += v[k * static_cast<int64_t>(keys.size()) + static_cast<int64_t>(i)] / static_cast<double>(perStep);
+        logged.emplace_back(keys[i], mean);
+      }
+    const StepStats stats = optimizer.step();
       for (const Entry& e : entries_) e.qat->project();
       for (const AttentionEntry& e : attentions_) e.qat->project();
-      const double epochs = static_cast<double>(epoch) + static_cast<double>(position) / static_cast<double>(samples);
+      const double epochs = static_cast<double>(epoch) + static_cast<double>(position) / static_cast<double>(count);
       std::string losses;  // "lm_loss 2.1e+00, total_loss 2.2e+00"
       for (const auto& [key, value] : logged) losses += concat(losses.empty() ? "" : ", ", key, " ", scientific(value));
       if (log_.is_open()) {
@@ -849,7 +978,7 @@ class LearnableScaleQat final : public Processor {
                               ": ", losses, ", grad_norm ", scientific(stats.gradNorm), ", lr ",
                               scientific(stats.learningRate));
       }
-      bar.update(step + 1, losses);
+      if (bar) bar->update(step + 1, losses);
     }
     return total;
   }

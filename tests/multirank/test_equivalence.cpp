@@ -1,4 +1,4 @@
-// tools/check_equivalence.sh over every shipped practice, and msmodelslim's own default-w8a8 as
+// tools/check_equivalence.sh over every shipped practice (QAT ones included), and msmodelslim's own default-w8a8 as
 // published (tests/fixtures/pipelines/msmodelslim): 1, 2 and 3 ranks (5 samples, so the ranks
 // hold 5, 3+2 and 2+2+1) must write byte-identical checkpoints of a tiny Qwen3.
 #include <gtest/gtest.h>
@@ -17,7 +17,7 @@ namespace fs = std::filesystem;
 
 std::vector<fs::path> pipelines() {
   std::vector<fs::path> files;
-  for (const char* folder : {"configs/default", "tests/fixtures/pipelines/msmodelslim"}) {
+  for (const char* folder : {"configs/default", "configs/qat", "tests/fixtures/pipelines/msmodelslim"}) {
     for (const auto& entry : fs::directory_iterator(fs::path(QPIPE_SOURCE_DIR) / folder)) {
       if (entry.path().extension() == ".yaml") files.push_back(entry.path());
     }

@@ -280,6 +280,51 @@ TEST(QuantMultirank, TwoRanksWriteTheCheckpointOfOne) {
   }
 }
 
+// learnable_scale_qat on 2 and 3 ranks (4 samples: 2 + 2, and 2 + 1 + 1), each step drawing 3 of
+// them across the ranks: the checkpoint, the scales artifact and the training log are the one
+// rank's byte for byte. Blockwise with an fa3_quant step and kv_scale, and end2end with CAKLD.
+TEST(QuantMultirank, QatOnTwoAndThreeRanksTrainsTheOneRankScales) {
+  const fs::path model = qpipe::test::tinyLlama("llama");
+  const fs::path dir = qpipe::test::testDir();
+  const std::string qat = R"(    - type: learnable_scale_qat
+      qconfig:
+        act: {dtype: int8, scope: per_tensor, symmetric: True, method: minmax}
+        weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}
+      learning_rate: 1.0e-2
+      max_steps: 3
+      per_device_train_batch_size: 3
+)";
+  const std::string fa3 = R"(    - type: fa3_quant
+      details:
+        fa_k: {dtype: int8, scope: per_head, symmetric: True, method: minmax}
+        fa_v: {dtype: int8, scope: per_head, symmetric: True, method: minmax}
+)";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"blockwise", fa3 + qat + "      plugin_config: {quant_config: {learnable: {act_scale: True, kv_scale: True}}}\n"},
+      {"end2end", qat + "      training_mode: end2end\n      loss_type: cakld\n"}};
+  for (const auto& [mode, process] : cases) {
+    SCOPED_TRACE(mode);
+    const fs::path pipeline = pipelineFile("qat_" + mode + ".yaml", process);
+    const auto runOn = [&](const std::string& devices) {
+      const fs::path out = dir / ("qat-" + mode + "-" + std::to_string(devices.size()));
+      fs::remove_all(out);
+      const CommandResult r =
+          qpipe::test::runQpipe(quantArgs(model, out, "--config_path " + quote(pipeline) + " --device " + devices));
+      EXPECT_EQ(r.exitCode, 0) << r.err;
+      return out;
+    };
+    const fs::path one = runOn("cpu:0");
+    for (const std::string devices : {"cpu:0,1", "cpu:0,1,2"}) {
+      SCOPED_TRACE(devices);
+      const fs::path many = runOn(devices);
+      expectSameCheckpoint(one, many);
+      for (const char* suffix : {".qat_scales.safetensors", ".qat_log.jsonl"}) {
+        EXPECT_EQ(qpipe::test::slurp(one.string() + suffix), qpipe::test::slurp(many.string() + suffix)) << suffix;
+      }
+    }
+  }
+}
+
 // Split layers: a layer that fails on whichever rank runs it fails the run on every rank, naming
 // the layer's task, and leaves nothing at --save_path (the segments lie in the partial folder).
 TEST(QuantMultirank, ASplitLayerThatFailsStopsTheRunAndLeavesNothing) {
@@ -496,11 +541,12 @@ struct SlowRun {
   std::vector<pid_t> ranks;  // empty when the run never reached saving (the test has failed)
 };
 
-SlowRun startSlowRun() {
+// Two ranks running `pipeline` (by default one that sleeps 2 s a layer), once saving.
+SlowRun startSlowRun(const fs::path& pipeline = slowPipeline(2)) {
   const fs::path out = qpipe::test::testDir() / "quantized";
   fs::remove_all(out);
   const Process launcher = start("launcher", quantArgv(qpipe::test::tinyLlama("llama"), out,
-                                                       "--config_path " + slowPipeline(2).string() + " --plugin_dir " +
+                                                       "--config_path " + pipeline.string() + " --plugin_dir " +
                                                            kFixturePlugins.string() + " --device cpu:0,1"));
   std::vector<pid_t> ranks = ranksOnceSaving(launcher, out);
   if (ranks.empty()) {
@@ -512,6 +558,27 @@ SlowRun startSlowRun() {
 
 TEST(QuantMultirank, KilledRankStopsTheRunWithinTheTimeout) {
   const auto [out, launcher, ranks] = startSlowRun();
+  if (ranks.empty()) return;
+  const auto killed = Clock::now();
+  ASSERT_EQ(::kill(ranks[1], SIGKILL), 0);
+  const std::optional<int> exitCode = waitFor(launcher, std::chrono::seconds(30));
+  EXPECT_LT(Clock::now() - killed, kTimeout);
+  const std::string err = qpipe::test::slurp(launcher.err);
+  EXPECT_EQ(exitCode, code(ErrorCode::kDistributed)) << err;
+  EXPECT_EQ(lastLine(err), "qpipe: distributed error: rank 1 was killed by signal 9 (SIGKILL)") << err;
+  EXPECT_FALSE(alive(ranks[0])) << "rank 0 outlived the launcher";
+  expectNothingSaved(out);
+}
+
+// 20000 steps a layer: seconds of training, in which a rank is killed once the saver's folder is
+// there. The allReduce of the next step's gradients fails on the other rank, and the run stops
+// as any other run does.
+TEST(QuantMultirank, KilledRankStopsQatTrainingWithinTheTimeout) {
+  const auto [out, launcher, ranks] = startSlowRun(pipelineFile("long_qat.yaml", R"(    - type: learnable_scale_qat
+      qconfig:
+        weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}
+      max_steps: 20000
+)"));
   if (ranks.empty()) return;
   const auto killed = Clock::now();
   ASSERT_EQ(::kill(ranks[1], SIGKILL), 0);
