@@ -311,6 +311,11 @@ class LearnableScaleQat final : public Processor {
       if (side->enabled() && !side->scheme.symmetric) {
         throw context.configError(config, "qconfig", "learnable scales take symmetric schemes (symmetric: True)");
       }
+      if (quant::isFp4(side->scheme.dtype)) {
+        throw context.configError(config, "qconfig",
+                                  std::string(quant::qdtypeName(side->scheme.dtype)) +
+                                      " has no learnable scales yet (PTQ only: run linear_quant with it)");
+      }
     }
     const ConfigNode& learnable = config.at("plugin_config").at("quant_config").at("learnable");
     trainKv_ = learnable.at("kv_scale").asBool();

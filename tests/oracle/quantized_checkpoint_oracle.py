@@ -8,7 +8,8 @@
                             (compressed-tensors decompresses it) and writes to OUT the logits on IDS
                             ("logits") and every decompressed projection weight ("<module>.weight"),
                             lm_head's too when it is quantized (not in `ignore`: the checkpoint must
-                            then be untied);
+                            then be untied); NVFP4 weights as compressed-tensors dequantizes them in
+                            fp32 (nvfp4_weights), the logits from transformers' bf16 ones;
                             asymmetric pack-quantized goes through compressed-tensors' decompressor
                             alone (see decompressed_source)
   kv DIR IDS OUT            loads DIR (a kv_cache_scheme checkpoint) with transformers and writes to OUT
@@ -40,7 +41,11 @@ def make(directory):
 
 
 def scale_shape(args, out, inp):
-    return {"tensor": [1], "channel": [out, 1], "group": [out, inp // (args["group_size"] or 1)]}[args["strategy"]]
+    group = [out, inp // (args["group_size"] or 1)]
+    return {"tensor": [1], "channel": [out, 1], "group": group, "tensor_group": group}[args["strategy"]]
+
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def check_layout(src, directory):
@@ -74,8 +79,21 @@ def check_layout(src, directory):
     for p in projections:
         out, inp = shapes[p]
         sshape = scale_shape(weights, out, inp)
-        expect(p + ".weight_scale", torch.float32, sshape)
         bits = weights["num_bits"]
+        if fmt == "nvfp4-pack-quantized":
+            # As vLLM allocates them (formats_and_peers.md §A1.5).
+            expect(p + ".weight_packed", torch.uint8, [out, inp // 2])
+            expect(p + ".weight_scale", torch.float8_e4m3fn, sshape)
+            expect(p + ".weight_global_scale", torch.float32, [1])
+            if inputs is not None:
+                expect(p + ".input_global_scale", torch.float32, [1])
+            continue
+        if fmt == "mxfp4-pack-quantized":
+            # E8M0 exponents as uint8, no global scale (formats_and_peers.md §A1.5).
+            expect(p + ".weight_packed", torch.uint8, [out, inp // 2])
+            expect(p + ".weight_scale", torch.uint8, sshape)
+            continue
+        expect(p + ".weight_scale", torch.float32, sshape)
         if fmt == "pack-quantized":
             expect(p + ".weight_packed", torch.int32, [out, math.ceil(inp * bits / 32)])
             expect(p + ".weight_shape", torch.int64, [2])
@@ -92,6 +110,17 @@ def check_layout(src, directory):
             expect(p + ".input_scale", torch.float32, [1])
         elif p + ".input_scale" in tensors:
             errors.append(f"{p}.input_scale written for dynamic or absent activation quantization")
+    if fmt == "nvfp4-pack-quantized":
+        # vLLM runs each fused GEMM with one global scale: its shards must share it.
+        for p in (p for p in projections if "." in p):
+            parent, leaf = p.rsplit(".", 1)
+            for shards in FUSED:
+                key = ".weight_global_scale"
+                if leaf in shards and p + key in tensors:
+                    for other in shards:
+                        if parent + "." + other + key in tensors and not torch.equal(
+                                tensors[parent + "." + other + key], tensors[p + key]):
+                            errors.append(f"{p}{key} differs from {parent}.{other}{key}")
     expected_names = set()
     for p in projections:
         expected_names |= {k for k in tensors if k.startswith(p + ".")}
@@ -130,15 +159,53 @@ def decompressed_source(src, directory):
     return model
 
 
+def nvfp4_weights(directory):
+    """compressed-tensors' own NVFP4 decompression, in fp32: its decompressor (what transformers
+    runs) unpacks to bf16 and so rounds every weight to bf16."""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    q = json.load(open(f"{directory}/config.json"))["quantization_config"]
+    (group,) = q["config_groups"].values()
+    args = QuantizationScheme.model_validate(group).weights
+    tensors = load_file(f"{directory}/model.safetensors")
+    out = {}
+    for key, packed in tensors.items():
+        if key.endswith(".weight_packed"):
+            p = key[: -len(".weight_packed")]
+            codes = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
+            out[p + ".weight"] = dequantize(x_q=codes, scale=tensors[p + ".weight_scale"].float(), args=args,
+                                            global_scale=tensors[p + ".weight_global_scale"],
+                                            dtype=torch.float32).contiguous()
+    return out
+
+
 def check(src, directory, ids_path, out_path):
     errors = check_layout(src, directory)
     for e in errors:
         print("layout:", e)
     group = next(iter(json.load(open(f"{directory}/config.json"))["quantization_config"]["config_groups"].values()))
+    nvfp4 = group["format"] == "nvfp4-pack-quantized"
+    fp4 = nvfp4 or group["format"] == "mxfp4-pack-quantized"
     if group["format"] == "pack-quantized" and not group["weights"]["symmetric"]:
         model = decompressed_source(src, directory)
     else:
         model = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    if fp4:
+        # Decompressed to bf16 (MXFP4's values are exact in bf16, NVFP4's are not), which an fp32
+        # forward refuses; transformers forbids .float() on a quantized model, and decompresses
+        # only at the first forward, so decompress first and cast then. NVFP4's weights are then
+        # compressed-tensors' own fp32 decompression (nvfp4_weights), so that the logits test the
+        # activation path with the exact weights.
+        model.hf_quantizer.compressor.decompress_model(model)
+        for p in model.parameters():
+            p.data = p.data.float()
+        if nvfp4:
+            exact = nvfp4_weights(directory)
+            for name, module in model.named_modules():
+                if name + ".weight" in exact:
+                    module.weight.data = exact[name + ".weight"]
     model.eval()
     ids = load_file(ids_path)["ids"]
     with torch.no_grad():

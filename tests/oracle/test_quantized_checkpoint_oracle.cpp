@@ -40,6 +40,8 @@ struct Case {
 };
 
 constexpr int64_t kVocab = 97;
+const QScheme kNvfp4Weights{.dtype = QDtype::kNvfp4, .scope = QScope::kPerGroup, .groupSize = quant::kNvfp4GroupSize};
+const QScheme kMxfp4Weights{.dtype = QDtype::kMxfp4, .scope = QScope::kPerGroup, .groupSize = quant::kMxfp4GroupSize};
 
 // Per-tensor min/max of each projection's (and lm_head's) input over a calibration forward of the
 // float model.
@@ -178,6 +180,44 @@ TEST(QuantizedCheckpointOracle, W4A16Group128Symmetric) {
 TEST(QuantizedCheckpointOracle, W4A16Group128Asymmetric) {
   runCase("w4a16 g128 asym",
           {{.dtype = QDtype::kInt4, .scope = QScope::kPerGroup, .symmetric = false, .groupSize = 128}, std::nullopt});
+}
+
+// NVFP4 through linear_quant, as a practice runs it (fused shards share one global scale; the
+// layout check asserts it).
+TEST(QuantizedCheckpointOracle, Nvfp4WeightOnly) {
+  runCase("nvfp4a16", {.weight = kNvfp4Weights, .pipeline = R"(    - type: linear_quant
+      qconfig:
+        weight: {dtype: nvfp4, scope: per_group, symmetric: True, method: minmax}
+)"});
+}
+
+TEST(QuantizedCheckpointOracle, Nvfp4W4A4) {
+  runCase("nvfp4 w4a4", {.weight = kNvfp4Weights, .pipeline = R"(    - type: linear_quant
+      qconfig:
+        act: {dtype: nvfp4, scope: per_group, symmetric: True, method: minmax}
+        weight: {dtype: nvfp4, scope: per_group, symmetric: True, method: minmax}
+)"});
+}
+
+TEST(QuantizedCheckpointOracle, Mxfp4WeightOnly) {
+  runCase("mxfp4a16", {.weight = kMxfp4Weights, .pipeline = R"(    - type: linear_quant
+      qconfig:
+        weight: {dtype: mxfp4, scope: per_group, symmetric: True, method: minmax}
+)"});
+}
+
+TEST(QuantizedCheckpointOracle, Mxfp4W4A4) {
+  runCase("mxfp4 w4a4", {.weight = kMxfp4Weights, .pipeline = R"(    - type: linear_quant
+      qconfig:
+        act: {dtype: mxfp4, scope: per_group, symmetric: True, method: minmax}
+        weight: {dtype: mxfp4, scope: per_group, symmetric: True, method: minmax}
+)"});
+}
+
+// W4AFP8 written pack-quantized (as vLLM's W4A8Fp8 scheme allocates it) with fp8 per-token inputs.
+TEST(QuantizedCheckpointOracle, W4afp8) {
+  runCase("w4afp8", {.weight = {.dtype = QDtype::kInt4, .scope = QScope::kPerGroup, .groupSize = 128},
+                     .input = QScheme{.dtype = QDtype::kFp8E4m3, .scope = QScope::kPerToken}});
 }
 
 TEST(QuantizedCheckpointOracle, Fp8StaticTrainedByEnd2endQat) {

@@ -25,6 +25,8 @@ QPIPE_DECLARE_STATIC_PLUGIN(qat);
 namespace qpipe::test {
 
 // `process`: the entries of spec.process, as YAML indented by four spaces. Returns the report.
+// The run is model-wise: with no saver writing each layer as it is done, the layers stay in
+// `model`, quantized, for the caller to use.
 inline QuantReport runPipeline(CausalLM& model, const std::string& process, const std::vector<at::Tensor>& samples) {
   Registry registry;
   PluginLoader loader(registry);
@@ -35,7 +37,7 @@ inline QuantReport runPipeline(CausalLM& model, const std::string& process, cons
   auto processors =
       buildProcessors(pipeline, registry, {.logger = std::make_shared<Logger>([](LogLevel, std::string_view) {})});
   QuantReport report;
-  LayerWiseRunner(model, processors, {.report = &report}).run(samples, {});
+  LayerWiseRunner(model, processors, {.mode = RunnerMode::kModelWise, .report = &report}).run(samples, {});
   return report;
 }
 

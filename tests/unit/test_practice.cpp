@@ -31,14 +31,26 @@ TEST(QuantType, ParsesMsmodelslimFormsAndQpipesSuffixes) {
   const QuantType fp8Static = parseQuantType("w8a8_fp8_static");
   EXPECT_TRUE(fp8Static.fp8 && fp8Static.isStatic);
   EXPECT_EQ(test::errorOf([] { parseQuantType("int8"); }, ErrorCode::kUsage),
-            "--quant_type 'int8' is not of the form w<bits>a<bits>[c8|f4|f8][s][_fp8][_static], e.g. w8a8, w4a16, "
-            "w8a8c8, w8a8_fp8, w8a8_static");
+            "--quant_type 'int8' is not of the form w<bits>a<bits>[c8|f4|f8][s][_fp8|_nvfp4|_mxfp4][_static], e.g. "
+            "w8a8, w4a16, w8a8c8, w8a8_fp8, w4a4_nvfp4, w8a8_static");
   const std::string misordered = test::errorOf([] { parseQuantType("w8a8_static_fp8"); }, ErrorCode::kUsage);
   EXPECT_EQ(misordered.rfind("--quant_type 'w8a8_static_fp8' is not of the form", 0), 0u) << misordered;
   EXPECT_EQ(test::errorOf([] { parseQuantType("w8a16_static"); }, ErrorCode::kUsage),
             "--quant_type 'w8a16_static': _static needs quantized activations (a_bit below 16, e.g. w8a8_static)");
   EXPECT_EQ(test::errorOf([] { parseQuantType("w4a16_fp8"); }, ErrorCode::kUsage),
-            "--quant_type 'w4a16_fp8': _fp8 needs 8-bit weights (w8a8_fp8 or w8a16_fp8)");
+            "--quant_type 'w4a16_fp8': _fp8 needs 8-bit weights (w8a8_fp8 or w8a16_fp8) or is W4AFP8 (w4a8_fp8)");
+  const QuantType w4afp8 = parseQuantType("w4a8_fp8");
+  EXPECT_TRUE(w4afp8.fp8 && w4afp8.wBit == 4 && w4afp8.aBit == 8);
+  EXPECT_TRUE(parseQuantType("w4a4_mxfp4").mxfp4);
+  EXPECT_FALSE(parseQuantType("w4a4_mxfp4").nvfp4);
+  EXPECT_TRUE(parseQuantType("w4a16_mxfp4").mxfp4);
+  EXPECT_EQ(test::errorOf([] { parseQuantType("w4a8_mxfp4"); }, ErrorCode::kUsage),
+            "--quant_type 'w4a8_mxfp4': _mxfp4 is w4a4_mxfp4 or w4a16_mxfp4");
+  EXPECT_TRUE(parseQuantType("w4a4_nvfp4").nvfp4);
+  EXPECT_FALSE(parseQuantType("w4a4_nvfp4").fp8);
+  EXPECT_TRUE(parseQuantType("w4a16_nvfp4").nvfp4);
+  EXPECT_EQ(test::errorOf([] { parseQuantType("w8a8_nvfp4"); }, ErrorCode::kUsage),
+            "--quant_type 'w8a8_nvfp4': _nvfp4 is w4a4_nvfp4 or w4a16_nvfp4");
 }
 
 TEST(Practice, ModelFolderFirstThenDefaultHighestScoreThenConfigId) {

@@ -58,18 +58,78 @@ TEST(QConfig, Fp8PairsWithFp8OrFloatActivations) {
   const LinearQConfig fp8 = parse("act: {dtype: fp8_e4m3, scope: per_token}\nweight: {dtype: fp8_e4m3}\n");
   EXPECT_EQ(fp8.describe(), "w fp8_e4m3 per_channel sym minmax, a fp8_e4m3 per_token sym dynamic");
   EXPECT_EQ(parseError("act: {dtype: int8, scope: per_token}\nweight: {dtype: fp8_e4m3}\n"),
-            "q.yaml:1:14: qconfig.act.dtype: fp8_e4m3 weights run with fp8_e4m3 or float activations, and int "
-            "weights with int8 or float");
+            "q.yaml:1:14: qconfig.act.dtype: fp8_e4m3 weights run with fp8_e4m3 or float activations, int weights "
+            "with int8 or float, and int4 weights also with fp8_e4m3 (W4AFP8)");
+  EXPECT_EQ(parseError("act: {dtype: fp8_e4m3, scope: per_token}\nweight: {dtype: int8}\n"),
+            "q.yaml:1:14: qconfig.act.dtype: fp8_e4m3 weights run with fp8_e4m3 or float activations, int weights "
+            "with int8 or float, and int4 weights also with fp8_e4m3 (W4AFP8)");
+}
+
+TEST(QConfig, W4afp8IsInt4WeightsWithFp8Activations) {
+  const LinearQConfig w4afp8 = parse(
+      "act: {dtype: fp8_e4m3, scope: per_token}\n"
+      "weight: {dtype: int4, scope: per_group, ext: {group_size: 128}}\n");
+  EXPECT_EQ(w4afp8.describe(), "w int4 per_group128 sym minmax, a fp8_e4m3 per_token sym dynamic");
+  EXPECT_TRUE(w4afp8.isDataFree());
+}
+
+TEST(QConfig, Mxfp4IsBlocksOf32WithMxfp4OrFloatActivations) {
+  const LinearQConfig w4a4 = parse(
+      "act: {dtype: mxfp4, scope: per_group}\n"
+      "weight: {dtype: mxfp4, scope: per_group}\n");
+  EXPECT_EQ(w4a4.weight.scheme.groupSize, kMxfp4GroupSize);
+  EXPECT_EQ(w4a4.act.scheme.groupSize, kMxfp4GroupSize);
+  EXPECT_TRUE(w4a4.isDataFree()) << "every activation block scale is computed from its input";
+  EXPECT_EQ(w4a4.describe(), "w mxfp4 per_group32 sym minmax, a mxfp4 per_group32 sym dynamic");
+  EXPECT_EQ(parseError("weight: {dtype: mxfp4, scope: per_channel}\n"),
+            "q.yaml:1:31: qconfig.weight.scope: mxfp4 weights are per_group (blocks of 32 with E8M0 scales)");
+  EXPECT_EQ(parseError("weight: {dtype: mxfp4, scope: per_group, ext: {group_size: 16}}\n"),
+            "q.yaml:1:60: qconfig.weight.ext.group_size: mxfp4 blocks are 32 wide (the OCP MX block)");
+  EXPECT_EQ(parseError("weight: {dtype: mxfp4, scope: per_group, symmetric: False}\n"),
+            "q.yaml:1:53: qconfig.weight.symmetric: mxfp4 is symmetric only; set symmetric: True");
+  EXPECT_EQ(parseError("act: {dtype: mxfp4, scope: per_tensor}\nweight: {dtype: mxfp4, scope: per_group}\n"),
+            "q.yaml:1:28: qconfig.act.scope: mxfp4 activations are per_group (blocks of 32 scaled per input)");
+  EXPECT_EQ(parseError("act: {dtype: nvfp4, scope: per_group}\nweight: {dtype: mxfp4, scope: per_group}\n"),
+            "q.yaml:1:14: qconfig.act.dtype: mxfp4 weights run with mxfp4 (W4A4) or float (W4A16) activations, and "
+            "mxfp4 activations with mxfp4 weights");
+}
+
+TEST(QConfig, Nvfp4IsBlocksOf16WithNvfp4OrFloatActivations) {
+  const LinearQConfig w4a4 = parse(
+      "act: {dtype: nvfp4, scope: per_group}\n"
+      "weight: {dtype: nvfp4, scope: per_group}\n");
+  EXPECT_EQ(w4a4.weight.scheme.groupSize, kNvfp4GroupSize);
+  EXPECT_EQ(w4a4.act.scheme.groupSize, kNvfp4GroupSize);
+  EXPECT_FALSE(w4a4.isDataFree()) << "the activations' global scale is calibrated";
+  EXPECT_EQ(w4a4.describe(), "w nvfp4 per_group16 sym minmax, a nvfp4 per_group16 sym minmax");
+  EXPECT_TRUE(parse("weight: {dtype: nvfp4, scope: per_group, ext: {group_size: 16}}\n").isDataFree());
+  EXPECT_EQ(parseError("weight: {dtype: nvfp4, scope: per_channel}\n"),
+            "q.yaml:1:31: qconfig.weight.scope: nvfp4 weights are per_group (blocks of 16 with E4M3 scales and one "
+            "global scale)");
+  EXPECT_EQ(parseError("weight: {dtype: nvfp4, scope: per_group, ext: {group_size: 32}}\n"),
+            "q.yaml:1:60: qconfig.weight.ext.group_size: nvfp4 blocks are 16 wide (what vLLM's NVFP4 kernels take)");
+  EXPECT_EQ(parseError("weight: {dtype: nvfp4, scope: per_group, symmetric: False}\n"),
+            "q.yaml:1:53: qconfig.weight.symmetric: nvfp4 is symmetric only; set symmetric: True");
+  EXPECT_EQ(parseError("act: {dtype: nvfp4, scope: per_token}\nweight: {dtype: nvfp4, scope: per_group}\n"),
+            "q.yaml:1:28: qconfig.act.scope: nvfp4 activations are per_group (blocks of 16 scaled per input, one "
+            "calibrated global scale)");
+  EXPECT_EQ(parseError("act: {dtype: int8, scope: per_token}\nweight: {dtype: nvfp4, scope: per_group}\n"),
+            "q.yaml:1:14: qconfig.act.dtype: nvfp4 weights run with nvfp4 (W4A4) or float (W4A16) activations, and "
+            "nvfp4 activations with nvfp4 weights");
+  EXPECT_EQ(parseError("act: {dtype: nvfp4, scope: per_group}\nweight: {dtype: int4, scope: per_group}\n"),
+            "q.yaml:1:14: qconfig.act.dtype: nvfp4 weights run with nvfp4 (W4A4) or float (W4A16) activations, and "
+            "nvfp4 activations with nvfp4 weights");
 }
 
 TEST(QConfig, UnknownDtypeNamesFileLineAndField) {
   EXPECT_EQ(parseError("weight:\n  dtype: int5\n"),
-            "q.yaml:2:10: qconfig.weight.dtype: 'int5' is not one of: int8, int4, fp8_e4m3, float");
+            "q.yaml:2:10: qconfig.weight.dtype: 'int5' is not one of: int8, int4, fp8_e4m3, nvfp4, mxfp4, float");
 }
 
 TEST(QConfig, RefusedCombinations) {
-  EXPECT_EQ(parseError("act: {dtype: int4, scope: per_token}\nweight: {}\n"),
-            "q.yaml:1:14: qconfig.act.dtype: int4 activations (W4A4) are not supported; use int8 or fp8_e4m3");
+  EXPECT_EQ(
+      parseError("act: {dtype: int4, scope: per_token}\nweight: {}\n"),
+      "q.yaml:1:14: qconfig.act.dtype: int4 activations (W4A4) are not supported; use int8, fp8_e4m3, nvfp4 or mxfp4");
   EXPECT_EQ(parseError("act: {dtype: int8, scope: per_channel}\nweight: {}\n"),
             "q.yaml:1:27: qconfig.act.scope: linear activations are per_tensor (static, calibrated) or per_token "
             "(dynamic)");

@@ -45,7 +45,8 @@ TEST(QuantScheme, ParsesAndPrintsMsmodelslimNames) {
 
 TEST(QuantScheme, RejectsUnknownNamesAndInvalidCombinations) {
   EXPECT_EQ(test::errorOf([] { parseQDtype("int3", "p.yaml:4:12 qconfig.weight.dtype"); }, ErrorCode::kConfig),
-            "p.yaml:4:12 qconfig.weight.dtype: unknown dtype 'int3'; expected one of int8, int4, fp8_e4m3, float");
+            "p.yaml:4:12 qconfig.weight.dtype: unknown dtype 'int3'; expected one of int8, int4, fp8_e4m3, nvfp4, "
+            "mxfp4, float");
   EXPECT_EQ(test::errorOf([] { parseQScope("per_row", "p.yaml:5:12 qconfig.weight.scope"); }, ErrorCode::kConfig),
             "p.yaml:5:12 qconfig.weight.scope: unknown scope 'per_row'; expected one of per_tensor, per_channel, "
             "per_group, per_token, per_head");
@@ -62,7 +63,7 @@ TEST(QuantScheme, RejectsUnknownNamesAndInvalidCombinations) {
                   computeQParams(at::zeros({4, 100}), scheme(QDtype::kInt4, QScope::kPerGroup, true, 64));
                 },
                 ErrorCode::kConfig),
-            "per_group with group_size 64 needs a weight [out, in] with in a multiple of 64, got shape [4, 100]");
+            "per_group with group_size 64 needs [..., in] with in a multiple of 64, got shape [4, 100]");
   EXPECT_EQ(test::errorOf(
                 [] {
                   computeQParams(at::zeros({2, 3}), scheme(QDtype::kInt8, QScope::kPerHead));

@@ -561,10 +561,31 @@ TEST(QuantizedLoadErrors, UnsupportedConfigsNameFileAndField) {
             file +
                 ": quantization_config.quant_method \"gptq\" is not supported; qpipe loads compressed-tensors "
                 "and ascendv1 checkpoints");
+  EXPECT_EQ(openError([](Json& q) { q["config_groups"]["group_0"]["format"] = "mxfp6-pack-quantized"; }),
+            file +
+                ": quantization_config.config_groups.group_0.format \"mxfp6-pack-quantized\" is not supported; "
+                "qpipe loads int-quantized, float-quantized, naive-quantized, pack-quantized, nvfp4-pack-quantized "
+                "and mxfp4-pack-quantized");
+  EXPECT_EQ(openError([](Json& q) { q["config_groups"]["group_0"]["format"] = "mxfp4-pack-quantized"; }),
+            file +
+                ": quantization_config.config_groups.group_0.format \"mxfp4-pack-quantized\" is not supported; "
+                "qpipe loads mxfp4-pack-quantized for fp4 group-32 weights, and those in it");
   EXPECT_EQ(openError([](Json& q) { q["config_groups"]["group_0"]["format"] = "nvfp4-pack-quantized"; }),
             file +
                 ": quantization_config.config_groups.group_0.format \"nvfp4-pack-quantized\" is not supported; "
-                "qpipe loads int-quantized, float-quantized, naive-quantized and pack-quantized");
+                "qpipe loads nvfp4-pack-quantized for fp4 tensor_group weights, and those in it");
+  EXPECT_EQ(openError([](Json& q) {
+              auto& w = q["config_groups"]["group_0"]["weights"];
+              w["num_bits"] = 4;
+              w["type"] = "float";
+              w["strategy"] = "group";
+              w["group_size"] = 16;
+            }),
+            file +
+                ": quantization_config.config_groups.group_0.weights {\"dynamic\":false,\"group_size\":16,"
+                "\"strategy\":\"group\",\"symmetric\":true} is not supported; qpipe loads nvfp4 weights as "
+                "symmetric tensor_group, group_size 16, static, and mxfp4 ones as symmetric group, group_size 32, "
+                "static");
   EXPECT_EQ(openError([](Json& q) { q["config_groups"]["group_0"]["weights"]["strategy"] = "block"; }),
             file +
                 ": quantization_config.config_groups.group_0.weights.strategy {\"group_size\":null,\"strategy\":"
@@ -576,7 +597,7 @@ TEST(QuantizedLoadErrors, UnsupportedConfigsNameFileAndField) {
   EXPECT_EQ(openError([](Json& q) { q["config_groups"]["group_0"]["weights"]["num_bits"] = 2; }),
             file +
                 ": quantization_config.config_groups.group_0.weights.num_bits {\"num_bits\":2,\"type\":\"int\"} "
-                "is not supported; qpipe loads int8, int4 and fp8 weights");
+                "is not supported; qpipe loads int8, int4, fp8, nvfp4 and mxfp4 weights");
   EXPECT_EQ(openError([](Json& q) { q["config_groups"]["group_0"]["input_activations"]["dynamic"] = true; }),
             file +
                 ": quantization_config.config_groups.group_0.input_activations {\"dynamic\":true,\"strategy\":"

@@ -24,6 +24,10 @@ const Schema& documentSchema() {
         .add({.name = "fa_quant", .type = ValueType::kBool, .help = "attention quantized (8 bits)"})
         .optional("fp8", ValueType::kBool, ConfigNode::boolean(false),
                   "weights (and activations) in fp8_e4m3 rather than int: --quant_type w8a8_fp8")
+        .optional("nvfp4", ValueType::kBool, ConfigNode::boolean(false),
+                  "weights (and activations) in NVFP4 rather than int: --quant_type w4a4_nvfp4")
+        .optional("mxfp4", ValueType::kBool, ConfigNode::boolean(false),
+                  "weights (and activations) in MXFP4 rather than int: --quant_type w4a4_mxfp4")
         .optional("static", ValueType::kBool, ConfigNode::boolean(false),
                   "activations with calibrated scales rather than dynamic per token: --quant_type w8a8_static");
     Schema metadata;
@@ -176,6 +180,8 @@ PipelineMetadata parseMetadata(const ConfigNode& metadata) {
     parsed.isSparse = label.at("is_sparse").asBool();
     parsed.kvCache = label.at("kv_cache").asBool();
     parsed.fp8 = label.at("fp8").asBool();
+    parsed.nvfp4 = label.at("nvfp4").asBool();
+    parsed.mxfp4 = label.at("mxfp4").asBool();
     parsed.isStatic = label.at("static").asBool();
     if (!label.at("fa_bit").isNull()) {
       parsed.faBit = static_cast<int>(label.at("fa_bit").asInt());

@@ -11,12 +11,12 @@ namespace qpipe {
 namespace fs = std::filesystem;
 
 QuantType parseQuantType(std::string_view text) {
-  static const std::regex kForm(R"(w(\d+)a(\d+)(c8|f4|f8)?(s)?(_fp8)?(_static)?)");
+  static const std::regex kForm(R"(w(\d+)a(\d+)(c8|f4|f8)?(s)?(_fp8|_nvfp4|_mxfp4)?(_static)?)");
   std::cmatch m;
   const std::string value(text);
   QPIPE_REQUIRE(std::regex_match(value.c_str(), m, kForm), ErrorCode::kUsage, "--quant_type '", text,
-                "' is not of the form w<bits>a<bits>[c8|f4|f8][s][_fp8][_static], e.g. w8a8, w4a16, w8a8c8, w8a8_fp8, "
-                "w8a8_static");
+                "' is not of the form w<bits>a<bits>[c8|f4|f8][s][_fp8|_nvfp4|_mxfp4][_static], e.g. w8a8, w4a16, "
+                "w8a8c8, w8a8_fp8, w4a4_nvfp4, w8a8_static");
   QuantType type;
   type.text = value;
   type.wBit = std::stoi(m[1]);
@@ -25,10 +25,16 @@ QuantType parseQuantType(std::string_view text) {
   type.kvCache = extra == "c8";
   type.faBit = extra == "f4" ? 4 : extra == "f8" ? 8 : 0;
   type.sparse = m[4].matched;
-  type.fp8 = m[5].matched;
+  type.fp8 = m[5] == "_fp8";
+  type.nvfp4 = m[5] == "_nvfp4";
+  type.mxfp4 = m[5] == "_mxfp4";
   type.isStatic = m[6].matched;
-  QPIPE_REQUIRE(!type.fp8 || type.wBit == 8, ErrorCode::kUsage, "--quant_type '", text,
-                "': _fp8 needs 8-bit weights (w8a8_fp8 or w8a16_fp8)");
+  QPIPE_REQUIRE(!type.fp8 || type.wBit == 8 || (type.wBit == 4 && type.aBit == 8), ErrorCode::kUsage, "--quant_type '",
+                text, "': _fp8 needs 8-bit weights (w8a8_fp8 or w8a16_fp8) or is W4AFP8 (w4a8_fp8)");
+  for (const auto& [set, suffix] : {std::pair{type.nvfp4, "_nvfp4"}, std::pair{type.mxfp4, "_mxfp4"}}) {
+    QPIPE_REQUIRE(!set || (type.wBit == 4 && (type.aBit == 4 || type.aBit == 16)), ErrorCode::kUsage, "--quant_type '",
+                  text, "': ", suffix, " is w4a4", suffix, " or w4a16", suffix);
+  }
   QPIPE_REQUIRE(!type.isStatic || type.aBit < 16, ErrorCode::kUsage, "--quant_type '", text,
                 "': _static needs quantized activations (a_bit below 16, e.g. w8a8_static)");
   return type;
@@ -37,7 +43,7 @@ QuantType parseQuantType(std::string_view text) {
 bool labelMatches(const PipelineLabel& label, const QuantType& type) {
   return label.wBit == type.wBit && label.aBit == type.aBit && label.kvCache == type.kvCache &&
          label.faBit == type.faBit && label.isSparse == type.sparse && label.fp8 == type.fp8 &&
-         label.isStatic == type.isStatic;
+         label.nvfp4 == type.nvfp4 && label.mxfp4 == type.mxfp4 && label.isStatic == type.isStatic;
 }
 
 namespace {
@@ -59,6 +65,8 @@ std::string describe(const PipelineLabel& label) {
   if (label.faBit) out += "f" + std::to_string(label.faBit);
   if (label.isSparse) out += "s";
   if (label.fp8) out += "_fp8";
+  if (label.nvfp4) out += "_nvfp4";
+  if (label.mxfp4) out += "_mxfp4";
   if (label.isStatic) out += "_static";
   return out;
 }

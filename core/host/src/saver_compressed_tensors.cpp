@@ -1,6 +1,6 @@
 // compressed_tensors saver: HF layout + quantization_config (docs/formats.md;
-// tensor names and dtypes as compressed-tensors 0.20's naive/int/float/pack compressors write
-// them, except the scales, which stay fp32: see docs/formats.md).
+// tensor names and dtypes as compressed-tensors 0.20's naive/int/float/pack/nvfp4/mxfp4
+// compressors write them, except the int and fp8 scales, which stay fp32: see docs/formats.md).
 #include <ATen/ATen.h>
 
 #include <map>
@@ -87,7 +87,18 @@ class CompressedTensorsSaver final : public SaverBase {
 
     const at::Tensor q = linear.parameter("weight");
     const at::Tensor scale = linear.parameter("weight_scale").to(at::kFloat);
-    if (format == "pack-quantized") {
+    if (format == "nvfp4-pack-quantized") {
+      // As vLLM allocates them: uint8 code pairs, E4M3 block scales (exact: they are E4M3 values),
+      // fp32 global scales.
+      add(name + ".weight_packed", quant::packFp4(q.cpu()));
+      add(name + ".weight_scale", quant::toFp8E4m3(scale.cpu()));
+      add(name + ".weight_global_scale", linear.parameter("weight_global_scale").to(at::kFloat));
+      if (input) add(name + ".input_global_scale", linear.parameter("input_global_scale").to(at::kFloat));
+    } else if (format == "mxfp4-pack-quantized") {
+      // uint8 code pairs and E8M0 exponents (exact: the scales are powers of two).
+      add(name + ".weight_packed", quant::packFp4(q.cpu()));
+      add(name + ".weight_scale", quant::toE8m0(scale.cpu()));
+    } else if (format == "pack-quantized") {
       const bool int4 = w.dtype == QDtype::kInt4;
       add(name + ".weight_packed", int4 ? quant::packInt4(q.cpu()) : packInt8(q.cpu()));
       add(name + ".weight_scale", scale);
@@ -106,11 +117,10 @@ class CompressedTensorsSaver final : public SaverBase {
       add(name + ".weight_scale", scale);
       // Zero points in the quantized type, as compressed-tensors stores them.
       if (!w.symmetric) add(name + ".weight_zero_point", linear.parameter("weight_zero_point").to(at::kChar));
-      if (input && !input->isDynamic()) {
-        add(name + ".input_scale", linear.parameter("input_scale").to(at::kFloat));
-        if (!input->scheme.symmetric)
-          add(name + ".input_zero_point", linear.parameter("input_zero_point").to(at::kChar));
-      }
+    }
+    if (linear.hasParameter("input_scale")) {
+      add(name + ".input_scale", linear.parameter("input_scale").to(at::kFloat));
+      if (!input->scheme.symmetric) add(name + ".input_zero_point", linear.parameter("input_zero_point").to(at::kChar));
     }
     if (linear.hasParameter("bias")) writeFloat(name + ".bias", linear.parameter("bias"));
   }

@@ -33,10 +33,24 @@ void LinearQuantizer::solveWeights() {
   if (config_.weight.method == QMethod::kSsz) {
     weightParams_ = quant::sszSearch(weight_, config_.weight.scheme, config_.weight.sszSteps);
     qweight_ = quant::quantize(weight_, weightParams_, config_.weight.scheme);
+  } else if (sharedGlobalScale_.defined()) {
+    weightParams_ = quant::computeQParams(weight_, config_.weight.scheme, sharedGlobalScale_);
+    qweight_ = quant::quantize(weight_, weightParams_, config_.weight.scheme);
   } else {
     std::tie(weightParams_, qweight_) = quant::quantizeWeight(weight_, config_.weight.scheme);
   }
   weight_ = at::Tensor();
+}
+
+at::Tensor LinearQuantizer::weightAbsMax() const {
+  QPIPE_CHECK(!weightsSolved(), "weightAbsMax() after solveWeights()");
+  return weight_.abs().amax().to(at::kFloat).reshape({1});
+}
+
+void LinearQuantizer::shareGlobalScale(at::Tensor globalScale) {
+  QPIPE_CHECK(!weightsSolved() && config_.weight.scheme.dtype == quant::QDtype::kNvfp4,
+              "shareGlobalScale() is for nvfp4 weights not yet solved");
+  sharedGlobalScale_ = std::move(globalScale);
 }
 
 std::vector<at::Tensor> LinearQuantizer::syncTensors(const TaskRecord& record, SyncContext& context) {
@@ -74,11 +88,11 @@ at::Tensor LinearQuantizer::forward(const at::Tensor& input) {
     // forward; deploy() reports it by name.
     if (frozen_ && actParams_) {
       if (std::optional<at::Tensor> y = int8Forward(x)) return *y;
-      x = quant::fakeQuantize(x, *actParams_, config_.act.scheme);
+      x = ActivationQuant{config_.act.scheme, *actParams_}.apply(x);
     }
   } else if (config_.act.enabled()) {
     if (std::optional<at::Tensor> y = int8Forward(x)) return *y;
-    x = quant::fakeQuantize(x, quant::computeQParams(x, config_.act.scheme), config_.act.scheme);
+    x = ActivationQuant{config_.act.scheme, {}}.apply(x);
   }
   return at::linear(x, fakeWeight_, bias_);
 }
@@ -99,7 +113,8 @@ void LinearQuantizer::freeze() {
   if (params) {
     // The observer's state may have come back from a cross-rank sync on the CPU.
     const at::Device device = qweight_.device();
-    actParams_ = quant::QParams{params->scale.to(device), params->zeroPoint.to(device)};
+    const auto onDevice = [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; };
+    actParams_ = quant::QParams{onDevice(params->scale), onDevice(params->zeroPoint), onDevice(params->globalScale)};
   }
 }
 

@@ -25,8 +25,18 @@ MinMaxObserver::MinMaxObserver(QScheme scheme, Aggregation aggregation) : scheme
                 " is dynamic (scales computed per batch), there is nothing to observe");
 }
 
+namespace {
+
+// NVFP4 activations have one static parameter, the global scale, from the tensor's range.
+QScheme observedScheme(const QScheme& scheme) {
+  if (scheme.dtype != QDtype::kNvfp4) return scheme;
+  return {.dtype = QDtype::kNvfp4, .scope = QScope::kPerTensor};
+}
+
+}  // namespace
+
 void MinMaxObserver::update(const at::Tensor& x) {
-  const auto [min, max] = quant::minMax(x, scheme_);
+  const auto [min, max] = quant::minMax(x, observedScheme(scheme_));
   State batch;
   if (aggregation_ == Aggregation::kMax) {
     batch.min = min;
@@ -102,6 +112,7 @@ std::pair<at::Tensor, at::Tensor> MinMaxObserver::minMax() const {
 
 QParams MinMaxObserver::qparams() const {
   const auto [min, max] = minMax();
+  if (scheme_.dtype == QDtype::kNvfp4) return {.globalScale = nvfp4GlobalScale(at::maximum(min.abs(), max.abs()))};
   return computeQParams(min, max, scheme_);
 }
 

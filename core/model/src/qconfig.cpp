@@ -21,7 +21,8 @@ Schema sideSchema(std::string defaultDtype, std::string defaultScope, std::vecto
       .add({.name = "step", .type = ValueType::kInt, .help = "weight ssz: search iterations (default 50)"})
       .add({.name = "group_size", .type = ValueType::kInt, .help = "per_group: columns per group (default 128)"});
   Schema side;
-  side.choice("dtype", {"int8", "int4", "fp8_e4m3", "float"}, std::move(defaultDtype), "element type; float = off")
+  side.choice("dtype", {"int8", "int4", "fp8_e4m3", "nvfp4", "mxfp4", "float"}, std::move(defaultDtype),
+              "element type; float = off")
       .choice("scope", std::move(scopes), std::move(defaultScope), "granularity of scales")
       .optional("symmetric", ValueType::kBool, ConfigNode::boolean(true), "zero point fixed at 0")
       .choice("method", {"minmax", "histogram", "ssz", "none"}, "minmax", "how the range is chosen")
@@ -66,13 +67,29 @@ QConfig readCommon(const Side& side) {
   config.scheme.scope = parseQScope(side.field("scope").asString(), side.path + ".scope");
   config.scheme.symmetric = side.field("symmetric").asBool();
   config.method = parseMethod(side.field("method").asString());
-  if (config.scheme.dtype == QDtype::kFp8E4m3 && !config.scheme.symmetric) {
-    side.fail("symmetric", "fp8_e4m3 is symmetric only; set symmetric: True");
+  if ((config.scheme.dtype == QDtype::kFp8E4m3 || isFp4(config.scheme.dtype)) && !config.scheme.symmetric) {
+    side.fail("symmetric", std::string(qdtypeName(config.scheme.dtype)) + " is symmetric only; set symmetric: True");
   }
   if (config.enabled() && config.method == QMethod::kNone) {
     side.fail("method", "'none' quantizes nothing; use minmax, or dtype: float to leave this side unquantized");
   }
   return config;
+}
+
+// An FP4 dtype's fixed block width, and what its blocks are (for the errors).
+struct Fp4Blocks {
+  int64_t width;
+  std::string weights;
+  std::string activations;
+  std::string widthWhy;
+};
+
+Fp4Blocks fp4Blocks(QDtype dtype) {
+  if (dtype == QDtype::kNvfp4) {
+    return {kNvfp4GroupSize, "blocks of 16 with E4M3 scales and one global scale",
+            "blocks of 16 scaled per input, one calibrated global scale", "(what vLLM's NVFP4 kernels take)"};
+  }
+  return {kMxfp4GroupSize, "blocks of 32 with E8M0 scales", "blocks of 32 scaled per input", "(the OCP MX block)"};
 }
 
 void rejectExt(const Side& side, std::string_view key, std::string_view why) {
@@ -90,9 +107,16 @@ QConfig readAct(const Side& side) {
     return act;
   }
   if (act.scheme.dtype == QDtype::kInt4) {
-    side.fail("dtype", "int4 activations (W4A4) are not supported; use int8 or fp8_e4m3");
+    side.fail("dtype", "int4 activations (W4A4) are not supported; use int8, fp8_e4m3, nvfp4 or mxfp4");
   }
-  if (act.scheme.scope != QScope::kPerTensor && act.scheme.scope != QScope::kPerToken) {
+  if (isFp4(act.scheme.dtype)) {
+    const Fp4Blocks blocks = fp4Blocks(act.scheme.dtype);
+    if (act.scheme.scope != QScope::kPerGroup) {
+      side.fail("scope",
+                std::string(qdtypeName(act.scheme.dtype)) + " activations are per_group (" + blocks.activations + ")");
+    }
+    act.scheme.groupSize = blocks.width;
+  } else if (act.scheme.scope != QScope::kPerTensor && act.scheme.scope != QScope::kPerToken) {
     side.fail("scope", "linear activations are per_tensor (static, calibrated) or per_token (dynamic)");
   }
   if (act.method == QMethod::kSsz)
@@ -129,6 +153,11 @@ QConfig readWeight(const Side& side) {
       (scope != QScope::kPerChannel || !weight.scheme.symmetric || weight.scheme.dtype == QDtype::kFp8E4m3)) {
     side.fail("method", "ssz searches int8/int4 per_channel symmetric weights only");
   }
+  const bool fp4 = isFp4(weight.scheme.dtype);
+  const std::string dtypeName(qdtypeName(weight.scheme.dtype));
+  if (fp4 && scope != QScope::kPerGroup) {
+    side.fail("scope", dtypeName + " weights are per_group (" + fp4Blocks(weight.scheme.dtype).weights + ")");
+  }
   if (scope == QScope::kPerGroup && weight.scheme.dtype == QDtype::kFp8E4m3) {
     side.fail("scope", "per_group applies to int8/int4 weights; fp8_e4m3 takes per_tensor or per_channel");
   }
@@ -142,19 +171,24 @@ QConfig readWeight(const Side& side) {
   if (const ConfigNode* group = side.ext("group_size")) {
     if (scope != QScope::kPerGroup) side.failExt("group_size", "applies to scope per_group only");
     if (group->asInt() < 1) side.failExt("group_size", "must be >= 1");
+    if (fp4 && group->asInt() != fp4Blocks(weight.scheme.dtype).width) {
+      const Fp4Blocks blocks = fp4Blocks(weight.scheme.dtype);
+      side.failExt("group_size",
+                   dtypeName + " blocks are " + std::to_string(blocks.width) + " wide " + blocks.widthWhy);
+    }
     weight.scheme.groupSize = group->asInt();
   } else if (scope == QScope::kPerGroup) {
-    weight.scheme.groupSize = 128;
+    weight.scheme.groupSize = fp4 ? fp4Blocks(weight.scheme.dtype).width : 128;
   }
   return weight;
 }
 
-std::string describeSide(const QConfig& config) {
+std::string describeSide(const QConfig& config, bool activation) {
   if (!config.enabled()) return "float";
   std::string text = std::string(qdtypeName(config.scheme.dtype)) + " " + std::string(qscopeName(config.scheme.scope));
   if (config.scheme.scope == QScope::kPerGroup) text += std::to_string(config.scheme.groupSize);
   text += config.scheme.symmetric ? " sym" : " asym";
-  if (config.isDynamic()) return text + " dynamic";
+  if (activation && config.isDynamic()) return text + " dynamic";
   switch (config.method) {
     case QMethod::kHistogram:
       return text + " histogram";
@@ -168,7 +202,7 @@ std::string describeSide(const QConfig& config) {
 }  // namespace
 
 std::string LinearQConfig::describe() const {
-  return "w " + describeSide(weight) + ", a " + describeSide(act);
+  return "w " + describeSide(weight, false) + ", a " + describeSide(act, true);
 }
 
 Schema linearQConfigSchema() {
@@ -203,7 +237,9 @@ QConfig parseAttentionQConfig(const ConfigNode& node, std::string_view path) {
     config.method = QMethod::kNone;
     return config;
   }
-  if (config.scheme.dtype == QDtype::kInt4) side.fail("dtype", "attention is quantized to int8 or fp8_e4m3");
+  if (config.scheme.dtype == QDtype::kInt4 || isFp4(config.scheme.dtype)) {
+    side.fail("dtype", "attention is quantized to int8 or fp8_e4m3");
+  }
   if (config.scheme.scope != QScope::kPerHead && config.scheme.scope != QScope::kPerTensor &&
       config.scheme.scope != QScope::kPerToken) {
     side.fail("scope", "attention is quantized per_head or per_tensor (static, calibrated) or per_token (dynamic)");
@@ -217,10 +253,19 @@ LinearQConfig parseLinearQConfig(const ConfigNode& qconfig, std::string_view pat
   const Side act{qconfig.at("act"), base + ".act"};
   const Side weight{qconfig.at("weight"), base + ".weight"};
   LinearQConfig config{.act = readAct(act), .weight = readWeight(weight)};
-  const bool fp8Weight = config.weight.scheme.dtype == QDtype::kFp8E4m3;
-  const bool fp8Act = config.act.scheme.dtype == QDtype::kFp8E4m3;
-  if (config.act.enabled() && fp8Weight != fp8Act) {
-    act.fail("dtype", "fp8_e4m3 weights run with fp8_e4m3 or float activations, and int weights with int8 or float");
+  const QDtype w = config.weight.scheme.dtype;
+  const QDtype a = config.act.scheme.dtype;
+  if (!config.act.enabled() || w == a) return config;
+  if (isFp4(w) || isFp4(a)) {
+    const std::string name(qdtypeName(isFp4(w) ? w : a));
+    act.fail("dtype", name + " weights run with " + name + " (W4A4) or float (W4A16) activations, and " + name +
+                          " activations with " + name + " weights");
+  }
+  const bool w4afp8 = w == QDtype::kInt4 && a == QDtype::kFp8E4m3;
+  if (!w4afp8 && (w == QDtype::kFp8E4m3) != (a == QDtype::kFp8E4m3)) {
+    act.fail("dtype",
+             "fp8_e4m3 weights run with fp8_e4m3 or float activations, int weights with int8 or float, "
+             "and int4 weights also with fp8_e4m3 (W4AFP8)");
   }
   return config;
 }

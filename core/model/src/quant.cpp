@@ -14,6 +14,7 @@
 #include <limits>
 #include <sstream>
 #include <type_traits>
+#include <vector>
 
 #include "qpipe/error.h"
 #include "weight_rows.h"
@@ -21,10 +22,12 @@
 namespace qpipe::quant {
 namespace {
 
-constexpr std::array<std::pair<std::string_view, QDtype>, 4> kDtypeNames{{
+constexpr std::array<std::pair<std::string_view, QDtype>, 6> kDtypeNames{{
     {"int8", QDtype::kInt8},
     {"int4", QDtype::kInt4},
     {"fp8_e4m3", QDtype::kFp8E4m3},
+    {"nvfp4", QDtype::kNvfp4},
+    {"mxfp4", QDtype::kMxfp4},
     {"float", QDtype::kFloat},
 }};
 constexpr std::array<std::pair<std::string_view, QScope>, 5> kScopeNames{{
@@ -36,6 +39,7 @@ constexpr std::array<std::pair<std::string_view, QScope>, 5> kScopeNames{{
 }};
 
 constexpr double kFp8Max = 448.0;
+constexpr double kFp4Max = 6.0;
 
 template <typename T, size_t N>
 std::string namesOf(const std::array<std::pair<std::string_view, T>, N>& table) {
@@ -58,14 +62,32 @@ bool isInt(QDtype dtype) {
   return dtype == QDtype::kInt8 || dtype == QDtype::kInt4;
 }
 
-// per_group works on a [out, in/group, group] view, so the [out, in/group] parameters broadcast
+// per_group works on a [..., in/group, group] view, so the [..., in/group] parameters broadcast
 // (unsqueezed) without copies.
 at::Tensor grouped(const at::Tensor& x, const QScheme& scheme) {
   if (scheme.scope != QScope::kPerGroup) return x;
-  QPIPE_REQUIRE(x.dim() == 2 && scheme.groupSize > 0 && x.size(1) % scheme.groupSize == 0, ErrorCode::kConfig,
-                "per_group with group_size ", scheme.groupSize, " needs a weight [out, in] with in a multiple of ",
+  QPIPE_REQUIRE(x.dim() >= 1 && scheme.groupSize > 0 && x.size(-1) % scheme.groupSize == 0, ErrorCode::kConfig,
+                "per_group with group_size ", scheme.groupSize, " needs [..., in] with in a multiple of ",
                 scheme.groupSize, ", got shape ", shapeOf(x));
-  return x.reshape({x.size(0), x.size(1) / scheme.groupSize, scheme.groupSize});
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() /= scheme.groupSize;
+  shape.push_back(scheme.groupSize);
+  return x.reshape(shape);
+}
+
+// An FP4 block's divisor: NVFP4's block scale over the global scale, as compressed-tensors
+// computes it; MXFP4's power-of-two block scale.
+at::Tensor fp4Divisor(const QParams& params, QDtype dtype) {
+  if (dtype == QDtype::kMxfp4) return params.scale.to(at::kFloat);
+  QPIPE_CHECK(params.scale.defined() && params.globalScale.defined(), "nvfp4 parameters without block or global scale");
+  return params.scale.to(at::kFloat) / params.globalScale.to(at::kFloat);
+}
+
+// The E4M3 block scales for blocks of absmax `absmax` under `global` ([1]).
+QParams nvfp4BlockParams(const at::Tensor& absmax, const at::Tensor& global) {
+  const at::Tensor blocks = toFp8E4m3(global * (absmax / kFp4Max)).to(at::kFloat);
+  const at::Tensor scale = at::where(blocks == 0, at::full_like(blocks, 0.125), blocks);
+  return {scale, at::zeros_like(scale, scale.options().dtype(at::kInt)), global};
 }
 
 at::Tensor groupedParam(const at::Tensor& t, const QScheme& scheme) {
@@ -108,14 +130,24 @@ std::string_view qscopeName(QScope scope) {
   return {};
 }
 
+bool isFp4(QDtype dtype) {
+  return dtype == QDtype::kNvfp4 || dtype == QDtype::kMxfp4;
+}
+
+bool isDynamic(const QScheme& scheme) {
+  return scheme.scope == QScope::kPerToken || (scheme.scope == QScope::kPerGroup && scheme.dtype == QDtype::kMxfp4);
+}
+
 double qmin(QDtype dtype) {
   if (dtype == QDtype::kFp8E4m3) return -kFp8Max;
+  if (isFp4(dtype)) return -kFp4Max;
   QPIPE_CHECK(isInt(dtype), "qmin of ", qdtypeName(dtype));
   return -static_cast<double>(1 << (bitsOf(dtype) - 1));
 }
 
 double qmax(QDtype dtype) {
   if (dtype == QDtype::kFp8E4m3) return kFp8Max;
+  if (isFp4(dtype)) return kFp4Max;
   QPIPE_CHECK(isInt(dtype), "qmax of ", qdtypeName(dtype));
   return static_cast<double>((1 << (bitsOf(dtype) - 1)) - 1);
 }
@@ -123,6 +155,10 @@ double qmax(QDtype dtype) {
 void QScheme::validate(std::string_view where) const {
   QPIPE_REQUIRE(dtype != QDtype::kFp8E4m3 || symmetric, ErrorCode::kConfig, where,
                 ": fp8_e4m3 is symmetric only; set symmetric: true");
+  QPIPE_REQUIRE(dtype != QDtype::kNvfp4 || (symmetric && scope == QScope::kPerGroup && groupSize == kNvfp4GroupSize),
+                ErrorCode::kConfig, where, ": nvfp4 is symmetric per_group with group_size ", kNvfp4GroupSize);
+  QPIPE_REQUIRE(dtype != QDtype::kMxfp4 || (symmetric && scope == QScope::kPerGroup && groupSize == kMxfp4GroupSize),
+                ErrorCode::kConfig, where, ": mxfp4 is symmetric per_group with group_size ", kMxfp4GroupSize);
   QPIPE_REQUIRE(scope != QScope::kPerGroup || groupSize > 0, ErrorCode::kConfig, where,
                 ": per_group needs group_size > 0, got ", groupSize);
   QPIPE_REQUIRE(scope == QScope::kPerGroup || groupSize == 0, ErrorCode::kConfig, where, ": group_size ", groupSize,
@@ -172,6 +208,14 @@ QParams computeQParams(const at::Tensor& min, const at::Tensor& max, const QSche
   if (scheme.dtype == QDtype::kFp8E4m3) {
     return {at::maximum(minF.abs(), maxF.abs()).clamp_min(1e-12) / kFp8Max, zeros()};
   }
+  if (scheme.dtype == QDtype::kNvfp4) {
+    const at::Tensor absmax = at::maximum(minF.clamp_max(0).abs(), maxF.clamp_min(0));
+    return nvfp4BlockParams(absmax, nvfp4GlobalScale(absmax.amax()));
+  }
+  if (scheme.dtype == QDtype::kMxfp4) {
+    const at::Tensor scale = mxfp4Scale(at::maximum(minF.clamp_max(0).abs(), maxF.clamp_min(0)));
+    return {scale, zeros()};
+  }
   // The range must contain 0 so that 0 is exactly representable (padding, ReLU zeros).
   const at::Tensor lo = minF.clamp_max(0);
   const at::Tensor hi = maxF.clamp_min(0);
@@ -191,6 +235,44 @@ QParams computeQParams(const at::Tensor& min, const at::Tensor& max, const QSche
 QParams computeQParams(const at::Tensor& x, const QScheme& scheme) {
   const auto [min, max] = minMax(x, scheme);
   return computeQParams(min, max, scheme);
+}
+
+QParams computeQParams(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale) {
+  QPIPE_CHECK(scheme.dtype == QDtype::kNvfp4, "a given global scale is for nvfp4, not ", scheme.name());
+  const auto [min, max] = minMax(x, scheme);
+  return nvfp4BlockParams(at::maximum(min.clamp_max(0).abs(), max.clamp_min(0)), globalScale.to(at::kFloat));
+}
+
+at::Tensor mxfp4Scale(const at::Tensor& absmax) {
+  // On the fp32 bits: adding a quarter of the mantissa's range carries into the exponent exactly
+  // when the mantissa is ≥ 0.75; the exponent field of the result is then that of the power of two.
+  constexpr int32_t kQuarterMantissa = 1 << 21;
+  constexpr int64_t kFp4Emax = 2;  // floor(log2 6)
+  const at::Tensor bits = absmax.to(at::kFloat).contiguous().view(at::kInt);
+  const at::Tensor exponent = (bits + kQuarterMantissa).bitwise_right_shift(23).bitwise_and(0xFF);
+  return fromE8m0((exponent - kFp4Emax).clamp(0, 254).to(at::kByte));
+}
+
+at::Tensor toE8m0(const at::Tensor& scale) {
+  // 2^-127 is the one subnormal power of two an E8M0 byte holds (byte 0); the others are normal,
+  // their exponent field is the byte.
+  const at::Tensor bits = scale.to(at::kFloat).contiguous().view(at::kInt);
+  return bits.bitwise_right_shift(23).bitwise_and(0xFF).to(at::kByte);
+}
+
+at::Tensor fromE8m0(const at::Tensor& bytes) {
+  QPIPE_CHECK(bytes.scalar_type() == at::kByte, "fromE8m0 takes uint8 exponents, got ", bytes.scalar_type());
+  const at::Tensor byte = bytes.to(at::kInt);
+  constexpr int32_t kTwoToMinus127 = 1 << 22;  // the subnormal 2^-127
+  return at::where(byte == 0, at::full_like(byte, kTwoToMinus127), byte.bitwise_left_shift(23))
+      .contiguous()
+      .view(at::kFloat);
+}
+
+at::Tensor nvfp4GlobalScale(const at::Tensor& absmax) {
+  const at::Tensor global =
+      kFp8Max * kFp4Max / absmax.to(at::kFloat).reshape({1}).clamp_min(std::numeric_limits<float>::min());
+  return at::nan_to_num(global, 1.0, 1.0, 1.0);
 }
 
 namespace {
@@ -340,6 +422,10 @@ bool rowKernel(const at::Tensor& x, const QParams& params, const QScheme& scheme
 
 at::Tensor quantize(const at::Tensor& x, const QParams& params, const QScheme& scheme) {
   if (scheme.dtype == QDtype::kFloat) return x;
+  if (isFp4(scheme.dtype)) {
+    return toFp4E2m1(grouped(x.to(at::kFloat), scheme) / groupedParam(fp4Divisor(params, scheme.dtype), scheme))
+        .reshape(x.sizes());
+  }
   if (at::Tensor out; rowKernel(x, params, scheme, out, /*codes=*/true)) return out;
   const at::Tensor scaled = grouped(x.to(at::kFloat), scheme) / groupedParam(params.scale, scheme);
   if (scheme.dtype == QDtype::kFp8E4m3) return toFp8E4m3(scaled).reshape(x.sizes());
@@ -410,6 +496,10 @@ std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme
 
 at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme& scheme) {
   if (scheme.dtype == QDtype::kFloat) return q.to(at::kFloat);
+  if (isFp4(scheme.dtype)) {
+    return (grouped(fromFp4E2m1(q), scheme) * groupedParam(fp4Divisor(params, scheme.dtype), scheme))
+        .reshape(q.sizes());
+  }
   const at::Tensor values = grouped(q.to(at::kFloat), scheme);
   const at::Tensor scale = groupedParam(params.scale, scheme);
   if (scheme.dtype == QDtype::kFp8E4m3) return (values * scale).reshape(q.sizes());
@@ -420,6 +510,38 @@ at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QSchem
   if (scheme.dtype == QDtype::kFloat) return x;
   if (at::Tensor out; rowKernel(x, params, scheme, out, /*codes=*/false)) return out;
   return dequantize(quantize(x, params, scheme), params, scheme).to(x.scalar_type());
+}
+
+at::Tensor toFp4E2m1(const at::Tensor& x) {
+  const at::Tensor v = x.to(at::kFloat);
+  const at::Tensor a = v.abs();
+  // Each threshold passed adds one step on the grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}; at a tie the
+  // comparison is strict or not so that the even code (an even mantissa) wins.
+  at::Tensor code = (a > 0.25).to(at::kByte);
+  code.add_(a >= 0.75).add_(a > 1.25).add_(a >= 1.75).add_(a > 2.5).add_(a >= 3.5).add_(a > 5.0);
+  return code.bitwise_or_(at::signbit(v).to(at::kByte).mul_(8));
+}
+
+at::Tensor fromFp4E2m1(const at::Tensor& codes) {
+  QPIPE_CHECK(codes.scalar_type() == at::kByte, "fromFp4E2m1 takes uint8 codes, got ", codes.scalar_type());
+  const at::Tensor values = at::tensor(
+      {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f},
+      at::TensorOptions().device(codes.device()));
+  return values.index({at::bitwise_and(codes, 0xF).to(at::kLong)});
+}
+
+at::Tensor packFp4(const at::Tensor& codes) {
+  QPIPE_CHECK(codes.dim() == 2 && codes.size(1) % 2 == 0 && codes.scalar_type() == at::kByte,
+              "packFp4 takes uint8 codes [rows, cols] with cols even, got ", codes.scalar_type(), " ", shapeOf(codes));
+  const at::Tensor pairs = codes.reshape({codes.size(0), codes.size(1) / 2, 2});
+  return at::bitwise_or(pairs.select(2, 0), at::bitwise_left_shift(pairs.select(2, 1), 4)).contiguous();
+}
+
+at::Tensor unpackFp4(const at::Tensor& packed) {
+  QPIPE_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, "unpackFp4 takes uint8 [rows, cols / 2], got ",
+              packed.scalar_type(), " ", shapeOf(packed));
+  return at::stack({at::bitwise_and(packed, 0xF), at::bitwise_right_shift(packed, 4)}, 2)
+      .reshape({packed.size(0), packed.size(1) * 2});
 }
 
 namespace {

@@ -61,6 +61,9 @@ std::optional<at::Tensor> Int8Linear::forward(const at::Tensor& x, const Activat
 
 at::Tensor ActivationQuant::apply(const at::Tensor& x) const {
   if (scheme.dtype == quant::QDtype::kFloat) return x;
+  if (scheme.dtype == quant::QDtype::kNvfp4) {
+    return quant::fakeQuantize(x, quant::computeQParams(x, scheme, params.globalScale), scheme);
+  }
   return quant::fakeQuantize(x, isDynamic() ? quant::computeQParams(x, scheme) : params, scheme);
 }
 
@@ -71,8 +74,12 @@ QuantLinear::QuantLinear(at::Tensor qweight, quant::QParams weightParams, quant:
   QPIPE_CHECK(weightParams.scale.defined() && weightParams.zeroPoint.defined(), "QuantLinear without weight params");
   addParameter("weight", std::move(qweight));
   addParameter("weight_scale", weightParams.scale.to(at::kFloat));
+  if (weightParams.globalScale.defined()) addParameter("weight_global_scale", weightParams.globalScale.to(at::kFloat));
   if (!weightScheme_.symmetric) addParameter("weight_zero_point", weightParams.zeroPoint.to(at::kInt));
-  if (input_ && !input_->isDynamic() && input_->scheme.dtype != quant::QDtype::kFloat) {
+  if (input_ && input_->scheme.dtype == quant::QDtype::kNvfp4) {
+    QPIPE_CHECK(input_->params.globalScale.defined(), "nvfp4 activation quantization without a global scale");
+    addParameter("input_global_scale", input_->params.globalScale.to(at::kFloat));
+  } else if (input_ && !input_->isDynamic() && input_->scheme.dtype != quant::QDtype::kFloat) {
     QPIPE_CHECK(input_->params.scale.defined(), "static activation quantization without a scale");
     addParameter("input_scale", input_->params.scale.to(at::kFloat));
     if (!input_->scheme.symmetric) addParameter("input_zero_point", input_->params.zeroPoint.to(at::kInt));
@@ -90,8 +97,10 @@ std::shared_ptr<QuantLinear> QuantLinear::fromLinear(Linear& linear, const quant
 
 quant::QParams QuantLinear::weightParams() {
   const at::Tensor scale = parameter("weight_scale");
-  return {scale, hasParameter("weight_zero_point") ? parameter("weight_zero_point")
-                                                   : at::zeros_like(scale, scale.options().dtype(at::kInt))};
+  return {scale,
+          hasParameter("weight_zero_point") ? parameter("weight_zero_point")
+                                            : at::zeros_like(scale, scale.options().dtype(at::kInt)),
+          hasParameter("weight_global_scale") ? parameter("weight_global_scale") : at::Tensor()};
 }
 
 at::Tensor QuantLinear::bias() {

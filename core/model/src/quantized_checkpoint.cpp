@@ -26,25 +26,39 @@ std::optional<ActivationQuant> writtenInputQuant(const QuantLinear& linear) {
 }
 
 std::string compressedTensorsFormat(const QScheme& weight, const std::optional<ActivationQuant>& input) {
+  if (weight.dtype == QDtype::kNvfp4) return "nvfp4-pack-quantized";
+  if (weight.dtype == QDtype::kMxfp4) return "mxfp4-pack-quantized";
   const bool isFloat = weight.dtype == QDtype::kFp8E4m3;
+  // W4AFP8: compressed-tensors' own inference says int-quantized (int8 tensors holding int4
+  // values), but vLLM's W4A8Fp8 scheme allocates pack-quantized tensors.
+  if (input && weight.dtype == QDtype::kInt4 && input->scheme.dtype == QDtype::kFp8E4m3) return "pack-quantized";
   if (input) return isFloat ? "float-quantized" : "int-quantized";
   return isFloat ? "naive-quantized" : "pack-quantized";
 }
 
 namespace {
 
-SortedJson argsObject(QDtype dtype, const std::string& strategy, bool symmetric, int64_t groupSize, bool dynamic) {
-  return {{"actorder", nullptr},
-          {"block_structure", nullptr},
-          {"dynamic", dynamic},
-          {"group_size", groupSize > 0 ? SortedJson(groupSize) : SortedJson(nullptr)},
-          {"num_bits", dtype == QDtype::kInt4 ? 4 : 8},
-          // Informational for loaders; dynamic arguments carry none (compressed-tensors forces null).
-          {"observer", dynamic ? SortedJson(nullptr) : SortedJson("minmax")},
-          {"observer_kwargs", SortedJson::object()},
-          {"strategy", strategy},
-          {"symmetric", symmetric},
-          {"type", dtype == QDtype::kFp8E4m3 ? "float" : "int"}};
+// `dynamic`: true, false, or "local" (NVFP4 activations: block scales per input, a static global).
+SortedJson argsObject(QDtype dtype, const std::string& strategy, bool symmetric, int64_t groupSize,
+                      const SortedJson& dynamic) {
+  const bool fp4 = quant::isFp4(dtype);
+  SortedJson args{{"actorder", nullptr},
+                  {"block_structure", nullptr},
+                  {"dynamic", dynamic},
+                  {"group_size", groupSize > 0 ? SortedJson(groupSize) : SortedJson(nullptr)},
+                  {"num_bits", dtype == QDtype::kInt4 || fp4 ? 4 : 8},
+                  // Informational for loaders; dynamic arguments carry none (compressed-tensors forces null).
+                  {"observer", dynamic == true ? SortedJson(nullptr) : SortedJson("minmax")},
+                  {"observer_kwargs", SortedJson::object()},
+                  {"strategy", dtype == QDtype::kNvfp4 ? "tensor_group" : strategy},
+                  {"symmetric", symmetric},
+                  {"type", dtype == QDtype::kFp8E4m3 || fp4 ? "float" : "int"}};
+  // compressed-tensors (≥ 0.13, as its NVFP4 and MXFP4 presets write it) rounds the block scales
+  // it computes to this dtype: without it, NVFP4 activations would run with fp32 block scales
+  // rather than the E4M3 ones vLLM's kernels use, and MX scales would not be powers of two.
+  if (dtype == QDtype::kNvfp4) args["scale_dtype"] = "torch.float8_e4m3fn";
+  if (dtype == QDtype::kMxfp4) args["scale_dtype"] = "torch.uint8";
+  return args;
 }
 
 std::string shapeText(at::IntArrayRef shape) {
@@ -82,6 +96,11 @@ SortedJson compressedTensorsKvCacheArgs(const QScheme& scheme) {
 }
 
 SortedJson compressedTensorsInputArgs(const ActivationQuant& input) {
+  if (input.scheme.dtype == QDtype::kNvfp4) {
+    return argsObject(input.scheme.dtype, "tensor_group", true, input.scheme.groupSize, "local");
+  }
+  if (input.scheme.dtype == QDtype::kMxfp4)
+    return argsObject(input.scheme.dtype, "group", true, input.scheme.groupSize, true);
   QPIPE_REQUIRE(input.scheme.scope == QScope::kPerTensor || input.scheme.scope == QScope::kPerToken, ErrorCode::kConfig,
                 "compressed_tensors: activation scope ", quant::qscopeName(input.scheme.scope),
                 " cannot be saved; activations are per_tensor (static) or per_token (dynamic)");
@@ -238,8 +257,11 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
           group.contains("format") && group["format"].is_string() ? group["format"].get<std::string>() : globalFormat;
       const std::string formatField = group.contains("format") ? at + ".format" : "format";
       if (scheme.format != "int-quantized" && scheme.format != "float-quantized" &&
-          scheme.format != "naive-quantized" && scheme.format != "pack-quantized") {
-        unsupported(formatField, scheme.format, "int-quantized, float-quantized, naive-quantized and pack-quantized");
+          scheme.format != "naive-quantized" && scheme.format != "pack-quantized" &&
+          scheme.format != "nvfp4-pack-quantized" && scheme.format != "mxfp4-pack-quantized") {
+        unsupported(formatField, scheme.format,
+                    "int-quantized, float-quantized, naive-quantized, pack-quantized, nvfp4-pack-quantized and "
+                    "mxfp4-pack-quantized");
       }
       if (group.contains("output_activations") && !group["output_activations"].is_null()) {
         unsupported(at + ".output_activations", group["output_activations"], "no output quantization");
@@ -253,6 +275,12 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       }
       if (scheme.format == "pack-quantized" && scheme.weight.dtype == QDtype::kFp8E4m3) {
         unsupported(formatField, scheme.format, "pack-quantized for int weights only");
+      }
+      if ((scheme.format == "nvfp4-pack-quantized") != (scheme.weight.dtype == QDtype::kNvfp4)) {
+        unsupported(formatField, scheme.format, "nvfp4-pack-quantized for fp4 tensor_group weights, and those in it");
+      }
+      if ((scheme.format == "mxfp4-pack-quantized") != (scheme.weight.dtype == QDtype::kMxfp4)) {
+        unsupported(formatField, scheme.format, "mxfp4-pack-quantized for fp4 group-32 weights, and those in it");
       }
       schemes_.push_back(std::move(scheme));
     }
@@ -303,7 +331,24 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       return scaleShape(w, out, in);
     };
     std::vector<int64_t> paramShape;
-    if (scheme->format == "pack-quantized") {
+    at::Tensor globalScale;
+    at::Tensor scale;
+    if (quant::isFp4(w.dtype)) {
+      const at::Tensor packed = tensor(name + ".weight_packed");
+      QPIPE_REQUIRE(packed.scalar_type() == at::kByte && packed.dim() == 2, ErrorCode::kInput, "checkpoint ", dir_,
+                    ": '", name, ".weight_packed' is ", c10::toString(packed.scalar_type()), " ",
+                    shapeText(packed.sizes()), ", expected 2-D Byte (two E2M1 codes per byte)");
+      q = quant::unpackFp4(packed);
+      paramShape = weightShape(q.size(0), q.size(1));
+      if (w.dtype == QDtype::kNvfp4) {
+        globalScale = asScale(tensor(name + ".weight_global_scale"), {1}, name + ".weight_global_scale", dir_);
+      } else {
+        const at::Tensor exponents = tensor(name + ".weight_scale");
+        QPIPE_REQUIRE(exponents.scalar_type() == at::kByte, ErrorCode::kInput, "checkpoint ", dir_, ": '", name,
+                      ".weight_scale' is ", c10::toString(exponents.scalar_type()), ", expected Byte (E8M0 exponents)");
+        scale = quant::fromE8m0(asScale(exponents, paramShape, name + ".weight_scale", dir_).to(at::kByte));
+      }
+    } else if (scheme->format == "pack-quantized") {
       const at::Tensor shape = tensor(name + ".weight_shape").to(at::kCPU).to(at::kLong);
       QPIPE_REQUIRE(shape.numel() == 2, ErrorCode::kInput, "checkpoint ", dir_, ": '", name, ".weight_shape' has ",
                     shape.numel(), " elements, expected 2");
@@ -333,18 +378,22 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       paramShape = weightShape(q.size(0), q.size(1));
       if (!w.symmetric) zeroPoint = tensor(name + ".weight_zero_point").to(at::kInt);
     }
-    const at::Tensor scale = asScale(tensor(name + ".weight_scale"), paramShape, name + ".weight_scale", dir_);
+    if (!scale.defined()) scale = asScale(tensor(name + ".weight_scale"), paramShape, name + ".weight_scale", dir_);
     zeroPoint =
         zeroPoint.defined() ? zeroPoint.reshape(paramShape) : at::zeros_like(scale, scale.options().dtype(at::kInt));
     std::optional<ActivationQuant> input = scheme->input;
-    if (input && !input->isDynamic()) {
+    if (input && input->scheme.dtype == QDtype::kNvfp4) {
+      input->params.globalScale =
+          asScale(tensor(name + ".input_global_scale"), {1}, name + ".input_global_scale", dir_);
+    } else if (input && !input->isDynamic()) {
       const at::Tensor inputScale = asScale(tensor(name + ".input_scale"), {1}, name + ".input_scale", dir_);
       input->params = {inputScale, input->scheme.symmetric
                                        ? at::zeros_like(inputScale, inputScale.options().dtype(at::kInt))
                                        : tensor(name + ".input_zero_point").to(at::kInt).reshape({1})};
     }
     const at::Tensor bias = hasBias ? tensor(name + ".bias").to(computeDtype) : at::Tensor();
-    return std::make_shared<QuantLinear>(q, quant::QParams{scale, zeroPoint}, w, std::move(input), bias, computeDtype);
+    return std::make_shared<QuantLinear>(q, quant::QParams{scale, zeroPoint, globalScale}, w, std::move(input), bias,
+                                         computeDtype);
   }
 
  private:
@@ -366,9 +415,11 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       s.dtype = QDtype::kInt4;
     } else if (type == "float" && bits == 8) {
       s.dtype = QDtype::kFp8E4m3;
+    } else if (type == "float" && bits == 4 && role != Role::kKvCache) {
+      s.dtype = QDtype::kNvfp4;  // or MXFP4: told by the strategy below
     } else {
       unsupported(at + ".num_bits", Json{{"num_bits", bits}, {"type", type}},
-                  activation ? "int8 and fp8 activations" : "int8, int4 and fp8 weights");
+                  activation ? "int8, fp8, nvfp4 and mxfp4 activations" : "int8, int4, fp8, nvfp4 and mxfp4 weights");
     }
     s.symmetric = args.value("symmetric", true);
     const Json groupSize = args.contains("group_size") ? args["group_size"] : Json(nullptr);
@@ -389,6 +440,26 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
                     "static symmetric tensor and attn_head KV-cache schemes");
       }
       s.scope = strategy == "tensor" ? QScope::kPerTensor : QScope::kPerHead;
+      return out;
+    }
+    if (s.dtype == QDtype::kNvfp4) {
+      // vLLM runs NVFP4 as tensor_group with group_size 16 only, its activations with local dynamic
+      // scales; MXFP4 as group with group_size 32, its activations dynamic.
+      const bool mx = strategy == "group";
+      if (mx) s.dtype = QDtype::kMxfp4;
+      const Json width = mx ? quant::kMxfp4GroupSize : quant::kNvfp4GroupSize;
+      const Json expectedDynamic = !activation ? Json(false) : mx ? Json(true) : Json("local");
+      if ((!mx && strategy != "tensor_group") || groupSize != width || !s.symmetric || dynamic != expectedDynamic) {
+        unsupported(
+            at,
+            Json{{"dynamic", dynamic}, {"group_size", groupSize}, {"strategy", strategy}, {"symmetric", s.symmetric}},
+            activation ? "nvfp4 activations as symmetric tensor_group, group_size 16, dynamic \"local\", "
+                         "and mxfp4 ones as symmetric group, group_size 32, dynamic"
+                       : "nvfp4 weights as symmetric tensor_group, group_size 16, static, and mxfp4 ones "
+                         "as symmetric group, group_size 32, static");
+      }
+      s.scope = QScope::kPerGroup;
+      s.groupSize = width.get<int64_t>();
       return out;
     }
     if (activation) {

@@ -44,6 +44,11 @@ class LinearQuantizer : public Module, public DistributedSync {
   // weight is dropped. Every other call needs them solved.
   void solveWeights();
   bool weightsSolved() const { return qweight_.defined(); }
+  // NVFP4 weights: before solveWeights(), the largest |w| of the float weight, and the global
+  // scale to solve with in place of the weight's own (fused shards share one: vLLM runs q/k/v and
+  // gate/up as one GEMM with one global scale).
+  at::Tensor weightAbsMax() const;
+  void shareGlobalScale(at::Tensor globalScale);
   // After another rank solved the weights in a parallel task: minmax is recomputed here (exact,
   // cheap; no tensors); an SSZ solution's scale, zero point and quantized weight come from the
   // executor.
@@ -81,6 +86,7 @@ class LinearQuantizer : public Module, public DistributedSync {
   at::Tensor weight_;  // the float weight until solveWeights()
   quant::QParams weightParams_;
   at::Tensor qweight_;     // quantize(W)
+  at::Tensor sharedGlobalScale_;  // nvfp4: set by shareGlobalScale()
   at::Tensor bias_;        // undefined when the layer has none
   at::ScalarType dtype_;   // W's dtype, the compute dtype
   at::Tensor fakeWeight_;  // dequantize(qweight_) in W's dtype, made by the first forward

@@ -36,7 +36,8 @@ Aggregation parseAggregation(std::string_view name, std::string_view where);
 
 // Reference: msmodelslim core/observer/minmax.py (MsMinMaxObserver).
 // Reduces over the scheme's scope (per_tensor, per_channel, per_group, per_head); per_token is
-// dynamic and has nothing to observe.
+// dynamic and has nothing to observe. NVFP4 activations observe the whole tensor's range: their
+// qparams() hold only the static global scale (the block scales are computed per input).
 class MinMaxObserver {
  public:
   struct State {

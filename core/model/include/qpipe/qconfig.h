@@ -7,7 +7,15 @@
 //
 // act defaults to float (not quantized: W8A16, W4A16); weight is required. ext holds the method
 // options: aggregation_type (act minmax: max | mean), search_method (act histogram: l2_norm |
-// kl_divergence), step (weight ssz iterations, default 50), group_size (per_group, default 128).
+// kl_divergence), step (weight ssz iterations, default 50), group_size (per_group, default 128;
+// nvfp4: 16, the only value).
+// NVFP4 (qpipe's dtype name; compressed-tensors' NVFP4 / NVFP4A16 presets):
+//     weight: {dtype: nvfp4, scope: per_group, symmetric: True, method: minmax}
+//     act:    {dtype: nvfp4, scope: per_group, symmetric: True, method: minmax}   # W4A4; or float
+// The activations' global scale is calibrated (static), their block scales computed per input.
+// MXFP4 (compressed-tensors' MXFP4 / MXFP4A16 presets): dtype mxfp4, the same otherwise; group 32,
+// the activations' block scales all computed per input (data-free).
+// W4AFP8 (compressed-tensors' W4AFP8 preset): int4 per_group weights, fp8_e4m3 per_token activations.
 #pragma once
 
 #include <cstdint>
@@ -34,8 +42,9 @@ struct QConfig {
   int64_t sszSteps = 50;
 
   bool enabled() const { return scheme.dtype != QDtype::kFloat; }
-  // Activations: computed from each input at run time (per_token), so no calibration is needed.
-  bool isDynamic() const { return scheme.scope == QScope::kPerToken; }
+  // Activations: computed from each input at run time (per_token, MXFP4 blocks), so no
+  // calibration is needed.
+  bool isDynamic() const { return quant::isDynamic(scheme); }
 };
 
 struct LinearQConfig {

@@ -9,7 +9,18 @@
 // - Shapes of scale / zero point per scope (keepdim, so they broadcast against the input):
 //   per_tensor [1]; per_channel (weight [out, in]) [out, 1]; per_group (weight [out, in])
 //   [out, in/group]; per_token (activations [..., hidden]) [..., 1];
-//   per_head ([batch, heads, seq, head_dim]) [1, heads, 1, 1].
+//   per_head ([batch, heads, seq, head_dim]) [1, heads, 1, 1]. per_group also takes activations
+//   [..., in]: [..., in/group].
+// - NVFP4 (compressed-tensors 0.20's tensor_group, docs/quantization.md): E2M1 codes in blocks of
+//   16 along the input dimension, each block with an E4M3 scale, and one fp32 global scale per
+//   tensor. QParams::scale holds the block scales (fp32 values, each exactly an E4M3 value) and
+//   globalScale the global one; the divisor is scale / globalScale, so x ≈ e2m1(q) · (scale /
+//   globalScale). Activations: the global scale is static (calibrated), the block scales are
+//   computed from each input.
+// - MXFP4 (OCP Microscaling, compressed-tensors' MXFP4 presets): E2M1 codes in blocks of 32, each
+//   block with a power-of-two scale stored as an E8M0 byte, no global scale. QParams::scale holds
+//   the block scales as fp32 powers of two (2^-127 … 2^127, all exact). Activations: the block
+//   scales are computed from each input (dynamic).
 // - Functions are pure and device-agnostic; user-input errors are qpipe::Error(kConfig).
 #pragma once
 
@@ -22,17 +33,17 @@
 
 namespace qpipe::quant {
 
-enum class QDtype { kInt8, kInt4, kFp8E4m3, kFloat };  // kFloat: quantization off
+enum class QDtype { kInt8, kInt4, kFp8E4m3, kNvfp4, kMxfp4, kFloat };  // kFloat: quantization off
 enum class QScope { kPerTensor, kPerChannel, kPerGroup, kPerToken, kPerHead };
 
-// The msmodelslim YAML spellings: int8, int4, fp8_e4m3, float; per_tensor, per_channel,
+// The msmodelslim YAML spellings: int8, int4, fp8_e4m3, nvfp4, mxfp4, float; per_tensor, per_channel,
 // per_group, per_token, per_head. `where` names the input in errors (file:line:col and key).
 QDtype parseQDtype(std::string_view name, std::string_view where);
 QScope parseQScope(std::string_view name, std::string_view where);
 std::string_view qdtypeName(QDtype dtype);
 std::string_view qscopeName(QScope scope);
 
-// Integer range of a dtype ([-128, 127], [-8, 7]); FP8 gives [-448, 448].
+// Integer range of a dtype ([-128, 127], [-8, 7]); FP8 gives [-448, 448], NVFP4 and MXFP4 [-6, 6].
 double qmin(QDtype dtype);
 double qmax(QDtype dtype);
 
@@ -49,20 +60,47 @@ struct QScheme {
 };
 
 struct QParams {
-  at::Tensor scale;      // fp32, the scope's keepdim shape
-  at::Tensor zeroPoint;  // int32, same shape; zeros when symmetric
+  at::Tensor scale;        // fp32, the scope's keepdim shape
+  at::Tensor zeroPoint;    // int32, same shape; zeros when symmetric
+  at::Tensor globalScale;  // NVFP4 only: fp32 [1]; undefined otherwise
 };
 
+// NVFP4's group size (the E4M3 block scales' blocks along the input dimension).
+inline constexpr int64_t kNvfp4GroupSize = 16;
+// MXFP4's group size (the E8M0 block scales' blocks along the input dimension).
+inline constexpr int64_t kMxfp4GroupSize = 32;
+
+// E2M1 codes with block scales: NVFP4 or MXFP4.
+bool isFp4(QDtype dtype);
+// Activation parameters computed from each input as it arrives: per_token, and MXFP4's per_group
+// blocks. (NVFP4's block scales are too, but its global scale is calibrated: not dynamic.)
+bool isDynamic(const QScheme& scheme);
+
 // Per-scope minimum and maximum of `x` in fp32, in the scope's scale shape. Throws kConfig when
-// `x` does not fit the scope (per_group: 2-D with in % group == 0; per_head: 4-D), naming the shape.
+// `x` does not fit the scope (per_group: [..., in] with in % group == 0; per_head: 4-D), naming the shape.
 std::pair<at::Tensor, at::Tensor> minMax(const at::Tensor& x, const QScheme& scheme);
 
-// QParams from reduced min/max (msmodelslim calculate_int_qparam / fp8 qparam).
+// QParams from reduced min/max (msmodelslim calculate_int_qparam / fp8 qparam). NVFP4 (min/max
+// per group, compressed-tensors calculate_qparams): globalScale = nvfp4GlobalScale of the groups'
+// absmax, each block scale = E4M3(clamp(globalScale · (absmax / 6), ±448)), and 0.125 (its eps for
+// an E4M3 scale) for a zero block.
 QParams computeQParams(const at::Tensor& min, const at::Tensor& max, const QScheme& scheme);
 // minMax + computeQParams.
 QParams computeQParams(const at::Tensor& x, const QScheme& scheme);
+// NVFP4 block scales of `x` under a given global scale: a static activation global scale, or the
+// one global scale that fused shards (q/k/v, gate/up) share because vLLM runs them as one GEMM.
+QParams computeQParams(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale);
+// MXFP4 block scales from block absmax (compressed-tensors generate_mx_scales): absmax rounded to a
+// power of two (up where its mantissa is ≥ 1.75, i.e. where 1.75 · 2^e would otherwise saturate
+// past 6 · 2^(e-2)), over 4 (floor(log2 6) = 2), as the E8M0 exponent clamped to [0, 254]. A zero
+// block gets 2^-127, the smallest E8M0 scale.
+at::Tensor mxfp4Scale(const at::Tensor& absmax);
+// NVFP4's global scale from a tensor's absmax (compressed-tensors generate_gparam):
+// 448 · 6 / max(absmax, FLT_MIN), fp32 [1]; NaN or inf → 1.
+at::Tensor nvfp4GlobalScale(const at::Tensor& absmax);
 
-// int8/int4 → kChar (int4 values in [-8, 7]); fp8 → kFloat8_e4m3fn; float → x unchanged.
+// int8/int4 → kChar (int4 values in [-8, 7]); fp8 → kFloat8_e4m3fn; nvfp4, mxfp4 → kByte E2M1
+// codes (toFp4E2m1); float → x unchanged.
 at::Tensor quantize(const at::Tensor& x, const QParams& params, const QScheme& scheme);
 // Back to fp32: (q - zeroPoint) · scale.
 at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme& scheme);
@@ -80,6 +118,22 @@ at::Tensor int8Matmul(const at::Tensor& a, const at::Tensor& b);
 // Clamps to ±448 and rounds to nearest even into E4M3FN. ±inf saturate to ±448 (as the clamp
 // does); NaN stays NaN (0x7F, or 0xFF with the sign bit), as LibTorch's cast.
 at::Tensor toFp8E4m3(const at::Tensor& x);
+
+// E2M1 codes (kByte, one per element: sign << 3 | magnitude index into {0, 0.5, 1, 1.5, 2, 3, 4,
+// 6}) of x rounded to nearest, ties to even (compressed-tensors cast_to_fp4's thresholds),
+// saturating at ±6. The sign bit is x's, also where the magnitude rounds to 0 (as
+// compressed-tensors packs it); NaN gives 0.
+at::Tensor toFp4E2m1(const at::Tensor& x);
+// The fp32 values of E2M1 codes.
+at::Tensor fromFp4E2m1(const at::Tensor& codes);
+// compressed-tensors nvfp4-pack-quantized: codes [rows, cols] (cols even) → uint8 [rows, cols / 2],
+// element 2j in the low nibble of byte j, 2j + 1 in the high one. And back.
+at::Tensor packFp4(const at::Tensor& codes);
+at::Tensor unpackFp4(const at::Tensor& packed);
+// E8M0 (compressed-tensors' uint8 MX scales: the biased exponent, 2^(byte - 127)) of fp32 powers
+// of two in [2^-127, 2^127], and back. Exact both ways.
+at::Tensor toE8m0(const at::Tensor& scale);
+at::Tensor fromE8m0(const at::Tensor& bytes);
 
 // compressed-tensors pack-quantized for int4 (formats_and_peers.md §A1.7): along `dim` of a 2-D
 // kChar tensor in [-8, 7], u = q + 8, element 8j+k goes to bits 4k..4k+3 of int32 word j; the

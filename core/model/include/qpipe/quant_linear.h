@@ -13,12 +13,13 @@
 namespace qpipe {
 
 // How a module's input is quantized at inference: static (per_tensor, calibrated params) or
-// dynamic (per_token: params computed from each input as it arrives).
+// dynamic (per_token, MXFP4 blocks: params computed from each input as it arrives). NVFP4 is
+// both: a static global scale (params.globalScale) and block scales computed from each input.
 struct ActivationQuant {
   quant::QScheme scheme;
   quant::QParams params;  // static only; undefined when dynamic
 
-  bool isDynamic() const { return scheme.scope == quant::QScope::kPerToken; }
+  bool isDynamic() const { return quant::isDynamic(scheme); }
   // Fake-quantizes `x` in its own dtype.
   at::Tensor apply(const at::Tensor& x) const;
 };
@@ -44,10 +45,13 @@ class Int8Linear {
 };
 
 // typeName "QuantLinear". Its parameters carry compressed-tensors' names:
-//   weight             kChar (int8, or int4 values in [-8, 7], unpacked) or kFloat8_e4m3fn
-//   weight_scale       fp32, the weight scope's shape (quant.h)
+//   weight             kChar (int8, or int4 values in [-8, 7], unpacked), kFloat8_e4m3fn, or kByte
+//                      E2M1 codes for nvfp4 (unpacked)
+//   weight_scale       fp32, the weight scope's shape (quant.h); nvfp4: the E4M3 block scales
+//   weight_global_scale  fp32 [1]; nvfp4 only
 //   weight_zero_point  int32, same shape; asymmetric weights only
-//   input_scale        fp32 [1]; static activations only
+//   input_global_scale fp32 [1]; nvfp4 activations only
+//   input_scale        fp32 [1]; static activations only (not nvfp4)
 //   input_zero_point   int32 [1]; static asymmetric activations only
 //   bias               compute dtype; when the layer has one
 // forward: y = actQuant(x) · dequantize(weight)ᵀ + b in the compute dtype; by Int8Linear where it

@@ -38,6 +38,8 @@ struct PipelineLabel {
   bool kvCache = false;
   int faBit = 0;     // 0: attention not quantized
   bool fp8 = false;  // fp8_e4m3 rather than int (qpipe's extension; the _fp8 suffix of --quant_type)
+  bool nvfp4 = false;  // NVFP4 rather than int (qpipe's extension; the _nvfp4 suffix of --quant_type)
+  bool mxfp4 = false;  // MXFP4 rather than int (qpipe's extension; the _mxfp4 suffix of --quant_type)
   // Activations quantized with calibrated (static) scales rather than per token at run time
   // (qpipe's extension; the _static suffix of --quant_type).
   bool isStatic = false;

@@ -10,9 +10,11 @@
 
 namespace qpipe {
 
-// w<W>a<A>[c8|f4|f8][s][_fp8][_static]: weight and activation bits, int8 KV cache (c8) or
-// attention quantized to 4/8 bits (f4/f8), sparse (s), and qpipe's own suffixes: _fp8 for
-// fp8_e4m3 weights and activations instead of int (w8a8_fp8; w8a16_fp8 is fp8 weight-only),
+// w<W>a<A>[c8|f4|f8][s][_fp8|_nvfp4|_mxfp4][_static]: weight and activation bits, int8 KV cache
+// (c8) or attention quantized to 4/8 bits (f4/f8), sparse (s), and qpipe's own suffixes: _fp8 for
+// fp8_e4m3 weights and activations instead of int (w8a8_fp8; w8a16_fp8 is fp8 weight-only; w4a8_fp8
+// is W4AFP8, int4 weights with fp8 activations), _nvfp4 / _mxfp4 for NVFP4 / MXFP4 (w4a4_nvfp4;
+// w4a16_nvfp4 is weight-only),
 // _static for activations with calibrated scales instead of per-token ones computed at run time
 // (msmodelslim's grammar cannot tell the two apart; its model-specific folders decide).
 struct QuantType {
@@ -23,6 +25,8 @@ struct QuantType {
   int faBit = 0;
   bool sparse = false;
   bool fp8 = false;
+  bool nvfp4 = false;
+  bool mxfp4 = false;
   bool isStatic = false;
 };
 
