@@ -14,7 +14,6 @@
 // (qpipe/dist/observer_sync.h), so W ranks give the 1-rank checkpoint.
 #include <ATen/ATen.h>
 
-#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -103,7 +102,9 @@ class LinearQuant final : public Processor {
   // over the ranks and their solutions sent to every rank (LinearQuantizer::syncTensors); minmax
   // solves run on every rank, in a local wave.
   void solveWeights(LayerRequest& request) {
-    if (qconfig_.weight.scheme.dtype == quant::QDtype::kNvfp4) shareFusedGlobalScales();
+    std::vector<std::pair<std::string, LinearQuantizer*>> quantizers;
+    for (const Pending& p : pending_) quantizers.emplace_back(p.name, p.quantizer.get());
+    shareFusedNvfp4GlobalScales(quantizers);
     scheduler::DistributedTaskScheduler tasks(*request.module, *context_.group, {.name = "linear_quant"});
     for (const Pending& p : pending_) {
       tasks.submit({.name = "linear_quant.solve_weights",
@@ -122,32 +123,6 @@ class LinearQuant final : public Processor {
     for (size_t i = 0; i < records.size(); ++i) scheduler::reportTask(request, pending_[i].name, records[i]);
     scheduled_ += tasks.summary();
     for (const auto& [key, value] : tasks.summary().reportValues()) request.report(request.name, key, value);
-  }
-
-  // NVFP4: vLLM fuses q/k/v and gate/up into one GEMM (its packed_modules_mapping) and keeps one
-  // weight global scale for it, so the shards' block scales must be computed with one global
-  // scale: that of their largest |w|, as llm-compressor does (the smallest of their own).
-  void shareFusedGlobalScales() {
-    std::map<std::string, std::vector<LinearQuantizer*>> fused;
-    for (const Pending& p : pending_) {
-      if (const std::string key = fusedGemm(p.name); !key.empty()) fused[key].push_back(p.quantizer.get());
-    }
-    for (const auto& [key, shards] : fused) {
-      at::Tensor absmax = shards.front()->weightAbsMax();
-      for (LinearQuantizer* shard : shards) absmax = at::maximum(absmax, shard->weightAbsMax());
-      const at::Tensor global = quant::nvfp4GlobalScale(absmax);
-      for (LinearQuantizer* shard : shards) shard->shareGlobalScale(global);
-    }
-  }
-
-  // The fused GEMM a projection is a shard of ("<attention>.qkv_proj", "<mlp>.gate_up_proj"), or "".
-  static std::string fusedGemm(const std::string& name) {
-    const size_t dot = name.rfind('.');
-    const std::string parent = dot == std::string::npos ? "" : name.substr(0, dot);
-    const std::string leaf = name.substr(dot == std::string::npos ? 0 : dot + 1);
-    if (leaf == "q_proj" || leaf == "k_proj" || leaf == "v_proj") return parent + ".qkv_proj";
-    if (leaf == "gate_proj" || leaf == "up_proj") return parent + ".gate_up_proj";
-    return "";
   }
 
   // Merges every static observer of the layer across ranks and freezes its parameters.

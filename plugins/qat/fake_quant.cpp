@@ -3,6 +3,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <cmath>
+#include <vector>
 
 #include "qpipe/error.h"
 
@@ -60,12 +61,39 @@ quant::QParams LearnedScale::params() const {
   return {s, at::zeros(s.sizes(), s.options().dtype(at::kInt))};
 }
 
-at::Tensor fakeQuantize(const at::Tensor& x, const at::Tensor& scale, const quant::QScheme& scheme, Ste ste) {
+at::Tensor storedBlockScale(const at::Tensor& scale, quant::QDtype dtype) {
+  QPIPE_CHECK(quant::isFp4(dtype), "storedBlockScale of ", quant::qdtypeName(dtype));
+  const at::Tensor s = scale.detach().to(at::kFloat);
+  if (dtype == quant::QDtype::kNvfp4) {
+    constexpr double kSmallestE4m3 = 1.0 / 512;
+    return straightThrough(quant::toFp8E4m3(s.clamp(kSmallestE4m3, 448.0)).to(at::kFloat), scale);
+  }
+  constexpr int64_t kE8m0Bias = 127;
+  const at::Tensor exponent = at::round(at::log2(s)).clamp(-kE8m0Bias, kE8m0Bias);
+  return straightThrough(quant::fromE8m0((exponent + kE8m0Bias).to(at::kByte)), scale);
+}
+
+at::Tensor fakeQuantize(const at::Tensor& x, const at::Tensor& scale, const quant::QScheme& scheme, Ste ste,
+                        const at::Tensor& globalScale) {
   QPIPE_CHECK(scheme.symmetric, "learnable fake quantization takes symmetric schemes, got ", scheme.name());
   if (scheme.dtype == quant::QDtype::kFloat) return x;
+  const bool fp4 = quant::isFp4(scheme.dtype);
+  at::Tensor divisor = scale;
+  if (fp4) {
+    divisor = storedBlockScale(scale, scheme.dtype);
+    if (scheme.dtype == quant::QDtype::kNvfp4) {
+      QPIPE_CHECK(globalScale.defined(), "nvfp4 fake quantization without a global scale");
+      divisor = divisor / globalScale.to(at::kFloat);
+    }
+  }
   const bool grouped = scheme.scope == quant::QScope::kPerGroup;
-  const at::Tensor values = grouped ? x.reshape({x.size(0), x.size(1) / scheme.groupSize, scheme.groupSize}) : x;
-  at::Tensor s = grouped ? scale.unsqueeze(-1) : scale;
+  std::vector<int64_t> groups = x.sizes().vec();
+  if (grouped) {
+    groups.back() /= scheme.groupSize;
+    groups.push_back(scheme.groupSize);
+  }
+  const at::Tensor values = grouped ? x.reshape(groups) : x;
+  at::Tensor s = grouped ? divisor.unsqueeze(-1) : divisor;
   const double qmax = quant::qmax(scheme.dtype);
   if (ste == Ste::kLsq) {
     const double perScale = static_cast<double>(x.numel()) / static_cast<double>(scale.numel());
@@ -81,6 +109,10 @@ at::Tensor fakeQuantize(const at::Tensor& x, const at::Tensor& scale, const quan
     const at::Tensor clamped = clamp(u);
     // LibTorch's cast of the clamped value: the codes quant::toFp8E4m3 gives (quant.h), in one op.
     q = straightThrough(clamped.detach().to(at::kFloat8_e4m3fn).to(at::kFloat), clamped);
+  } else if (fp4) {
+    // The E2M1 grid value of the clamped value: the code quant::toFp4E2m1 gives u (it saturates).
+    const at::Tensor clamped = clamp(u);
+    q = straightThrough(quant::fromFp4E2m1(quant::toFp4E2m1(clamped.detach())), clamped);
   } else {
     q = clamp(straightThrough(at::round(u), u));
   }
@@ -91,6 +123,7 @@ QatLinear::QatLinear(at::Tensor weight, at::Tensor bias, QuantLinear& init, cons
     : Module("QatLinear"),
       weight_(weight.detach()),
       bias_(bias.defined() ? bias.detach() : bias),
+      weightGlobal_(init.weightParams().globalScale),
       weightScheme_(init.weightScheme()),
       input_(init.inputQuant()),
       options_(options),
@@ -100,7 +133,10 @@ QatLinear::QatLinear(at::Tensor weight, at::Tensor bias, QuantLinear& init, cons
     clipMax_ = withGrad(at::full_like(weightScale_.initial(), options.lwcInit), true);
     clipMin_ = withGrad(at::full_like(weightScale_.initial(), options.lwcInit), true);
   }
-  if (input_ && !input_->isDynamic() && input_->scheme.dtype != quant::QDtype::kFloat) {
+  // NVFP4's static input parameter is its global scale, which does not train (block scales come
+  // from each input).
+  if (input_ && !input_->isDynamic() && input_->scheme.dtype != quant::QDtype::kFloat &&
+      !quant::isFp4(input_->scheme.dtype)) {
     inputScale_ = LearnedScale(input_->params.scale, options.param, options.learnable.actScale);
   }
 }
@@ -112,7 +148,9 @@ at::Tensor QatLinear::scaleFromClip() const {
 }
 
 at::Tensor QatLinear::weightScale() const {
-  return options_.learnable.lwc ? scaleFromClip() : weightScale_.value();
+  if (options_.learnable.lwc) return scaleFromClip();
+  const at::Tensor scale = weightScale_.value();
+  return quant::isFp4(weightScheme_.dtype) ? storedBlockScale(scale, weightScheme_.dtype) : scale;
 }
 
 std::vector<std::pair<std::string, at::Tensor>> QatLinear::state() const {
@@ -137,12 +175,18 @@ void QatLinear::restoreClip(const at::Tensor& clipMax, const at::Tensor& clipMin
 
 at::Tensor QatLinear::forward(const at::Tensor& input) {
   if (bypassed_) return at::linear(input, weight_, bias_);
-  const at::Tensor w = fakeQuantize(weight_, weightScale(), weightScheme_, options_.ste);
+  const at::Tensor w = fakeQuantize(weight_, weightScale(), weightScheme_, options_.ste, weightGlobal_);
   at::Tensor x = input;
   if (input_ && input_->scheme.dtype != quant::QDtype::kFloat) {
-    const at::Tensor scale =
-        input_->isDynamic() ? quant::computeQParams(input.detach(), input_->scheme).scale : inputScale_.value();
-    x = fakeQuantize(input, scale, input_->scheme, options_.ste);
+    const quant::QScheme& scheme = input_->scheme;
+    const at::Tensor global = input_->params.globalScale;
+    at::Tensor scale;
+    if (scheme.dtype == quant::QDtype::kNvfp4) {
+      scale = quant::computeQParams(input.detach(), scheme, global).scale;
+    } else {
+      scale = input_->isDynamic() ? quant::computeQParams(input.detach(), scheme).scale : inputScale_.value();
+    }
+    x = fakeQuantize(input, scale, scheme, options_.ste, global);
   }
   return at::linear(x, w, bias_);
 }
@@ -166,7 +210,7 @@ void QatLinear::project() {
 std::shared_ptr<QuantLinear> QatLinear::deploy() const {
   at::NoGradGuard noGrad;
   const at::Tensor scale = weightScale().detach().clone();
-  const quant::QParams params{scale, at::zeros(scale.sizes(), scale.options().dtype(at::kInt))};
+  const quant::QParams params{scale, at::zeros(scale.sizes(), scale.options().dtype(at::kInt)), weightGlobal_};
   std::optional<ActivationQuant> input = input_;
   if (inputScale_.defined()) input->params = inputScale_.params();
   return std::make_shared<QuantLinear>(quant::quantize(weight_, params, weightScheme_), params, weightScheme_,

@@ -27,9 +27,18 @@ namespace qpipe::qat {
 enum class Ste { kAngelSlim, kLsq };
 
 // dequantize(quantize(x)) for a symmetric scheme with `scale` in the scheme's keepdim shape
-// (quant.h; per_group [out, in/group]), differentiable in x and scale as `ste` says. The value
-// equals quant::fakeQuantize(x, {scale, 0}, scheme) bit for bit (docs/qat.md says why).
-at::Tensor fakeQuantize(const at::Tensor& x, const at::Tensor& scale, const quant::QScheme& scheme, Ste ste);
+// (quant.h; per_group [out, in/group], or [..., in/group] for activations), differentiable in x and
+// scale as `ste` says. The value equals quant::fakeQuantize(x, {scale, 0, globalScale}, scheme)
+// bit for bit (docs/qat.md says why). FP4 schemes first round `scale` as the deployed module
+// stores it (storedBlockScale); NVFP4 divides it by `globalScale`, which does not train.
+at::Tensor fakeQuantize(const at::Tensor& x, const at::Tensor& scale, const quant::QScheme& scheme, Ste ste,
+                        const at::Tensor& globalScale = {});
+
+// An FP4 block scale as the deployed module stores it, with a straight-through gradient: NVFP4's
+// rounded to E4M3 within [2^-9, 448] (2^-9 is E4M3's smallest value: a block scale that rounded to
+// 0 would divide by zero), MXFP4's to the nearest power of two in [2^-127, 2^127] (nearest in the
+// exponent). Both leave a stored scale as it is.
+at::Tensor storedBlockScale(const at::Tensor& scale, quant::QDtype dtype);
 
 // What trains (AngelSlim's plugin_config.quant_config.learnable); the float weights never do.
 struct Learnable {
@@ -110,6 +119,7 @@ class QatLinear : public Module {
 
   at::Tensor weight_;  // frozen float weight [out, in]
   at::Tensor bias_;
+  at::Tensor weightGlobal_;  // NVFP4: the weight's global scale, fixed
   quant::QScheme weightScheme_;
   std::optional<ActivationQuant> input_;
   QatOptions options_;

@@ -311,11 +311,12 @@ class LearnableScaleQat final : public Processor {
       if (side->enabled() && !side->scheme.symmetric) {
         throw context.configError(config, "qconfig", "learnable scales take symmetric schemes (symmetric: True)");
       }
-      if (quant::isFp4(side->scheme.dtype)) {
-        throw context.configError(config, "qconfig",
-                                  std::string(quant::qdtypeName(side->scheme.dtype)) +
-                                      " has no learnable scales yet (PTQ only: run linear_quant with it)");
-      }
+    }
+    if (activationInit_ > 0 && quant::isFp4(qconfig_.act.scheme.dtype)) {
+      throw context.configError(config, "activation_scale_init_value",
+                                "applies to int8 and fp8_e4m3 static activations; " +
+                                    std::string(quant::qdtypeName(qconfig_.act.scheme.dtype)) +
+                                    " activations have no input scale");
     }
     const ConfigNode& learnable = config.at("plugin_config").at("quant_config").at("learnable");
     trainKv_ = learnable.at("kv_scale").asBool();
@@ -326,6 +327,11 @@ class LearnableScaleQat final : public Processor {
     if (options_.learnable.lwc && qconfig_.weight.scheme.scope == quant::QScope::kPerTensor) {
       throw context.configError(config, "plugin_config.quant_config.learnable.lwc",
                                 "learnable weight clipping takes per_channel or per_group weights");
+    }
+    if (options_.learnable.lwc && quant::isFp4(qconfig_.weight.scheme.dtype)) {
+      throw context.configError(config, "plugin_config.quant_config.learnable.lwc",
+                                "learnable weight clipping takes int and fp8_e4m3 weights; nvfp4 and mxfp4 train "
+                                "their block scales (weight_scale)");
     }
     const bool staticActs = qconfig_.act.enabled() && !qconfig_.act.isDynamic();
     if (!options_.learnable.weightScale && !options_.learnable.lwc && !(options_.learnable.actScale && staticActs) &&
@@ -753,12 +759,14 @@ class LearnableScaleQat final : public Processor {
   // fresh copy of its layer. resume_from and from_ptq_ckpt replace either start where they can.
   void startFromPtq(LayerRequest& request, const std::function<void()>& observe) {
     std::vector<std::shared_ptr<LinearQuantizer>> quantizers;
+    std::vector<std::pair<std::string, LinearQuantizer*>> named;
     std::vector<std::pair<at::Tensor, at::Tensor>> floats;  // weight and bias, kept past the quantizer
     forEach<Linear>(request, *filter_, [&](const std::string& path, const std::string& name, Linear& linear) {
       if (request.wholeModel && !name.starts_with("model.layers.")) return;  // embeddings and lm_head stay
       qconfig_.checkFits(name, linear.inFeatures());
       floats.emplace_back(linear.weight(), linear.bias());
-      auto quantizer = std::make_shared<LinearQuantizer>(linear, qconfig_);
+      auto quantizer = std::make_shared<LinearQuantizer>(linear, qconfig_, LinearQuantizer::Weights::kDeferred);
+      named.emplace_back(name, quantizer.get());
       if (request.staged) {
         quantizer->settleInForward([this](LinearQuantizer& q) { dist::synchronize(*context_.group, q); });
       }
@@ -766,6 +774,9 @@ class LearnableScaleQat final : public Processor {
       quantizers.push_back(quantizer);
       request.module->replace(path, quantizer);
     });
+    // As linear_quant solves them: NVFP4's fused shards share one global scale.
+    shareFusedNvfp4GlobalScales(named);
+    for (const auto& quantizer : quantizers) quantizer->solveWeights();
     if (!quantizers.empty() && !qconfig_.isDataFree()) {
       observe();
       for (const auto& quantizer : quantizers) dist::synchronize(*context_.group, *quantizer);
@@ -859,7 +870,9 @@ class LearnableScaleQat final : public Processor {
                   resume_->path(), "': ", name, ".weight_scale has shape ", scale.sizes(), ", this model's ",
                   calibratedParams.scale.sizes());
     std::optional<ActivationQuant> input = calibrated->inputQuant();
-    if (input && !input->isDynamic() && input->scheme.dtype != quant::QDtype::kFloat) {
+    // NVFP4's static input parameter, the global scale, does not train: the calibrated one stands.
+    if (input && !input->isDynamic() && input->scheme.dtype != quant::QDtype::kFloat &&
+        !quant::isFp4(input->scheme.dtype)) {
       const at::Tensor inputScale = resume_->tensor(name + ".input_scale");
       QPIPE_REQUIRE(inputScale.defined(), ErrorCode::kInput, "resume_from '", resume_->path(), "': ", name,
                     " has no input_scale, and its activations are static");
@@ -867,7 +880,8 @@ class LearnableScaleQat final : public Processor {
     }
     ++resumed_;
     return withScales(weight, bias, *calibrated,
-                      {scale, at::zeros_like(scale, scale.options().dtype(at::kInt))}, std::move(input));
+                      {scale, at::zeros_like(scale, scale.options().dtype(at::kInt)), calibratedParams.globalScale},
+                      std::move(input));
   }
 
   // A PTQ module of `like`'s schemes with these scales.

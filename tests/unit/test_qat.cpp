@@ -107,10 +107,66 @@ TEST(QatSte, Fp8RoundsToItsGridAndSaturatesAt448) {
   EXPECT_NEAR(lsq.scale.item<double>(), (inside + 448) / std::sqrt(4.0 * 448), 1e-5);
 }
 
+// One block of FP4: values whose u = x / divisor are 6 (at the clamp), 3.2 (→ 3), −1.3 (→ −1.5),
+// 0.2 (→ 0), 7 (saturated, → 6), and zeros. AngelSlim's gradient of the divisor: Σ(Q(u) − u) =
+// −1.6; LSQ's: the in-range part −0.6 plus qmax = 6 for the saturated one, over sqrt(N · 6).
+std::vector<float> fp4Block(int64_t width, float divisor) {
+  std::vector<float> x(static_cast<size_t>(width), 0.0f);
+  const std::vector<float> u = {6.0f, 3.2f, -1.3f, 0.2f, 7.0f};
+  for (size_t i = 0; i < u.size(); ++i) x[i] = u[i] * divisor;
+  return x;
+}
+
+TEST(QatSte, Fp4RoundsToTheE2m1GridWithTheStoredBlockScale) {
+  for (const auto& [dtype, width, scale, global] : std::vector<std::tuple<QDtype, int64_t, float, float>>{
+           {QDtype::kNvfp4, 16, 2.0f, 4.0f}, {QDtype::kMxfp4, 32, 2.0f, 0.0f}}) {
+    SCOPED_TRACE(quant::qdtypeName(dtype));
+    const QScheme scheme{.dtype = dtype, .scope = QScope::kPerGroup, .groupSize = width};
+    // NVFP4 divides by block / global = 0.5, MXFP4 by its scale 2.
+    const float divisor = dtype == QDtype::kNvfp4 ? scale / global : scale;
+    for (const qat::Ste ste : {qat::Ste::kAngelSlim, qat::Ste::kLsq}) {
+      at::AutoGradMode gradients(true);
+      at::Tensor x = at::tensor(fp4Block(width, divisor)).reshape({1, width}).requires_grad_(true);
+      at::Tensor s = at::full({1, 1}, scale).requires_grad_(true);
+      const at::Tensor g = dtype == QDtype::kNvfp4 ? at::full({1}, global) : at::Tensor();
+      const at::Tensor y = qat::fakeQuantize(x, s, scheme, ste, g);
+      y.sum().backward();
+      const std::vector<float> q = toVector(y.detach().narrow(1, 0, 5) / divisor);
+      EXPECT_EQ(q, (std::vector<float>{6, 3, -1.5f, 0, 6}));
+      // ∂/∂scale = ∂/∂divisor · ∂divisor/∂scale (1 / global for NVFP4).
+      const double perScale = dtype == QDtype::kNvfp4 ? 1.0 / global : 1.0;
+      if (ste == qat::Ste::kAngelSlim) {
+        EXPECT_NEAR(s.grad().item<double>(), -1.6 * perScale, 1e-5);
+        EXPECT_EQ(x.grad().sum().item<float>(), static_cast<float>(width));
+      } else {
+        EXPECT_NEAR(s.grad().item<double>(), (-0.6 + 6) / std::sqrt(width * 6.0) * perScale, 1e-5);
+        EXPECT_EQ(x.grad()[0][4].item<float>(), 0.0f) << "saturated";
+        EXPECT_EQ(x.grad()[0][0].item<float>(), 1.0f) << "at the clamp";
+      }
+    }
+  }
+}
+
+TEST(QatSte, Fp4BlockScalesTrainContinuouslyAndAreStoredAsTheFormatStoresThem) {
+  // NVFP4: E4M3 (1.1 → 1.125, 1e-3 → its smallest value 2^-9, 500 → 448); MXFP4: the nearest power
+  // of two (3 → 4, 0.7 → 0.5, 2^-130 → 2^-127). The gradient passes as if unrounded.
+  for (const auto& [dtype, in, out] : std::vector<std::tuple<QDtype, std::vector<float>, std::vector<float>>>{
+           {QDtype::kNvfp4, {1.1f, 1e-3f, 500.0f}, {1.125f, 1.0f / 512, 448.0f}},
+           {QDtype::kMxfp4, {3.0f, 0.7f, std::ldexp(1.0f, -130)}, {4.0f, 0.5f, std::ldexp(1.0f, -127)}}}) {
+    at::AutoGradMode gradients(true);
+    at::Tensor s = at::tensor(in).requires_grad_(true);
+    const at::Tensor stored = qat::storedBlockScale(s, dtype);
+    EXPECT_EQ(toVector(stored.detach()), out);
+    stored.sum().backward();
+    EXPECT_EQ(toVector(s.grad()), std::vector<float>(3, 1.0f));
+  }
+}
+
 struct SchemeCase {
   std::string name;
   QScheme weight;
   std::optional<QScheme> act;  // none: weight-only
+  int64_t in = 16;             // the Linear's input width
 };
 
 std::vector<SchemeCase> schemeCases() {
@@ -120,9 +176,20 @@ std::vector<SchemeCase> schemeCases() {
   const QScheme fp8Channel{.dtype = QDtype::kFp8E4m3, .scope = QScope::kPerChannel};
   const QScheme int8Tensor{.dtype = QDtype::kInt8, .scope = QScope::kPerTensor};
   const QScheme int8Token{.dtype = QDtype::kInt8, .scope = QScope::kPerToken};
-  return {{"w8a8_static", int8Channel, int8Tensor}, {"w8a8_dynamic", int8Channel, int8Token},
-          {"fp8_static", fp8Tensor, fp8Tensor},     {"fp8_channel_static", fp8Channel, fp8Tensor},
-          {"w4a16_group", int4Group, std::nullopt}, {"w4a8_dynamic", int4Group, int8Token}};
+  const QScheme fp8Token{.dtype = QDtype::kFp8E4m3, .scope = QScope::kPerToken};
+  const QScheme nvfp4{.dtype = QDtype::kNvfp4, .scope = QScope::kPerGroup, .groupSize = quant::kNvfp4GroupSize};
+  const QScheme mxfp4{.dtype = QDtype::kMxfp4, .scope = QScope::kPerGroup, .groupSize = quant::kMxfp4GroupSize};
+  return {{"w8a8_static", int8Channel, int8Tensor},
+          {"w8a8_dynamic", int8Channel, int8Token},
+          {"fp8_static", fp8Tensor, fp8Tensor},
+          {"fp8_channel_static", fp8Channel, fp8Tensor},
+          {"w4a16_group", int4Group, std::nullopt},
+          {"w4a8_dynamic", int4Group, int8Token},
+          {"w4afp8", int4Group, fp8Token},
+          {"nvfp4a16", nvfp4, std::nullopt, 64},
+          {"nvfp4", nvfp4, nvfp4, 64},
+          {"mxfp4a16", mxfp4, std::nullopt, 64},
+          {"mxfp4", mxfp4, mxfp4, 64}};
 }
 
 // The PTQ module of a random Linear [8, 16]: minmax weight scales, a static input scale from `x`.
@@ -130,9 +197,10 @@ std::shared_ptr<QuantLinear> ptqModule(const SchemeCase& c, const at::Tensor& w,
                                        const at::Tensor& x) {
   const quant::QParams params = quant::computeQParams(w, c.weight);
   std::optional<ActivationQuant> input;
-  if (c.act) {
-    input = ActivationQuant{*c.act,
-                            c.act->scope == QScope::kPerToken ? quant::QParams{} : quant::computeQParams(x, *c.act)};
+  if (c.act && c.act->dtype == QDtype::kNvfp4) {
+    input = ActivationQuant{*c.act, {.globalScale = quant::nvfp4GlobalScale(x.abs().amax())}};
+  } else if (c.act) {
+    input = ActivationQuant{*c.act, quant::isDynamic(*c.act) ? quant::QParams{} : quant::computeQParams(x, *c.act)};
   }
   return std::make_shared<QuantLinear>(quant::quantize(w, params, c.weight), params, c.weight, input, b, at::kFloat);
 }
@@ -141,22 +209,24 @@ TEST(QatLinear, StartsWhereItsPtqModuleIsAndDeploysWhatItTrained) {
   for (const SchemeCase& c : schemeCases()) {
     SCOPED_TRACE(c.name);
     at::manual_seed(5);
-    const at::Tensor w = at::randn({8, 16}) * 0.3, b = at::randn({8}) * 0.1, x = at::randn({2, 5, 16});
+    const at::Tensor w = at::randn({8, c.in}) * 0.3, b = at::randn({8}) * 0.1, x = at::randn({2, 5, c.in});
     const auto ptq = ptqModule(c, w, b, x);
+    const at::Tensor global = ptq->weightParams().globalScale;
     qat::QatLinear module(w, b, *ptq, {.learnable = {.weightScale = true, .actScale = true}});
     // The weight the forward uses is the PTQ module's, bit for bit; the outputs agree to the
     // GEMM's rounding (the PTQ module may run an integer GEMM).
-    EXPECT_TRUE(at::equal(qat::fakeQuantize(w, module.weightScale(), c.weight, qat::Ste::kAngelSlim),
+    EXPECT_TRUE(at::equal(qat::fakeQuantize(w, module.weightScale(), c.weight, qat::Ste::kAngelSlim, global),
                           ptq->dequantizedWeight()));
     const at::Tensor before = module.forward(x);
     EXPECT_TRUE(at::allclose(before, (*ptq)(x), 1e-5, 1e-6));
-    // Train by hand: every trainable tensor moves; the deployed module computes what it computes.
+    // Train by hand: every trainable tensor moves (by more than MXFP4's rounding to a power of two
+    // undoes); the deployed module computes what it computes.
     for (auto& [name, tensor] : module.trainable()) {
       at::NoGradGuard noGrad;
-      tensor.mul_(name == "input_scale" ? 0.9 : 1.1);
+      tensor.mul_(name == "input_scale" ? 0.9 : 1.5);
     }
     const auto deployed = module.deploy();
-    EXPECT_TRUE(at::equal(qat::fakeQuantize(w, module.weightScale(), c.weight, qat::Ste::kAngelSlim),
+    EXPECT_TRUE(at::equal(qat::fakeQuantize(w, module.weightScale(), c.weight, qat::Ste::kAngelSlim, global),
                           deployed->dequantizedWeight()));
     const at::Tensor after = module.forward(x);
     EXPECT_FALSE(at::allclose(after, before));
@@ -495,6 +565,50 @@ TEST_F(QatProcessor, EverySchemeTrainsAndDeploys) {
   }
 }
 
+// NVFP4 (its fused shards' shared global scales too), MXFP4 and W4AFP8 on the tiny Qwen3, whose
+// widths take their blocks: a zero learning rate is linear_quant's checkpoint bit for bit, and a
+// few steps move the block scales.
+TEST_F(QatProcessor, Fp4AndW4afp8StartFromLinearQuantAndTrainTheirBlockScales) {
+  const fs::path dir = test::tinyQwen3("qat_fp4");
+  for (const auto& [name, qconfig] : std::vector<std::pair<std::string, std::string>>{
+           {"nvfp4",
+            "        act: {dtype: nvfp4, scope: per_group, symmetric: True, method: minmax}\n"
+            "        weight: {dtype: nvfp4, scope: per_group, symmetric: True, method: minmax}\n"},
+           {"mxfp4",
+            "        act: {dtype: mxfp4, scope: per_group, symmetric: True, method: minmax}\n"
+            "        weight: {dtype: mxfp4, scope: per_group, symmetric: True, method: minmax}\n"},
+           {"w4afp8",
+            "        act: {dtype: fp8_e4m3, scope: per_token, symmetric: True}\n"
+            "        weight: {dtype: int4, scope: per_group, symmetric: True, method: minmax, ext: {group_size: "
+            "64}}\n"}}) {
+    SCOPED_TRACE(name);
+    auto [ptq, ptqReport] = run("    - type: linear_quant\n      qconfig:\n" + qconfig, dir);
+    auto [still, stillReport] = run(qatStep(qconfig, "      learning_rate: 0\n"), dir);
+    // An MXFP4 scale moves by powers of two: α must pass √2 or 1/√2, which AdamW's steps of about
+    // the learning rate take many steps to do at 5e-2.
+    const std::string rate = name == "mxfp4" ? "0.3" : "5e-2";
+    auto [trained, report] =
+        run(qatStep(qconfig, "      learning_rate: " + rate + "\n      max_steps: 3\n      ste: lsq\n"), dir);
+    int moved = 0;
+    for (const std::string& path : test::tinyLayerLinears()) {
+      SCOPED_TRACE(path);
+      auto& a = ptq->layer(1).getSubmodule(path).as<QuantLinear>(path);
+      auto& b = still->layer(1).getSubmodule(path).as<QuantLinear>(path);
+      for (const auto& [key, tensor] : a.namedParameters()) EXPECT_TRUE(at::equal(*tensor, b.parameter(key))) << key;
+      EXPECT_EQ(a.namedParameters().size(), b.namedParameters().size());
+      auto& c = trained->layer(1).getSubmodule(path).as<QuantLinear>(path);
+      moved += !at::equal(a.parameter("weight_scale"), c.parameter("weight_scale"));
+      if (name == "nvfp4") {
+        EXPECT_TRUE(at::equal(a.parameter("weight_global_scale"), c.parameter("weight_global_scale")));
+      }
+    }
+    EXPECT_GT(moved, 0);
+    for (const LayerReport& layer : report.layers) {
+      EXPECT_TRUE(std::isfinite(reportValue(layer, "qat:mse_qat"))) << layer.name;
+    }
+  }
+}
+
 constexpr const char* kW4a16 =
     "        weight: {dtype: int4, scope: per_group, symmetric: True, method: minmax, ext: {group_size: 8}}\n";
 
@@ -774,6 +888,17 @@ TEST_F(QatProcessor, ConfigurationErrorsNameTheField) {
                     "        weight: {dtype: fp8_e4m3, scope: per_tensor, symmetric: True}\n")
                 .find("spec.process[0].plugin_config.quant_config.learnable.lwc: learnable weight clipping takes "
                       "per_channel or per_group weights"),
+            std::string::npos);
+  constexpr const char* kNvfp4 =
+      "        act: {dtype: nvfp4, scope: per_group, symmetric: True}\n"
+      "        weight: {dtype: nvfp4, scope: per_group, symmetric: True}\n";
+  EXPECT_NE(message("      plugin_config: {quant_config: {learnable: {lwc: True}}}\n", kNvfp4)
+                .find("spec.process[0].plugin_config.quant_config.learnable.lwc: learnable weight clipping takes int "
+                      "and fp8_e4m3 weights; nvfp4 and mxfp4 train their block scales (weight_scale)"),
+            std::string::npos);
+  EXPECT_NE(message("      activation_scale_init_value: 1.0\n", kNvfp4)
+                .find("spec.process[0].activation_scale_init_value: applies to int8 and fp8_e4m3 static "
+                      "activations; nvfp4 activations have no input scale"),
             std::string::npos);
   EXPECT_NE(message("      num_train_epochs: 0\n")
                 .find("spec.process[0].num_train_epochs: no training: set num_train_epochs > 0 or max_steps > 0"),

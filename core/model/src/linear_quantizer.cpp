@@ -140,4 +140,32 @@ std::shared_ptr<QuantLinear> LinearQuantizer::deploy(const std::string& name) co
                                        dtype_);
 }
 
+namespace {
+
+// The fused GEMM a projection is a shard of ("<attention>.qkv_proj", "<mlp>.gate_up_proj"), or "".
+std::string fusedGemm(const std::string& name) {
+  const size_t dot = name.rfind('.');
+  const std::string parent = dot == std::string::npos ? "" : name.substr(0, dot);
+  const std::string leaf = name.substr(dot == std::string::npos ? 0 : dot + 1);
+  if (leaf == "q_proj" || leaf == "k_proj" || leaf == "v_proj") return parent + ".qkv_proj";
+  if (leaf == "gate_proj" || leaf == "up_proj") return parent + ".gate_up_proj";
+  return "";
+}
+
+}  // namespace
+
+void shareFusedNvfp4GlobalScales(const std::vector<std::pair<std::string, LinearQuantizer*>>& quantizers) {
+  std::map<std::string, std::vector<LinearQuantizer*>> fused;
+  for (const auto& [name, quantizer] : quantizers) {
+    if (quantizer->config().weight.scheme.dtype != quant::QDtype::kNvfp4) continue;
+    if (const std::string key = fusedGemm(name); !key.empty()) fused[key].push_back(quantizer);
+  }
+  for (const auto& [key, shards] : fused) {
+    at::Tensor absmax = shards.front()->weightAbsMax();
+    for (LinearQuantizer* shard : shards) absmax = at::maximum(absmax, shard->weightAbsMax());
+    const at::Tensor global = quant::nvfp4GlobalScale(absmax);
+    for (LinearQuantizer* shard : shards) shard->shareGlobalScale(global);
+  }
+}
+
 }  // namespace qpipe

@@ -44,6 +44,7 @@ class LinearQuantizer : public Module, public DistributedSync {
   // weight is dropped. Every other call needs them solved.
   void solveWeights();
   bool weightsSolved() const { return qweight_.defined(); }
+  const quant::LinearQConfig& config() const { return config_; }
   // NVFP4 weights: before solveWeights(), the largest |w| of the float weight, and the global
   // scale to solve with in place of the weight's own (fused shards share one: vLLM runs q/k/v and
   // gate/up as one GEMM with one global scale).
@@ -97,5 +98,12 @@ class LinearQuantizer : public Module, public DistributedSync {
   std::optional<quant::QParams> actParams_;  // static activations, set by freeze() from data
   std::optional<Int8Linear> int8_;
 };
+
+// NVFP4 weights: vLLM fuses q/k/v and gate/up into one GEMM each (its packed_modules_mapping) and
+// keeps one weight global scale for it, so the shards' block scales must be computed with one
+// global scale: that of their largest |w|, as llm-compressor does (the smallest of their own).
+// Gives every shard among `quantizers` (HF names; weights not yet solved) that scale; does
+// nothing for other schemes.
+void shareFusedNvfp4GlobalScales(const std::vector<std::pair<std::string, LinearQuantizer*>>& quantizers);
 
 }  // namespace qpipe
