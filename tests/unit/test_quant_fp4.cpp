@@ -227,5 +227,22 @@ TEST(QuantMxfp4, RoundTripsBitForBitAndActivationsScalePerInput) {
   EXPECT_TRUE(at::equal(a.scale, mxfp4Scale(x.reshape({2, 3, 2, 32}).abs().amax(-1))));
 }
 
+TEST(QuantFp4, TheOnePassActivationKernelGivesTheTensorOpsBits) {
+  at::manual_seed(11);
+  // Magnitudes over many binades, zero blocks, ties on the E2M1 grid (multiples of 0.25).
+  at::Tensor x = at::randn({3, 7, 256}) *
+                 at::exp2(at::randint(-12, 12, {3, 7, 8, 1}).to(at::kFloat)).repeat({1, 1, 1, 32}).reshape({3, 7, 256});
+  x.narrow(-1, 0, 32).zero_();
+  x.narrow(-1, 64, 32).copy_(at::round(x.narrow(-1, 64, 32) * 4) / 4);
+  const at::Tensor global = nvfp4GlobalScale(x.abs().amax());
+  for (const QScheme& scheme : {kNvfp4, kMxfp4}) {
+    SCOPED_TRACE(scheme.name());
+    const bool nv = scheme.dtype == QDtype::kNvfp4;
+    const at::Tensor expected =
+        fakeQuantize(x, nv ? computeQParams(x, scheme, global) : computeQParams(x, scheme), scheme);
+    EXPECT_TRUE(at::equal(fakeQuantizeFp4Dynamic(x, scheme, nv ? global : at::Tensor()), expected));
+  }
+}
+
 }  // namespace
 }  // namespace qpipe::quant

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -510,6 +511,61 @@ at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QSchem
   if (scheme.dtype == QDtype::kFloat) return x;
   if (at::Tensor out; rowKernel(x, params, scheme, out, /*codes=*/false)) return out;
   return dequantize(quantize(x, params, scheme), params, scheme).to(x.scalar_type());
+}
+
+namespace {
+
+constexpr std::array<float, 8> kE2m1Values{0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+// The E2M1 grid value of u: toFp4E2m1's thresholds and sign, fromFp4E2m1's value.
+inline float e2m1Value(float u) {
+  const float a = std::abs(u);
+  const int index = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return std::signbit(u) ? -kE2m1Values[index] : kE2m1Values[index];
+}
+
+// One block's divisor from its absmax: NVFP4's E4M3(clamp(global · (absmax / 6))) (0.125 for
+// a zero block) over global, MXFP4's power of two (mxfp4Scale's arithmetic on the fp32 bits).
+inline float fp4Divisor(float absmax, QDtype dtype, float global) {
+  if (dtype == QDtype::kNvfp4) {
+    const float scaled = std::min(std::max(global * (absmax / static_cast<float>(kFp4Max)), -448.0f), 448.0f);
+    float block = static_cast<float>(c10::Float8_e4m3fn(scaled));
+    if (block == 0.0f) block = 0.125f;
+    return block / global;
+  }
+  const int32_t exponent = ((std::bit_cast<int32_t>(absmax) + (1 << 21)) >> 23) & 0xFF;
+  const int32_t byte = std::min(std::max(exponent - 2, 0), 254);
+  return std::bit_cast<float>(byte == 0 ? int32_t{1 << 22} : byte << 23);
+}
+
+}  // namespace
+
+at::Tensor fakeQuantizeFp4Dynamic(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale) {
+  QPIPE_CHECK(isFp4(scheme.dtype) && scheme.scope == QScope::kPerGroup, "fakeQuantizeFp4Dynamic of ", scheme.name());
+  const bool nvfp4 = scheme.dtype == QDtype::kNvfp4;
+  const int64_t group = scheme.groupSize;
+  if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || x.dim() == 0 || x.size(-1) % group != 0) {
+    const QParams params = nvfp4 ? computeQParams(x, scheme, globalScale) : computeQParams(x, scheme);
+    return fakeQuantize(x, params, scheme);
+  }
+  const float global = nvfp4 ? globalScale.to(at::kFloat).item<float>() : 1.0f;
+  const at::Tensor input = x.contiguous();
+  at::Tensor out = at::empty_like(input);
+  const float* in = input.const_data_ptr<float>();
+  float* o = out.mutable_data_ptr<float>();
+  at::parallel_for(0, input.numel() / group, std::max<int64_t>(1, 16384 / group), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* v = in + b * group;
+      float lo = 0.0f, hi = 0.0f;
+      for (int64_t i = 0; i < group; ++i) {
+        lo = std::min(lo, v[i]);
+        hi = std::max(hi, v[i]);
+      }
+      const float divisor = fp4Divisor(std::max(-lo, hi), scheme.dtype, global);
+      for (int64_t i = 0; i < group; ++i) o[b * group + i] = e2m1Value(v[i] / divisor) * divisor;
+    }
+  });
+  return out;
 }
 
 at::Tensor toFp4E2m1(const at::Tensor& x) {

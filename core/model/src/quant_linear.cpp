@@ -61,9 +61,7 @@ std::optional<at::Tensor> Int8Linear::forward(const at::Tensor& x, const Activat
 
 at::Tensor ActivationQuant::apply(const at::Tensor& x) const {
   if (scheme.dtype == quant::QDtype::kFloat) return x;
-  if (scheme.dtype == quant::QDtype::kNvfp4) {
-    return quant::fakeQuantize(x, quant::computeQParams(x, scheme, params.globalScale), scheme);
-  }
+  if (quant::isFp4(scheme.dtype)) return quant::fakeQuantizeFp4Dynamic(x, scheme, params.globalScale);
   return quant::fakeQuantize(x, isDynamic() ? quant::computeQParams(x, scheme) : params, scheme);
 }
 

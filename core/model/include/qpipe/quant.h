@@ -106,6 +106,12 @@ at::Tensor quantize(const at::Tensor& x, const QParams& params, const QScheme& s
 at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme& scheme);
 // dequantize(quantize(x)) in x's dtype.
 at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QScheme& scheme);
+// FP4 activations, whose block scales come from the input itself:
+// fakeQuantize(x, computeQParams(x, scheme[, globalScale]), scheme), with NVFP4's static global
+// scale. For fp32 CPU inputs each block is reduced, scaled and rounded while it is in cache, one
+// pass instead of some thirty tensor ops, with the same IEEE operations and so the same bits
+// (for finite inputs).
+at::Tensor fakeQuantizeFp4Dynamic(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale = {});
 // computeQParams(w) and quantize(w) of a weight: {params, codes}. For fp32 CPU [out, in] weights
 // with int8/int4 per_channel symmetric schemes each row is reduced and quantized while it is in
 // cache, one pass over memory instead of two, with the same bits.
