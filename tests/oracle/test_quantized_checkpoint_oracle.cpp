@@ -182,36 +182,28 @@ TEST(QuantizedCheckpointOracle, W4A16Group128Asymmetric) {
           {{.dtype = QDtype::kInt4, .scope = QScope::kPerGroup, .symmetric = false, .groupSize = 128}, std::nullopt});
 }
 
-// NVFP4 through linear_quant, as a practice runs it (fused shards share one global scale; the
-// layout check asserts it).
+// NVFP4 or MXFP4 through linear_quant, as a practice runs it (NVFP4's fused shards share one
+// global scale; the layout check asserts it), weight-only or with the activations (W4A4).
+void runFp4Case(const QScheme& weight, bool w4a4) {
+  const std::string dtype(quant::qdtypeName(weight.dtype));
+  const std::string side = "{dtype: " + dtype + ", scope: per_group, symmetric: True, method: minmax}\n";
+  runCase(dtype + (w4a4 ? " w4a4" : "a16"),
+          {.weight = weight,
+           .pipeline = "    - type: linear_quant\n      qconfig:\n" + (w4a4 ? "        act: " + side : "") +
+                       "        weight: " + side});
+}
+
 TEST(QuantizedCheckpointOracle, Nvfp4WeightOnly) {
-  runCase("nvfp4a16", {.weight = kNvfp4Weights, .pipeline = R"(    - type: linear_quant
-      qconfig:
-        weight: {dtype: nvfp4, scope: per_group, symmetric: True, method: minmax}
-)"});
+  runFp4Case(kNvfp4Weights, false);
 }
-
 TEST(QuantizedCheckpointOracle, Nvfp4W4A4) {
-  runCase("nvfp4 w4a4", {.weight = kNvfp4Weights, .pipeline = R"(    - type: linear_quant
-      qconfig:
-        act: {dtype: nvfp4, scope: per_group, symmetric: True, method: minmax}
-        weight: {dtype: nvfp4, scope: per_group, symmetric: True, method: minmax}
-)"});
+  runFp4Case(kNvfp4Weights, true);
 }
-
 TEST(QuantizedCheckpointOracle, Mxfp4WeightOnly) {
-  runCase("mxfp4a16", {.weight = kMxfp4Weights, .pipeline = R"(    - type: linear_quant
-      qconfig:
-        weight: {dtype: mxfp4, scope: per_group, symmetric: True, method: minmax}
-)"});
+  runFp4Case(kMxfp4Weights, false);
 }
-
 TEST(QuantizedCheckpointOracle, Mxfp4W4A4) {
-  runCase("mxfp4 w4a4", {.weight = kMxfp4Weights, .pipeline = R"(    - type: linear_quant
-      qconfig:
-        act: {dtype: mxfp4, scope: per_group, symmetric: True, method: minmax}
-        weight: {dtype: mxfp4, scope: per_group, symmetric: True, method: minmax}
-)"});
+  runFp4Case(kMxfp4Weights, true);
 }
 
 // W4AFP8 written pack-quantized (as vLLM's W4A8Fp8 scheme allocates it) with fp8 per-token inputs.

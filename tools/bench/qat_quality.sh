@@ -7,8 +7,8 @@
 # PTQ gap to float that QAT recovers, and each run's time.
 #   tools/bench/qat_quality.sh [MODEL_DIR] [SAMPLES] [SEQ_LEN]
 # Environment: SCHEMES (default "fp8_static w8a8_static w4a16"; the end2end practices are
-# fp8_static_e2e, w8a8_static_e2e and w4a16_e2e, FP8 static with an FP8 KV cache fp8_static_c8), QPIPE (default
-# build/bin/qpipe).
+# fp8_static_e2e, w8a8_static_e2e and w4a16_e2e, FP8 static with an FP8 KV cache fp8_static_c8, NVFP4 W4A4
+# nvfp4, W4AFP8 in groups of 64 w4afp8_g64), QPIPE (default build/bin/qpipe).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 model=$(realpath "${1:-$root/.cache/models/smollm2-135m}")
@@ -28,6 +28,11 @@ practice() {
     w8a8_static_e2e) echo "$root/configs/qat/w8a8_static_e2e_qat.yaml" ;;
     fp8_static_c8) echo "$root/configs/qat/w8a8c8_fp8_static_qat.yaml" ;;
     w4a16_e2e) echo "$root/configs/qat/w4a16_e2e_qat.yaml" ;;
+    nvfp4) echo "$root/configs/qat/w4a4_nvfp4_qat.yaml" ;;
+    # W4AFP8 in groups of 64: SmolLM2's width 576 is no multiple of the practice's (and vLLM's) 128.
+    w4afp8_g64)
+      sed 's/group_size: 128/group_size: 64/' "$root/configs/qat/w4a8_fp8_qat.yaml" > "$work/w4afp8_g64_qat.yaml"
+      echo "$work/w4afp8_g64_qat.yaml" ;;
     *) echo "unknown scheme $1" >&2; exit 2 ;;
   esac
 }
