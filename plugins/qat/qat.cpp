@@ -616,12 +616,42 @@ class LearnableScaleQat final : public Processor {
     return nullptr;
   }
 
-  // After training: the deployed QuantLinear and AttentionQuant modules in place of the QAT ones.
+  // After training: the deployed QuantLinear and AttentionQuant modules in place of the QAT ones,
+  // once the ranks are seen to agree on what they trained.
   void deploy(LayerRequest& request) {
+    checkReplicasAgree();
     finishNorms();
     for (const Entry& e : entries_) request.module->replace(e.path, e.qat->deploy());
     for (const AttentionEntry& e : attentions_) request.module->replace(e.path, e.qat->deploy());
     attentions_.clear();
+  }
+
+  // On several ranks, every rank's trained tensors (scales, clip factors, K/V scales, norms) must be
+  // rank 0's bit for bit: a difference is an error on every rank, never ranks that write different
+  // checkpoints or a rank 0 that writes its own.
+  void checkReplicasAgree() {
+    std::vector<std::string> names;
+    std::vector<at::Tensor> tensors;
+    for (const Entry& e : entries_) {
+      for (const auto& [key, tensor] : e.qat->state()) {
+        names.push_back(e.name + "." + key);
+        tensors.push_back(tensor);
+      }
+    }
+    for (const AttentionEntry& e : attentions_) {
+      if (!e.trains) continue;
+      names.push_back(e.name);
+      tensors.push_back(e.qat->scale());
+    }
+    for (const NormEntry& norm : norms_) {
+      names.push_back(norm.name + ".weight");
+      tensors.push_back(norm.module->parameter("weight"));
+    }
+    const int64_t index = firstReplicaDifference(tensors, *context_.group);
+    QPIPE_REQUIRE(index < 0, ErrorCode::kInternal, "learnable_scale_qat: the trained ",
+                  index < 0 ? "" : names[static_cast<size_t>(index)],
+                  " differs between ranks (rank 0's against another's): data-parallel training diverged; "
+                  "please report it with the pipeline");
   }
 
   // learnable.norm: every RMSNorm of the unit (of the decoder layers and model.norm, for the whole

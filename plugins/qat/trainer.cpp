@@ -10,6 +10,7 @@
 #include <random>
 
 #include "qpipe/error.h"
+#include "qpipe/process_group.h"
 
 namespace qpipe::qat {
 
@@ -110,6 +111,26 @@ std::vector<int64_t> epochOrder(int64_t n, int64_t seed, int64_t epoch) {
     std::swap(order[static_cast<size_t>(i)], order[static_cast<size_t>(j)]);
   }
   return order;
+}
+
+int64_t firstReplicaDifference(const std::vector<at::Tensor>& tensors, ProcessGroup& group) {
+  if (group.worldSize() < 2 || tensors.empty()) return -1;
+  std::vector<at::Tensor> flat;
+  for (const at::Tensor& t : tensors) flat.push_back(t.detach().to(at::kFloat).reshape({-1}));
+  const at::Tensor mine = at::cat(flat);
+  at::Tensor reference = mine.clone();
+  group.broadcast(reference, 0);
+  const auto count = static_cast<int64_t>(tensors.size());
+  int64_t first = count;
+  for (int64_t i = 0, offset = 0; i < count && first == count; ++i) {
+    const int64_t n = flat[static_cast<size_t>(i)].numel();
+    if (!at::equal(mine.narrow(0, offset, n), reference.narrow(0, offset, n))) first = i;
+    offset += n;
+  }
+  at::Tensor index = at::full({1}, first, mine.options().dtype(at::kLong));
+  group.allReduce(index, ReduceOp::kMin);
+  const int64_t agreed = index.item<int64_t>();
+  return agreed == count ? -1 : agreed;
 }
 
 }  // namespace qpipe::qat

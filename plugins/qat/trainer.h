@@ -13,6 +13,9 @@
 namespace torch::optim {
 class AdamW;
 }
+namespace qpipe {
+class ProcessGroup;
+}
 
 namespace qpipe::qat {
 
@@ -61,6 +64,13 @@ class Optimizer {
   std::unique_ptr<torch::optim::AdamW> adam_;
   int64_t steps_ = 0;
 };
+
+// Data-parallel training gives every rank the same trained tensors by construction (docs/qat.md,
+// Several ranks); this checks it. `tensors` are this rank's, in an order every rank shares (each
+// rank's tensors have the same shapes). Returns the index of the first tensor that differs from
+// rank 0's on any rank, the same on every rank, or -1: one broadcast of their concatenation and one
+// all-reduce.
+int64_t firstReplicaDifference(const std::vector<at::Tensor>& tensors, ProcessGroup& group);
 
 // bf16 compute (HF's `bf16: True`, which trains under torch.autocast): while it lives, and when
 // `enabled`, matrix products and attention on `device` run in bf16 with fp32 accumulation, while

@@ -363,6 +363,46 @@ TEST(QatBf16, TheGuardRunsProductsInBf16AndRestoresFp32) {
   EXPECT_EQ(at::linear(x, w).scalar_type(), at::kFloat);
 }
 
+// Rank 1 of two, whose rank 0 holds `reference` and, in the all-reduce, reports `peerIndex`.
+class TwoRanks final : public ProcessGroup {
+ public:
+  TwoRanks(at::Tensor reference, int64_t peerIndex) : reference_(std::move(reference)), peerIndex_(peerIndex) {}
+  int rank() const override { return 1; }
+  int worldSize() const override { return 2; }
+  void allReduce(at::Tensor& tensor, ReduceOp op) override {
+    EXPECT_EQ(op, ReduceOp::kMin);
+    tensor.clamp_max_(peerIndex_);
+  }
+  std::vector<at::Tensor> allGather(const at::Tensor&) override { return {}; }
+  void broadcast(at::Tensor& tensor, int root) override {
+    EXPECT_EQ(root, 0);
+    tensor.copy_(reference_);
+  }
+  void barrier() override {}
+  std::vector<std::string> allGatherBytes(const std::string&) override { return {}; }
+  void reportFailure(const std::string&) noexcept override {}
+  Traffic traffic() const override { return {}; }
+  int64_t counterAdd(const std::string&, int64_t) override { return 0; }
+  void storeSet(const std::string&, const std::string&) override {}
+  std::string storeGet(const std::string&) override { return {}; }
+
+ private:
+  at::Tensor reference_;
+  int64_t peerIndex_;
+};
+
+TEST(QatReplicas, TheFirstTensorThatDiffersFromRankZerosOnAnyRankIsNamedOnEvery) {
+  const std::vector<at::Tensor> mine = {at::tensor({1.0f, 2.0f}), at::tensor({3.0f}), at::tensor({4.0f, 5.0f})};
+  const at::Tensor same = at::tensor({1.0f, 2.0f, 3.0f, 4.0f, 5.0f});
+  TwoRanks agreeing(same, 3);  // 3: no tensor differs on the peer either
+  EXPECT_EQ(qat::firstReplicaDifference(mine, agreeing), -1);
+  TwoRanks lastDiffers(at::tensor({1.0f, 2.0f, 3.0f, 4.0f, 5.5f}), 3);
+  EXPECT_EQ(qat::firstReplicaDifference(mine, lastDiffers), 2);
+  TwoRanks peerDiffersEarlier(at::tensor({1.0f, 2.0f, 3.0f, 4.0f, 5.5f}), 0);
+  EXPECT_EQ(qat::firstReplicaDifference(mine, peerDiffersEarlier), 0);
+  EXPECT_EQ(qat::firstReplicaDifference(mine, *ProcessGroup::single()), -1);
+}
+
 TEST(QatSchedule, FactorsAreHfLambdas) {
   using qat::Schedule;
   using qat::scheduleFactor;
