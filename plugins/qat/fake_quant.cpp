@@ -79,12 +79,9 @@ at::Tensor fakeQuantize(const at::Tensor& x, const at::Tensor& scale, const quan
   if (scheme.dtype == quant::QDtype::kFloat) return x;
   const bool fp4 = quant::isFp4(scheme.dtype);
   at::Tensor divisor = scale;
-  if (fp4) {
-    divisor = storedBlockScale(scale, scheme.dtype);
-    if (scheme.dtype == quant::QDtype::kNvfp4) {
-      QPIPE_CHECK(globalScale.defined(), "nvfp4 fake quantization without a global scale");
-      divisor = divisor / globalScale.to(at::kFloat);
-    }
+  if (scheme.dtype == quant::QDtype::kNvfp4) {
+    QPIPE_CHECK(globalScale.defined(), "nvfp4 fake quantization without a global scale");
+    divisor = scale / globalScale.to(at::kFloat);
   }
   const bool grouped = scheme.scope == quant::QScope::kPerGroup;
   std::vector<int64_t> groups = x.sizes().vec();

@@ -29,8 +29,9 @@ enum class Ste { kAngelSlim, kLsq };
 // dequantize(quantize(x)) for a symmetric scheme with `scale` in the scheme's keepdim shape
 // (quant.h; per_group [out, in/group], or [..., in/group] for activations), differentiable in x and
 // scale as `ste` says. The value equals quant::fakeQuantize(x, {scale, 0, globalScale}, scheme)
-// bit for bit (docs/qat.md says why). FP4 schemes first round `scale` as the deployed module
-// stores it (storedBlockScale); NVFP4 divides it by `globalScale`, which does not train.
+// bit for bit (docs/qat.md says why). An FP4 `scale` is given as the deployed module stores it
+// (storedBlockScale, or computed from an input); NVFP4 divides it by `globalScale`, which does not
+// train.
 at::Tensor fakeQuantize(const at::Tensor& x, const at::Tensor& scale, const quant::QScheme& scheme, Ste ste,
                         const at::Tensor& globalScale = {});
 

@@ -41,6 +41,19 @@ constexpr std::array<std::pair<std::string_view, QScope>, 5> kScopeNames{{
 
 constexpr double kFp8Max = 448.0;
 constexpr double kFp4Max = 6.0;
+// MXFP4's scale on the fp32 bits of a block's absmax: adding a quarter of the mantissa's range
+// carries into the exponent exactly when the mantissa is ≥ 0.75, and the E8M0 byte is that
+// exponent field less floor(log2 6) = 2, within [0, 254]. Byte 0 is 2^-127, the one subnormal
+// power of two it holds; any other byte is a normal float's exponent field.
+constexpr int32_t kMxRoundUp = 1 << 21;
+constexpr int32_t kFp4Emax = 2;
+constexpr int32_t kE8m0Max = 254;
+constexpr int32_t kTwoToMinus127Bits = 1 << 22;
+
+// The largest magnitude of a range widened to contain 0.
+at::Tensor absmaxOf(const at::Tensor& min, const at::Tensor& max) {
+  return at::maximum(min.clamp_max(0).abs(), max.clamp_min(0));
+}
 
 template <typename T, size_t N>
 std::string namesOf(const std::array<std::pair<std::string_view, T>, N>& table) {
@@ -210,13 +223,10 @@ QParams computeQParams(const at::Tensor& min, const at::Tensor& max, const QSche
     return {at::maximum(minF.abs(), maxF.abs()).clamp_min(1e-12) / kFp8Max, zeros()};
   }
   if (scheme.dtype == QDtype::kNvfp4) {
-    const at::Tensor absmax = at::maximum(minF.clamp_max(0).abs(), maxF.clamp_min(0));
+    const at::Tensor absmax = absmaxOf(minF, maxF);
     return nvfp4BlockParams(absmax, nvfp4GlobalScale(absmax.amax()));
   }
-  if (scheme.dtype == QDtype::kMxfp4) {
-    const at::Tensor scale = mxfp4Scale(at::maximum(minF.clamp_max(0).abs(), maxF.clamp_min(0)));
-    return {scale, zeros()};
-  }
+  if (scheme.dtype == QDtype::kMxfp4) return {mxfp4Scale(absmaxOf(minF, maxF)), zeros()};
   // The range must contain 0 so that 0 is exactly representable (padding, ReLU zeros).
   const at::Tensor lo = minF.clamp_max(0);
   const at::Tensor hi = maxF.clamp_min(0);
@@ -241,22 +251,16 @@ QParams computeQParams(const at::Tensor& x, const QScheme& scheme) {
 QParams computeQParams(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale) {
   QPIPE_CHECK(scheme.dtype == QDtype::kNvfp4, "a given global scale is for nvfp4, not ", scheme.name());
   const auto [min, max] = minMax(x, scheme);
-  return nvfp4BlockParams(at::maximum(min.clamp_max(0).abs(), max.clamp_min(0)), globalScale.to(at::kFloat));
+  return nvfp4BlockParams(absmaxOf(min, max), globalScale.to(at::kFloat));
 }
 
 at::Tensor mxfp4Scale(const at::Tensor& absmax) {
-  // On the fp32 bits: adding a quarter of the mantissa's range carries into the exponent exactly
-  // when the mantissa is ≥ 0.75; the exponent field of the result is then that of the power of two.
-  constexpr int32_t kQuarterMantissa = 1 << 21;
-  constexpr int64_t kFp4Emax = 2;  // floor(log2 6)
   const at::Tensor bits = absmax.to(at::kFloat).contiguous().view(at::kInt);
-  const at::Tensor exponent = (bits + kQuarterMantissa).bitwise_right_shift(23).bitwise_and(0xFF);
-  return fromE8m0((exponent - kFp4Emax).clamp(0, 254).to(at::kByte));
+  const at::Tensor exponent = (bits + kMxRoundUp).bitwise_right_shift(23).bitwise_and(0xFF);
+  return fromE8m0((exponent - kFp4Emax).clamp(0, kE8m0Max).to(at::kByte));
 }
 
 at::Tensor toE8m0(const at::Tensor& scale) {
-  // 2^-127 is the one subnormal power of two an E8M0 byte holds (byte 0); the others are normal,
-  // their exponent field is the byte.
   const at::Tensor bits = scale.to(at::kFloat).contiguous().view(at::kInt);
   return bits.bitwise_right_shift(23).bitwise_and(0xFF).to(at::kByte);
 }
@@ -264,8 +268,7 @@ at::Tensor toE8m0(const at::Tensor& scale) {
 at::Tensor fromE8m0(const at::Tensor& bytes) {
   QPIPE_CHECK(bytes.scalar_type() == at::kByte, "fromE8m0 takes uint8 exponents, got ", bytes.scalar_type());
   const at::Tensor byte = bytes.to(at::kInt);
-  constexpr int32_t kTwoToMinus127 = 1 << 22;  // the subnormal 2^-127
-  return at::where(byte == 0, at::full_like(byte, kTwoToMinus127), byte.bitwise_left_shift(23))
+  return at::where(byte == 0, at::full_like(byte, kTwoToMinus127Bits), byte.bitwise_left_shift(23))
       .contiguous()
       .view(at::kFloat);
 }
@@ -533,9 +536,9 @@ inline float fp4Divisor(float absmax, QDtype dtype, float global) {
     if (block == 0.0f) block = 0.125f;
     return block / global;
   }
-  const int32_t exponent = ((std::bit_cast<int32_t>(absmax) + (1 << 21)) >> 23) & 0xFF;
-  const int32_t byte = std::min(std::max(exponent - 2, 0), 254);
-  return std::bit_cast<float>(byte == 0 ? int32_t{1 << 22} : byte << 23);
+  const int32_t exponent = ((std::bit_cast<int32_t>(absmax) + kMxRoundUp) >> 23) & 0xFF;
+  const int32_t byte = std::min(std::max(exponent - kFp4Emax, 0), kE8m0Max);
+  return std::bit_cast<float>(byte == 0 ? kTwoToMinus127Bits : byte << 23);
 }
 
 }  // namespace
