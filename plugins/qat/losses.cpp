@@ -13,6 +13,8 @@
 namespace qpipe::qat {
 namespace {
 
+constexpr int64_t kChunkBytes = int64_t{64} << 20;
+
 // Σ_v exp(p)·(p − q) per row of log-probabilities p and q: KL(P‖Q) of each token.
 at::Tensor rowKl(const at::Tensor& logP, const at::Tensor& logQ) {
   return (logP.exp() * (logP - logQ)).sum(-1);
@@ -62,73 +64,108 @@ LossSpec parseLoss(const std::string& name, int64_t topK) {
                                          "' is not a loss (origin, kl, rkl, mse, kd, cakld, kl_top[_K], r_kl_top[_K])"));
 }
 
-LossTerms computeLoss(const at::Tensor& studentLogits, const at::Tensor& teacherLogits, const at::Tensor& labels,
-                      const LossSpec& spec) {
-  const int64_t vocab = studentLogits.size(-1);
+LossTerms computeLoss(const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& labels,
+                      const LossSpec& spec, const Head& head, int64_t chunkRows) {
+  const int64_t width = student.size(-1);
+  const int64_t vocab = head.apply ? head.vocab : width;
   const at::Tensor target = labels.slice(1, 1).reshape({-1});
   const at::Tensor supervised = target.ne(-100).nonzero().squeeze(1);
-  LossTerms terms{.tokens = supervised.numel()};
-  QPIPE_REQUIRE(terms.tokens > 0, ErrorCode::kInput, "a training sample has no supervised token (every label -100)");
-  const auto positions = [&](const at::Tensor& logits) {
-    return logits.slice(1, 0, -1).reshape({-1, vocab}).index_select(0, supervised).to(at::kFloat);
-  };
-  const at::Tensor s = positions(studentLogits);
+  const int64_t n = supervised.numel();
+  QPIPE_REQUIRE(n > 0, ErrorCode::kInput, "a training sample has no supervised token (every label -100)");
+  const auto rowsOf = [&](const at::Tensor& x) { return x.slice(1, 0, -1).reshape({-1, width}).index_select(0, supervised); };
+  const auto logitsOf = [&](const at::Tensor& rows) { return (head.apply ? head.apply(rows) : rows).to(at::kFloat); };
+  const at::Tensor studentRows = rowsOf(student);
+  const bool backward = at::GradMode::is_enabled() && studentRows.requires_grad();
+  // The chunks' graphs end here: each chunk's backward stops at this leaf's gradient.
+  const at::Tensor leaf = studentRows.detach().requires_grad_(backward);
+  const at::Tensor teacherRows = spec.distills() ? rowsOf(teacher.detach()) : at::Tensor();
   const at::Tensor gold = target.index_select(0, supervised);
-  const at::Tensor logS = at::log_softmax(s, -1);
-  at::Tensor total = at::zeros({}, s.options());
+  // kl, rkl and cakld train on KL(p_t‖p_s) and KL(p_s‖p_t); the other losses only log them.
+  const bool trainsOnKl = spec.type == LossType::kKl || spec.type == LossType::kRkl || spec.type == LossType::kCakld;
+  const int64_t rows = chunkRows > 0 ? chunkRows : std::max<int64_t>(1, kChunkBytes / (vocab * 4));
+  double lm = 0, kd = 0, forwardKl = 0, backwardKl = 0;
+  for (int64_t begin = 0; begin < n; begin += rows) {
+    const int64_t end = std::min(n, begin + rows);
+    const at::Tensor s = logitsOf(leaf.slice(0, begin, end));
+    const at::Tensor logS = at::log_softmax(s, -1);
+    const at::Tensor chunkGold = gold.slice(0, begin, end).unsqueeze(1);
+    at::Tensor chunk = at::zeros({}, s.options());  // this chunk's share of the total
+    if (spec.lmWeight > 0) {
+      const at::Tensor sum = -logS.gather(-1, chunkGold).sum();
+      lm += sum.item<double>();
+      chunk = chunk + spec.lmWeight * sum;
+    }
+    if (spec.distills()) {
+      at::Tensor t, logT;
+      {
+        const at::NoGradGuard noGrad;
+        t = logitsOf(teacherRows.slice(0, begin, end));
+        logT = at::log_softmax(t, -1);
+      }
+      at::Tensor forward, backwardTerm;
+      {
+        std::optional<at::NoGradGuard> diagnosticsOnly;
+        if (!trainsOnKl) diagnosticsOnly.emplace();
+        forward = rowKl(logT, logS);
+        backwardTerm = rowKl(logS, logT);
+      }
+      at::Tensor sum;
+      switch (spec.type) {
+        case LossType::kKl:
+          sum = forward.sum();
+          break;
+        case LossType::kRkl:
+          sum = backwardTerm.sum();
+          break;
+        case LossType::kMse:  // the mean over the N·V logits
+          sum = (s - t).pow(2).sum() / static_cast<double>(vocab);
+          break;
+        case LossType::kKd: {
+          const double temperature = spec.temperature;
+          sum = temperature * temperature *
+                rowKl(at::log_softmax(t / temperature, -1), at::log_softmax(s / temperature, -1)).sum();
+          break;
+        }
+        case LossType::kCakld: {
+          const at::Tensor confidence = logT.gather(-1, chunkGold).squeeze(1).exp();
+          sum = (confidence * backwardTerm + (1 - confidence) * forward).sum();
+          break;
+        }
+        case LossType::kKlTopK:
+          sum = topKKl(t, s, t, spec.topK).sum();
+          break;
+        case LossType::kRklTopK:
+          sum = topKKl(s, t, s, spec.topK).sum();
+          break;
+        case LossType::kOrigin:
+          break;
+      }
+      kd += sum.item<double>();
+      forwardKl += forward.sum().item<double>();
+      backwardKl += backwardTerm.sum().item<double>();
+      chunk = chunk + spec.kdWeight * sum;
+    }
+    if (backward && chunk.requires_grad()) (chunk / static_cast<double>(n)).backward();
+  }
+  const auto mean = [&](double sum) { return at::scalar_tensor(sum / static_cast<double>(n), at::kFloat); };
+  LossTerms terms{.tokens = n};
+  double total = 0;
   if (spec.lmWeight > 0) {
-    terms.lm = -logS.gather(-1, gold.unsqueeze(1)).mean();
-    total = total + spec.lmWeight * terms.lm;
+    terms.lm = mean(lm);
+    total += spec.lmWeight * lm / static_cast<double>(n);
   }
   if (spec.distills()) {
-    const at::Tensor t = positions(teacherLogits.detach());
-    const at::Tensor logT = at::log_softmax(t, -1);
-    // KL(p_t‖p_s) and KL(p_s‖p_t) per token: kl, rkl and cakld train on them, the others only log
-    // them, so those build no graph for them.
-    at::Tensor forward, backward;
-    {
-      const bool trainsOnKl =
-          spec.type == LossType::kKl || spec.type == LossType::kRkl || spec.type == LossType::kCakld;
-      std::optional<at::NoGradGuard> diagnosticsOnly;
-      if (!trainsOnKl) diagnosticsOnly.emplace();
-      forward = rowKl(logT, logS);
-      backward = rowKl(logS, logT);
-    }
-    switch (spec.type) {
-      case LossType::kKl:
-        terms.kd = forward.mean();
-        break;
-      case LossType::kRkl:
-        terms.kd = backward.mean();
-        break;
-      case LossType::kMse:
-        terms.kd = at::mse_loss(s, t);
-        break;
-      case LossType::kKd: {
-        const double temperature = spec.temperature;
-        terms.kd = temperature * temperature *
-                   rowKl(at::log_softmax(t / temperature, -1), at::log_softmax(s / temperature, -1)).mean();
-        break;
-      }
-      case LossType::kCakld: {
-        const at::Tensor confidence = logT.gather(-1, gold.unsqueeze(1)).squeeze(1).exp();
-        terms.kd = (confidence * backward + (1 - confidence) * forward).mean();
-        break;
-      }
-      case LossType::kKlTopK:
-        terms.kd = topKKl(t, s, t, spec.topK).mean();
-        break;
-      case LossType::kRklTopK:
-        terms.kd = topKKl(s, t, s, spec.topK).mean();
-        break;
-      case LossType::kOrigin:
-        break;
-    }
-    terms.forwardKl = forward.mean().detach();
-    terms.backwardKl = backward.mean().detach();
-    total = total + spec.kdWeight * terms.kd;
+    terms.kd = mean(kd);
+    terms.forwardKl = mean(forwardKl);
+    terms.backwardKl = mean(backwardKl);
+    total += spec.kdWeight * kd / static_cast<double>(n);
   }
-  terms.total = total;
+  terms.total = at::scalar_tensor(total, at::kFloat);
+  if (backward && leaf.grad().defined()) {
+    // Its value is the loss; its gradient in the student's graph is the chunks' gradient.
+    const at::Tensor carried = (studentRows.to(at::kFloat) * leaf.grad()).sum();
+    terms.total = terms.total + (carried - carried.detach());
+  }
   return terms;
 }
 

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace qpipe::qat {
@@ -47,9 +48,23 @@ struct LossTerms {
   int64_t tokens = 0;  // N
 };
 
-// studentLogits and teacherLogits [batch, seq, vocab] (teacher undefined unless spec.distills());
-// labels [batch, seq] int64, -100 where not supervised. Error(kInput) when no position is.
-LossTerms computeLoss(const at::Tensor& studentLogits, const at::Tensor& teacherLogits, const at::Tensor& labels,
-                      const LossSpec& spec);
+// The lm_head as the loss applies it: rows of final hidden states [n, hidden] to logits [n, vocab].
+struct Head {
+  std::function<at::Tensor(const at::Tensor&)> apply;
+  int64_t vocab = 0;
+};
+
+// `student` and `teacher` [batch, seq, width] (teacher undefined unless spec.distills()), labels
+// [batch, seq] int64, -100 where not supervised. With a `head`, they are the final hidden states
+// and the loss applies the head to `chunkRows` supervised positions at a time (0: as many as keep
+// one chunk's fp32 logits within 64 MiB); without one, they are the logits themselves.
+//
+// A chunk's logits live only while its terms are computed: with gradients enabled and `student`
+// requiring them, each chunk's backward runs at once into the gradient of the student's rows, and
+// `total` carries that gradient into the student's graph. So no [tokens, vocab] tensor of either
+// side exists, whatever the vocabulary, and the result is the whole-tensor computation's up to the
+// order of fp32 sums. Error(kInput) when no position is supervised.
+LossTerms computeLoss(const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& labels,
+                      const LossSpec& spec, const Head& head = {}, int64_t chunkRows = 0);
 
 }  // namespace qpipe::qat

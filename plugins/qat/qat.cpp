@@ -7,7 +7,8 @@
 // model trains on its logits: the LM loss on the samples and a distillation loss (losses.h) to the
 // teacher, the same model with its quantizers bypassed under no-grad, so no second copy exists.
 // The learned scales are baked into QuantLinear modules, which the savers write. Memory: the whole
-// model, plus one sample's activations for the backward pass and its two logits.
+// model, plus one sample's activations for the backward pass and one chunk of positions' logits of
+// each side (the loss applies the lm_head itself, a chunk at a time).
 //
 // blockwise (AngelSlim's BlockwiseTrainer, EfficientQAT's Block-AP), per decoder layer:
 //   1. the targets: the float layer's outputs on the float stream (the layer inputs of the
@@ -29,6 +30,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -262,16 +264,43 @@ class PtqCheckpoint {
 // safetensors file beside the checkpoint, with the qconfig it was trained for in its metadata. A
 // run given it as resume_from starts from those scales (and clip factors) instead of calibrating,
 // and with max_steps 0 exports them again without training.
+//
+// A training state (save_steps) is such a file saved in the middle of training: the finished
+// units' trained state, the current unit's start state under the same names, its trainable tensors
+// after `step` steps ("train.<i>") and AdamW's state ("optimizer.<name>"), with the unit, the step,
+// the finished units and the settings in its metadata. A run resuming from it skips the finished
+// units' training, continues the current unit at its step, and so ends where the saving run would.
 constexpr std::string_view kQconfigKey = "qpipe.qat.qconfig";
+constexpr std::string_view kStateUnitKey = "qpipe.qat.state.unit";
+constexpr std::string_view kStateStepKey = "qpipe.qat.state.step";
+constexpr std::string_view kStateSamplesKey = "qpipe.qat.state.samples";
+constexpr std::string_view kStateFinishedKey = "qpipe.qat.state.finished";
+constexpr std::string_view kStateSettingsKey = "qpipe.qat.state.settings";
 
 class ScalesArtifact {
  public:
-  ScalesArtifact(const std::filesystem::path& path, const std::string& qconfig) : file_(safetensors::File::open(path)) {
+  // `settings`: the run's settings that decide the training (settingsOf), which a training state's
+  // must equal.
+  ScalesArtifact(const std::filesystem::path& path, const std::string& qconfig, const std::string& settings)
+      : file_(safetensors::File::open(path)) {
     const auto stored = file_->metadata().find(std::string(kQconfigKey));
     QPIPE_REQUIRE(stored != file_->metadata().end(), ErrorCode::kInput, "resume_from '", path.string(),
                   "' is not a scales artifact of learnable_scale_qat (no ", kQconfigKey, " in its metadata)");
     QPIPE_REQUIRE(stored->second == qconfig, ErrorCode::kConfig, "resume_from '", path.string(),
                   "' holds scales trained for ", stored->second, ", but the qconfig asks for ", qconfig);
+    if (!metadata(kStateUnitKey)) return;
+    unit_ = *metadata(kStateUnitKey);
+    step_ = std::stoll(required(kStateStepKey));
+    samples_ = std::stoll(required(kStateSamplesKey));
+    std::istringstream finished(required(kStateFinishedKey));
+    for (std::string unit; std::getline(finished, unit, ',');) finished_.push_back(unit);
+    std::istringstream saved(required(kStateSettingsKey)), ours(settings);
+    for (std::string a, b;; a.clear(), b.clear()) {
+      const bool savedLine = static_cast<bool>(std::getline(saved, a));
+      if (!static_cast<bool>(std::getline(ours, b)) && !savedLine) break;
+      QPIPE_REQUIRE(a == b, ErrorCode::kConfig, "resume_from '", path.string(), "' is a training state saved with '", a,
+                    "', but this run has '", b, "': continuing it needs the settings it was saved with");
+    }
   }
 
   const std::string path() const { return file_->path().string(); }
@@ -280,8 +309,81 @@ class ScalesArtifact {
     return file_->find(name) != nullptr ? file_->tensor(name).clone() : at::Tensor();
   }
 
+  // A training state: true when it was saved after `unit` finished training.
+  bool finished(const std::string& unit) const {
+    return std::find(finished_.begin(), finished_.end(), unit) != finished_.end();
+  }
+  // A training state saved while `unit` trained, `samples` samples a step: the steps it had taken.
+  std::optional<int64_t> stepsOf(const std::string& unit, int64_t samples) const {
+    if (!unit_ || *unit_ != unit) return std::nullopt;
+    QPIPE_REQUIRE(samples == samples_, ErrorCode::kConfig, "resume_from '", path(), "' is a training state of ",
+                  samples_, " samples, but this run trains on ", samples);
+    return step_;
+  }
+
  private:
+  std::optional<std::string> metadata(std::string_view key) const {
+    const auto found = file_->metadata().find(std::string(key));
+    return found == file_->metadata().end() ? std::nullopt : std::optional<std::string>(found->second);
+  }
+  std::string required(std::string_view key) const {
+    const std::optional<std::string> value = metadata(key);
+    QPIPE_REQUIRE(value.has_value(), ErrorCode::kInput, "resume_from '", path(), "' is a training state without ", key);
+    return *value;
+  }
+
   std::shared_ptr<const safetensors::File> file_;
+  std::optional<std::string> unit_;  // set on a training state
+  int64_t step_ = 0, samples_ = 0;
+  std::vector<std::string> finished_;
+};
+
+// The settings that decide a training's course, one "key: value" line each: the processor's
+// configuration without the keys that only say where things are written or whence it resumes.
+std::string settingsOf(const ConfigNode& config) {
+  std::string lines;
+  for (const auto& [key, value] : config.entries()) {
+    if (key == "resume_from" || key == "save_steps" || key == "logging_steps" || key == "logging_file") continue;
+    std::string yaml = value.toYaml();
+    while (!yaml.empty() && std::isspace(static_cast<unsigned char>(yaml.back()))) yaml.pop_back();
+    std::replace(yaml.begin(), yaml.end(), '\n', ' ');
+    lines += key + ": " + yaml + "\n";
+  }
+  return lines;
+}
+
+// While it lives, the model's lm_head is a HookPoint, so the model's forward ends at the final
+// norm; head() is the real lm_head for the loss to apply a chunk of positions at a time (losses.h).
+class DetachedHead {
+ public:
+  explicit DetachedHead(Module& model)
+      : model_(model),
+        vocab_(model.getSubmodule("model.embed_tokens").parameter("weight").size(0)),
+        lmHead_(model.replace("lm_head", std::make_shared<HookPoint>())) {}
+  ~DetachedHead() { model_.replace("lm_head", lmHead_); }
+  DetachedHead(const DetachedHead&) = delete;
+  DetachedHead& operator=(const DetachedHead&) = delete;
+
+  Module& lmHead() const { return *lmHead_; }
+
+  Head head() const {
+    return {.apply =
+                [lmHead = lmHead_](const at::Tensor& rows) {
+                  // A float head may still hold the checkpoint's dtype (the model converts it on
+                  // its first use, which this forward skips).
+                  if (auto* linear = dynamic_cast<Linear*>(lmHead.get());
+                      linear != nullptr && linear->weight().scalar_type() != rows.scalar_type()) {
+                    linear->weight() = linear->weight().to(rows.scalar_type());
+                  }
+                  return (*lmHead)(rows);
+                },
+            .vocab = vocab_};
+  }
+
+ private:
+  Module& model_;
+  int64_t vocab_;
+  std::shared_ptr<Module> lmHead_;
 };
 
 class LearnableScaleQat final : public Processor {
@@ -361,7 +463,7 @@ class LearnableScaleQat final : public Processor {
       if (!std::filesystem::is_regular_file(resume)) {
         throw context.configError(config, "resume_from", concat("'", resume, "' is not a file"));
       }
-      resume_.emplace(resume, qconfig_.describe());
+      resume_.emplace(resume, qconfig_.describe(), settingsOf(config));
     }
     const bool exportOnly = resume_ && training_.maxSteps == 0;
     if (!exportOnly && training_.maxSteps <= 0 && training_.epochs <= 0) {
@@ -382,7 +484,13 @@ class LearnableScaleQat final : public Processor {
       if (save.filename().empty()) save = save.parent_path();
       if (logPath_.empty()) logPath_ = save.string() + ".qat_log.jsonl";
       scalesPath_ = save.string() + ".qat_scales.safetensors";
+      statePath_ = save.string() + ".qat_state.safetensors";
     }
+    saveSteps_ = config.at("save_steps").asInt();
+    if (saveSteps_ > 0 && context.savePath.empty()) {
+      throw context.configError(config, "save_steps", "a training state is saved beside --save_path; give one");
+    }
+    settings_ = settingsOf(config);
   }
 
   void preRun() override {
@@ -437,7 +545,7 @@ class LearnableScaleQat final : public Processor {
         return {loss, {{"loss", loss.item<double>()}}};
       });
       const int64_t trainedKv = trainedAttentions();
-      saveScales();
+      saveScales(request.name);
       deploy(request);
       request.forward(request);  // the deployed modules' outputs: the next layer's inputs
       std::vector<at::Tensor> outputs;
@@ -681,6 +789,8 @@ class LearnableScaleQat final : public Processor {
     const auto start = Clock::now();
     device_ = request.inputs.front().front().device().type();
     const Samples samples(request.sampleIds, *context_.group);
+    const DetachedHead detached(*request.module);
+    const Head head = detached.head();
     startFromPtq(request, [&] {  // the run's first lazy_init_samples samples, wherever they are
       for (size_t s = 0; s < request.inputs.size(); ++s) {
         if (request.sampleIds[s] < lazyInitSamples_) forwardOne(request, request.inputs[s]);
@@ -692,7 +802,9 @@ class LearnableScaleQat final : public Processor {
     startNorms(request);
     // Rounding an activation has a zero gradient (and an int8 GEMM none): a module quantized that
     // way which this step does not train would stop the gradient of everything before it.
-    for (auto& [name, module] : request.module->namedModules()) {
+    std::vector<std::pair<std::string, Module*>> modules = request.module->namedModules();
+    modules.emplace_back("lm_head", &detached.lmHead());
+    for (auto& [name, module] : modules) {
       const auto* quantized = dynamic_cast<QuantLinear*>(module);
       QPIPE_REQUIRE(quantized == nullptr || !quantized->inputQuant(), ErrorCode::kConfig, "learnable_scale_qat: ", name,
                     " is quantized with its activations (", describe(*quantized),
@@ -701,8 +813,8 @@ class LearnableScaleQat final : public Processor {
     }
     const auto lossOf = [&](size_t s) -> SampleLoss {
       const TensorList& input = request.inputs[s];
-      const at::Tensor teacher = loss_.distills() ? teacherLogits(request, input) : at::Tensor();
-      LossTerms terms = computeLoss(forwardOne(request, input), teacher, input[1], loss_);
+      const at::Tensor teacher = loss_.distills() ? teacherHidden(request, input) : at::Tensor();
+      LossTerms terms = computeLoss(forwardOne(request, input), teacher, input[1], loss_, head);
       SampleLoss sample{.loss = terms.total};
       if (terms.lm.defined()) sample.logged.emplace_back("lm_loss", terms.lm.item<double>());
       if (terms.kd.defined()) {
@@ -723,7 +835,7 @@ class LearnableScaleQat final : public Processor {
     const int64_t steps = train("", samples, loggedKeys(), lossOf);
     const double after = evaluate();
     const int64_t trainedKv = trainedAttentions();
-    saveScales();
+    saveScales("");
     deploy(request);
     request.report("", "qat:total_loss_ptq", before);
     request.report("", "qat:total_loss_qat", after);
@@ -746,7 +858,7 @@ class LearnableScaleQat final : public Processor {
     std::vector<std::string> keys;
     if (loss_.lmWeight > 0) keys.emplace_back("lm_loss");
     if (loss_.distills()) {
-      for (const std::string key : {"kd/" + loss_.name, std::string("kd/forward_kl"), std::string("kd/backward_kl")}) {
+      for (const std::string& key : {"kd/" + loss_.name, std::string("kd/forward_kl"), std::string("kd/backward_kl")}) {
         keys.push_back(key);
       }
     }
@@ -754,8 +866,9 @@ class LearnableScaleQat final : public Processor {
     return keys;
   }
 
-  // The teacher's logits: the same model with every QatLinear bypassed (float), no gradients.
-  at::Tensor teacherLogits(LayerRequest& request, const TensorList& input) {
+  // The teacher's final hidden states: the same model with every QatLinear bypassed (float), no
+  // gradients.
+  at::Tensor teacherHidden(LayerRequest& request, const TensorList& input) {
     const Bypass bypass(*this);
     at::NoGradGuard noGrad;
     return forwardOne(request, input);
@@ -922,16 +1035,51 @@ class LearnableScaleQat final : public Processor {
                                          bias, weight.scalar_type());
   }
 
-  // Adds the trained modules' state to the scales artifact.
-  void saveScales() {
-    if (!scales_) return;
+  // The state of the unit's trained modules, as the scales artifact names it.
+  std::vector<std::pair<std::string, at::Tensor>> unitState() const {
+    std::vector<std::pair<std::string, at::Tensor>> state;
     for (const Entry& e : entries_) {
-      for (const auto& [key, tensor] : e.qat->state()) scales_->add(e.name + "." + key, tensor);
+      for (const auto& [key, tensor] : e.qat->state()) state.emplace_back(e.name + "." + key, tensor);
     }
     for (const AttentionEntry& e : attentions_) {
-      if (e.trains) scales_->add(e.name, e.qat->scale());
+      if (e.trains) state.emplace_back(e.name, e.qat->scale());
     }
-    for (const NormEntry& norm : norms_) scales_->add(norm.name + ".weight", norm.module->parameter("weight").detach());
+    for (const NormEntry& norm : norms_) state.emplace_back(norm.name + ".weight", norm.module->parameter("weight").detach());
+    return state;
+  }
+
+  // Adds the trained modules' state to the scales artifact (and keeps it for the training states).
+  void saveScales(const std::string& unit) {
+    if (!scales_) return;
+    for (auto& [name, tensor] : unitState()) {
+      scales_->add(name, tensor);
+      if (saveSteps_ > 0) finishedState_.emplace_back(std::move(name), tensor.clone());
+    }
+    finishedUnits_ += (finishedUnits_.empty() ? "" : ",") + unit;
+  }
+
+  // Rank 0 writes the training state after `step` steps of `unit` (ScalesArtifact): `start` is the
+  // unit's state before training, `params` its trainable tensors.
+  void saveState(const std::string& unit, int64_t step, int64_t samples,
+                 const std::vector<std::pair<std::string, at::Tensor>>& start, const std::vector<at::Tensor>& params,
+                 const Optimizer& optimizer) const {
+    if (!scales_) return;
+    const std::filesystem::path path(statePath_);
+    safetensors::Writer writer(
+        path.parent_path(),
+        {.filePrefix = path.stem().string(),
+         .metadata = {{std::string(kQconfigKey), qconfig_.describe()},
+                      {"qpipe.qat.training_mode", end2end_ ? "end2end" : "blockwise"},
+                      {std::string(kStateUnitKey), unit},
+                      {std::string(kStateStepKey), std::to_string(step)},
+                      {std::string(kStateSamplesKey), std::to_string(samples)},
+                      {std::string(kStateFinishedKey), finishedUnits_},
+                      {std::string(kStateSettingsKey), settings_}}});
+    for (const auto& [name, tensor] : finishedState_) writer.add(name, tensor);
+    for (const auto& [name, tensor] : start) writer.add(name, tensor);
+    for (size_t i = 0; i < params.size(); ++i) writer.add("train." + std::to_string(i), params[i].detach());
+    for (const auto& [name, tensor] : optimizer.state()) writer.add("optimizer." + name, tensor);
+    writer.finish();
   }
 
   // Trains the scales of entries_ on the unit's samples, each step on the losses lossOf gives for
@@ -943,7 +1091,7 @@ class LearnableScaleQat final : public Processor {
   // of the backward passes computes, so the scales do not depend on the number of ranks.
   int64_t train(const std::string& unit, const Samples& samples, const std::vector<std::string>& keys,
                 const SampleLossFn& lossOf) {
-    if (resume_ && training_.maxSteps == 0) return 0;  // export the artifact's scales
+    if (resume_ && (training_.maxSteps == 0 || resume_->finished(unit))) return 0;  // the artifact's scales
     const int64_t count = samples.count();
     const int64_t perStep = training_.batchSize * training_.accumulation;
     const int64_t stepsPerEpoch = (count + perStep - 1) / perStep;
@@ -972,6 +1120,22 @@ class LearnableScaleQat final : public Processor {
          .schedule = training_.schedule,
          .totalSteps = total,
          .warmupSteps = static_cast<int64_t>(std::ceil(training_.warmupRatio * static_cast<double>(total)))});
+    const std::vector<std::pair<std::string, at::Tensor>> start =
+        saveSteps_ > 0 ? unitState() : std::vector<std::pair<std::string, at::Tensor>>();
+    int64_t first = 0;  // the step training starts at: a training state's, else 0
+    if (const std::optional<int64_t> saved = resume_ ? resume_->stepsOf(unit, count) : std::nullopt) {
+      first = *saved;
+      const at::NoGradGuard noGrad;
+      for (size_t i = 0; i < params.size(); ++i) {
+        const at::Tensor value = resume_->tensor("train." + std::to_string(i));
+        QPIPE_REQUIRE(value.defined() && value.sizes() == params[i].sizes(), ErrorCode::kInput, "resume_from '",
+                      resume_->path(), "': trainable tensor ", i, " of ", unit.empty() ? "end2end" : unit,
+                      value.defined() ? concat(" has shape ", value.sizes(), ", this model's ", params[i].sizes())
+                                      : std::string(" is missing"));
+        params[i].copy_(value);
+      }
+      optimizer.loadState([&](const std::string& name) { return resume_->tensor("optimizer." + name); });
+    }
     StepGradients gradients(params, perStep);
     std::optional<ProgressBar> bar;
     if (context_.group->rank() == 0) bar.emplace(unit.empty() ? "qat end2end" : "qat " + unit, total, "steps");
@@ -984,9 +1148,10 @@ class LearnableScaleQat final : public Processor {
       }
       return order[static_cast<size_t>(position++)];
     };
+    for (int64_t drawn = 0; drawn < first * perStep; ++drawn) nextSample();
     at::AutoGradMode withGradients(true);
     const Bf16Autocast autocast(training_.bf16, device_);
-    for (int64_t step = 0; step < total; ++step) {
+    for (int64_t step = first; step < total; ++step) {
       at::Tensor values = at::zeros({perStep, static_cast<int64_t>(keys.size())}, at::kDouble);
       for (int64_t k = 0; k < perStep; ++k) {
         const std::optional<size_t> local = samples.local(nextSample());
@@ -1011,6 +1176,9 @@ class LearnableScaleQat final : public Processor {
     const StepStats stats = optimizer.step();
       for (const Entry& e : entries_) e.qat->project();
       for (const AttentionEntry& e : attentions_) e.qat->project();
+      if (saveSteps_ > 0 && (step + 1) % saveSteps_ == 0 && step + 1 < total) {
+        saveState(unit, step + 1, count, start, params, optimizer);
+      }
       const double epochs = static_cast<double>(epoch) + static_cast<double>(position) / static_cast<double>(count);
       std::string losses;  // "lm_loss 2.1e+00, total_loss 2.2e+00"
       for (const auto& [key, value] : logged) losses += concat(losses.empty() ? "" : ", ", key, " ", scientific(value));
@@ -1053,6 +1221,11 @@ class LearnableScaleQat final : public Processor {
   std::optional<ScalesArtifact> resume_;
   int64_t resumed_ = 0;  // modules that started from resume_
   std::string scalesPath_;
+  std::string statePath_;  // where save_steps writes the training state
+  int64_t saveSteps_ = 0;
+  std::string settings_;  // settingsOf the configuration
+  std::string finishedUnits_;  // the units trained to the end, comma-separated (rank 0)
+  std::vector<std::pair<std::string, at::Tensor>> finishedState_;  // their state, with save_steps (rank 0)
   std::unique_ptr<safetensors::Writer> scales_;
   int64_t loaded_ = 0;                        // modules that started from ptqCheckpoint_
   std::vector<std::string> calibratedNames_;  // modules it lacks, calibrated instead
@@ -1105,7 +1278,11 @@ void registerProcessors(PluginRegistrar& registrar) {
       .optional("from_ptq_ckpt", ValueType::kString, ConfigNode::string(""),
                 "a qpipe checkpoint (compressed-tensors or ascendv1) whose scales the training starts from")
       .optional("resume_from", ValueType::kString, ConfigNode::string(""),
-                "a scales artifact (<save_path>.qat_scales.safetensors) to start from; with max_steps 0, export it")
+                "a scales artifact (<save_path>.qat_scales.safetensors) to start from, with max_steps 0 exported; or a "
+                "training state (<save_path>.qat_state.safetensors) to continue")
+      .add(bounded("save_steps", ConfigNode::integer(0), 0,
+                   "every this many steps (of a blockwise layer, or of end2end) rank 0 saves the training state; 0: "
+                   "never"))
       .add(bounded("lazy_init_samples", ConfigNode::integer(10), 1,
                    "end2end: samples the static activation scales are calibrated on"))
       .add(bounded("activation_scale_init_value", ConfigNode::number(0.0), 0,

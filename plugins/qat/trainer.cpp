@@ -85,6 +85,42 @@ StepStats Optimizer::step() {
   return stats;
 }
 
+std::vector<std::pair<std::string, at::Tensor>> Optimizer::state() const {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  const auto& states = adam_->state();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto found = states.find(params_[i].unsafeGetTensorImpl());
+    const auto* adam = found == states.end() ? nullptr : static_cast<const torch::optim::AdamWParamState*>(found->second.get());
+    const std::string prefix = std::to_string(i) + ".";
+    tensors.emplace_back(prefix + "exp_avg", adam ? adam->exp_avg() : at::zeros_like(params_[i]));
+    tensors.emplace_back(prefix + "exp_avg_sq", adam ? adam->exp_avg_sq() : at::zeros_like(params_[i]));
+    tensors.emplace_back(prefix + "step", at::full({1}, adam ? adam->step() : 0, at::kLong));
+  }
+  tensors.emplace_back("steps", at::full({1}, steps_, at::kLong));
+  return tensors;
+}
+
+void Optimizer::loadState(const std::function<at::Tensor(const std::string&)>& tensor) {
+  const auto read = [&](const std::string& name, const at::Tensor& like) {
+    const at::Tensor t = tensor(name);
+    QPIPE_REQUIRE(t.defined() && t.sizes() == like.sizes(), ErrorCode::kInput, "optimizer state '", name, "' ",
+                  t.defined() ? concat("has shape ", t.sizes(), ", expected ", like.sizes()) : std::string("is missing"));
+    return t.to(like.device(), like.scalar_type()).clone();
+  };
+  auto& states = adam_->state();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const std::string prefix = std::to_string(i) + ".";
+    const int64_t step = read(prefix + "step", at::zeros({1}, at::kLong)).item<int64_t>();
+    if (step == 0) continue;  // AdamW starts such a parameter's state on its first step
+    auto adam = std::make_unique<torch::optim::AdamWParamState>();
+    adam->step(step);
+    adam->exp_avg(read(prefix + "exp_avg", params_[i]));
+    adam->exp_avg_sq(read(prefix + "exp_avg_sq", params_[i]));
+    states[params_[i].unsafeGetTensorImpl()] = std::move(adam);
+  }
+  steps_ = read("steps", at::zeros({1}, at::kLong)).item<int64_t>();
+}
+
 Bf16Autocast::Bf16Autocast(bool enabled, at::DeviceType device) : enabled_(enabled), device_(device) {
   if (!enabled_) return;
   wasEnabled_ = at::autocast::is_autocast_enabled(device_);

@@ -6,8 +6,10 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace torch::optim {
@@ -56,6 +58,14 @@ class Optimizer {
   // updates the parameters and zeroes the gradients.
   StepStats step();
   int64_t stepsTaken() const { return steps_; }
+
+  // AdamW's state, to save: per parameter i (the groups' order), "<i>.exp_avg", "<i>.exp_avg_sq"
+  // and "<i>.step" (int64 [1]), zeros for a parameter no step has reached yet, and "steps" (the
+  // schedule's position).
+  std::vector<std::pair<std::string, at::Tensor>> state() const;
+  // Loads what state() gave, `tensor(name)` returning it: the steps from here are the ones the
+  // optimizer that saved it would have taken. Error(kInput) naming a tensor of the wrong shape.
+  void loadState(const std::function<at::Tensor(const std::string&)>& tensor);
 
  private:
   std::vector<double> baseRates_;

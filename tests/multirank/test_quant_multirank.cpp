@@ -23,6 +23,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "free_port.h"
@@ -322,6 +323,58 @@ TEST(QuantMultirank, QatOnTwoAndThreeRanksTrainsTheOneRankScales) {
         EXPECT_EQ(qpipe::test::slurp(one.string() + suffix), qpipe::test::slurp(many.string() + suffix)) << suffix;
       }
     }
+  }
+}
+
+// save_steps saves the training state; a run resuming from it, on another number of ranks, writes
+// the checkpoint and scales of the run that did not stop. The state the one-rank run leaves is its
+// last: blockwise, layer 0 finished and layer 1 at step 4 of 5; end2end, step 4 of 5.
+TEST(QuantMultirank, QatResumedFromATrainingStateOnOtherRankCountsEndsWhereTheUnstoppedRunDoes) {
+  const fs::path model = qpipe::test::tinyLlama("llama");
+  const fs::path dir = qpipe::test::testDir();
+  const std::string qat = R"(    - type: learnable_scale_qat
+      qconfig:
+        act: {dtype: fp8_e4m3, scope: per_tensor, symmetric: True, method: minmax}
+        weight: {dtype: fp8_e4m3, scope: per_tensor, symmetric: True, method: minmax}
+      learning_rate: 1.0e-2
+      max_steps: 5
+      per_device_train_batch_size: 3
+      save_steps: 2
+      plugin_config: {quant_config: {learnable: {act_scale: True}}}
+)";
+  const std::vector<std::tuple<std::string, std::string, std::string>> cases = {
+      {"blockwise", "", "cpu:0,1"}, {"end2end", "      training_mode: end2end\n      loss_type: kl_top_20\n", "cpu:0,1,2"}};
+  for (const auto& [mode, extra, devices] : cases) {
+    SCOPED_TRACE(mode);
+    const fs::path full = dir / ("qat-unstopped-" + mode), resumed = dir / ("qat-resumed-" + mode);
+    const fs::path state = dir / ("qat-state-" + mode + ".safetensors");
+    fs::remove_all(full);
+    fs::remove_all(resumed);
+    const CommandResult first = qpipe::test::runQpipe(quantArgs(
+        model, full, "--config_path " + quote(pipelineFile("qat_save_" + mode + ".yaml", qat + extra)) + " --device cpu:0"));
+    ASSERT_EQ(first.exitCode, 0) << first.err;
+    fs::copy_file(full.string() + ".qat_state.safetensors", state, fs::copy_options::overwrite_existing);
+    const auto saved = qpipe::safetensors::File::open(state);
+    EXPECT_EQ(saved->metadata().at("qpipe.qat.state.step"), "4");
+    EXPECT_EQ(saved->metadata().at("qpipe.qat.state.unit"), mode == "blockwise" ? "model.layers.1" : "");
+    EXPECT_EQ(saved->metadata().at("qpipe.qat.state.finished"), mode == "blockwise" ? "model.layers.0" : "");
+    const std::string resume = qat + extra + "      resume_from: " + state.string() + "\n";
+    const CommandResult second = qpipe::test::runQpipe(quantArgs(
+        model, resumed, "--config_path " + quote(pipelineFile("qat_resume_" + mode + ".yaml", resume)) + " --device " + devices));
+    ASSERT_EQ(second.exitCode, 0) << second.err;
+    expectSameCheckpoint(full, resumed);
+    EXPECT_EQ(qpipe::test::slurp(full.string() + ".qat_scales.safetensors"),
+              qpipe::test::slurp(resumed.string() + ".qat_scales.safetensors"));
+    // Continuing exactly needs the settings the state was saved with.
+    std::string changed = resume;
+    changed.replace(changed.find("learning_rate: 1.0e-2"), 21, "learning_rate: 2.0e-2");
+    const CommandResult refused = qpipe::test::runQpipe(quantArgs(
+        model, dir / "qat-refused", "--config_path " + quote(pipelineFile("qat_refused.yaml", changed)) + " --device cpu:0"));
+    EXPECT_EQ(refused.exitCode, code(ErrorCode::kConfig)) << refused.err;
+    EXPECT_NE(lastLine(refused.err).find("is a training state saved with 'learning_rate: 0.01', but this run has "
+                                         "'learning_rate: 0.02': continuing it needs the settings it was saved with"),
+              std::string::npos)
+        << refused.err;
   }
 }
 

@@ -114,24 +114,32 @@ TEST(QatOracle, LossesTermsAndGradientsMatchPyTorch) {
     spec.kdWeight = kdWeight;
     const std::vector<int64_t> shape{kBatch, kSeq, kVocab};
     at::AutoGradMode gradients(true);
-    const at::Tensor student = fromHex(studentHex, shape).requires_grad_(true);
-    const qat::LossTerms terms = qat::computeLoss(student, spec.distills() ? fromHex(teacherHex, shape) : at::Tensor(),
-                                                  fromHex(labelsHex, {kBatch, kSeq}, at::kLong), spec);
-    terms.total.backward();
-    EXPECT_EQ(terms.tokens, kBatch * (kSeq - 1) - 3);
-    const auto expectTerm = [](const at::Tensor& actual, const std::string& hex, const char* what) {
-      SCOPED_TRACE(what);
-      ASSERT_EQ(actual.defined(), hex != "-");
-      if (hex != "-") {
-        EXPECT_LE(relativeError(actual.reshape({1}), fromHex(hex, {1})), 1e-6);
-      }
-    };
-    expectTerm(terms.total, totalHex, "total");
-    expectTerm(terms.lm, lmHex, "lm");
-    expectTerm(terms.kd, kdHex, "kd");
-    expectTerm(terms.forwardKl, fklHex, "forward_kl");
-    expectTerm(terms.backwardKl, bklHex, "backward_kl");
-    EXPECT_LE(relativeError(student.grad(), fromHex(gradHex, shape)), 1e-6);
+    // Whole, and with the logits as hidden states of an identity head, 3 positions at a time.
+    for (const int64_t chunkRows : {int64_t{0}, int64_t{3}}) {
+      SCOPED_TRACE(chunkRows);
+      const at::Tensor student = fromHex(studentHex, shape).requires_grad_(true);
+      const qat::Head head{.apply = chunkRows > 0 ? [](const at::Tensor& rows) { return rows * 1; }
+                                                  : std::function<at::Tensor(const at::Tensor&)>(),
+                           .vocab = kVocab};
+      const qat::LossTerms terms =
+          qat::computeLoss(student, spec.distills() ? fromHex(teacherHex, shape) : at::Tensor(),
+                           fromHex(labelsHex, {kBatch, kSeq}, at::kLong), spec, head, chunkRows);
+      terms.total.backward();
+      EXPECT_EQ(terms.tokens, kBatch * (kSeq - 1) - 3);
+      const auto expectTerm = [](const at::Tensor& actual, const std::string& hex, const char* what) {
+        SCOPED_TRACE(what);
+        ASSERT_EQ(actual.defined(), hex != "-");
+        if (hex != "-") {
+          EXPECT_LE(relativeError(actual.reshape({1}), fromHex(hex, {1})), 1e-6);
+        }
+      };
+      expectTerm(terms.total, totalHex, "total");
+      expectTerm(terms.lm, lmHex, "lm");
+      expectTerm(terms.kd, kdHex, "kd");
+      expectTerm(terms.forwardKl, fklHex, "forward_kl");
+      expectTerm(terms.backwardKl, bklHex, "backward_kl");
+      EXPECT_LE(relativeError(student.grad(), fromHex(gradHex, shape)), 1e-6);
+    }
     ++cases;
   }
   EXPECT_EQ(cases, 11);

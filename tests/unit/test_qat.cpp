@@ -442,6 +442,42 @@ TEST(QatLoss, TopKComesFromLossTopkThenTheNameThenIsAThousand) {
             "'kl_top_x' is not a loss (origin, kl, rkl, mse, kd, cakld, kl_top[_K], r_kl_top[_K])");
 }
 
+// The loss applying an lm_head to a few positions at a time gives the terms and the hidden
+// states' gradients of the loss on the whole logits, for every loss type.
+TEST(QatLoss, AHeadAppliedAChunkAtATimeGivesTheLossOfTheWholeLogits) {
+  at::manual_seed(11);
+  constexpr int64_t kHidden = 16, kVocab = 300;
+  const at::Tensor weight = at::randn({kVocab, kHidden}) * 0.5;
+  const at::Tensor studentHidden = at::randn({2, 9, kHidden});
+  const at::Tensor teacherHidden = studentHidden + 0.3 * at::randn({2, 9, kHidden});
+  at::Tensor labels = at::randint(0, kVocab, {2, 9}, at::kLong);
+  labels[0][4] = -100;
+  labels[1][2] = -100;
+  const qat::Head head{.apply = [&](const at::Tensor& rows) { return at::linear(rows, weight); }, .vocab = kVocab};
+  at::AutoGradMode gradients(true);
+  for (const std::string name : {"origin", "kl", "rkl", "mse", "kd", "cakld", "kl_top_7", "r_kl_top_7"}) {
+    SCOPED_TRACE(name);
+    qat::LossSpec spec = qat::parseLoss(name, 0);
+    spec.kdWeight = name == "origin" ? 0 : 0.7;
+    spec.temperature = 2;
+    const at::Tensor wholeHidden = studentHidden.clone().requires_grad_(true);
+    const qat::LossTerms whole =
+        qat::computeLoss(at::linear(wholeHidden, weight), at::linear(teacherHidden, weight), labels, spec);
+    whole.total.backward();
+    const at::Tensor chunkedHidden = studentHidden.clone().requires_grad_(true);
+    const qat::LossTerms chunked = qat::computeLoss(chunkedHidden * 1, teacherHidden, labels, spec, head, 4);
+    chunked.total.backward();
+    EXPECT_EQ(chunked.tokens, 14);
+    EXPECT_NEAR(chunked.total.item<double>(), whole.total.item<double>(), 1e-5 * whole.total.item<double>());
+    if (spec.distills()) {
+      EXPECT_NEAR(chunked.kd.item<double>(), whole.kd.item<double>(), 1e-5 * whole.kd.item<double>());
+      EXPECT_NEAR(chunked.forwardKl.item<double>(), whole.forwardKl.item<double>(), 1e-5);
+    }
+    EXPECT_TRUE(at::allclose(chunkedHidden.grad(), wholeHidden.grad(), 1e-5, 1e-7));
+    EXPECT_GT(chunkedHidden.grad().abs().sum().item<double>(), 0);
+  }
+}
+
 TEST(QatLoss, OriginIsTheCrossEntropyOfTheSupervisedTokensAndNoneIsAnError) {
   at::manual_seed(3);
   const at::Tensor logits = at::randn({1, 5, 11});
