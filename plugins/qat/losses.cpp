@@ -72,7 +72,9 @@ LossTerms computeLoss(const at::Tensor& student, const at::Tensor& teacher, cons
   const at::Tensor supervised = target.ne(-100).nonzero().squeeze(1);
   const int64_t n = supervised.numel();
   QPIPE_REQUIRE(n > 0, ErrorCode::kInput, "a training sample has no supervised token (every label -100)");
-  const auto rowsOf = [&](const at::Tensor& x) { return x.slice(1, 0, -1).reshape({-1, width}).index_select(0, supervised); };
+  const auto rowsOf = [&](const at::Tensor& x) {
+    return x.slice(1, 0, -1).reshape({-1, width}).index_select(0, supervised);
+  };
   const auto logitsOf = [&](const at::Tensor& rows) { return (head.apply ? head.apply(rows) : rows).to(at::kFloat); };
   const at::Tensor studentRows = rowsOf(student);
   const bool backward = at::GradMode::is_enabled() && studentRows.requires_grad();

@@ -1044,7 +1044,8 @@ class LearnableScaleQat final : public Processor {
     for (const AttentionEntry& e : attentions_) {
       if (e.trains) state.emplace_back(e.name, e.qat->scale());
     }
-    for (const NormEntry& norm : norms_) state.emplace_back(norm.name + ".weight", norm.module->parameter("weight").detach());
+    for (const NormEntry& norm : norms_)
+      state.emplace_back(norm.name + ".weight", norm.module->parameter("weight").detach());
     return state;
   }
 
@@ -1065,16 +1066,15 @@ class LearnableScaleQat final : public Processor {
                  const Optimizer& optimizer) const {
     if (!scales_) return;
     const std::filesystem::path path(statePath_);
-    safetensors::Writer writer(
-        path.parent_path(),
-        {.filePrefix = path.stem().string(),
-         .metadata = {{std::string(kQconfigKey), qconfig_.describe()},
-                      {"qpipe.qat.training_mode", end2end_ ? "end2end" : "blockwise"},
-                      {std::string(kStateUnitKey), unit},
-                      {std::string(kStateStepKey), std::to_string(step)},
-                      {std::string(kStateSamplesKey), std::to_string(samples)},
-                      {std::string(kStateFinishedKey), finishedUnits_},
-                      {std::string(kStateSettingsKey), settings_}}});
+    safetensors::Writer writer(path.parent_path(),
+                               {.filePrefix = path.stem().string(),
+                                .metadata = {{std::string(kQconfigKey), qconfig_.describe()},
+                                             {"qpipe.qat.training_mode", end2end_ ? "end2end" : "blockwise"},
+                                             {std::string(kStateUnitKey), unit},
+                                             {std::string(kStateStepKey), std::to_string(step)},
+                                             {std::string(kStateSamplesKey), std::to_string(samples)},
+                                             {std::string(kStateFinishedKey), finishedUnits_},
+                                             {std::string(kStateSettingsKey), settings_}}});
     for (const auto& [name, tensor] : finishedState_) writer.add(name, tensor);
     for (const auto& [name, tensor] : start) writer.add(name, tensor);
     for (size_t i = 0; i < params.size(); ++i) writer.add("train." + std::to_string(i), params[i].detach());
@@ -1223,7 +1223,7 @@ class LearnableScaleQat final : public Processor {
   std::string scalesPath_;
   std::string statePath_;  // where save_steps writes the training state
   int64_t saveSteps_ = 0;
-  std::string settings_;  // settingsOf the configuration
+  std::string settings_;       // settingsOf the configuration
   std::string finishedUnits_;  // the units trained to the end, comma-separated (rank 0)
   std::vector<std::pair<std::string, at::Tensor>> finishedState_;  // their state, with save_steps (rank 0)
   std::unique_ptr<safetensors::Writer> scales_;

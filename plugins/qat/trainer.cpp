@@ -90,7 +90,8 @@ std::vector<std::pair<std::string, at::Tensor>> Optimizer::state() const {
   const auto& states = adam_->state();
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto found = states.find(params_[i].unsafeGetTensorImpl());
-    const auto* adam = found == states.end() ? nullptr : static_cast<const torch::optim::AdamWParamState*>(found->second.get());
+    const auto* adam =
+        found == states.end() ? nullptr : static_cast<const torch::optim::AdamWParamState*>(found->second.get());
     const std::string prefix = std::to_string(i) + ".";
     tensors.emplace_back(prefix + "exp_avg", adam ? adam->exp_avg() : at::zeros_like(params_[i]));
     tensors.emplace_back(prefix + "exp_avg_sq", adam ? adam->exp_avg_sq() : at::zeros_like(params_[i]));
@@ -103,8 +104,9 @@ std::vector<std::pair<std::string, at::Tensor>> Optimizer::state() const {
 void Optimizer::loadState(const std::function<at::Tensor(const std::string&)>& tensor) {
   const auto read = [&](const std::string& name, const at::Tensor& like) {
     const at::Tensor t = tensor(name);
-    QPIPE_REQUIRE(t.defined() && t.sizes() == like.sizes(), ErrorCode::kInput, "optimizer state '", name, "' ",
-                  t.defined() ? concat("has shape ", t.sizes(), ", expected ", like.sizes()) : std::string("is missing"));
+    QPIPE_REQUIRE(
+        t.defined() && t.sizes() == like.sizes(), ErrorCode::kInput, "optimizer state '", name, "' ",
+        t.defined() ? concat("has shape ", t.sizes(), ", expected ", like.sizes()) : std::string("is missing"));
     return t.to(like.device(), like.scalar_type()).clone();
   };
   auto& states = adam_->state();

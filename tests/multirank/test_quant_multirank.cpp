@@ -343,7 +343,8 @@ TEST(QuantMultirank, QatResumedFromATrainingStateOnOtherRankCountsEndsWhereTheUn
       plugin_config: {quant_config: {learnable: {act_scale: True}}}
 )";
   const std::vector<std::tuple<std::string, std::string, std::string>> cases = {
-      {"blockwise", "", "cpu:0,1"}, {"end2end", "      training_mode: end2end\n      loss_type: kl_top_20\n", "cpu:0,1,2"}};
+      {"blockwise", "", "cpu:0,1"},
+      {"end2end", "      training_mode: end2end\n      loss_type: kl_top_20\n", "cpu:0,1,2"}};
   for (const auto& [mode, extra, devices] : cases) {
     SCOPED_TRACE(mode);
     const fs::path full = dir / ("qat-unstopped-" + mode), resumed = dir / ("qat-resumed-" + mode);
@@ -351,7 +352,8 @@ TEST(QuantMultirank, QatResumedFromATrainingStateOnOtherRankCountsEndsWhereTheUn
     fs::remove_all(full);
     fs::remove_all(resumed);
     const CommandResult first = qpipe::test::runQpipe(quantArgs(
-        model, full, "--config_path " + quote(pipelineFile("qat_save_" + mode + ".yaml", qat + extra)) + " --device cpu:0"));
+        model, full,
+        "--config_path " + quote(pipelineFile("qat_save_" + mode + ".yaml", qat + extra)) + " --device cpu:0"));
     ASSERT_EQ(first.exitCode, 0) << first.err;
     fs::copy_file(full.string() + ".qat_state.safetensors", state, fs::copy_options::overwrite_existing);
     const auto saved = qpipe::safetensors::File::open(state);
@@ -360,7 +362,8 @@ TEST(QuantMultirank, QatResumedFromATrainingStateOnOtherRankCountsEndsWhereTheUn
     EXPECT_EQ(saved->metadata().at("qpipe.qat.state.finished"), mode == "blockwise" ? "model.layers.0" : "");
     const std::string resume = qat + extra + "      resume_from: " + state.string() + "\n";
     const CommandResult second = qpipe::test::runQpipe(quantArgs(
-        model, resumed, "--config_path " + quote(pipelineFile("qat_resume_" + mode + ".yaml", resume)) + " --device " + devices));
+        model, resumed,
+        "--config_path " + quote(pipelineFile("qat_resume_" + mode + ".yaml", resume)) + " --device " + devices));
     ASSERT_EQ(second.exitCode, 0) << second.err;
     expectSameCheckpoint(full, resumed);
     EXPECT_EQ(qpipe::test::slurp(full.string() + ".qat_scales.safetensors"),
@@ -368,11 +371,13 @@ TEST(QuantMultirank, QatResumedFromATrainingStateOnOtherRankCountsEndsWhereTheUn
     // Continuing exactly needs the settings the state was saved with.
     std::string changed = resume;
     changed.replace(changed.find("learning_rate: 1.0e-2"), 21, "learning_rate: 2.0e-2");
-    const CommandResult refused = qpipe::test::runQpipe(quantArgs(
-        model, dir / "qat-refused", "--config_path " + quote(pipelineFile("qat_refused.yaml", changed)) + " --device cpu:0"));
+    const CommandResult refused = qpipe::test::runQpipe(
+        quantArgs(model, dir / "qat-refused",
+                  "--config_path " + quote(pipelineFile("qat_refused.yaml", changed)) + " --device cpu:0"));
     EXPECT_EQ(refused.exitCode, code(ErrorCode::kConfig)) << refused.err;
-    EXPECT_NE(lastLine(refused.err).find("is a training state saved with 'learning_rate: 0.01', but this run has "
-                                         "'learning_rate: 0.02': continuing it needs the settings it was saved with"),
+    EXPECT_NE(lastLine(refused.err)
+                  .find("is a training state saved with 'learning_rate: 0.01', but this run has "
+                        "'learning_rate: 0.02': continuing it needs the settings it was saved with"),
               std::string::npos)
         << refused.err;
   }
