@@ -55,14 +55,6 @@ std::string failedKey(int rank) {
   return "qpipe/failed/" + std::to_string(rank);
 }
 
-// c10 errors carry a C++ backtrace after the message; users get the message.
-std::string describe(const std::exception& error) {
-  if (const auto* c10Error = dynamic_cast<const c10::Error*>(&error)) {
-    return firstLine(c10Error->what_without_backtrace());
-  }
-  return firstLine(error.what());
-}
-
 std::string seconds(milliseconds timeout) {
   std::ostringstream os;
   os << static_cast<double>(timeout.count()) / 1000.0 << " s";
@@ -246,7 +238,7 @@ class C10dGroup final : public ProcessGroup {
       throw;
     } catch (const std::exception& error) {
       peerLost_ = true;
-      throw Error(ErrorCode::kDistributed, peerFailure(collective, describe(error)));
+      throw Error(ErrorCode::kDistributed, peerFailure(collective, oneLine(error)));
     }
   }
 
@@ -447,7 +439,7 @@ c10::intrusive_ptr<c10d::TCPStore> openStore(const GroupOptions& options) {
   try {
     return c10::make_intrusive<c10d::TCPStore>(options.masterAddr, storeOptions);
   } catch (const std::exception& error) {
-    const std::string cause = describe(error);
+    const std::string cause = oneLine(error);
     if (options.rank == 0) {
       QPIPE_REQUIRE(
           cause.find("EADDRINUSE") == std::string::npos && cause.find("ddress already in use") == std::string::npos,
@@ -518,7 +510,7 @@ void rendezvous(c10d::Store& store, const GroupOptions& options) {
     throw;
   } catch (const std::exception& error) {
     throw Error(ErrorCode::kDistributed, "rendezvous at " + masterName(options) + " did not complete within " +
-                                             seconds(options.timeout) + ": " + describe(error));
+                                             seconds(options.timeout) + ": " + oneLine(error));
   }
   QPIPE_REQUIRE(ready == kReadyValue, ErrorCode::kDistributed, ready);
 }
@@ -608,7 +600,7 @@ std::shared_ptr<ProcessGroup> connect(const GroupOptions& options) {
     gloo->barrier()->wait();
   } catch (const std::exception& error) {
     throw Error(ErrorCode::kDistributed,
-                "rank " + std::to_string(options.rank) + " cannot connect to its peers over Gloo: " + describe(error));
+                "rank " + std::to_string(options.rank) + " cannot connect to its peers over Gloo: " + oneLine(error));
   }
   return std::make_shared<C10dGroup>(options, std::move(store), std::move(gloo));
 }

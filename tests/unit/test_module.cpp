@@ -19,6 +19,18 @@ const at::Tensor& sampleIds() {
   return ids;
 }
 
+// A LibTorch error in a module's forward is one line naming the module and its input, without the
+// C++ backtrace (which the log has at debug level).
+TEST(ModuleTree, ALibTorchErrorInAForwardIsOneLineNamingTheModule) {
+  Linear linear(at::zeros({4, 3}));
+  EXPECT_EQ(test::errorOf(
+                [&] {
+                  linear(at::zeros({2, 5}));
+                },
+                ErrorCode::kInternal),
+            "Linear forward of [2, 5] Float: mat1 and mat2 shapes cannot be multiplied (2x5 and 3x4)");
+}
+
 TEST(ModuleTree, LayersLoadOnDemandUnderHuggingFaceNames) {
   auto model = CausalLM::open(test::tinyLlama("names"));
   EXPECT_FALSE(model->isLoaded(0));
@@ -99,8 +111,8 @@ TEST(ModuleTree, ErrorsNameTheModuleOrTensor) {
   EXPECT_EQ(test::errorOf([&] { model->root().getSubmodule("model.layers.7.mlp"); }, ErrorCode::kInput),
             "no module 'model.layers.7.mlp' (no child '7' in Layers)");
   const fs::path missing = test::tinyLlama("missing", {"model.layers.1.mlp.up_proj.weight"});
-  auto broken = CausalLM::open(missing);
-  EXPECT_EQ(test::errorOf([&] { broken->layer(1); }, ErrorCode::kInput),
+  // At open, before any layer loads (issue 17's validation).
+  EXPECT_EQ(test::errorOf([&] { CausalLM::open(missing); }, ErrorCode::kInput),
             "checkpoint " + missing.string() + ": missing tensor 'model.layers.1.mlp.up_proj.weight'");
   const fs::path unsupported = test::writeTempFile("config.json", R"({"model_type": "gpt2"})");
   EXPECT_EQ(test::errorOf([&] { ModelConfig::fromFile(unsupported); }, ErrorCode::kInput),

@@ -468,12 +468,14 @@ TEST(QatLoss, AHeadAppliedAChunkAtATimeGivesTheLossOfTheWholeLogits) {
     const qat::LossTerms chunked = qat::computeLoss(chunkedHidden * 1, teacherHidden, labels, spec, head, 4);
     chunked.total.backward();
     EXPECT_EQ(chunked.tokens, 14);
-    EXPECT_NEAR(chunked.total.item<double>(), whole.total.item<double>(), 1e-5 * whole.total.item<double>());
+    // fp32 sums in another order (and another thread split): ~1e-5 apart; a wrong chunk is far more.
+    EXPECT_NEAR(chunked.total.item<double>(), whole.total.item<double>(), 1e-4 * whole.total.item<double>());
     if (spec.distills()) {
-      EXPECT_NEAR(chunked.kd.item<double>(), whole.kd.item<double>(), 1e-5 * whole.kd.item<double>());
-      EXPECT_NEAR(chunked.forwardKl.item<double>(), whole.forwardKl.item<double>(), 1e-5);
+      EXPECT_NEAR(chunked.kd.item<double>(), whole.kd.item<double>(), 1e-4 * whole.kd.item<double>());
+      EXPECT_NEAR(chunked.forwardKl.item<double>(), whole.forwardKl.item<double>(),
+                  1e-4 * whole.forwardKl.item<double>());
     }
-    EXPECT_TRUE(at::allclose(chunkedHidden.grad(), wholeHidden.grad(), 1e-5, 1e-7));
+    EXPECT_TRUE(at::allclose(chunkedHidden.grad(), wholeHidden.grad(), 1e-4, 1e-6));
     EXPECT_GT(chunkedHidden.grad().abs().sum().item<double>(), 0);
   }
 }

@@ -19,6 +19,7 @@
 
 #include "commands.h"
 #include "qpipe/error.h"
+#include "qpipe/input_file.h"
 #include "qpipe/safetensors.h"
 
 namespace qpipe::cli {
@@ -60,11 +61,7 @@ Folder scan(const std::string& path) {
 }
 
 std::string readFile(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  QPIPE_REQUIRE(in, ErrorCode::kIo, "cannot read ", path.string());
-  std::ostringstream bytes;
-  bytes << in.rdbuf();
-  return bytes.str();
+  return readInputFile(path);
 }
 
 // Index files name their shards, which is layout, not content: they compare equal when their

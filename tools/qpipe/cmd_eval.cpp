@@ -30,6 +30,7 @@ struct EvalOptions {
   int64_t batchSize = 1;
   std::string outputJson;
   std::string device = "cpu";
+  bool allowNonFinite = false;
 };
 
 void evaluate(const EvalOptions& options) {
@@ -39,7 +40,9 @@ void evaluate(const EvalOptions& options) {
   QPIPE_REQUIRE(std::filesystem::is_directory(model), ErrorCode::kInput, "--model_path '", options.modelPath,
                 "' is not a folder");
   const c10::Device device = parseDevice(options.device);
-  auto lm = CausalLM::open(model, {.device = device});  // first: a broken checkpoint fails before any tokenizing
+  auto lm = CausalLM::open(
+      model, {.device = device,
+              .checkFinite = !options.allowNonFinite});  // first: a broken checkpoint fails before any tokenizing
   const Tokenizer tokenizer = Tokenizer::fromFile(model / "tokenizer.json");
   const TokenStream stream = encodeDataset(options.data, tokenizer, {.maxSamples = options.maxSamples});
   const std::vector<int64_t>& ids = stream.ids;
@@ -93,6 +96,7 @@ Subcommand setupEval(CLI::App& parent) {
       ->check(CLI::PositiveNumber);
   app->add_option("--output_json", options->outputJson, "Also write the results to this JSON file");
   app->add_option("--device", options->device, "cpu, cuda or cuda:N")->capture_default_str();
+  app->add_flag("--allow_non_finite", options->allowNonFinite, "Load weights holding NaN or Inf (refused by default)");
   return {app, [options] { evaluate(*options); }};
 }
 

@@ -36,6 +36,7 @@ struct QuantOptions {
   std::string configPath;
   std::string device = "cpu";
   bool trustRemoteCode = false;
+  bool allowNonFinite = false;
   std::string calibData;
   int64_t calibSamples = 128;
   int64_t seqLen = 512;
@@ -126,6 +127,7 @@ void run(const QuantOptions& options) {
                         .defaultCalibData = resourceDir("data") / "calib.jsonl",
                         .calibSamples = options.calibSamples,
                         .seqLen = options.seqLen,
+                        .checkFinite = !options.allowNonFinite,
                         .pluginPath = pluginSearchPath(options.plugins),
                         .rank = rank,
                         .worldSize = role.worldSize};
@@ -188,6 +190,8 @@ Subcommand setupQuant(CLI::App& parent) {
                   "Intra-op (and OpenMP) threads of each rank; default: the cores divided among this host's ranks")
       ->check(CLI::Range(1, 4096));
   app->add_flag("--trust_remote_code", options->trustRemoteCode, "Accepted for msmodelslim compatibility");
+  app->add_flag("--allow_non_finite", options->allowNonFinite,
+                "Load weights holding NaN or Inf and save what they give (checked and refused by default)");
   app->add_option("--calib_data", options->calibData,
                   "Calibration texts (.jsonl/.json/.txt); default: the pipeline's dataset, else data/calib.jsonl");
   app->add_option("--calib_samples", options->calibSamples, "Calibration windows")

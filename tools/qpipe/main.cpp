@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
   } catch (const Error& e) {
     return cli::reportFailure(e.code(), e.what());
   } catch (const std::exception& e) {
-    return cli::reportFailure(ErrorCode::kInternal, e.what());
+    return cli::reportFailure(ErrorCode::kInternal, oneLine(e));
   }
   log::shutdown();
   return 0;

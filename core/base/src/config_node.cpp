@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "qpipe/error.h"
+#include "qpipe/input_file.h"
 
 namespace qpipe {
 
@@ -163,7 +164,11 @@ ConfigNode resolvePlainScalar(const std::string& text, SourceLocation where) {
       throw Error(ErrorCode::kConfig, concat(where.str(), ": integer ", text, " is out of range"));
     }
   } else if (std::regex_match(text, kFloat)) {
-    node = ConfigNode::number(std::stod(text), std::move(where));
+    try {
+      node = ConfigNode::number(std::stod(text), where);
+    } catch (const std::out_of_range&) {
+      throw Error(ErrorCode::kConfig, concat(where.str(), ": number ", text, " is out of range"));
+    }
   } else if (text == ".inf" || text == "+.inf" || text == ".Inf") {
     node = ConfigNode::number(INFINITY, std::move(where));
   } else if (text == "-.inf" || text == "-.Inf") {
@@ -229,11 +234,18 @@ class Builder : public YAML::EventHandler {
 
   SourceLocation where(const YAML::Mark& mark) const { return {file_, mark.line + 1, mark.column + 1}; }
 
+  // Before a collection opens: keys are plain values, and nesting is bounded (a pipeline nests a
+  // few levels; a hostile file must end in an error, not in a stack overflow).
   void rejectComplexKey(const YAML::Mark& mark) const {
     if (!stack_.empty() && stack_.back().node.isMap() && !stack_.back().pendingKey) {
       throw Error(ErrorCode::kConfig, concat(where(mark).str(), ": a mapping key must be a plain value"));
     }
+    if (stack_.size() >= kMaxDepth) {
+      throw Error(ErrorCode::kConfig, concat(where(mark).str(), ": nested deeper than ", kMaxDepth, " levels"));
+    }
   }
+
+  static constexpr size_t kMaxDepth = 100;
 
   void closeCollection() {
     Frame frame = std::move(stack_.back());
@@ -359,9 +371,9 @@ void emitNode(YAML::Emitter& out, const ConfigNode& node) {
 }  // namespace
 
 ConfigNode ConfigNode::loadYamlFile(const std::filesystem::path& file) {
+  requireRegularFile(file);
   std::ifstream in(file);
-  QPIPE_REQUIRE(in.good(), ErrorCode::kIo, "cannot open '", file.string(),
-                "': ", std::filesystem::exists(file) ? "permission denied or not a file" : "no such file");
+  QPIPE_REQUIRE(in.good(), ErrorCode::kIo, "cannot open '", file.string(), "': permission denied");
   return parseStream(in, file.string());
 }
 

@@ -1,11 +1,23 @@
 #include "qpipe/error.h"
 
+#include <c10/util/Exception.h>
+
+#include "qpipe/log.h"
+
 namespace qpipe {
 
 Error::~Error() = default;
 
 std::string firstLine(std::string_view text) {
   return std::string(text.substr(0, text.find('\n')));
+}
+
+std::string oneLine(const std::exception& error) {
+  if (const auto* c10Error = dynamic_cast<const c10::Error*>(&error)) {
+    log::logger()->debug("LibTorch error: ", c10Error->what());
+    return firstLine(c10Error->what_without_backtrace());
+  }
+  return firstLine(error.what());
 }
 
 std::string_view errorCodeName(ErrorCode code) {

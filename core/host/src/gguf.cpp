@@ -19,6 +19,7 @@
 #include <unordered_set>
 
 #include "qpipe/error.h"
+#include "qpipe/input_file.h"
 
 namespace qpipe::gguf {
 
@@ -436,6 +437,7 @@ std::shared_ptr<const File> File::open(const std::filesystem::path& path) {
   file->path_ = path;
   const std::string name = path.string();
 
+  requireRegularFile(path);
   const int fd = ::open(name.c_str(), O_RDONLY | O_CLOEXEC);
   QPIPE_REQUIRE(fd >= 0, ErrorCode::kIo, name, ": cannot open: ", std::strerror(errno));
   struct stat st {};

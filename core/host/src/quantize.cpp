@@ -156,7 +156,8 @@ QuantizeResult quantize(const QuantizeOptions& options) {
   ProcessGroup& group = *prepared.group;
   const bool saves = group.rank() == 0;
 
-  auto model = CausalLM::open(options.modelPath, {.dtype = at::kFloat, .device = options.device});
+  auto model = CausalLM::open(options.modelPath,
+                              {.dtype = at::kFloat, .device = options.device, .checkFinite = options.checkFinite});
   const SaveStep& saving = prepared.pipeline.save.front();
   std::unique_ptr<CheckpointSaver> saver;
   if (saves) saver = prepared.registry.createSaver(saving.type, saving.config, *model, options.savePath);

@@ -69,7 +69,7 @@ class GuardedProcessor final : public Processor {
     } catch (const Error& e) {
       throw Error(e.code(), prefix(call, layer) + e.what());
     } catch (const std::exception& e) {
-      throw Error(ErrorCode::kPlugin, prefix(call, layer) + e.what());
+      throw Error(ErrorCode::kPlugin, prefix(call, layer) + oneLine(e));
     } catch (...) {
       throw Error(ErrorCode::kPlugin, prefix(call, layer) + "unknown exception (not derived from std::exception)");
     }
@@ -99,7 +99,7 @@ auto guardCall(const std::string& where, bool passErrors, F&& body) -> decltype(
     if (passErrors || e.code() == ErrorCode::kConfig) throw Error(e.code(), e.what());
     throw Error(e.code() == ErrorCode::kInternal ? ErrorCode::kPlugin : e.code(), where + e.what());
   } catch (const std::exception& e) {
-    throw Error(ErrorCode::kPlugin, where + e.what());
+    throw Error(ErrorCode::kPlugin, where + oneLine(e));
   } catch (...) {
     throw Error(ErrorCode::kPlugin, where + "unknown exception (not derived from std::exception)");
   }

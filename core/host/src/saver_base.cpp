@@ -8,6 +8,8 @@
 #include "qpipe/attention_quant.h"
 #include "qpipe/error.h"
 #include "qpipe/host/savers.h"
+#include "qpipe/input_file.h"
+#include "qpipe/json_input.h"
 #include "qpipe/log.h"
 #include "qpipe/quantized_checkpoint.h"
 #include "saver_internal.h"
@@ -140,6 +142,13 @@ SaverBase::~SaverBase() {
 }
 
 void SaverBase::add(const std::string& name, const at::Tensor& tensor) {
+  // A NaN scale would make a checkpoint that loads and computes NaN: nothing is saved instead. The
+  // quantization parameters are checked always; the float weights unless the user allowed them.
+  const bool parameter = name.ends_with("scale") || name.ends_with("offset") || name.ends_with("zero_point");
+  if ((parameter || model_.options().checkFinite) && at::isFloatingType(tensor.scalar_type())) {
+    QPIPE_REQUIRE(at::isfinite(tensor).all().item<bool>(), ErrorCode::kInput, "tensor '", name,
+                  "' to be saved holds NaN or Inf; nothing is saved");
+  }
   writer_->add(name, tensor);
   bytesWritten_ += tensor.nbytes();
 }
@@ -221,9 +230,8 @@ void SaverBase::addFile(const std::string& fileName, const std::string& content)
 
 nlohmann::ordered_json SaverBase::sourceConfig() const {
   const fs::path path = model_.directory() / "config.json";
-  std::ifstream in(path);
-  QPIPE_REQUIRE(in.good(), ErrorCode::kIo, "cannot read '", path.string(), "'");
-  nlohmann::ordered_json config = nlohmann::ordered_json::parse(in);
+  nlohmann::ordered_json config =
+      nlohmann::ordered_json::parse(readInputFile(path), jsonDepthLimit<nlohmann::ordered_json>(path.string()));
   if (headUntied_) config["tie_word_embeddings"] = false;
   return config;
 }

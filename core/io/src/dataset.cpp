@@ -11,6 +11,8 @@
 #include <string_view>
 
 #include "qpipe/error.h"
+#include "qpipe/input_file.h"
+#include "qpipe/json_input.h"
 #include "qpipe/log.h"
 #include "qpipe/perplexity.h"
 #include "qpipe/tokenizer.h"
@@ -58,9 +60,11 @@ bool isBlank(std::string_view text) {
 
 Json parseJson(const std::string& text, const std::string& path, int64_t firstLine) {
   try {
-    return Json::parse(text);
+    return Json::parse(text, jsonDepthLimit<Json>(concat(path, ":", firstLine)));
   } catch (const Json::parse_error& e) {
     throwParseError(path, firstLine, e);
+  } catch (const Json::exception& e) {  // a number out of range
+    throw Error(ErrorCode::kInput, concat(path, ":", firstLine, ": invalid JSON: ", e.what()));
   }
 }
 
@@ -208,9 +212,7 @@ std::string readFile(const std::filesystem::path& path) {
   QPIPE_REQUIRE(std::filesystem::exists(path), ErrorCode::kIo, path.string(), ": no such data file");
   QPIPE_REQUIRE(!std::filesystem::is_directory(path), ErrorCode::kIo, path.string(),
                 ": is a directory; expected a .jsonl, .json or .txt file");
-  std::ifstream in(path, std::ios::binary);
-  QPIPE_REQUIRE(in.good(), ErrorCode::kIo, path.string(), ": cannot open the data file");
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  return readInputFile(path);
 }
 
 }  // namespace

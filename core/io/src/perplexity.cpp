@@ -76,7 +76,12 @@ PerplexityResult computePerplexity(const std::vector<int64_t>& ids, const Perple
     // Per-window sums in double, added window by window: the total does not depend on batching.
     const at::Tensor windowNll = nll.to(at::kDouble).sum(1).cpu();
     const auto* sums = windowNll.const_data_ptr<double>();
-    for (int64_t i = 0; i < count; ++i) result.totalNll += sums[i];
+    for (int64_t i = 0; i < count; ++i) {
+      QPIPE_REQUIRE(std::isfinite(sums[i]), ErrorCode::kInput, "perplexity: window ", begin + i, " (tokens ",
+                    (begin + i) * seqLen, " to ", (begin + i + 1) * seqLen, ") has a non-finite loss (", sums[i],
+                    "): the model computes NaN or Inf");
+      result.totalNll += sums[i];
+    }
     result.windows += count;
     result.tokens += count * (seqLen - 1);
     if (options.progress) {

@@ -20,6 +20,8 @@
 #include <set>
 
 #include "qpipe/error.h"
+#include "qpipe/input_file.h"
+#include "qpipe/json_input.h"
 
 namespace qpipe::safetensors {
 
@@ -136,6 +138,7 @@ std::string dtypeName(at::ScalarType type) {
 // Reading
 
 std::shared_ptr<const File> File::open(const fs::path& path) {
+  requireRegularFile(path);
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) {
     throw Error(ErrorCode::kIo, concat("cannot open '", path.string(), "': ", std::strerror(errno)));
@@ -166,9 +169,18 @@ std::shared_ptr<const File> File::open(const fs::path& path) {
     invalid(path, concat("header length ", headerSize, " runs past the end of the file (", size, " bytes)"));
   }
   Json header;
+  std::set<std::string> names;
+  // JSON keeps the last of two equal keys: a header naming a tensor twice would lose one silently.
+  const Json::parser_callback_t check = [&](int depth, Json::parse_event_t event, Json& parsed) {
+    if (depth > kMaxJsonDepth) invalid(path, concat("header nested deeper than ", kMaxJsonDepth, " levels"));
+    if (event == Json::parse_event_t::key && depth == 1 && !names.insert(parsed.get<std::string>()).second) {
+      invalid(path, concat("header names '", parsed.get<std::string>(), "' twice"));
+    }
+    return true;
+  };
   try {
-    header =
-        Json::parse(reinterpret_cast<const char*>(bytes + 8), reinterpret_cast<const char*>(bytes + 8 + headerSize));
+    header = Json::parse(reinterpret_cast<const char*>(bytes + 8),
+                         reinterpret_cast<const char*>(bytes + 8 + headerSize), check);
   } catch (const Json::exception& e) {
     invalid(path, concat("header is not valid JSON (", e.what(), ")"));
   }
@@ -270,10 +282,9 @@ Checkpoint Checkpoint::open(const fs::path& fileOrDir, const std::string& filePr
     QPIPE_REQUIRE(fs::is_directory(fileOrDir), ErrorCode::kIo, "'", fileOrDir.string(), "': no such file or folder");
     const fs::path index = fileOrDir / (filePrefix + ".safetensors.index.json");
     if (fs::exists(index)) {
-      std::ifstream in(index);
       Json json;
       try {
-        json = Json::parse(in);
+        json = Json::parse(readInputFile(index), jsonDepthLimit<Json>(index.string()));
       } catch (const Json::exception& e) {
         invalid(index, concat("not valid JSON (", e.what(), ")"));
       }
@@ -290,6 +301,16 @@ Checkpoint Checkpoint::open(const fs::path& fileOrDir, const std::string& filePr
           invalid(index, "lists tensor '" + name + "' in " + shardName + ", which does not hold it");
         }
         checkpoint.index_[name] = shard;
+      }
+      for (size_t shard = 0; shard < checkpoint.shards_.size(); ++shard) {
+        for (const TensorInfo& info : checkpoint.shards_[shard].file->tensors()) {
+          const auto listed = checkpoint.index_.find(info.name);
+          if (listed != checkpoint.index_.end() && listed->second != shard) {
+            invalid(index, concat("tensor '", info.name, "' is in two shards, ",
+                                  checkpoint.shards_[listed->second].path.filename().string(), " and ",
+                                  checkpoint.shards_[shard].path.filename().string()));
+          }
+        }
       }
       return checkpoint;
     }

@@ -9,6 +9,8 @@
 #include <sstream>
 
 #include "qpipe/error.h"
+#include "qpipe/input_file.h"
+#include "qpipe/json_input.h"
 #include "qpipe/tokenizer.h"
 
 namespace qpipe {
@@ -26,9 +28,10 @@ std::string renderTurn(const ChatFormat& format, const std::string& role, const 
 ChatFormat ChatFormat::fromModel(const std::filesystem::path& modelDir) {
   const std::filesystem::path file = modelDir / "tokenizer_config.json";
   ChatFormat format;
-  std::ifstream in(file);
-  if (!in) return format;
-  const nlohmann::json config = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!std::filesystem::exists(file)) return format;
+  const nlohmann::json config =
+      nlohmann::json::parse(readInputFile(file), jsonDepthLimit<nlohmann::json>(file.string()),
+                            /*allow_exceptions=*/false);
   if (!config.is_object() || !config.contains("chat_template") || !config["chat_template"].is_string()) return format;
   const std::string chatTemplate = config["chat_template"].get<std::string>();
   QPIPE_REQUIRE(chatTemplate.find(kImStart) != std::string::npos, ErrorCode::kInput, file.string(),

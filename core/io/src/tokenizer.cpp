@@ -9,6 +9,8 @@
 #include <unordered_set>
 
 #include "qpipe/error.h"
+#include "qpipe/input_file.h"
+#include "qpipe/json_input.h"
 #include "tokenizer_internal.h"
 
 namespace qpipe {
@@ -605,18 +607,17 @@ Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 
 Tokenizer Tokenizer::fromFile(const std::filesystem::path& tokenizerJson) {
-  std::ifstream in(tokenizerJson, std::ios::binary);
-  QPIPE_REQUIRE(in.good(), ErrorCode::kIo, tokenizerJson.string(), ": cannot open tokenizer file");
-  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-  return fromJson(text, tokenizerJson.string());
+  return fromJson(readInputFile(tokenizerJson), tokenizerJson.string());
 }
 
 Tokenizer Tokenizer::fromJson(std::string_view json, const std::string& sourceName) {
   Json root;
   try {
-    root = Json::parse(json);
+    root = Json::parse(json, jsonDepthLimit<Json>(sourceName));
   } catch (const Json::parse_error& e) {
     QPIPE_REQUIRE(false, ErrorCode::kInput, sourceName, ": not valid JSON (syntax error at byte ", e.byte, ")");
+  } catch (const Json::exception& e) {  // a number out of range
+    QPIPE_REQUIRE(false, ErrorCode::kInput, sourceName, ": not valid JSON (", e.what(), ")");
   }
   auto impl = std::make_unique<Impl>();
   impl->source = sourceName;

@@ -222,6 +222,88 @@ class UnloadedLayer final : public DecoderLayer {
   }
 };
 
+// What config.json implies the checkpoint holds, checked from the safetensors headers before any
+// tensor is read (docs/cli.md, Validation): every tensor the family needs is there, a float one
+// has a float dtype and the shape the configuration implies. A quantized module (qpipe's, or a
+// packed weight) keeps whatever layout its format has; only its presence is checked.
+void validateCheckpoint(const std::filesystem::path& dir, const ModelConfig& c, const safetensors::Checkpoint& ckpt,
+                        bool quantized) {
+  const std::string where = concat("checkpoint ", dir.string());
+  int64_t layersPresent = 0;
+  for (const std::string& name : ckpt.names()) {
+    if (!name.starts_with("model.layers.")) continue;
+    const std::string index = name.substr(13, name.find('.', 13) - 13);
+    if (!index.empty() && index.size() < 10 && std::all_of(index.begin(), index.end(), ::isdigit)) {
+      layersPresent = std::max<int64_t>(layersPresent, std::stoll(index) + 1);
+    }
+  }
+  QPIPE_REQUIRE(c.numLayers <= layersPresent, ErrorCode::kInput, where, ": config.json has num_hidden_layers ",
+                c.numLayers, ", but the checkpoint holds ", layersPresent, " layers");
+  const auto isFloat = [](const std::string& dtype) { return dtype.starts_with("F") || dtype == "BF16"; };
+  const auto describeShape = [](const std::vector<int64_t>& shape) {
+    std::string text = "[";
+    for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+    return text + "]";
+  };
+  // A float tensor of exactly this shape.
+  const auto tensor = [&](const std::string& name, const std::vector<int64_t>& shape) {
+    QPIPE_REQUIRE(ckpt.contains(name), ErrorCode::kInput, where, ": missing tensor '", name, "'");
+    const safetensors::TensorInfo& info = ckpt.info(name);
+    QPIPE_REQUIRE(isFloat(info.dtype), ErrorCode::kInput, where, ": tensor '", name, "' has dtype ", info.dtype,
+                  "; expected a floating-point dtype");
+    QPIPE_REQUIRE(info.shape == shape, ErrorCode::kInput, where, ": tensor '", name, "' has shape ",
+                  describeShape(info.shape), ", but config.json implies ", describeShape(shape));
+  };
+  const auto linear = [&](const std::string& name, int64_t out, int64_t in, bool bias) {
+    const std::string weight = name + ".weight";
+    if (ckpt.contains(weight) && (isFloat(ckpt.info(weight).dtype) || !quantized)) {
+      tensor(weight, {out, in});
+    } else {
+      QPIPE_REQUIRE(ckpt.contains(weight) || (quantized && ckpt.contains(name + ".weight_packed")), ErrorCode::kInput,
+                    where, ": missing tensor '", weight, "'");
+    }
+    if (bias) tensor(name + ".bias", {out});
+  };
+  const int64_t hidden = c.hiddenSize, q = c.numHeads * c.headDim, kv = c.numKvHeads * c.headDim;
+  tensor("model.embed_tokens.weight", {c.vocabSize, hidden});
+  tensor("model.norm.weight", {hidden});
+  if (ckpt.contains("lm_head.weight") || ckpt.contains("lm_head.weight_packed")) {
+    linear("lm_head", c.vocabSize, hidden, false);
+  }
+  for (int64_t layer = 0; layer < c.numLayers; ++layer) {
+    const std::string p = concat("model.layers.", layer, ".");
+    linear(p + "self_attn.q_proj", q, hidden, c.attentionBias);
+    linear(p + "self_attn.k_proj", kv, hidden, c.attentionBias);
+    linear(p + "self_attn.v_proj", kv, hidden, c.attentionBias);
+    linear(p + "self_attn.o_proj", hidden, q, c.modelType == "llama" && c.attentionBias);
+    if (c.qkNorm) {
+      tensor(p + "self_attn.q_norm.weight", {c.headDim});
+      tensor(p + "self_attn.k_norm.weight", {c.headDim});
+    }
+    tensor(p + "input_layernorm.weight", {hidden});
+    tensor(p + "post_attention_layernorm.weight", {hidden});
+    if (!c.isMoeLayer(layer)) {
+      linear(p + "mlp.gate_proj", c.intermediateSize, hidden, c.mlpBias);
+      linear(p + "mlp.up_proj", c.intermediateSize, hidden, c.mlpBias);
+      linear(p + "mlp.down_proj", hidden, c.intermediateSize, c.mlpBias);
+      continue;
+    }
+    const int64_t experts = c.numExperts, inter = c.moeIntermediateSize;
+    linear(p + "mlp.gate", experts, hidden, false);
+    if (ckpt.contains(p + "mlp.experts.gate_up_proj")) {
+      tensor(p + "mlp.experts.gate_up_proj", {experts, 2 * inter, hidden});
+      tensor(p + "mlp.experts.down_proj", {experts, hidden, inter});
+      continue;
+    }
+    for (int64_t e = 0; e < experts; ++e) {
+      const std::string expert = concat(p, "mlp.experts.", e, ".");
+      linear(expert + "gate_proj", inter, hidden, false);
+      linear(expert + "up_proj", inter, hidden, false);
+      linear(expert + "down_proj", hidden, inter, false);
+    }
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, ModelOptions options) {
@@ -233,6 +315,7 @@ std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, 
   lm->config_ = ModelConfig::fromFile(modelDir / "config.json");
   lm->quantized_ = detail::QuantizedCheckpoint::detect(modelDir);
   lm->checkpoint_ = safetensors::Checkpoint::open(modelDir, lm->quantized_ ? lm->quantized_->weightsPrefix() : "model");
+  validateCheckpoint(modelDir, lm->config_, lm->checkpoint_, lm->quantized_ != nullptr);
   const ModelConfig& c = lm->config_;
 
   auto model = std::make_shared<Module>("Model");
@@ -280,7 +363,13 @@ std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, 
 at::Tensor CausalLM::stored(const std::string& name) {
   QPIPE_REQUIRE(checkpoint_.contains(name), ErrorCode::kInput, "checkpoint ", dir_.string(), ": missing tensor '", name,
                 "'");
-  return checkpoint_.tensor(name);
+  at::Tensor t = checkpoint_.tensor(name);
+  if (options_.checkFinite && at::isFloatingType(t.scalar_type())) {
+    QPIPE_REQUIRE(at::isfinite(t).all().item<bool>(), ErrorCode::kInput, "checkpoint ", dir_.string(), ": tensor '",
+                  name, "' holds NaN or Inf (", at::isnan(t).sum().item<int64_t>(), " NaN, ",
+                  at::isinf(t).sum().item<int64_t>(), " Inf); --allow_non_finite loads it anyway");
+  }
+  return t;
 }
 
 at::Tensor CausalLM::weight(const std::string& name) {

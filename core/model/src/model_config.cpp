@@ -1,8 +1,11 @@
 #include <nlohmann/json.hpp>
 
-#include <fstream>
+#include <cmath>
+#include <type_traits>
 
 #include "qpipe/error.h"
+#include "qpipe/input_file.h"
+#include "qpipe/json_input.h"
 #include "qpipe/model.h"
 
 namespace qpipe {
@@ -30,8 +33,16 @@ class ConfigReader {
  private:
   template <typename T>
   T get(const char* key) const {
+    // nlohmann converts 2.5 to 2 for an integer: a count must be written as one.
+    const Json& value = json_[key];
+    const bool fits = std::is_same_v<T, bool>       ? value.is_boolean()
+                      : std::is_integral_v<T>       ? value.is_number_integer()
+                      : std::is_floating_point_v<T> ? value.is_number()
+                                                    : true;
+    QPIPE_REQUIRE(fits, ErrorCode::kInput, file_.string(), ": field '", key, "' has the wrong type (", value.dump(),
+                  ")");
     try {
-      return json_[key].get<T>();
+      return value.get<T>();
     } catch (const Json::exception&) {
       throw Error(ErrorCode::kInput,
                   concat(file_.string(), ": field '", key, "' has the wrong type (", json_[key].dump(), ")"));
@@ -51,11 +62,10 @@ at::ScalarType dtypeOf(const std::string& name, const std::filesystem::path& fil
 }  // namespace
 
 ModelConfig ModelConfig::fromFile(const std::filesystem::path& file) {
-  std::ifstream in(file);
-  QPIPE_REQUIRE(in.good(), ErrorCode::kIo, "cannot open '", file.string(), "'");
+  const std::string text = readInputFile(file);
   Json json;
   try {
-    json = Json::parse(in);
+    json = Json::parse(text, jsonDepthLimit<Json>(file.string()));
   } catch (const Json::exception& e) {
     throw Error(ErrorCode::kInput, concat(file.string(), ": not valid JSON (", e.what(), ")"));
   }
@@ -74,11 +84,25 @@ ModelConfig ModelConfig::fromFile(const std::filesystem::path& file) {
   c.numLayers = r.required<int64_t>("num_hidden_layers");
   c.numHeads = r.required<int64_t>("num_attention_heads");
   c.numKvHeads = r.optional<int64_t>("num_key_value_heads", c.numHeads);
+  const auto positive = [&](const char* key, int64_t value) {
+    QPIPE_REQUIRE(value > 0, ErrorCode::kInput, file.string(), ": ", key, " must be at least 1 (found ", value, ")");
+  };
+  positive("vocab_size", c.vocabSize);
+  positive("hidden_size", c.hiddenSize);
+  positive("intermediate_size", c.intermediateSize);
+  positive("num_hidden_layers", c.numLayers);
+  positive("num_attention_heads", c.numHeads);
+  positive("num_key_value_heads", c.numKvHeads);
+  QPIPE_REQUIRE(c.numHeads % c.numKvHeads == 0, ErrorCode::kInput, file.string(), ": num_attention_heads (", c.numHeads,
+                ") must be a multiple of num_key_value_heads (", c.numKvHeads, ")");
+  QPIPE_REQUIRE(json.contains("head_dim") || c.hiddenSize % c.numHeads == 0, ErrorCode::kInput, file.string(),
+                ": hidden_size (", c.hiddenSize, ") is not a multiple of num_attention_heads (", c.numHeads,
+                ") and no head_dim is given");
   c.headDim = r.optional<int64_t>("head_dim", c.hiddenSize / c.numHeads);
-  QPIPE_REQUIRE(c.numHeads > 0 && c.numKvHeads > 0 && c.numHeads % c.numKvHeads == 0, ErrorCode::kInput, file.string(),
-                ": num_attention_heads (", c.numHeads, ") must be a multiple of num_key_value_heads (", c.numKvHeads,
-                ")");
+  positive("head_dim", c.headDim);
   c.rmsNormEps = r.optional<double>("rms_norm_eps", 1e-6);
+  QPIPE_REQUIRE(c.rmsNormEps > 0 && std::isfinite(c.rmsNormEps), ErrorCode::kInput, file.string(),
+                ": rms_norm_eps must be a positive number (found ", c.rmsNormEps, ")");
   c.tieWordEmbeddings = r.optional<bool>("tie_word_embeddings", false);
   c.attentionBias = c.modelType == "qwen2" || r.optional<bool>("attention_bias", false);
   c.mlpBias = r.optional<bool>("mlp_bias", false);
@@ -95,6 +119,8 @@ ModelConfig ModelConfig::fromFile(const std::filesystem::path& file) {
   c.rope.type = ropeReader.optional<std::string>("rope_type", ropeReader.optional<std::string>("type", "default"));
   QPIPE_REQUIRE(c.rope.type == "default" || c.rope.type == "llama3", ErrorCode::kInput, file.string(), ": rope type '",
                 c.rope.type, "' is not supported; supported: default, llama3");
+  QPIPE_REQUIRE(c.rope.theta > 0 && std::isfinite(c.rope.theta), ErrorCode::kInput, file.string(),
+                ": rope_theta must be a positive number (found ", c.rope.theta, ")");
   if (c.rope.type == "llama3") {
     c.rope.factor = ropeReader.required<double>("factor");
     c.rope.lowFreqFactor = ropeReader.required<double>("low_freq_factor");
@@ -111,6 +137,12 @@ ModelConfig ModelConfig::fromFile(const std::filesystem::path& file) {
     c.normTopkProb = r.optional<bool>("norm_topk_prob", false);
     c.decoderSparseStep = r.optional<int64_t>("decoder_sparse_step", 1);
     c.mlpOnlyLayers = r.optional<std::vector<int64_t>>("mlp_only_layers", {});
+    positive("num_experts", c.numExperts);
+    positive("moe_intermediate_size", c.moeIntermediateSize);
+    positive("decoder_sparse_step", c.decoderSparseStep);
+    QPIPE_REQUIRE(c.expertsPerToken >= 1 && c.expertsPerToken <= c.numExperts, ErrorCode::kInput, file.string(),
+                  ": num_experts_per_tok (", c.expertsPerToken, ") must be between 1 and num_experts (", c.numExperts,
+                  ")");
   }
   return c;
 }

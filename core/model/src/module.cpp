@@ -9,6 +9,16 @@
 namespace qpipe {
 
 at::Tensor Module::operator()(const at::Tensor& input) {
+  try {
+    return call(input);
+  } catch (const c10::Error& e) {
+    // The innermost module names the operation; the modules around it pass its Error on.
+    throw Error(ErrorCode::kInternal,
+                concat(typeName_, " forward of ", input.sizes(), " ", input.scalar_type(), ": ", oneLine(e)));
+  }
+}
+
+at::Tensor Module::call(const at::Tensor& input) {
   if (hooks_.empty()) return forward(input);
   at::Tensor x = input;
   for (auto& hook : hooks_) {

@@ -11,6 +11,8 @@
 
 #include "qpipe/attention_quant.h"
 #include "qpipe/error.h"
+#include "qpipe/input_file.h"
+#include "qpipe/json_input.h"
 
 namespace qpipe::detail {
 
@@ -169,10 +171,9 @@ namespace {
 using Json = nlohmann::ordered_json;
 
 Json readJson(const fs::path& path) {
-  std::ifstream in(path);
-  QPIPE_REQUIRE(in.good(), ErrorCode::kIo, "cannot read '", path.string(), "'");
+  const std::string text = readInputFile(path);
   try {
-    return Json::parse(in);
+    return Json::parse(text, jsonDepthLimit<Json>(path.string()));
   } catch (const Json::exception& e) {
     throw Error(ErrorCode::kInput, concat(path.string(), ": not valid JSON (", e.what(), ")"));
   }

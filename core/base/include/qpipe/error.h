@@ -25,6 +25,10 @@ std::string_view errorCodeName(ErrorCode code);
 // The text up to its first newline: one line of a multi-line message (a c10 backtrace follows it).
 std::string firstLine(std::string_view text);
 
+// The message of an exception in one line. A LibTorch error (c10::Error) gives its message
+// without the C++ backtrace that follows it; the whole text goes to the log at debug level.
+std::string oneLine(const std::exception& error);
+
 class Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}

@@ -92,6 +92,9 @@ class DecoderLayer : public Module {
 struct ModelOptions {
   at::ScalarType dtype = at::kFloat;  // compute dtype
   at::Device device = at::kCPU;
+  // Every floating-point tensor read from the checkpoint is checked for NaN and Inf as it is read
+  // (Error(kInput) naming it), and the savers check what they write; false skips both.
+  bool checkFinite = true;
 };
 
 class CausalLM {

@@ -47,7 +47,8 @@ class Module {
                                            " (did an earlier processor of the pipeline replace it?)"));
   }
 
-  // Runs pre-hooks, forward, post-hooks.
+  // Runs pre-hooks, forward, post-hooks. A LibTorch error inside becomes Error(kInternal) naming
+  // the module's type and its input, in one line.
   at::Tensor operator()(const at::Tensor& input);
   // Single-tensor forward; modules with other signatures do not override it (Error(kInternal)).
   virtual at::Tensor forward(const at::Tensor& input);
@@ -90,6 +91,7 @@ class Module {
   void to(at::Device device, std::optional<at::ScalarType> dtype = std::nullopt);
 
  private:
+  at::Tensor call(const at::Tensor& input);  // operator() without the translation
   struct Hook {
     HookHandle handle;
     PreHook pre;

@@ -38,6 +38,7 @@ struct QuantizeOptions {
   int64_t calibSamples = 128;
   int64_t seqLen = 512;
   c10::Device device = c10::Device(c10::kCPU);
+  bool checkFinite = true;                  // ModelOptions::checkFinite
   std::vector<PluginSearchDir> pluginPath;  // searched in order (PluginLoader::searchPath)
   // This process's place in the run, known before any rank joins.
   int rank = 0;

@@ -1,0 +1,19 @@
+// Files a user names (models, data, pipelines, tokenizers) are read only when they are regular
+// files: opening a FIFO blocks until a writer comes, and a character device may never end, so
+// either would hang a run instead of failing it (docs/cli.md, Validation).
+#pragma once
+
+#include <filesystem>
+#include <string>
+
+namespace qpipe {
+
+// Error(kIo) "cannot open '<path>': no such file" when it does not exist, Error(kInput) "'<path>'
+// is not a regular file (a FIFO)" (or a directory, a character device, …) when it is something
+// else. It follows symbolic links.
+void requireRegularFile(const std::filesystem::path& path);
+
+// The whole of a regular file (requireRegularFile first).
+std::string readInputFile(const std::filesystem::path& path);
+
+}  // namespace qpipe

@@ -1,0 +1,43 @@
+#include "qpipe/input_file.h"
+
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+
+#include "qpipe/error.h"
+
+namespace qpipe {
+
+namespace {
+
+const char* kindOf(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a file";
+}
+
+}  // namespace
+
+void requireRegularFile(const std::filesystem::path& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    throw Error(ErrorCode::kIo, concat("cannot open '", path.string(), "': ", std::strerror(errno)));
+  }
+  QPIPE_REQUIRE(S_ISREG(st.st_mode), ErrorCode::kInput, "'", path.string(), "' is not a regular file (",
+                kindOf(st.st_mode), ")");
+}
+
+std::string readInputFile(const std::filesystem::path& path) {
+  requireRegularFile(path);
+  std::ifstream in(path, std::ios::binary);
+  QPIPE_REQUIRE(in.good(), ErrorCode::kIo, "cannot open '", path.string(), "': ", std::strerror(errno));
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+}  // namespace qpipe

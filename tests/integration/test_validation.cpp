@@ -1,0 +1,212 @@
+// Bad input as a careless or hostile user gives it (issue 17): each is one line naming the problem,
+// before work starts where it can be, and nothing at --save_path. Each test checks the whole line.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <fstream>
+#include <string>
+
+#include "qpipe/safetensors.h"
+#include "test_helpers.h"
+#include "tiny_model.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using qpipe::test::CommandResult;
+
+fs::path textFile() {
+  return qpipe::test::writeTempFile(
+      "text.txt", "the quick brown fox jumps over the lazy dog, then the dog sleeps. he thinks the fox is there.\n");
+}
+
+CommandResult eval(const fs::path& model, const std::string& more = "") {
+  return qpipe::test::runQpipe("eval --model_path " + model.string() + " --data " + textFile().string() +
+                               " --seq_len 16 " + more);
+}
+
+std::string inputError(const std::string& message) {
+  return "qpipe: input error: " + message + "\n";
+}
+
+// The last line of `err` (the error, after any log lines), with its newline.
+std::string lastLine(const std::string& err) {
+  const size_t start = err.rfind('\n', err.size() >= 2 ? err.size() - 2 : 0);
+  return start == std::string::npos || err.size() < 2 ? err : err.substr(start + 1);
+}
+
+// The tiny Llama with tensor `name` replaced by `replacement`.
+fs::path withTensor(const std::string& dirName, const std::string& name, const at::Tensor& replacement) {
+  const fs::path dir = qpipe::test::tinyLlama(dirName);
+  const fs::path file = dir / "model.safetensors";
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  {
+    const auto source = qpipe::safetensors::File::open(file);
+    for (const auto& info : source->tensors()) {
+      tensors.emplace_back(info.name, info.name == name ? replacement : source->tensor(info.name).clone());
+    }
+  }
+  fs::remove(file);
+  qpipe::safetensors::Writer writer(dir);
+  for (const auto& [tensorName, tensor] : tensors) writer.add(tensorName, tensor);
+  writer.finish();
+  return dir;
+}
+
+// The tiny Llama with config.json replaced.
+fs::path withConfig(const std::string& dirName, const std::string& json) {
+  const fs::path dir = qpipe::test::tinyLlama(dirName);
+  std::ofstream(dir / "config.json", std::ios::trunc) << json;
+  return dir;
+}
+
+const std::string kConfigHead =
+    R"({"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24, )";
+
+TEST(Validation, ConfigValuesAreCheckedBeforeAnyDivisionOrAllocation) {
+  const struct {
+    const char* name;
+    std::string rest;
+    std::string error;
+  } cases[] = {
+      {"zero_heads", R"("num_hidden_layers": 2, "num_attention_heads": 0})",
+       "num_attention_heads must be at least 1 (found 0)"},
+      {"float_layers", R"("num_hidden_layers": 2.5, "num_attention_heads": 4})",
+       "field 'num_hidden_layers' has the wrong type (2.5)"},
+      {"indivisible", R"("num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 3})",
+       "hidden_size (16) is not a multiple of num_attention_heads (3) and no head_dim is given"},
+      {"kv_heads", R"("num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 3})",
+       "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"},
+      {"eps", R"("num_hidden_layers": 2, "num_attention_heads": 4, "rms_norm_eps": -1})",
+       "rms_norm_eps must be a positive number (found -1)"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const fs::path dir = withConfig(std::string("config_") + c.name, kConfigHead + c.rest);
+    const CommandResult r = eval(dir);
+    EXPECT_EQ(r.exitCode, 5) << r.err;
+    EXPECT_EQ(r.err, inputError((dir / "config.json").string() + ": " + c.error));
+  }
+  // An absurd layer count fails at once, not after allocating the layers.
+  const fs::path dir =
+      withConfig("config_layers", kConfigHead + R"("num_hidden_layers": 1000000000000, "num_attention_heads": 4})");
+  const CommandResult r = eval(dir);
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(r.err, inputError("checkpoint " + dir.string() +
+                              ": config.json has num_hidden_layers 1000000000000, but the checkpoint holds 2 layers"));
+}
+
+TEST(Validation, TensorsMustHaveTheShapeAndDtypeConfigJsonImplies) {
+  const std::string q = "model.layers.1.self_attn.q_proj.weight";
+  const struct {
+    const char* name;
+    std::string tensor;
+    at::Tensor value;
+    std::string error;
+  } cases[] = {
+      {"transposed", "model.layers.1.mlp.down_proj.weight", at::zeros({24, 16}),
+       "tensor 'model.layers.1.mlp.down_proj.weight' has shape [24, 16], but config.json implies [16, 24]"},
+      {"extra_dim", q, at::zeros({1, 16, 16}),
+       "tensor '" + q + "' has shape [1, 16, 16], but config.json implies [16, 16]"},
+      {"integer", "model.layers.0.input_layernorm.weight", at::zeros({16}, at::kInt),
+       "tensor 'model.layers.0.input_layernorm.weight' has dtype I32; expected a floating-point dtype"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const fs::path dir = withTensor(std::string("tensor_") + c.name, c.tensor, c.value);
+    const CommandResult r = eval(dir);
+    EXPECT_EQ(r.exitCode, 5) << r.err;
+    EXPECT_EQ(r.err, inputError("checkpoint " + dir.string() + ": " + c.error));
+  }
+  const fs::path dir = qpipe::test::tinyLlama("tensor_missing", {q});
+  const CommandResult r = eval(dir);
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(r.err, inputError("checkpoint " + dir.string() + ": missing tensor '" + q + "'"));
+}
+
+TEST(Validation, ATensorInTwoShardsIsRefused) {
+  const fs::path dir = qpipe::test::tinyLlama("two_shards");
+  const auto whole = qpipe::safetensors::File::open(dir / "model.safetensors");
+  // part-b holds the embeddings, which the index lists there, and model.norm.weight, which it
+  // lists in part-a.
+  const std::string embed = "model.embed_tokens.weight";
+  std::string index = R"({"metadata": {}, "weight_map": {")" + embed + R"(": "part-b.safetensors", )";
+  {
+    qpipe::safetensors::Writer first(dir, {.filePrefix = "part-a"});
+    for (const auto& info : whole->tensors()) {
+      if (info.name == embed) continue;
+      first.add(info.name, whole->tensor(info.name));
+      index += "\"" + info.name + "\": \"part-a.safetensors\", ";
+    }
+    first.finish();
+    qpipe::safetensors::Writer second(dir, {.filePrefix = "part-b"});
+    second.add(embed, whole->tensor(embed));
+    second.add("model.norm.weight", whole->tensor("model.norm.weight"));
+    second.finish();
+  }
+  index.resize(index.size() - 2);
+  std::ofstream(dir / "model.safetensors.index.json") << index << "}}";
+  fs::remove(dir / "model.safetensors");
+  const CommandResult r = eval(dir);
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(r.err,
+            inputError((dir / "model.safetensors.index.json").string() +
+                       ": tensor 'model.norm.weight' is in two shards, part-a.safetensors and part-b.safetensors"));
+}
+
+TEST(Validation, NonFiniteWeightsAreRefusedUnlessAllowedAndThenTheLossAndTheScalesAre) {
+  const std::string q = "model.layers.0.self_attn.q_proj.weight";
+  at::Tensor weight = at::randn({16, 16}) * 0.2;
+  weight[3][5] = std::numeric_limits<float>::quiet_NaN();
+  weight[4][1] = std::numeric_limits<float>::infinity();
+  const fs::path dir = withTensor("nan_weight", q, weight);
+  const CommandResult refused = eval(dir);
+  EXPECT_EQ(refused.exitCode, 5) << refused.err;
+  EXPECT_EQ(lastLine(refused.err), inputError("checkpoint " + dir.string() + ": tensor '" + q +
+                                              "' holds NaN or Inf (1 NaN, 1 Inf); --allow_non_finite loads it anyway"));
+  const CommandResult allowed = eval(dir, "--allow_non_finite");
+  EXPECT_EQ(allowed.exitCode, 5) << allowed.err;
+  EXPECT_EQ(
+      lastLine(allowed.err),
+      inputError("perplexity: window 0 (tokens 0 to 16) has a non-finite loss (nan): the model computes NaN or Inf"));
+  // Quantized, the NaN becomes a NaN scale: refused before anything is saved.
+  const fs::path out = qpipe::test::testDir() / "nan_out";
+  fs::remove_all(out);
+  const CommandResult quant = qpipe::test::runQpipe(
+      "quant --model_path " + dir.string() + " --save_path " + out.string() + " --quant_type w8a8 --calib_data " +
+      textFile().string() + " --calib_samples 2 --seq_len 16 --allow_non_finite");
+  EXPECT_EQ(quant.exitCode, 5) << quant.err;
+  EXPECT_EQ(lastLine(quant.err),
+            inputError("tensor 'model.layers.0.self_attn.q_proj.weight_scale' to be saved holds NaN or Inf; nothing is "
+                       "saved"));
+  EXPECT_FALSE(fs::exists(out / "model.safetensors"));
+}
+
+TEST(Validation, DeepNestingIsAnErrorNotAStackOverflow) {
+  const fs::path dir = withConfig("deep_config", std::string(100000, '[') + std::string(100000, ']'));
+  const CommandResult json = eval(dir);
+  EXPECT_EQ(json.exitCode, 5) << json.err;
+  EXPECT_EQ(json.err, inputError((dir / "config.json").string() + ": JSON nested deeper than 100 levels"));
+
+  const std::string yaml = std::string(5000, '[') + std::string(5000, ']');
+  const fs::path pipeline = qpipe::test::writeTempFile("deep.yaml", yaml);
+  const CommandResult deep = qpipe::test::runQpipe("check --config_path " + pipeline.string());
+  EXPECT_EQ(deep.exitCode, 3) << deep.err;
+  EXPECT_EQ(deep.err, "qpipe: configuration error: " + pipeline.string() + ":1:101: nested deeper than 100 levels\n");
+}
+
+TEST(Validation, AFifoIsRefusedNotReadForever) {
+  const fs::path fifo = qpipe::test::testDir() / "fifo.jsonl";
+  fs::remove(fifo);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const CommandResult data =
+      qpipe::test::runQpipe("eval --model_path " + qpipe::test::tinyLlama("fifo_model").string() + " --data " +
+                            fifo.string() + " --seq_len 16");
+  EXPECT_EQ(data.exitCode, 5) << data.err;
+  EXPECT_EQ(data.err, inputError("'" + fifo.string() + "' is not a regular file (a FIFO)"));
+  const CommandResult pipeline = qpipe::test::runQpipe("check --config_path " + fifo.string());
+  EXPECT_EQ(pipeline.exitCode, 5) << pipeline.err;
+  EXPECT_EQ(pipeline.err, inputError("'" + fifo.string() + "' is not a regular file (a FIFO)"));
+}
+
+}  // namespace
