@@ -55,4 +55,13 @@ TEST(EvalCheckpointErrors, OverlappingOffsets) {
   expectInputError(eval(model), model, "tensor 'b': data_offsets [4, 12] overlap tensor 'a' (which ends at 8)");
 }
 
+// JSON keeps the last of two equal keys; a header naming a tensor twice would lose one silently.
+TEST(EvalCheckpointErrors, ATensorNamedTwice) {
+  const fs::path model = brokenModel(
+      "twice",
+      R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+      8);
+  expectInputError(eval(model), model, "header names 'a' twice");
+}
+
 }  // namespace

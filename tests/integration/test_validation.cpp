@@ -207,6 +207,9 @@ TEST(Validation, AFifoIsRefusedNotReadForever) {
   const CommandResult pipeline = qpipe::test::runQpipe("check --config_path " + fifo.string());
   EXPECT_EQ(pipeline.exitCode, 5) << pipeline.err;
   EXPECT_EQ(pipeline.err, inputError("'" + fifo.string() + "' is not a regular file (a FIFO)"));
+  const CommandResult device = qpipe::test::runQpipe("check --config_path /dev/zero");
+  EXPECT_EQ(device.exitCode, 5) << device.err;
+  EXPECT_EQ(device.err, inputError("'/dev/zero' is not a regular file (a character device)"));
 }
 
 }  // namespace
