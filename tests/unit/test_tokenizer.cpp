@@ -128,7 +128,7 @@ TEST(Tokenizer, NormalizerAndSplitPreTokenizer) {
 
 TEST(Tokenizer, MissingFileIsAnIoError) {
   EXPECT_EQ(test::errorOf([] { Tokenizer::fromFile("/nonexistent/tokenizer.json"); }, ErrorCode::kIo),
-            "/nonexistent/tokenizer.json: cannot open tokenizer file");
+            "cannot open '/nonexistent/tokenizer.json': no such file");
 }
 
 TEST(Tokenizer, MalformedJsonIsAnInputError) {

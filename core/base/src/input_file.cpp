@@ -27,7 +27,8 @@ const char* kindOf(mode_t mode) {
 void requireRegularFile(const std::filesystem::path& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
-    throw Error(ErrorCode::kIo, concat("cannot open '", path.string(), "': ", std::strerror(errno)));
+    throw Error(ErrorCode::kIo,
+                concat("cannot open '", path.string(), "': ", errno == ENOENT ? "no such file" : std::strerror(errno)));
   }
   QPIPE_REQUIRE(S_ISREG(st.st_mode), ErrorCode::kInput, "'", path.string(), "' is not a regular file (",
                 kindOf(st.st_mode), ")");

@@ -146,7 +146,7 @@ void SaverBase::add(const std::string& name, const at::Tensor& tensor) {
   // quantization parameters are checked always; the float weights unless the user allowed them.
   const bool parameter = name.ends_with("scale") || name.ends_with("offset") || name.ends_with("zero_point");
   if ((parameter || model_.options().checkFinite) && at::isFloatingType(tensor.scalar_type())) {
-    QPIPE_REQUIRE(at::isfinite(tensor).all().item<bool>(), ErrorCode::kInput, "tensor '", name,
+    QPIPE_REQUIRE(allFinite(tensor), ErrorCode::kInput, "tensor '", name,
                   "' to be saved holds NaN or Inf; nothing is saved");
   }
   writer_->add(name, tensor);

@@ -360,14 +360,20 @@ std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, 
   return lm;
 }
 
+bool allFinite(const at::Tensor& tensor) {
+  const bool native = tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kDouble ||
+                      tensor.scalar_type() == at::kBFloat16 || tensor.scalar_type() == at::kHalf;
+  return at::isfinite(native ? tensor : tensor.to(at::kFloat)).all().item<bool>();
+}
+
 at::Tensor CausalLM::stored(const std::string& name) {
   QPIPE_REQUIRE(checkpoint_.contains(name), ErrorCode::kInput, "checkpoint ", dir_.string(), ": missing tensor '", name,
                 "'");
   at::Tensor t = checkpoint_.tensor(name);
   if (options_.checkFinite && at::isFloatingType(t.scalar_type())) {
-    QPIPE_REQUIRE(at::isfinite(t).all().item<bool>(), ErrorCode::kInput, "checkpoint ", dir_.string(), ": tensor '",
-                  name, "' holds NaN or Inf (", at::isnan(t).sum().item<int64_t>(), " NaN, ",
-                  at::isinf(t).sum().item<int64_t>(), " Inf); --allow_non_finite loads it anyway");
+    QPIPE_REQUIRE(allFinite(t), ErrorCode::kInput, "checkpoint ", dir_.string(), ": tensor '", name,
+                  "' holds NaN or Inf (", at::isnan(t.to(at::kFloat)).sum().item<int64_t>(), " NaN, ",
+                  at::isinf(t.to(at::kFloat)).sum().item<int64_t>(), " Inf); --allow_non_finite loads it anyway");
   }
   return t;
 }

@@ -89,6 +89,10 @@ class DecoderLayer : public Module {
   std::string family_;
 };
 
+// True when no element of a floating-point tensor is NaN or ±Inf (any float dtype, the fp8 ones
+// included, which LibTorch's isfinite does not take).
+bool allFinite(const at::Tensor& tensor);
+
 struct ModelOptions {
   at::ScalarType dtype = at::kFloat;  // compute dtype
   at::Device device = at::kCPU;
