@@ -540,7 +540,10 @@ void Tokenizer::Impl::parsePostProcessor(const Json& node, const std::string& pa
       const auto& item = single[i];
       QPIPE_REQUIRE(item.is_object() && item.size() == 1, ErrorCode::kInput, source, ": ", where,
                     " must be {\"SpecialToken\": ...} or {\"Sequence\": ...}, not ", item.dump());
-      const auto& [kind, body] = *item.items().begin();
+      // The key and value through the iterator itself: a structured binding of items()'s proxy
+      // keeps a reference into a temporary (AddressSanitizer: stack-use-after-scope).
+      const std::string kind = item.begin().key();
+      const Json& body = item.begin().value();
       const auto name = stringAt(source, member(source, body, "id", where + "." + kind), where + "." + kind + ".id");
       if (kind == "Sequence") {
         QPIPE_REQUIRE(name == "A" && !seenSequence, ErrorCode::kInput, source, ": ", where,
