@@ -60,15 +60,11 @@ Folder scan(const std::string& path) {
   return folder;
 }
 
-std::string readFile(const fs::path& path) {
-  return readInputFile(path);
-}
-
 // Index files name their shards, which is layout, not content: they compare equal when their
 // weight maps list the same tensors.
 bool sameFile(const fs::path& left, const fs::path& right) {
-  const std::string a = readFile(left);
-  const std::string b = readFile(right);
+  const std::string a = readInputFile(left);
+  const std::string b = readInputFile(right);
   if (left.extension() != ".json") return a == b;
   nlohmann::json x = nlohmann::json::parse(a, nullptr, false);
   nlohmann::json y = nlohmann::json::parse(b, nullptr, false);
