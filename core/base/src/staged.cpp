@@ -9,9 +9,41 @@
 
 #include "qpipe/error.h"
 
+#if defined(__SANITIZE_ADDRESS__)
+#define QPIPE_ASAN_FIBERS 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define QPIPE_ASAN_FIBERS 1
+#endif
+#endif
+#ifdef QPIPE_ASAN_FIBERS
+#include <sanitizer/common_interface_defs.h>
+#endif
+
 namespace qpipe {
 
 namespace {
+
+// AddressSanitizer tracks one stack per thread; without being told of each switch it takes a
+// task's frames for wild writes and cannot unwind an exception thrown on a task's stack. These
+// tell it which stack runs next (a null `save` when the fiber leaving will not come back).
+struct FiberStack {
+  const void* bottom = nullptr;
+  size_t size = 0;
+};
+
+void leaveFiber([[maybe_unused]] void** save, [[maybe_unused]] const FiberStack& to) {
+#ifdef QPIPE_ASAN_FIBERS
+  __sanitizer_start_switch_fiber(save, to.bottom, to.size);
+#endif
+}
+
+void enterFiber([[maybe_unused]] void* saved, [[maybe_unused]] FiberStack* from) {
+#ifdef QPIPE_ASAN_FIBERS
+  __sanitizer_finish_switch_fiber(saved, from != nullptr ? &from->bottom : nullptr,
+                                  from != nullptr ? &from->size : nullptr);
+#endif
+}
 
 // Reserved per task, committed only as touched; ATen ops keep their buffers on the heap, so a task
 // uses a few pages of it.
@@ -30,12 +62,15 @@ struct Task {
   const void* point = nullptr;                    // while waiting
   const std::function<void()>* settle = nullptr;  // while waiting: lives in the task's frame
   std::exception_ptr error;
+  void* fakeStack = nullptr;  // ASan's, saved while the task is switched out
 };
 
 struct Run {
   const std::function<void(int64_t)>* body = nullptr;
   std::vector<Task> tasks;
   ucontext_t scheduler{};
+  FiberStack schedulerStack;  // learned on the first switch into a task
+  void* schedulerFakeStack = nullptr;
   int64_t current = -1;
   bool aborting = false;
   size_t stackBytes = 0;  // guard page included
@@ -47,6 +82,7 @@ void taskEntry() {
   Run& run = *active;
   const int64_t index = run.current;
   Task& task = run.tasks[static_cast<size_t>(index)];
+  enterFiber(nullptr, &run.schedulerStack);
   try {
     (*run.body)(index);
   } catch (const Aborted&) {
@@ -54,7 +90,8 @@ void taskEntry() {
     task.error = std::current_exception();
   }
   task.state = State::kDone;
-  // Returning resumes uc_link, the scheduler.
+  // Returning resumes uc_link, the scheduler; this stack is not entered again.
+  leaveFiber(nullptr, run.schedulerStack);
 }
 
 void releaseStack(Task& task, size_t bytes) {
@@ -84,7 +121,10 @@ void resume(Run& run, int64_t index) {
   if (task.state == State::kNew) start(run, task);
   task.state = State::kRunning;
   run.current = index;
-  QPIPE_CHECK(::swapcontext(&run.scheduler, &task.context) == 0, "staged run: swapcontext failed");
+  leaveFiber(&run.schedulerFakeStack, {task.context.uc_stack.ss_sp, task.context.uc_stack.ss_size});
+  const int swapped = ::swapcontext(&run.scheduler, &task.context);
+  enterFiber(run.schedulerFakeStack, nullptr);
+  QPIPE_CHECK(swapped == 0, "staged run: swapcontext failed");
   run.current = -1;
   if (task.state == State::kDone) releaseStack(task, run.stackBytes);
 }
@@ -156,7 +196,10 @@ void settlePoint(const void* point, const std::function<void()>& settle) {
   task.state = State::kWaiting;
   task.point = point;
   task.settle = &settle;
-  QPIPE_CHECK(::swapcontext(&task.context, &run.scheduler) == 0, "staged run: swapcontext failed");
+  leaveFiber(&task.fakeStack, run.schedulerStack);
+  const int swapped = ::swapcontext(&task.context, &run.scheduler);
+  enterFiber(task.fakeStack, nullptr);
+  QPIPE_CHECK(swapped == 0, "staged run: swapcontext failed");
   task.point = nullptr;
   task.settle = nullptr;
   if (run.aborting) throw Aborted{};
