@@ -262,11 +262,17 @@ at::Tensor SmoothingProcessor::gatherAbsMean(Watched& w) const {
 
 ConfigNode SmoothingProcessor::smooth(LayerRequest& request, Watched& w) const {
   const Subgraph& graph = w.graph;
-  if (!w.max.ge(w.min).all().item<bool>()) {
+  // Channels no token reached hold min > max (all of them or none); NaN compares false as well.
+  const bool nan = at::isnan(w.min).any().item<bool>() || at::isnan(w.max).any().item<bool>();
+  if (!nan && !w.max.ge(w.min).all().item<bool>()) {
     context_.logger->warn(type_, ": no calibration token reached ", moduleName(request, w.firstPath), "; ",
                           describe(w.name, graph), " is left unsmoothed");
     return ConfigNode();
   }
+  QPIPE_REQUIRE(!nan && at::isfinite(w.min).all().item<bool>() && at::isfinite(w.max).all().item<bool>(),
+                ErrorCode::kInput, type_, ": the calibration inputs of ", describe(w.name, graph),
+                " hold NaN or Inf, so it has no finite smoothing scale (does the float model overflow on the calibration data? `qpipe "
+                "eval` shows it)");
   std::vector<Linear*> consumers;
   std::vector<at::Tensor> weights;
   for (const std::string& target : graph.targets) {

@@ -29,6 +29,17 @@ TEST(ModuleTree, ALibTorchErrorInAForwardIsOneLineNamingTheModule) {
                 },
                 ErrorCode::kInternal),
             "Linear forward of [2, 5] Float: mat1 and mat2 shapes cannot be multiplied (2x5 and 3x4)");
+  // In a tree, by its path from the root, through a replacement too.
+  auto model = CausalLM::open(test::tinyLlama("forward_error"));
+  Module& mlp = model->layer(0).getSubmodule("mlp");
+  model->root().replace("model.layers.0.mlp.down_proj", std::make_shared<Linear>(at::zeros({16, 3})));
+  EXPECT_EQ(test::errorOf(
+                [&] {
+                  mlp.getSubmodule("down_proj")(at::zeros({2, 24}));
+                },
+                ErrorCode::kInternal),
+            "model.layers.0.mlp.down_proj (Linear) forward of [2, 24] Float: mat1 and mat2 shapes cannot be "
+            "multiplied (2x24 and 3x16)");
 }
 
 TEST(ModuleTree, LayersLoadOnDemandUnderHuggingFaceNames) {

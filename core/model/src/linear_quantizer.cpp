@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include "qpipe/error.h"
+#include "qpipe/model.h"
 #include "qpipe/staged.h"
 
 namespace qpipe {
@@ -111,6 +112,13 @@ void LinearQuantizer::freeze() {
   if (minMax_ && !minMax_->empty()) params = minMax_->qparams();
   if (histogram_ && !histogram_->empty()) params = histogram_->qparams();
   if (params) {
+    // The histogram drops non-finite values; a min-max range takes them in, and a NaN or infinite
+    // scale would compute NaN from here on and end in a checkpoint that does.
+    const std::string where = path();
+    QPIPE_REQUIRE(allFinite(params->scale) && (!params->zeroPoint.defined() || allFinite(params->zeroPoint)),
+                  ErrorCode::kInput, where.empty() ? "a static activation" : where,
+                  ": the inputs it saw in calibration hold NaN or Inf, so its static activation scale is not finite "
+                  "(does the float model overflow on the calibration data? `qpipe eval` shows it)");
     // The observer's state may have come back from a cross-rank sync on the CPU.
     const at::Device device = qweight_.device();
     const auto onDevice = [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; };

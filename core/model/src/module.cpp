@@ -8,13 +8,20 @@
 
 namespace qpipe {
 
+Module::~Module() {
+  for (auto& [name, child] : children_) {
+    if (child->parent_ == this) child->parent_ = nullptr;
+  }
+}
+
 at::Tensor Module::operator()(const at::Tensor& input) {
   try {
     return call(input);
   } catch (const c10::Error& e) {
     // The innermost module names the operation; the modules around it pass its Error on.
-    throw Error(ErrorCode::kInternal,
-                concat(typeName_, " forward of ", input.sizes(), " ", input.scalar_type(), ": ", oneLine(e)));
+    const std::string where = path();
+    throw Error(ErrorCode::kInternal, concat(where.empty() ? "" : where + " (", typeName_, where.empty() ? "" : ")",
+                                             " forward of ", input.sizes(), " ", input.scalar_type(), ": ", oneLine(e)));
   }
 }
 
@@ -56,6 +63,7 @@ void Module::removeHook(HookHandle handle) {
 
 size_t Module::addChild(std::string name, std::shared_ptr<Module> child) {
   QPIPE_CHECK(child != nullptr, "null child '", name, "'");
+  child->parent_ = this;
   children_.emplace_back(std::move(name), std::move(child));
   return children_.size() - 1;
 }
@@ -86,20 +94,32 @@ Module& Module::getSubmodule(std::string_view path) {
   return *current;
 }
 
-std::shared_ptr<Module>& Module::slot(std::string_view path) {
+std::shared_ptr<Module> Module::replace(std::string_view path, std::shared_ptr<Module> replacement) {
+  QPIPE_CHECK(replacement != nullptr, "replacing '", path, "' with null");
   const size_t dot = path.rfind('.');
   Module& parent = dot == std::string_view::npos ? *this : getSubmodule(path.substr(0, dot));
   const std::string_view name = dot == std::string_view::npos ? path : path.substr(dot + 1);
   for (auto& [childName, child] : parent.children_) {
-    if (childName == name) return child;
+    if (childName != name) continue;
+    if (child->parent_ == &parent) child->parent_ = nullptr;
+    replacement->parent_ = &parent;
+    std::swap(child, replacement);
+    return replacement;
   }
   throw Error(ErrorCode::kInput, concat("no module '", path, "'"));
 }
 
-std::shared_ptr<Module> Module::replace(std::string_view path, std::shared_ptr<Module> replacement) {
-  QPIPE_CHECK(replacement != nullptr, "replacing '", path, "' with null");
-  std::swap(slot(path), replacement);
-  return replacement;
+std::string Module::path() const {
+  std::vector<std::string_view> names;
+  for (const Module* m = this; m->parent_ != nullptr; m = m->parent_) {
+    const auto& siblings = m->parent_->children_;
+    auto it = std::find_if(siblings.begin(), siblings.end(), [&](const auto& entry) { return entry.second.get() == m; });
+    if (it == siblings.end()) break;
+    names.push_back(it->first);
+  }
+  std::string out;
+  for (auto name = names.rbegin(); name != names.rend(); ++name) out += (out.empty() ? "" : ".") + std::string(*name);
+  return out;
 }
 
 std::vector<std::pair<std::string, Module*>> Module::namedModules(const std::string& prefix) {

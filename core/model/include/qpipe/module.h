@@ -32,7 +32,7 @@ class Module {
   using HookHandle = uint64_t;
 
   explicit Module(std::string typeName) : typeName_(std::move(typeName)) {}
-  virtual ~Module() = default;
+  virtual ~Module();
   Module(const Module&) = delete;
   Module& operator=(const Module&) = delete;
 
@@ -48,7 +48,7 @@ class Module {
   }
 
   // Runs pre-hooks, forward, post-hooks. A LibTorch error inside becomes Error(kInternal) naming
-  // the module's type and its input, in one line.
+  // the module (its path and type) and its input, in one line.
   at::Tensor operator()(const at::Tensor& input);
   // Single-tensor forward; modules with other signatures do not override it (Error(kInternal)).
   virtual at::Tensor forward(const at::Tensor& input);
@@ -72,6 +72,9 @@ class Module {
   Module& getSubmodule(std::string_view path);
   // Puts `replacement` where `path` is; the old module is returned (and dropped by the caller).
   std::shared_ptr<Module> replace(std::string_view path, std::shared_ptr<Module> replacement);
+  // The dotted path from the root of the tree this module is in ("model.layers.3.mlp"); empty
+  // for a root or a module in no tree. For messages: it walks up and searches each parent.
+  std::string path() const;
   // This module and every descendant, depth first, with full names under `prefix`.
   std::vector<std::pair<std::string, Module*>> namedModules(const std::string& prefix = "");
 
@@ -97,10 +100,9 @@ class Module {
     PreHook pre;
     PostHook post;
   };
-  // The slot holding the module at `path`; Error(kInput) naming the path if absent.
-  std::shared_ptr<Module>& slot(std::string_view path);
 
   std::string typeName_;
+  Module* parent_ = nullptr;  // the module whose slot holds this one; cleared when it lets go
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   std::vector<std::pair<std::string, at::Tensor>> parameters_;
   std::vector<std::pair<std::string, at::Tensor>> buffers_;
