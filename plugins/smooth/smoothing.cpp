@@ -270,8 +270,9 @@ ConfigNode SmoothingProcessor::smooth(LayerRequest& request, Watched& w) const {
     return ConfigNode();
   }
   QPIPE_REQUIRE(!nan && at::isfinite(w.min).all().item<bool>() && at::isfinite(w.max).all().item<bool>(),
-                ErrorCode::kInput, type_, ": the calibration inputs of ", describe(w.name, graph),
-                " hold NaN or Inf, so it has no finite smoothing scale (does the float model overflow on the calibration data? `qpipe "
+                ErrorCode::kInput, "the calibration inputs of ", describe(w.name, graph),
+                " hold NaN or Inf, so it has no finite smoothing scale (does the float model overflow on the "
+                "calibration data? `qpipe "
                 "eval` shows it)");
   std::vector<Linear*> consumers;
   std::vector<at::Tensor> weights;

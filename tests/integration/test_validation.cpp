@@ -196,17 +196,21 @@ TEST(Validation, CalibrationInputsHoldingInfAreAnErrorNamingTheModuleNotAScale) 
   };
   const CommandResult minMax = quant("w8a8_static.yaml");
   EXPECT_EQ(minMax.exitCode, 5) << minMax.err;
-  EXPECT_EQ(lastLine(minMax.err),
-            inputError("model.layers.0.self_attn.q_proj: the inputs it saw in calibration hold NaN or Inf, so its static "
-                       "activation scale is not finite (does the float model overflow on the calibration data? `qpipe "
-                       "eval` shows it)"));
+  EXPECT_EQ(
+      lastLine(minMax.err),
+      inputError("processor 'linear_quant' (plugin 'linear_quant') failed in process(model.layers.0): "
+                 "model.layers.0.self_attn.q_proj: the inputs it saw in calibration hold NaN or Inf, so its static "
+                 "activation scale is not finite (does the float model overflow on the calibration data? `qpipe "
+                 "eval` shows it)"));
   EXPECT_FALSE(fs::exists(out / "model.safetensors"));
   const CommandResult smoothed = quant("w8a8_static_smooth_quant.yaml");
   EXPECT_EQ(smoothed.exitCode, 5) << smoothed.err;
-  EXPECT_EQ(lastLine(smoothed.err),
-            inputError("smooth_quant: the calibration inputs of norm-linear model.layers.0.input_layernorm → "
-                       "self_attn.q_proj, self_attn.k_proj, self_attn.v_proj hold NaN or Inf, so it has no finite "
-                       "smoothing scale (does the float model overflow on the calibration data? `qpipe eval` shows it)"));
+  EXPECT_EQ(
+      lastLine(smoothed.err),
+      inputError("processor 'smooth_quant' (plugin 'smooth') failed in postprocess(model.layers.0): "
+                 "the calibration inputs of norm-linear model.layers.0.input_layernorm → "
+                 "self_attn.q_proj, self_attn.k_proj, self_attn.v_proj hold NaN or Inf, so it has no finite "
+                 "smoothing scale (does the float model overflow on the calibration data? `qpipe eval` shows it)"));
   EXPECT_FALSE(fs::exists(out / "model.safetensors"));
 }
 

@@ -20,8 +20,9 @@ at::Tensor Module::operator()(const at::Tensor& input) {
   } catch (const c10::Error& e) {
     // The innermost module names the operation; the modules around it pass its Error on.
     const std::string where = path();
-    throw Error(ErrorCode::kInternal, concat(where.empty() ? "" : where + " (", typeName_, where.empty() ? "" : ")",
-                                             " forward of ", input.sizes(), " ", input.scalar_type(), ": ", oneLine(e)));
+    throw Error(ErrorCode::kInternal,
+                concat(where.empty() ? "" : where + " (", typeName_, where.empty() ? "" : ")", " forward of ",
+                       input.sizes(), " ", input.scalar_type(), ": ", oneLine(e)));
   }
 }
 
@@ -113,7 +114,8 @@ std::string Module::path() const {
   std::vector<std::string_view> names;
   for (const Module* m = this; m->parent_ != nullptr; m = m->parent_) {
     const auto& siblings = m->parent_->children_;
-    auto it = std::find_if(siblings.begin(), siblings.end(), [&](const auto& entry) { return entry.second.get() == m; });
+    auto it =
+        std::find_if(siblings.begin(), siblings.end(), [&](const auto& entry) { return entry.second.get() == m; });
     if (it == siblings.end()) break;
     names.push_back(it->first);
   }
