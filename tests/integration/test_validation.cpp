@@ -188,30 +188,27 @@ TEST(Validation, CalibrationInputsHoldingInfAreAnErrorNamingTheModuleNotAScale) 
   const fs::path dir = withTensor("overflowing", "model.layers.0.input_layernorm.weight", at::full({16}, 3e38f));
   const fs::path configs = fs::path(QPIPE_SOURCE_DIR) / "configs" / "default";
   const fs::path out = qpipe::test::testDir() / "overflow_out";
-  const auto quant = [&](const std::string& practice) {
+  // Quantizes with `practice`, which must fail with `message` and save nothing.
+  const auto refused = [&](const std::string& practice, const std::string& message) {
     fs::remove_all(out);
-    return qpipe::test::runQpipe("quant --model_path " + dir.string() + " --save_path " + out.string() +
-                                 " --config_path " + (configs / practice).string() + " --calib_data " +
-                                 textFile().string() + " --calib_samples 2 --seq_len 16");
+    const CommandResult r = qpipe::test::runQpipe(
+        "quant --model_path " + dir.string() + " --save_path " + out.string() + " --config_path " +
+        (configs / practice).string() + " --calib_data " + textFile().string() + " --calib_samples 2 --seq_len 16");
+    EXPECT_EQ(r.exitCode, 5) << r.err;
+    EXPECT_EQ(lastLine(r.err), inputError(message)) << practice;
+    EXPECT_FALSE(fs::exists(out / "model.safetensors")) << practice;
   };
-  const CommandResult minMax = quant("w8a8_static.yaml");
-  EXPECT_EQ(minMax.exitCode, 5) << minMax.err;
-  EXPECT_EQ(
-      lastLine(minMax.err),
-      inputError("processor 'linear_quant' (plugin 'linear_quant') failed in process(model.layers.0): "
-                 "model.layers.0.self_attn.q_proj: the inputs it saw in calibration hold NaN or Inf, so its static "
-                 "activation scale is not finite (does the float model overflow on the calibration data? `qpipe "
-                 "eval` shows it)"));
-  EXPECT_FALSE(fs::exists(out / "model.safetensors"));
-  const CommandResult smoothed = quant("w8a8_static_smooth_quant.yaml");
-  EXPECT_EQ(smoothed.exitCode, 5) << smoothed.err;
-  EXPECT_EQ(
-      lastLine(smoothed.err),
-      inputError("processor 'smooth_quant' (plugin 'smooth') failed in postprocess(model.layers.0): "
-                 "the calibration inputs of norm-linear model.layers.0.input_layernorm → "
-                 "self_attn.q_proj, self_attn.k_proj, self_attn.v_proj hold NaN or Inf, so it has no finite "
-                 "smoothing scale (does the float model overflow on the calibration data? `qpipe eval` shows it)"));
-  EXPECT_FALSE(fs::exists(out / "model.safetensors"));
+  const std::string overflow = " (does the float model overflow on the calibration data? `qpipe eval` shows it)";
+  refused("w8a8_static.yaml",
+          "processor 'linear_quant' (plugin 'linear_quant') failed in process(model.layers.0): "
+          "model.layers.0.self_attn.q_proj: the inputs it saw in calibration hold NaN or Inf, so its static "
+          "activation scale is not finite" +
+              overflow);
+  refused("w8a8_static_smooth_quant.yaml",
+          "processor 'smooth_quant' (plugin 'smooth') failed in postprocess(model.layers.0): the calibration inputs "
+          "of norm-linear model.layers.0.input_layernorm → self_attn.q_proj, self_attn.k_proj, self_attn.v_proj "
+          "hold NaN or Inf, so it has no finite smoothing scale" +
+              overflow);
 }
 
 TEST(Validation, DeepNestingIsAnErrorNotAStackOverflow) {
