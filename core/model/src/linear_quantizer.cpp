@@ -115,8 +115,9 @@ void LinearQuantizer::freeze() {
     // The histogram drops non-finite values; a min-max range takes them in, and a NaN or infinite
     // scale would compute NaN from here on and end in a checkpoint that does.
     const std::string where = path();
-    QPIPE_REQUIRE(allFinite(params->scale) && (!params->zeroPoint.defined() || allFinite(params->zeroPoint)),
-                  ErrorCode::kInput, where.empty() ? "a static activation" : where,
+    const auto finite = [](const at::Tensor& t) { return !t.defined() || allFinite(t); };
+    QPIPE_REQUIRE(finite(params->scale) && finite(params->zeroPoint) && finite(params->globalScale), ErrorCode::kInput,
+                  where.empty() ? "a static activation" : where,
                   ": the inputs it saw in calibration hold NaN or Inf, so its static activation scale is not finite "
                   "(does the float model overflow on the calibration data? `qpipe eval` shows it)");
     // The observer's state may have come back from a cross-rank sync on the CPU.
