@@ -1,4 +1,4 @@
-// An in-process mutation fuzzer for every parser a user's file reaches (docs/testing.md, Fuzzing):
+// An in-process mutation fuzzer for every parser a user's file reaches (CONTRIBUTING.md, Fuzzing):
 //   qpipe_fuzz TARGET SECONDS CORPUS_DIR [FINDINGS_DIR]
 // TARGET is safetensors, gguf, tokenizer, config, yaml or data. Each execution mutates a corpus
 // file (bit flips, byte edits, insertions and deletions of random or JSON/YAML-significant bytes,
