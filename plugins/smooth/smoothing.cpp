@@ -269,7 +269,7 @@ ConfigNode SmoothingProcessor::smooth(LayerRequest& request, Watched& w) const {
                           describe(w.name, graph), " is left unsmoothed");
     return ConfigNode();
   }
-  QPIPE_REQUIRE(!nan && at::isfinite(w.min).all().item<bool>() && at::isfinite(w.max).all().item<bool>(),
+  QPIPE_REQUIRE(at::isfinite(w.min).all().item<bool>() && at::isfinite(w.max).all().item<bool>(),
                 ErrorCode::kInput, "the calibration inputs of ", describe(w.name, graph),
                 " hold NaN or Inf, so it has no finite smoothing scale (does the float model overflow on the "
                 "calibration data? `qpipe "
