@@ -1,9 +1,15 @@
-// Int8Linear and int8Matmul (qpipe/quant_linear.h, qpipe/quant.h) against exact integer
-// arithmetic, and against fake quantization in fp32 within its rounding.
+// Int8Linear and int8Matmul, Fp8Linear, bf16Matmul and fp8ValuesBf16 (qpipe/quant_linear.h,
+// qpipe/quant.h) against exact arithmetic (integers, doubles), and against fake quantization in
+// fp32 within its rounding.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "qpipe/quant.h"
 #include "qpipe/quant_linear.h"
@@ -86,6 +92,120 @@ TEST(Int8Linear, SupportsInt8PerChannelSymmetricWeightsWithInt8Activations) {
   EXPECT_FALSE(Int8Linear::supports(w8, ActivationQuant{{QDtype::kFp8E4m3, QScope::kPerToken, true, 0}, {}}));
   // Static without parameters (not calibrated yet).
   EXPECT_FALSE(Int8Linear::supports(w8, ActivationQuant{{QDtype::kInt8, QScope::kPerTensor, false, 0}, {}}));
+}
+
+TEST(Fp8ValuesBf16, AreQuantizesE4m3ValuesExactlyAtEveryEdge) {
+  const QScheme perTensor{QDtype::kFp8E4m3, QScope::kPerTensor, true, 0};
+  // Every E4M3 value, the midpoints between neighbours (ties to even), values just off them, the
+  // subnormal range, saturation past ±448, ±inf and zeros of both signs; then random rows.
+  const at::Tensor codes = at::arange(0, 256, at::kInt).to(at::kByte).view(at::kFloat8_e4m3fn).to(at::kFloat);
+  const at::Tensor finite = std::get<0>(codes.masked_select(codes.isfinite()).sort());
+  const at::Tensor mids = (finite.slice(0, 1) + finite.slice(0, 0, -1)) / 2;
+  const float inf = std::numeric_limits<float>::infinity();
+  const at::Tensor edges = at::cat({finite, mids, at::nextafter(mids, at::full_like(mids, inf)),
+                                    at::nextafter(mids, at::full_like(mids, -inf)), at::linspace(-0.02, 0.02, 4001),
+                                    at::tensor({460.0f, -464.0f, 1e30f, -1e30f, inf, -inf, 0.0f, -0.0f, 1e-30f})});
+  const int64_t random = 6000 + (7 - (edges.numel() + 6000) % 7) % 7;
+  const at::Tensor x = at::cat({edges, at::randn({random}) * 100}).reshape({-1, 7});
+  const QParams one{at::ones({1}), at::zeros({1}, at::kInt)};
+  const at::Tensor values = quant::fp8ValuesBf16(x, one.scale);
+  EXPECT_TRUE(
+      at::equal(values.view(at::kShort), quant::quantize(x, one, perTensor).to(at::kBFloat16).view(at::kShort)));
+  // One scale per row, and NaN stays NaN.
+  const at::Tensor rowScale = at::rand({x.size(0), 1}) + 0.01;
+  const QScheme perToken{QDtype::kFp8E4m3, QScope::kPerToken, true, 0};
+  EXPECT_TRUE(
+      at::equal(quant::fp8ValuesBf16(x, rowScale),
+                quant::quantize(x, {rowScale, at::zeros_like(rowScale, at::kInt)}, perToken).to(at::kBFloat16)));
+  EXPECT_TRUE(quant::fp8ValuesBf16(at::full({1, 3}, std::nanf("")), one.scale).isnan().all().item<bool>());
+}
+
+TEST(Bf16Matmul, ProductsAreExactAndTheSumRoundsOnceInFp32PerAddition) {
+  at::manual_seed(7);
+  // E4M3 values, whose products are exact in fp32: against the exact sum in double the error is
+  // that of an fp32 accumulation.
+  const at::Tensor a = (at::randn({37, 1031}) * 50).to(at::kFloat8_e4m3fn).to(at::kBFloat16);
+  const at::Tensor b = (at::randn({19, 1031}) * 50).to(at::kFloat8_e4m3fn).to(at::kBFloat16);
+  const at::Tensor exact = at::matmul(a.to(at::kDouble), b.to(at::kDouble).t());
+  const at::Tensor y = quant::bf16Matmul(a, b);
+  ASSERT_EQ(y.scalar_type(), at::kFloat);
+  const double bound = 1031 * std::ldexp(1.0, -24) *
+                       at::matmul(a.to(at::kDouble).abs(), b.to(at::kDouble).abs().t()).max().item<double>();
+  EXPECT_LE((y.to(at::kDouble) - exact).abs().max().item<double>(), bound);
+  // The same bits on one thread as on several.
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const at::Tensor single = quant::bf16Matmul(a, b);
+  at::set_num_threads(threads);
+  EXPECT_TRUE(at::equal(single, y));
+  // Empty operands, and shapes that do not match.
+  EXPECT_EQ(quant::bf16Matmul(a.slice(0, 0, 0), b).sizes(), (std::vector<int64_t>{0, 19}));
+  EXPECT_TRUE(at::equal(quant::bf16Matmul(a.slice(1, 0, 0), b.slice(1, 0, 0)), at::zeros({37, 19})));
+  EXPECT_THROW(quant::bf16Matmul(a, a.slice(1, 1)), std::exception);
+}
+
+// y = (Σ fx·fw) · (sx·sw) + b with the sum in double, rounded to fp32 once: Fp8Linear's result
+// differs from it by the fp32 accumulation only.
+at::Tensor fp8Reference(const at::Tensor& x, const ActivationQuant& act, const at::Tensor& qw, const at::Tensor& sw,
+                        const at::Tensor& bias) {
+  const at::Tensor flat = x.reshape({-1, x.size(-1)});
+  const QParams p = act.isDynamic() ? quant::computeQParams(flat, act.scheme) : act.params;
+  const at::Tensor fx = quant::quantize(flat, p, act.scheme).to(at::kDouble);
+  at::Tensor y = at::matmul(fx, qw.to(at::kDouble).t()).to(at::kFloat) *
+                 (p.scale.to(at::kFloat).reshape({-1, 1}) * sw.reshape({1, -1}));
+  if (bias.defined()) y = y + bias;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = qw.size(0);
+  return y.view(shape);
+}
+
+TEST(Fp8Linear, IsTheE4m3ProductSumTimesTheScalesWithinFp32Accumulation) {
+  at::manual_seed(8);
+  const at::Tensor w = at::randn({24, 300});
+  at::Tensor x = at::randn({2, 5, 300}) * 2;
+  x[0][3].zero_();  // an all-zero token: its per-token scale is the epsilon floor, its values 0
+  const QScheme dynamic{QDtype::kFp8E4m3, QScope::kPerToken, true, 0};
+  const QScheme perTensor{QDtype::kFp8E4m3, QScope::kPerTensor, true, 0};
+  // Static parameters from a quarter of the range: values saturate at ±448.
+  const ActivationQuant cases[] = {{dynamic, {}}, {perTensor, quant::computeQParams(x * 0.25, perTensor)}};
+  for (const QScheme& weightScheme : {perTensor, QScheme{QDtype::kFp8E4m3, QScope::kPerChannel, true, 0}}) {
+    const QParams wp = quant::computeQParams(w, weightScheme);
+    const at::Tensor qw = quant::quantize(w, wp, weightScheme);
+    const at::Tensor sw = wp.scale.reshape({-1}).expand({24});
+    const Fp8Linear linear(qw, wp.scale);
+    for (const ActivationQuant& act : cases) {
+      for (const at::Tensor& bias : {at::Tensor(), at::randn({24})}) {
+        ASSERT_TRUE(Fp8Linear::supports(weightScheme, act));
+        const std::optional<at::Tensor> y = linear.forward(x, act, bias);
+        ASSERT_TRUE(y.has_value());
+        const at::Tensor exact = fp8Reference(x, act, qw, sw, bias);
+        const std::string what = weightScheme.name() + " · " + act.scheme.name();
+        EXPECT_LT((*y - exact).abs().max().item<double>(), 1e-6 * exact.abs().max().item<double>()) << what;
+        const at::Tensor fake =
+            at::linear(act.apply(x), quant::dequantize(qw, wp, weightScheme), bias.defined() ? bias : at::Tensor());
+        EXPECT_LT((*y - fake).abs().max().item<double>(), 1e-5 * fake.abs().max().item<double>()) << what;
+      }
+    }
+    EXPECT_TRUE(at::equal(linear.forward(x, cases[0], {})->select(0, 0).select(0, 3), at::zeros({24})));
+    EXPECT_FALSE(linear.forward(x.to(at::kDouble), cases[0], {}).has_value());
+  }
+}
+
+TEST(Fp8Linear, SupportsE4m3TensorOrChannelWeightsWithE4m3Activations) {
+  const QScheme fp8Tensor{QDtype::kFp8E4m3, QScope::kPerTensor, true, 0};
+  const ActivationQuant dynamic{{QDtype::kFp8E4m3, QScope::kPerToken, true, 0}, {}};
+  EXPECT_TRUE(Fp8Linear::supports(fp8Tensor, dynamic));
+  EXPECT_TRUE(Fp8Linear::supports({QDtype::kFp8E4m3, QScope::kPerChannel, true, 0}, dynamic));
+  EXPECT_FALSE(Fp8Linear::supports(fp8Tensor, std::nullopt));
+  EXPECT_FALSE(Fp8Linear::supports({QDtype::kFp8E4m3, QScope::kPerGroup, true, 128}, dynamic));
+  EXPECT_FALSE(Fp8Linear::supports(fp8Tensor, ActivationQuant{{QDtype::kInt8, QScope::kPerToken, true, 0}, {}}));
+  EXPECT_FALSE(Fp8Linear::supports(fp8Tensor, ActivationQuant{{QDtype::kFp8E4m3, QScope::kPerTensor, true, 0}, {}}));
+  EXPECT_FALSE(Fp8Linear::supports({QDtype::kInt8, QScope::kPerChannel, true, 0}, dynamic));
+  // QuantGemm takes either pair, and nothing else.
+  EXPECT_TRUE(QuantGemm::supports(fp8Tensor, dynamic));
+  EXPECT_TRUE(QuantGemm::supports({QDtype::kInt8, QScope::kPerChannel, true, 0},
+                                  ActivationQuant{{QDtype::kInt8, QScope::kPerToken, true, 0}, {}}));
+  EXPECT_FALSE(QuantGemm::supports({QDtype::kInt4, QScope::kPerGroup, true, 64}, std::nullopt));
 }
 
 }  // namespace

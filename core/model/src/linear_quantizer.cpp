@@ -70,9 +70,6 @@ std::vector<at::Tensor> LinearQuantizer::syncTensors(const TaskRecord& record, S
 
 at::Tensor LinearQuantizer::forward(const at::Tensor& input) {
   QPIPE_CHECK(weightsSolved(), "LinearQuantizer::forward before solveWeights()");
-  if (!fakeWeight_.defined()) {
-    fakeWeight_ = quant::dequantize(qweight_, weightParams_, config_.weight.scheme).to(dtype_);
-  }
   at::Tensor x = input;
   if (observes()) {
     if (!frozen_) {
@@ -88,21 +85,24 @@ at::Tensor LinearQuantizer::forward(const at::Tensor& input) {
     // Frozen without parameters: no calibration data reached this module in the observing
     // forward; deploy() reports it by name.
     if (frozen_ && actParams_) {
-      if (std::optional<at::Tensor> y = int8Forward(x)) return *y;
+      if (std::optional<at::Tensor> y = gemmForward(x)) return *y;
       x = ActivationQuant{config_.act.scheme, *actParams_}.apply(x);
     }
   } else if (config_.act.enabled()) {
-    if (std::optional<at::Tensor> y = int8Forward(x)) return *y;
+    if (std::optional<at::Tensor> y = gemmForward(x)) return *y;
     x = ActivationQuant{config_.act.scheme, {}}.apply(x);
+  }
+  if (!fakeWeight_.defined()) {
+    fakeWeight_ = quant::dequantize(qweight_, weightParams_, config_.weight.scheme).to(dtype_);
   }
   return at::linear(x, fakeWeight_, bias_);
 }
 
-std::optional<at::Tensor> LinearQuantizer::int8Forward(const at::Tensor& x) {
+std::optional<at::Tensor> LinearQuantizer::gemmForward(const at::Tensor& x) {
   const std::optional<ActivationQuant> act = activationQuant();
-  if (!Int8Linear::supports(config_.weight.scheme, act)) return std::nullopt;
-  if (!int8_) int8_.emplace(qweight_, weightParams_.scale);
-  return int8_->forward(x, *act, bias_);
+  if (!QuantGemm::supports(config_.weight.scheme, act)) return std::nullopt;
+  if (!gemm_) gemm_.emplace(qweight_, weightParams_.scale, config_.weight.scheme, act);
+  return gemm_->forward(x, *act, bias_);
 }
 
 void LinearQuantizer::freeze() {

@@ -6,11 +6,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <bit>
+#include <climits>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -309,6 +311,39 @@ at::Tensor int8Matmul(const at::Tensor& a, const at::Tensor& b) {
   return at::matmul(a.to(at::kDouble), b.to(at::kDouble)).to(at::kInt);
 }
 
+namespace {
+
+// MKL's cblas_gemm_bf16bf16f32 (LP64 ints; CBLAS enums), which LibTorch's MKL build links in and
+// exports; absent from LibTorch builds without MKL, where bf16Matmul falls back.
+using GemmBf16F32 = void (*)(int layout, int transA, int transB, int m, int n, int k, float alpha, const void* a,
+                             int lda, const void* b, int ldb, float beta, float* c, int ldc);
+constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112;
+
+GemmBf16F32 mklGemmBf16F32() {
+  static const auto gemm = reinterpret_cast<GemmBf16F32>(::dlsym(RTLD_DEFAULT, "cblas_gemm_bf16bf16f32"));
+  return gemm;
+}
+
+}  // namespace
+
+at::Tensor bf16Matmul(const at::Tensor& a, const at::Tensor& b) {
+  QPIPE_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 && a.dim() == 2 && b.dim() == 2 &&
+                  a.size(1) == b.size(1),
+              "bf16Matmul takes bf16 [M, K] and [N, K], got ", a.sizes(), " and ", b.sizes());
+  const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
+  const GemmBf16F32 gemm = mklGemmBf16F32();
+  if (gemm == nullptr || !a.device().is_cpu() || !b.device().is_cpu() || m == 0 || n == 0 || k == 0 ||
+      std::max({m, n, k}) > INT_MAX / 2) {
+    return at::matmul(a.to(at::kFloat), b.to(at::kFloat).t());
+  }
+  const at::Tensor lhs = a.contiguous(), rhs = b.contiguous();
+  at::Tensor out = at::empty({m, n}, lhs.options().dtype(at::kFloat));
+  const auto i = [](int64_t v) { return static_cast<int>(v); };
+  gemm(kCblasRowMajor, kCblasNoTrans, kCblasTrans, i(m), i(n), i(k), 1.0f, lhs.const_data_ptr(), i(k),
+       rhs.const_data_ptr(), i(k), 0.0f, out.mutable_data_ptr<float>(), i(n));
+  return out;
+}
+
 at::Tensor toFp8E4m3(const at::Tensor& x) {
   // Bit-level round-to-nearest-even on the fp32 pattern, as c10's fp8e4m3fn_from_fp32_value, in
   // tensor ops so it runs on any device.
@@ -366,6 +401,24 @@ template <typename Out>
   intRows(x, out, begin, end, cols, scale, zero, perRow, lo, hi);
 }
 
+// The E4M3 value of v, which is clamped to ±448 or NaN, as bf16 bits: c10's conversion
+// (toFp8E4m3's bit-level rounding), branch-free so that a row vectorizes. Every E4M3 value has at
+// most four significant bits, so its bf16 (the top half of its fp32 pattern) is exact.
+[[gnu::always_inline]] inline uint16_t fp8ValueBf16Bits(float v) {
+  const uint32_t bits = std::bit_cast<uint32_t>(v);
+  const uint32_t sign = bits & 0x80000000u;
+  const uint32_t magnitude = bits & 0x7FFFFFFFu;
+  // Normal (≥ 2^-6): three mantissa bits kept, round to nearest even on the pattern.
+  const uint32_t normal = (magnitude + 0x7FFFFu + ((magnitude >> 20) & 1u)) & 0xFFF00000u;
+  // Subnormal: a multiple of 2^-9. Adding 1.5·2^14, where the fp32 spacing is 2^-9, rounds to
+  // one with ties to even; subtracting it back is exact.
+  constexpr float kSubnormalRound = 24576.0f;
+  const float subnormal = (std::bit_cast<float>(magnitude) + kSubnormalRound) - kSubnormalRound;
+  uint32_t value = magnitude < 0x3C800000u ? std::bit_cast<uint32_t>(subnormal) : normal;
+  value = magnitude > 0x7F800000u ? 0x7FC00000u : value;
+  return static_cast<uint16_t>((value | sign) >> 16);
+}
+
 // The same for FP8 E4M3: out = fp8(clamp(x / s, -448, 448)) * s, with c10's round-to-nearest-even
 // conversion, which toFp8E4m3 reproduces in tensor ops.
 void fakeQuantizeFp8Rows(const float* x, float* out, int64_t begin, int64_t end, int64_t cols, const float* scale,
@@ -379,6 +432,17 @@ void fakeQuantizeFp8Rows(const float* x, float* out, int64_t begin, int64_t end,
       const float v = std::min(std::max(in[c] / s, -max), max);
       o[c] = static_cast<float>(c10::Float8_e4m3fn(v)) * s;
     }
+  }
+}
+
+[[gnu::target_clones("avx2", "default")]] void fp8ValueRows(const float* x, uint16_t* out, int64_t begin, int64_t end,
+                                                            int64_t cols, const float* scale, bool perRow) {
+  constexpr float max = kFp8Max;
+  for (int64_t r = begin; r < end; ++r) {
+    const float s = scale[perRow ? r : 0];
+    const float* in = x + r * cols;
+    uint16_t* o = out + r * cols;
+    for (int64_t c = 0; c < cols; ++c) o[c] = fp8ValueBf16Bits(std::min(std::max(in[c] / s, -max), max));
   }
 }
 
@@ -435,6 +499,23 @@ at::Tensor quantize(const at::Tensor& x, const QParams& params, const QScheme& s
   if (scheme.dtype == QDtype::kFp8E4m3) return toFp8E4m3(scaled).reshape(x.sizes());
   const at::Tensor zeroPoint = groupedParam(params.zeroPoint, scheme).to(at::kFloat);
   return at::round(scaled + zeroPoint).clamp(qmin(scheme.dtype), qmax(scheme.dtype)).to(at::kChar).reshape(x.sizes());
+}
+
+at::Tensor fp8ValuesBf16(const at::Tensor& x, const at::Tensor& scale) {
+  QPIPE_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "fp8ValuesBf16 takes a 2-D fp32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+  const at::Tensor input = x.contiguous();
+  const at::Tensor s = scale.to(at::kFloat).contiguous();
+  const int64_t rows = input.size(0), cols = input.size(1);
+  const bool perRow = s.numel() != 1;
+  QPIPE_CHECK(!perRow || s.numel() == rows, "fp8ValuesBf16: ", s.numel(), " scales for ", rows, " rows");
+  at::Tensor out = at::empty({rows, cols}, input.options().dtype(at::kBFloat16));
+  if (out.numel() == 0) return out;
+  auto* o = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t begin, int64_t end) {
+    fp8ValueRows(input.const_data_ptr<float>(), o, begin, end, cols, s.const_data_ptr<float>(), perRow);
+  });
+  return out;
 }
 
 namespace detail {

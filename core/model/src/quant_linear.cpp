@@ -10,12 +10,47 @@
 
 namespace qpipe {
 
+namespace {
+
+// The GEMMs' shared end: y[m, j] = acc(m, j) · (sx[m]·sw[j]) + b[j] in fp32, shaped as x with N
+// outputs. sx holds one scale or one per row.
+template <typename Acc>
+at::Tensor scaledOutput(const at::Tensor& x, int64_t rows, int64_t n, const at::Tensor& inputScale,
+                        const at::Tensor& weightScale, const at::Tensor& bias, const Acc& acc) {
+  const at::Tensor sx = inputScale.to(at::kFloat).reshape({-1}).contiguous();
+  const bool perRow = sx.numel() != 1;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const at::Tensor b = bias.defined() ? bias.to(at::kFloat).contiguous() : at::Tensor();
+  const float* sw = weightScale.const_data_ptr<float>();
+  const float* pb = b.defined() ? b.const_data_ptr<float>() : nullptr;
+  float* o = out.mutable_data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float s = sx.const_data_ptr<float>()[perRow ? m : 0];
+      for (int64_t j = 0; j < n; ++j) {
+        const float y = acc(m, j) * (s * sw[j]);
+        o[m * n + j] = pb != nullptr ? y + pb[j] : y;
+      }
+    }
+  });
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  return out.view(shape);
+}
+
+// Static per_tensor with its parameters, or dynamic per_token, in `dtype`.
+bool quantizedInput(const std::optional<ActivationQuant>& input, quant::QDtype dtype) {
+  return input && input->scheme.dtype == dtype &&
+         (input->scheme.scope == quant::QScope::kPerToken ||
+          (input->scheme.scope == quant::QScope::kPerTensor && input->params.scale.defined()));
+}
+
+}  // namespace
+
 bool Int8Linear::supports(const quant::QScheme& weight, const std::optional<ActivationQuant>& input) {
   using quant::QDtype, quant::QScope;
-  return weight.dtype == QDtype::kInt8 && weight.scope == QScope::kPerChannel && weight.symmetric && input &&
-         input->scheme.dtype == QDtype::kInt8 &&
-         (input->scheme.scope == QScope::kPerToken ||
-          (input->scheme.scope == QScope::kPerTensor && input->params.scale.defined()));
+  return weight.dtype == QDtype::kInt8 && weight.scope == QScope::kPerChannel && weight.symmetric &&
+         quantizedInput(input, QDtype::kInt8);
 }
 
 Int8Linear::Int8Linear(const at::Tensor& qweight, const at::Tensor& scale)
@@ -33,30 +68,62 @@ std::optional<at::Tensor> Int8Linear::forward(const at::Tensor& x, const Activat
   const at::Tensor flat = x.reshape({-1, k});
   const quant::QParams params = input.isDynamic() ? quant::computeQParams(flat, input.scheme) : input.params;
   const at::Tensor acc = quant::int8Matmul(quant::quantize(flat, params, input.scheme), weightT_).contiguous();
-  const int64_t rows = acc.size(0);
-  const at::Tensor sx = params.scale.to(at::kFloat).reshape({-1}).contiguous();
   const at::Tensor zx = params.zeroPoint.to(at::kLong).reshape({-1}).contiguous();
-  const bool perRow = sx.numel() != 1;
-  at::Tensor out = at::empty({rows, n}, x.options());
-  const at::Tensor b = bias.defined() ? bias.to(at::kFloat).contiguous() : at::Tensor();
+  const bool perRowZero = zx.numel() != 1;
   const int32_t* a = acc.const_data_ptr<int32_t>();
   const int64_t* rs = rowSums_.const_data_ptr<int64_t>();
-  const float* sw = scale_.const_data_ptr<float>();
-  const float* pb = b.defined() ? b.const_data_ptr<float>() : nullptr;
-  float* o = out.mutable_data_ptr<float>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float s = sx.const_data_ptr<float>()[perRow ? m : 0];
-      const int64_t z = zx.const_data_ptr<int64_t>()[perRow ? m : 0];
-      for (int64_t j = 0; j < n; ++j) {
-        const float y = static_cast<float>(a[m * n + j] - z * rs[j]) * (s * sw[j]);
-        o[m * n + j] = pb != nullptr ? y + pb[j] : y;
-      }
-    }
+  const int64_t* z = zx.const_data_ptr<int64_t>();
+  return scaledOutput(x, acc.size(0), n, params.scale, scale_, bias, [&](int64_t m, int64_t j) {
+    return static_cast<float>(a[m * n + j] - z[perRowZero ? m : 0] * rs[j]);
   });
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = n;
-  return out.view(shape);
+}
+
+bool Fp8Linear::supports(const quant::QScheme& weight, const std::optional<ActivationQuant>& input) {
+  using quant::QDtype, quant::QScope;
+  return weight.dtype == QDtype::kFp8E4m3 && weight.symmetric &&
+         (weight.scope == QScope::kPerTensor || weight.scope == QScope::kPerChannel) && input &&
+         input->scheme.symmetric && quantizedInput(input, QDtype::kFp8E4m3);
+}
+
+Fp8Linear::Fp8Linear(const at::Tensor& qweight, const at::Tensor& scale) {
+  QPIPE_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kFloat8_e4m3fn &&
+                  (scale.numel() == 1 || scale.numel() == qweight.size(0)),
+              "Fp8Linear takes an E4M3 [N, K] weight and 1 or N scales, got ", qweight.sizes(), " ",
+              qweight.scalar_type(), " and ", scale.sizes());
+  values_ = qweight.to(at::kBFloat16).contiguous();
+  scale_ = scale.to(at::kFloat).reshape({-1}).expand({qweight.size(0)}).contiguous();
+}
+
+std::optional<at::Tensor> Fp8Linear::forward(const at::Tensor& x, const ActivationQuant& input,
+                                             const at::Tensor& bias) const {
+  if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || !values_.device().is_cpu()) return std::nullopt;
+  const int64_t k = values_.size(1), n = values_.size(0);
+  const at::Tensor flat = x.reshape({-1, k});
+  const at::Tensor sx = input.isDynamic() ? quant::computeQParams(flat, input.scheme).scale : input.params.scale;
+  const at::Tensor acc = quant::bf16Matmul(quant::fp8ValuesBf16(flat, sx.reshape({-1})), values_);
+  const float* a = acc.const_data_ptr<float>();
+  return scaledOutput(x, acc.size(0), n, sx, scale_, bias, [&](int64_t m, int64_t j) { return a[m * n + j]; });
+}
+
+namespace {
+
+std::variant<Int8Linear, Fp8Linear> makeGemm(const at::Tensor& qweight, const at::Tensor& scale,
+                                             const quant::QScheme& weight,
+                                             const std::optional<ActivationQuant>& input) {
+  if (Int8Linear::supports(weight, input)) return Int8Linear(qweight, scale);
+  QPIPE_CHECK(Fp8Linear::supports(weight, input), "QuantGemm for an unsupported scheme: w ", weight.name());
+  return Fp8Linear(qweight, scale);
+}
+
+}  // namespace
+
+QuantGemm::QuantGemm(const at::Tensor& qweight, const at::Tensor& scale, const quant::QScheme& weight,
+                     const std::optional<ActivationQuant>& input)
+    : gemm_(makeGemm(qweight, scale, weight, input)) {}
+
+std::optional<at::Tensor> QuantGemm::forward(const at::Tensor& x, const ActivationQuant& input,
+                                             const at::Tensor& bias) const {
+  return std::visit([&](const auto& gemm) { return gemm.forward(x, input, bias); }, gemm_);
 }
 
 at::Tensor ActivationQuant::apply(const at::Tensor& x) const {
@@ -114,11 +181,11 @@ at::Tensor QuantLinear::dequantizedWeight() {
 }
 
 at::Tensor QuantLinear::forward(const at::Tensor& input) {
-  if (!int8_ && Int8Linear::supports(weightScheme_, input_) && parameter("weight").device().is_cpu()) {
-    int8_.emplace(parameter("weight"), parameter("weight_scale"));
+  if (!gemm_ && QuantGemm::supports(weightScheme_, input_) && parameter("weight").device().is_cpu()) {
+    gemm_.emplace(parameter("weight"), parameter("weight_scale"), weightScheme_, input_);
   }
-  if (int8_) {
-    if (std::optional<at::Tensor> y = int8_->forward(input, *input_, bias())) return *y;
+  if (gemm_) {
+    if (std::optional<at::Tensor> y = gemm_->forward(input, *input_, bias())) return *y;
   }
   const at::Tensor x = input_ ? input_->apply(input) : input;
   return at::linear(x, dequantizedWeight(), bias());

@@ -80,8 +80,8 @@ class LinearQuantizer : public Module, public DistributedSync {
 
  private:
   std::optional<ActivationQuant> activationQuant() const;
-  // The forward by Int8Linear, where it applies (the activations' parameters known).
-  std::optional<at::Tensor> int8Forward(const at::Tensor& x);
+  // The forward by QuantGemm, where it applies (the activations' parameters known).
+  std::optional<at::Tensor> gemmForward(const at::Tensor& x);
 
   quant::LinearQConfig config_;
   at::Tensor weight_;  // the float weight until solveWeights()
@@ -90,13 +90,13 @@ class LinearQuantizer : public Module, public DistributedSync {
   at::Tensor sharedGlobalScale_;  // nvfp4: set by shareGlobalScale()
   at::Tensor bias_;        // undefined when the layer has none
   at::ScalarType dtype_;   // W's dtype, the compute dtype
-  at::Tensor fakeWeight_;  // dequantize(qweight_) in W's dtype, made by the first forward
+  at::Tensor fakeWeight_;  // dequantize(qweight_) in W's dtype, made by the first fake-quantized forward
   std::optional<quant::MinMaxObserver> minMax_;
   std::optional<quant::HistogramObserver> histogram_;
   bool frozen_ = false;
   std::function<void(LinearQuantizer&)> settle_;
   std::optional<quant::QParams> actParams_;  // static activations, set by freeze() from data
-  std::optional<Int8Linear> int8_;
+  std::optional<QuantGemm> gemm_;
 };
 
 // NVFP4 weights: vLLM fuses q/k/v and gate/up into one GEMM each (its packed_modules_mapping) and

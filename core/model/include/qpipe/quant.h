@@ -121,6 +121,15 @@ std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme
 // where every partial sum is an exact integer.
 at::Tensor int8Matmul(const at::Tensor& a, const at::Tensor& b);
 
+// a [M, K] bf16 · bᵀ (b [N, K] bf16) → fp32 [M, N]. Each product of two bf16 values is exact in
+// fp32; only the fp32 accumulation rounds, as in an fp32 GEMM. MKL's bf16 GEMM where LibTorch
+// links it in (AVX512-BF16 or AMX hardware: 5–10× an fp32 GEMM), else an fp32 GEMM of the
+// widened operands. The same bits for any thread count.
+at::Tensor bf16Matmul(const at::Tensor& a, const at::Tensor& b);
+// quantize()'s E4M3 values of a 2-D fp32 CPU x (x / scale clamped to ±448, rounded to nearest
+// even) as bf16, which holds each exactly. scale: one value, or one per row.
+at::Tensor fp8ValuesBf16(const at::Tensor& x, const at::Tensor& scale);
+
 // Clamps to ±448 and rounds to nearest even into E4M3FN. ±inf saturate to ±448 (as the clamp
 // does); NaN stays NaN (0x7F, or 0xFF with the sign bit), as LibTorch's cast.
 at::Tensor toFp8E4m3(const at::Tensor& x);

@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <optional>
+#include <variant>
 
 #include "qpipe/module.h"
 #include "qpipe/quant.h"
@@ -44,6 +45,40 @@ class Int8Linear {
   at::Tensor scale_;    // fp32 [N]
 };
 
+// The FP8 GEMM of a Linear whose weight is E4M3 (per_tensor or per_channel) and whose input is
+// quantized to E4M3 (per_tensor static or per_token dynamic), for fp32 inputs on the CPU:
+//   y[m, n] = (Σ_k fx[m, k]·fw[n, k]) · (sx[m]·sw[n]) + b[n]
+// with fx, fw the E4M3 values, each product exact and the sum in fp32 (quant::bf16Matmul: the
+// values are exact in bf16). Fake quantization computes the same real number through an fp32
+// GEMM of fx·sx and fw·sw, rounded first; the two differ by fp32 rounding (docs/quantization.md).
+class Fp8Linear {
+ public:
+  static bool supports(const quant::QScheme& weight, const std::optional<ActivationQuant>& input);
+  // qweight kFloat8_e4m3fn [N, K], scale fp32 with N elements or one.
+  Fp8Linear(const at::Tensor& qweight, const at::Tensor& scale);
+  // Empty when x is not an fp32 CPU tensor (the caller fake-quantizes then).
+  std::optional<at::Tensor> forward(const at::Tensor& x, const ActivationQuant& input, const at::Tensor& bias) const;
+
+ private:
+  at::Tensor values_;  // bf16 [N, K]: the weight's E4M3 values
+  at::Tensor scale_;   // fp32 [N]
+};
+
+// Whichever of Int8Linear and Fp8Linear runs a quantized Linear's weight and input schemes.
+class QuantGemm {
+ public:
+  static bool supports(const quant::QScheme& weight, const std::optional<ActivationQuant>& input) {
+    return Int8Linear::supports(weight, input) || Fp8Linear::supports(weight, input);
+  }
+  // Requires supports(weight, input).
+  QuantGemm(const at::Tensor& qweight, const at::Tensor& scale, const quant::QScheme& weight,
+            const std::optional<ActivationQuant>& input);
+  std::optional<at::Tensor> forward(const at::Tensor& x, const ActivationQuant& input, const at::Tensor& bias) const;
+
+ private:
+  std::variant<Int8Linear, Fp8Linear> gemm_;
+};
+
 // typeName "QuantLinear". Its parameters carry compressed-tensors' names:
 //   weight             kChar (int8, or int4 values in [-8, 7], unpacked), kFloat8_e4m3fn, or kByte
 //                      E2M1 codes for nvfp4 (unpacked)
@@ -54,7 +89,7 @@ class Int8Linear {
 //   input_scale        fp32 [1]; static activations only (not nvfp4)
 //   input_zero_point   int32 [1]; static asymmetric activations only
 //   bias               compute dtype; when the layer has one
-// forward: y = actQuant(x) · dequantize(weight)ᵀ + b in the compute dtype; by Int8Linear where it
+// forward: y = actQuant(x) · dequantize(weight)ᵀ + b in the compute dtype; by QuantGemm where it
 // applies. The dequantized weight is cached on first use (it is not a parameter, so savers never
 // see it).
 class QuantLinear : public Module {
@@ -82,7 +117,7 @@ class QuantLinear : public Module {
   std::optional<ActivationQuant> input_;
   at::ScalarType computeDtype_;
   at::Tensor dequantized_;
-  std::optional<Int8Linear> int8_;  // made on the first forward where Int8Linear::supports
+  std::optional<QuantGemm> gemm_;  // made on the first forward where QuantGemm::supports
 };
 
 }  // namespace qpipe

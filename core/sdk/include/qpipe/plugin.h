@@ -78,7 +78,7 @@ class PluginRegistrar {
 // 8.0: split layers: Processor::layersIndependent, LayerRequest::splitLayers, ProcessGroup's
 // storeSet/storeGet, savers that write layer segments.
 // 9.0: Processor::trains (runs with autograd available), ProcessorContext::savePath.
-#define QPIPE_PLUGIN_ABI_MAJOR 10
+#define QPIPE_PLUGIN_ABI_MAJOR 11
 #define QPIPE_PLUGIN_ABI_MINOR 0
 
 #define QPIPE_STRINGIFY_IMPL(x) #x
