@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -189,12 +190,22 @@ TEST(QuantFp8, AllBf16PatternsMatchLibTorchCast) {
   const std::vector<uint8_t> ours = bytesOf(toFp8E4m3(bf16));
   const std::vector<uint8_t> viaQuantize =
       bytesOf(quantize(bf16, {at::ones({1}), at::zeros({1}, at::kInt)}, scheme(QDtype::kFp8E4m3, QScope::kPerTensor)));
+  // The same fp32 values through quantize's one-pass row kernel, and through fakeQuantize's.
+  const std::vector<uint8_t> viaRowKernel =
+      bytesOf(quantize(x, {at::ones({1}), at::zeros({1}, at::kInt)}, scheme(QDtype::kFp8E4m3, QScope::kPerTensor)));
+  const std::vector<float> fake = valuesOf<float>(
+      fakeQuantize(x, {at::ones({1}), at::zeros({1}, at::kInt)}, scheme(QDtype::kFp8E4m3, QScope::kPerTensor)));
+  const std::vector<float> decoded = valuesOf<float>(toFp8E4m3(bf16).to(at::kFloat));
   const std::vector<uint8_t> torch = bytesOf(x.clamp(-448, 448).to(at::kFloat8_e4m3fn));
   const std::vector<float> values = valuesOf<float>(x);
   int finite = 0;
   for (uint32_t i = 0; i < patterns.size(); ++i) {
     const uint8_t sign = (patterns[i] & 0x8000) ? 0x80 : 0x00;
     ASSERT_EQ(ours[i], viaQuantize[i]) << "pattern " << i;
+    ASSERT_EQ(ours[i], viaRowKernel[i]) << "pattern " << i;
+    if (!std::isnan(values[i])) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(fake[i]), std::bit_cast<uint32_t>(decoded[i])) << "pattern " << i;
+    }
     if (std::isfinite(values[i])) {
       ++finite;
       ASSERT_EQ(ours[i], torch[i]) << "bf16 pattern 0x" << std::hex << i << " value " << values[i];

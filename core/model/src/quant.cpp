@@ -42,6 +42,9 @@ constexpr std::array<std::pair<std::string_view, QScope>, 5> kScopeNames{{
 }};
 
 constexpr double kFp8Max = 448.0;
+constexpr uint32_t kFp8MinNormalBits = 0x3C800000u;  // 2^-6
+constexpr uint32_t kFp32InfBits = 0x7F800000u;
+constexpr uint32_t kFp32NanBits = 0x7FC00000u;
 constexpr double kFp4Max = 6.0;
 // MXFP4's scale on the fp32 bits of a block's absmax: adding a quarter of the mantissa's range
 // carries into the exponent exactly when the mantissa is ≥ 0.75, and the E8M0 byte is that
@@ -401,37 +404,62 @@ template <typename Out>
   intRows(x, out, begin, end, cols, scale, zero, perRow, lo, hi);
 }
 
-// The E4M3 value of v, which is clamped to ±448 or NaN, as bf16 bits: c10's conversion
-// (toFp8E4m3's bit-level rounding), branch-free so that a row vectorizes. Every E4M3 value has at
-// most four significant bits, so its bf16 (the top half of its fp32 pattern) is exact.
-[[gnu::always_inline]] inline uint16_t fp8ValueBf16Bits(float v) {
-  const uint32_t bits = std::bit_cast<uint32_t>(v);
-  const uint32_t sign = bits & 0x80000000u;
-  const uint32_t magnitude = bits & 0x7FFFFFFFu;
+// c10's E4M3 rounding (toFp8E4m3's, on the fp32 pattern) of a magnitude ≤ 448 or NaN, as the
+// fp32 pattern of the rounded value; branch-free so that a row vectorizes. Every E4M3 value has at
+// most four significant bits, so the top half of that pattern is its exact bf16.
+[[gnu::always_inline]] inline uint32_t fp8RoundedMagnitude(uint32_t magnitude) {
   // Normal (≥ 2^-6): three mantissa bits kept, round to nearest even on the pattern.
   const uint32_t normal = (magnitude + 0x7FFFFu + ((magnitude >> 20) & 1u)) & 0xFFF00000u;
   // Subnormal: a multiple of 2^-9. Adding 1.5·2^14, where the fp32 spacing is 2^-9, rounds to
   // one with ties to even; subtracting it back is exact.
   constexpr float kSubnormalRound = 24576.0f;
   const float subnormal = (std::bit_cast<float>(magnitude) + kSubnormalRound) - kSubnormalRound;
-  uint32_t value = magnitude < 0x3C800000u ? std::bit_cast<uint32_t>(subnormal) : normal;
-  value = magnitude > 0x7F800000u ? 0x7FC00000u : value;
-  return static_cast<uint16_t>((value | sign) >> 16);
+  const uint32_t value = magnitude < kFp8MinNormalBits ? std::bit_cast<uint32_t>(subnormal) : normal;
+  return magnitude > kFp32InfBits ? kFp32NanBits : value;
 }
 
-// The same for FP8 E4M3: out = fp8(clamp(x / s, -448, 448)) * s, with c10's round-to-nearest-even
-// conversion, which toFp8E4m3 reproduces in tensor ops.
-void fakeQuantizeFp8Rows(const float* x, float* out, int64_t begin, int64_t end, int64_t cols, const float* scale,
-                         bool perRow) {
+// The E4M3 value of v (clamped to ±448, or NaN) as bf16 bits.
+[[gnu::always_inline]] inline uint16_t fp8ValueBf16Bits(float v) {
+  const uint32_t bits = std::bit_cast<uint32_t>(v);
+  return static_cast<uint16_t>((fp8RoundedMagnitude(bits & 0x7FFFFFFFu) | (bits & 0x80000000u)) >> 16);
+}
+
+// The E4M3 code of v (clamped to ±448, or NaN): toFp8E4m3's byte.
+[[gnu::always_inline]] inline uint8_t fp8Code(float v) {
+  const uint32_t bits = std::bit_cast<uint32_t>(v);
+  const uint32_t rounded = fp8RoundedMagnitude(bits & 0x7FFFFFFFu);
+  // A subnormal code is its multiple of 2^-9; a normal one the pattern's exponent rebiased
+  // 127 → 7 above its three mantissa bits.
+  const float small = rounded < kFp8MinNormalBits ? std::bit_cast<float>(rounded) : 0.0f;
+  uint32_t code = rounded < kFp8MinNormalBits ? static_cast<uint32_t>(small * 512.0f) : (rounded >> 20) - (120u << 3);
+  code = rounded > kFp32InfBits ? 0x7Fu : code;
+  return static_cast<uint8_t>(code | ((bits >> 24) & 0x80u));
+}
+
+// The same for FP8 E4M3: out = fp8(clamp(x / s, -448, 448)) * s.
+[[gnu::target_clones("avx2", "default")]] void fakeQuantizeFp8Rows(const float* x, float* out, int64_t begin,
+                                                                   int64_t end, int64_t cols, const float* scale,
+                                                                   bool perRow) {
   constexpr float max = kFp8Max;
   for (int64_t r = begin; r < end; ++r) {
     const float s = scale[perRow ? r : 0];
     const float* in = x + r * cols;
     float* o = out + r * cols;
     for (int64_t c = 0; c < cols; ++c) {
-      const float v = std::min(std::max(in[c] / s, -max), max);
-      o[c] = static_cast<float>(c10::Float8_e4m3fn(v)) * s;
+      const uint32_t value = uint32_t{fp8ValueBf16Bits(std::min(std::max(in[c] / s, -max), max))} << 16;
+      o[c] = std::bit_cast<float>(value) * s;
     }
+  }
+}
+
+[[gnu::target_clones("avx2", "default")]] void fp8CodeRows(const float* x, uint8_t* out, int64_t begin, int64_t end,
+                                                           int64_t cols, const float* scale, bool perRow) {
+  constexpr float max = kFp8Max;
+  for (int64_t r = begin; r < end; ++r) {
+    const float s = scale[perRow ? r : 0];
+    const float* in = x + r * cols;
+    uint8_t* o = out + r * cols;
+    for (int64_t c = 0; c < cols; ++c) o[c] = fp8Code(std::min(std::max(in[c] / s, -max), max));
   }
 }
 
@@ -457,7 +485,7 @@ bool rowKernel(const at::Tensor& x, const QParams& params, const QScheme& scheme
        (scheme.scope == QScope::kPerGroup && scheme.groupSize > 0 && x.size(1) % scheme.groupSize == 0));
   const bool rowwise = scheme.scope == QScope::kPerTensor || scheme.scope == QScope::kPerToken || weightRows;
   const bool fp8 = scheme.dtype == QDtype::kFp8E4m3;
-  if (!(isInt(scheme.dtype) || (fp8 && !codes)) || !rowwise || x.scalar_type() != at::kFloat || !x.device().is_cpu() ||
+  if (!(isInt(scheme.dtype) || fp8) || !rowwise || x.scalar_type() != at::kFloat || !x.device().is_cpu() ||
       x.dim() == 0 || x.size(-1) == 0) {
     return false;
   }
@@ -468,14 +496,16 @@ bool rowKernel(const at::Tensor& x, const QParams& params, const QScheme& scheme
   const at::Tensor zero = params.zeroPoint.to(at::kFloat).contiguous();
   const bool perRow = scale.numel() != 1;
   if (perRow && (scale.numel() != rows || zero.numel() != rows)) return false;
-  out = at::empty(input.sizes(), input.options().dtype(codes ? at::kChar : at::kFloat));
+  out = at::empty(input.sizes(), input.options().dtype(!codes ? at::kFloat : fp8 ? at::kFloat8_e4m3fn : at::kChar));
   const float lo = fp8 ? 0 : static_cast<float>(qmin(scheme.dtype));
   const float hi = fp8 ? 0 : static_cast<float>(qmax(scheme.dtype));
   const float* in = input.const_data_ptr<float>();
   const float* s = scale.const_data_ptr<float>();
   const float* z = zero.const_data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t begin, int64_t end) {
-    if (codes) {
+    if (codes && fp8) {
+      fp8CodeRows(in, reinterpret_cast<uint8_t*>(out.mutable_data_ptr()), begin, end, cols, s, perRow);
+    } else if (codes) {
       quantizeRows(in, out.mutable_data_ptr<int8_t>(), begin, end, cols, s, z, perRow, lo, hi);
     } else if (fp8) {
       fakeQuantizeFp8Rows(in, out.mutable_data_ptr<float>(), begin, end, cols, s, perRow);
