@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# `qpipe eval` tokens/s on the float model and on its W8A8 (dynamic) and W4A16 (groups of 64)
-# checkpoints, and transformers scoring the same windows of the float model, in one run. Prints a
+# `qpipe eval` tokens/s on the float model and on its W8A8 (dynamic), FP8 (dynamic) and W4A16
+# (groups of 64) checkpoints, and transformers scoring the same windows of the float model, in one run. Prints a
 # table; needs tools/setup.sh --test (built qpipe, SmolLM2, .venv-test).
 #   tools/bench/eval_throughput.sh [MODEL_DIR] [TEXTS]
 # TEXTS: how many texts of data/eval.jsonl to score (default 40: about 12 windows of 512).
@@ -15,8 +15,9 @@ work=$root/.cache/bench/eval_throughput
 mkdir -p "$work"
 
 declare -A checkpoints=([float]=$model)
-declare -A configs=([w8a8]=$root/configs/default/w8a8.yaml [w4a16]=$root/tools/bench/w4a16_g64.yaml)
-for practice in w8a8 w4a16; do
+declare -A configs=([w8a8]=$root/configs/default/w8a8.yaml [w8a8_fp8]=$root/configs/default/w8a8_fp8_dynamic.yaml
+  [w4a16]=$root/tools/bench/w4a16_g64.yaml)
+for practice in w8a8 w8a8_fp8 w4a16; do
   out=$work/$practice
   if [[ ! -f $out/config.json ]]; then
     "$qpipe" quant --model_path "$model" --save_path "$out" --config_path "${configs[$practice]}" --device cpu \
@@ -26,7 +27,7 @@ for practice in w8a8 w4a16; do
 done
 
 rows=()
-for name in float w8a8 w4a16; do
+for name in float w8a8 w8a8_fp8 w4a16; do
   "$qpipe" eval --model_path "${checkpoints[$name]}" --data "$data" --seq_len $seq --max_samples "$texts" \
     --output_json "$work/$name.json" --log_level warn >/dev/null
   rows+=("$(python3 -c 'import json, sys

@@ -436,42 +436,35 @@ template <typename Out>
   return static_cast<uint8_t>(code | ((bits >> 24) & 0x80u));
 }
 
-// The same for FP8 E4M3: out = fp8(clamp(x / s, -448, 448)) * s.
+// Over rows of `cols` elements, each row with its own s or all with the first:
+// out = emit(clamp(x / s, -448, 448), s), the FP8 counterpart of intRows.
+template <typename Out, typename Emit>
+[[gnu::always_inline]] inline void fp8Rows(const float* x, Out* out, int64_t begin, int64_t end, int64_t cols,
+                                           const float* scale, bool perRow, const Emit& emit) {
+  constexpr float max = kFp8Max;
+  for (int64_t r = begin; r < end; ++r) {
+    const float s = scale[perRow ? r : 0];
+    const float* in = x + r * cols;
+    Out* o = out + r * cols;
+    for (int64_t c = 0; c < cols; ++c) o[c] = emit(std::min(std::max(in[c] / s, -max), max), s);
+  }
+}
+
+// fp8(clamp(x / s)) · s.
 [[gnu::target_clones("avx2", "default")]] void fakeQuantizeFp8Rows(const float* x, float* out, int64_t begin,
                                                                    int64_t end, int64_t cols, const float* scale,
                                                                    bool perRow) {
-  constexpr float max = kFp8Max;
-  for (int64_t r = begin; r < end; ++r) {
-    const float s = scale[perRow ? r : 0];
-    const float* in = x + r * cols;
-    float* o = out + r * cols;
-    for (int64_t c = 0; c < cols; ++c) {
-      const uint32_t value = uint32_t{fp8ValueBf16Bits(std::min(std::max(in[c] / s, -max), max))} << 16;
-      o[c] = std::bit_cast<float>(value) * s;
-    }
-  }
+  fp8Rows(x, out, begin, end, cols, scale, perRow, [](float v, float s) {
+    return std::bit_cast<float>(uint32_t{fp8ValueBf16Bits(v)} << 16) * s;
+  });
 }
-
 [[gnu::target_clones("avx2", "default")]] void fp8CodeRows(const float* x, uint8_t* out, int64_t begin, int64_t end,
                                                            int64_t cols, const float* scale, bool perRow) {
-  constexpr float max = kFp8Max;
-  for (int64_t r = begin; r < end; ++r) {
-    const float s = scale[perRow ? r : 0];
-    const float* in = x + r * cols;
-    uint8_t* o = out + r * cols;
-    for (int64_t c = 0; c < cols; ++c) o[c] = fp8Code(std::min(std::max(in[c] / s, -max), max));
-  }
+  fp8Rows(x, out, begin, end, cols, scale, perRow, [](float v, float) { return fp8Code(v); });
 }
-
 [[gnu::target_clones("avx2", "default")]] void fp8ValueRows(const float* x, uint16_t* out, int64_t begin, int64_t end,
                                                             int64_t cols, const float* scale, bool perRow) {
-  constexpr float max = kFp8Max;
-  for (int64_t r = begin; r < end; ++r) {
-    const float s = scale[perRow ? r : 0];
-    const float* in = x + r * cols;
-    uint16_t* o = out + r * cols;
-    for (int64_t c = 0; c < cols; ++c) o[c] = fp8ValueBf16Bits(std::min(std::max(in[c] / s, -max), max));
-  }
+  fp8Rows(x, out, begin, end, cols, scale, perRow, [](float v, float) { return fp8ValueBf16Bits(v); });
 }
 
 // The fast paths of quantize() and fakeQuantize(): an fp32 CPU tensor whose scheme's parameters
