@@ -454,9 +454,8 @@ template <typename Out, typename Emit>
 [[gnu::target_clones("avx2", "default")]] void fakeQuantizeFp8Rows(const float* x, float* out, int64_t begin,
                                                                    int64_t end, int64_t cols, const float* scale,
                                                                    bool perRow) {
-  fp8Rows(x, out, begin, end, cols, scale, perRow, [](float v, float s) {
-    return std::bit_cast<float>(uint32_t{fp8ValueBf16Bits(v)} << 16) * s;
-  });
+  fp8Rows(x, out, begin, end, cols, scale, perRow,
+          [](float v, float s) { return std::bit_cast<float>(uint32_t{fp8ValueBf16Bits(v)} << 16) * s; });
 }
 [[gnu::target_clones("avx2", "default")]] void fp8CodeRows(const float* x, uint8_t* out, int64_t begin, int64_t end,
                                                            int64_t cols, const float* scale, bool perRow) {

@@ -43,7 +43,8 @@ std::optional<GroupOptions> optionsFromEnvironment();
 
 // Joins the group (a real one even for a world of one). One-line Error(kDistributed) for: the
 // port in use (rank 0), the master unreachable within the timeout, ranks that disagree on the
-// world size (rank 0's counts), a rank that does not join within the timeout.
+// world size (rank 0's counts), a rank that does not join within the timeout. Sets SIGPIPE to
+// be ignored in this process, so that writing to a failed peer's socket is an error, not death.
 std::shared_ptr<ProcessGroup> connect(const GroupOptions& options);
 
 }  // namespace qpipe::dist
