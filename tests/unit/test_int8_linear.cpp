@@ -1,6 +1,6 @@
-// Int8Linear and int8Matmul, Fp8Linear, bf16Matmul and fp8ValuesBf16 (qpipe/quant_linear.h,
-// qpipe/quant.h) against exact arithmetic (integers, doubles), and against fake quantization in
-// fp32 within its rounding.
+// Int8Linear and int8Matmul, Fp8Linear, bf16Matmul, bf16MatmulAdd and fp8ValuesBf16, Bf16x3Linear
+// (qpipe/quant_linear.h, qpipe/quant.h) against exact arithmetic (integers, doubles), and against
+// fake quantization in fp32 within its rounding.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -141,7 +141,129 @@ TEST(Bf16Matmul, ProductsAreExactAndTheSumRoundsOnceInFp32PerAddition) {
   // Empty operands, and shapes that do not match.
   EXPECT_EQ(quant::bf16Matmul(a.slice(0, 0, 0), b).sizes(), (std::vector<int64_t>{0, 19}));
   EXPECT_TRUE(at::equal(quant::bf16Matmul(a.slice(1, 0, 0), b.slice(1, 0, 0)), at::zeros({37, 19})));
+  // Views of part of each row, read in place, and other layouts, copied: the same bits.
+  EXPECT_TRUE(at::equal(quant::bf16Matmul(a.slice(1, 3, 900), b.slice(1, 3, 900)),
+                        quant::bf16Matmul(a.slice(1, 3, 900).contiguous(), b.slice(1, 3, 900).contiguous())));
+  EXPECT_TRUE(at::equal(quant::bf16Matmul(a.t().contiguous().t(), b), y));
   EXPECT_THROW(quant::bf16Matmul(a, a.slice(1, 1)), std::exception);
+}
+
+TEST(Bf16MatmulAdd, AddsTheProductToWhatOutHolds) {
+  at::manual_seed(8);
+  const at::Tensor a = at::randn({23, 517}).to(at::kBFloat16);
+  const at::Tensor b = at::randn({29, 517}).to(at::kBFloat16);
+  const at::Tensor start = at::randn({23, 29});
+  at::Tensor out = start.clone();
+  quant::bf16MatmulAdd(a, b, out);
+  const at::Tensor exact = start.to(at::kDouble) + at::matmul(a.to(at::kDouble), b.to(at::kDouble).t());
+  const double bound = 518 * std::ldexp(1.0, -24) *
+                       (start.to(at::kDouble).abs() + at::matmul(a.to(at::kDouble).abs(), b.to(at::kDouble).abs().t()))
+                           .max()
+                           .item<double>();
+  EXPECT_LE((out.to(at::kDouble) - exact).abs().max().item<double>(), bound);
+  at::Tensor wrong = at::zeros({23, 28});
+  try {
+    quant::bf16MatmulAdd(a, b, wrong);
+    ADD_FAILURE() << "a [23, 29] product added into [23, 28]";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("adds into a contiguous fp32 [23, 29], got [23, 28]"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(SplitBf16, IsLibTorchsRoundingOfTheValueAndOfWhatItLeaves) {
+  // Every bf16 pattern with low bits below, at and above the rounding midpoint, and random values.
+  const at::Tensor top = at::arange(0, 65536, at::kInt).bitwise_left_shift(16);
+  at::Tensor bits = at::cat({top, top + 0x7FFF, top + 0x8000, top + 0x8001, top + 0xFFFF,
+                             at::randint(0, 65536, {65536}, at::kInt) + top})
+                        .reshape({6, 65536});
+  bits = at::cat({bits, at::randn({6, 65536}).view(at::kInt)}, 1);
+  const at::Tensor x = bits.view(at::kFloat);
+  const at::Tensor parts = quant::splitBf16(x, /*hiFirst=*/true);
+  const int64_t cols = x.size(1);
+  ASSERT_EQ(parts.sizes(), (std::vector<int64_t>{6, 2 * cols}));
+  const at::Tensor hi = parts.slice(1, 0, cols), lo = parts.slice(1, cols);
+  EXPECT_TRUE(
+      at::equal(quant::splitBf16(x, /*hiFirst=*/false).view(at::kShort), at::cat({lo, hi}, 1).view(at::kShort)));
+  const at::Tensor castHi = x.to(at::kBFloat16);
+  const at::Tensor castLo = (x - castHi.to(at::kFloat)).to(at::kBFloat16);
+  // The same patterns, but for NaN, which LibTorch's vectorized cast writes as 0xFFFF and its
+  // scalar cast as 0x7FC0.
+  const auto expectSame = [](const at::Tensor& part, const at::Tensor& cast) {
+    const at::Tensor number = ~cast.isnan();
+    EXPECT_TRUE(at::equal(part.view(at::kShort).masked_select(number), cast.view(at::kShort).masked_select(number)));
+    EXPECT_TRUE(at::equal(part.isnan(), cast.isnan()));
+  };
+  expectSame(hi, castHi);
+  expectSame(lo, castLo);
+  const at::Tensor finite = x.isfinite() & hi.isfinite();
+  const at::Tensor rest = (x.to(at::kDouble) - hi.to(at::kDouble) - lo.to(at::kDouble)).abs();
+  // Relative to |x|, but for lo's subnormals (spaced 2⁻¹³³ apart).
+  const at::Tensor bound = at::clamp_min(x.to(at::kDouble).abs() * std::ldexp(1.0, -16), std::ldexp(1.0, -134));
+  EXPECT_TRUE((rest.masked_select(finite) <= bound.masked_select(finite)).all().item<bool>());
+  EXPECT_THROW(quant::splitBf16(x.to(at::kDouble), true), std::exception);
+}
+
+// Within the bf16x3 bound of the exact product: per element 3·2⁻¹⁶·(1 + 2⁻⁸) of Σ|x·w| for the
+// dropped terms and the parts' own rounding, plus the fp32 sums' rounding (K + 3 additions).
+void expectWithinBf16x3(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  const at::Tensor xd = x.reshape({-1, w.size(1)}).to(at::kDouble), wd = w.to(at::kDouble);
+  at::Tensor exact = at::matmul(xd, wd.t());
+  at::Tensor magnitude = at::matmul(xd.abs(), wd.abs().t());
+  if (bias.defined()) {
+    exact = exact + bias.to(at::kDouble);
+    magnitude = magnitude + bias.to(at::kDouble).abs();
+  }
+  const double unit = 3.05 * std::ldexp(1.0, -16) + (w.size(1) + 3) * std::ldexp(1.0, -24);
+  const at::Tensor err = (y.reshape(exact.sizes()).to(at::kDouble) - exact).abs();
+  EXPECT_TRUE((err <= magnitude * unit).all().item<bool>())
+      << "worst error / bound " << (err / (magnitude * unit)).max().item<double>();
+}
+
+TEST(Bf16x3Linear, IsTheFp32ProductWithinTheBf16x3Bound) {
+  at::manual_seed(9);
+  // An int4 group-wise weight as W4A16 dequantizes it, inputs with outliers and a zero row.
+  const at::Tensor w = at::randint(-8, 8, {67, 384}).to(at::kFloat) *
+                       (at::rand({67, 3, 1}) * 0.01f + 1e-4f).expand({67, 3, 128}).reshape({67, 384});
+  at::Tensor x = at::randn({2, 41, 384});
+  x[0][3].zero_();
+  x[1][5][7] = 3.0e4f;
+  x[1][6].mul_(1e-30f);
+  const at::Tensor bias = at::randn({67});
+  const Bf16x3Linear gemm(w);
+  const std::optional<at::Tensor> y = gemm.forward(x, bias);
+  ASSERT_TRUE(y.has_value());
+  EXPECT_EQ(y->sizes(), (std::vector<int64_t>{2, 41, 67}));
+  expectWithinBf16x3(*y, x, w, bias);
+  EXPECT_TRUE(at::equal((*y)[0][3], bias));
+  expectWithinBf16x3(*gemm.forward(x, at::Tensor()), x, w, at::Tensor());
+  // Far closer than one bf16 GEMM (rounding x and w once each), which this replaces.
+  const at::Tensor exact = at::matmul(x.to(at::kDouble), w.to(at::kDouble).t()) + bias.to(at::kDouble);
+  const at::Tensor oneBf16 = quant::bf16Matmul(x.reshape({-1, 384}).to(at::kBFloat16), w.to(at::kBFloat16)) + bias;
+  EXPECT_LT((y->to(at::kDouble) - exact).abs().max().item<double>() * 20,
+            (oneBf16.view({2, 41, 67}).to(at::kDouble) - exact).abs().max().item<double>());
+  // The same bits on one thread as on several; no GEMM for other inputs.
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const at::Tensor single = *gemm.forward(x, bias);
+  at::set_num_threads(threads);
+  EXPECT_TRUE(at::equal(single, *y));
+  EXPECT_FALSE(gemm.forward(x.to(at::kDouble), bias).has_value());
+}
+
+TEST(QuantLinear, WeightOnlyFp32RunsBf16x3WhereTheCpuHasBf16AndTheFp32GemmElsewhere) {
+  at::manual_seed(10);
+  Linear linear(at::randn({48, 256}) * 0.05f, at::randn({48}));
+  const QScheme w4{QDtype::kInt4, QScope::kPerGroup, true, 64};
+  const QParams params = quant::computeQParams(linear.weight(), w4);
+  const auto deployed = QuantLinear::fromLinear(linear, params, w4, std::nullopt);
+  const at::Tensor x = at::randn({3, 17, 256});
+  const at::Tensor y = deployed->forward(x);
+  const at::Tensor dequantized = deployed->dequantizedWeight();
+  expectWithinBf16x3(y, x, dequantized, linear.bias());
+  const at::Tensor expected = quant::nativeBf16Matmul() ? *Bf16x3Linear(dequantized).forward(x, linear.bias())
+                                                        : at::linear(x, dequantized, linear.bias());
+  EXPECT_TRUE(at::equal(y, expected));
 }
 
 // y = (Σ fx·fw) · (sx·sw) + b with the sum in double, rounded to fp32 once: Fp8Linear's result

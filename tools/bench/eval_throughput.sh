@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `qpipe eval` tokens/s on the float model and on its W8A8 (dynamic), FP8 (dynamic) and W4A16
 # (groups of 64) checkpoints, and transformers scoring the same windows of the float model, in one run. Prints a
-# table; needs tools/setup.sh --test (built qpipe, SmolLM2, .venv-test).
+# table; needs tools/setup.sh --test (built qpipe, SmolLM2, .venv-test). W4A16 runs twice: as qpipe
+# eval runs it (bf16x3 GEMMs where the CPU has bf16 dot products), and with QPIPE_WEIGHT_ONLY_FP32=1.
 #   tools/bench/eval_throughput.sh [MODEL_DIR] [TEXTS]
 # TEXTS: how many texts of data/eval.jsonl to score (default 40: about 12 windows of 512).
 set -euo pipefail
@@ -27,8 +28,11 @@ for practice in w8a8 w8a8_fp8 w4a16; do
 done
 
 rows=()
-for name in float w8a8 w8a8_fp8 w4a16; do
-  "$qpipe" eval --model_path "${checkpoints[$name]}" --data "$data" --seq_len $seq --max_samples "$texts" \
+checkpoints[w4a16_fp32]=${checkpoints[w4a16]}
+for name in float w8a8 w8a8_fp8 w4a16 w4a16_fp32; do
+  fp32=0
+  [[ $name == *_fp32 ]] && fp32=1
+  QPIPE_WEIGHT_ONLY_FP32=$fp32 "$qpipe" eval --model_path "${checkpoints[$name]}" --data "$data" --seq_len $seq --max_samples "$texts" \
     --output_json "$work/$name.json" --log_level warn >/dev/null
   rows+=("$(python3 -c 'import json, sys
 r = json.load(open(sys.argv[1]))

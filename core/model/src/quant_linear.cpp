@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 #include <vector>
 
 #include "qpipe/error.h"
@@ -105,6 +107,31 @@ std::optional<at::Tensor> Fp8Linear::forward(const at::Tensor& x, const Activati
   return scaledOutput(x, acc.size(0), n, sx, scale_, bias, [&](int64_t m, int64_t j) { return a[m * n + j]; });
 }
 
+Bf16x3Linear::Bf16x3Linear(const at::Tensor& weight) {
+  QPIPE_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "Bf16x3Linear takes an fp32 [N, K] weight, got ",
+              weight.sizes(), " ", weight.scalar_type());
+  parts_ = quant::splitBf16(weight, /*hiFirst=*/true);
+}
+
+std::optional<at::Tensor> Bf16x3Linear::forward(const at::Tensor& x, const at::Tensor& bias) const {
+  if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || !parts_.device().is_cpu()) return std::nullopt;
+  const int64_t k = parts_.size(1) / 2, n = parts_.size(0);
+  // [x_lo | x_hi] · [w_hi | w_lo]ᵀ is the two small terms in one GEMM; x_hi · w_hiᵀ, the largest,
+  // is added to their sum.
+  const at::Tensor xParts = quant::splitBf16(x.reshape({-1, k}), /*hiFirst=*/false);
+  at::Tensor out;
+  if (bias.defined()) {
+    out = bias.to(at::kFloat).expand({xParts.size(0), n}).contiguous();
+    quant::bf16MatmulAdd(xParts, parts_, out);
+  } else {
+    out = quant::bf16Matmul(xParts, parts_);
+  }
+  quant::bf16MatmulAdd(xParts.slice(1, k), parts_.slice(1, 0, k), out);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  return out.view(shape);
+}
+
 namespace {
 
 std::variant<Int8Linear, Fp8Linear> makeGemm(const at::Tensor& qweight, const at::Tensor& scale,
@@ -113,6 +140,17 @@ std::variant<Int8Linear, Fp8Linear> makeGemm(const at::Tensor& qweight, const at
   if (Int8Linear::supports(weight, input)) return Int8Linear(qweight, scale);
   QPIPE_CHECK(Fp8Linear::supports(weight, input), "QuantGemm for an unsupported scheme: w ", weight.name());
   return Fp8Linear(qweight, scale);
+}
+
+// Weight-only fp32 Linears on a CPU with bf16 dot products, unless QPIPE_WEIGHT_ONLY_FP32=1 asks
+// for the fp32 GEMM of the dequantized weight.
+bool bf16x3Applies(const std::optional<ActivationQuant>& input, at::ScalarType computeDtype, const at::Tensor& weight) {
+  static const bool fp32 = [] {
+    const char* env = std::getenv("QPIPE_WEIGHT_ONLY_FP32");
+    return env != nullptr && std::string_view(env) == "1";
+  }();
+  return !fp32 && (!input || input->scheme.dtype == quant::QDtype::kFloat) && computeDtype == at::kFloat &&
+         weight.device().is_cpu() && quant::nativeBf16Matmul();
 }
 
 }  // namespace
@@ -186,6 +224,12 @@ at::Tensor QuantLinear::forward(const at::Tensor& input) {
   }
   if (gemm_) {
     if (std::optional<at::Tensor> y = gemm_->forward(input, *input_, bias())) return *y;
+  }
+  if (!weightOnlyGemm_ && bf16x3Applies(input_, computeDtype_, parameter("weight"))) {
+    weightOnlyGemm_.emplace(quant::dequantize(parameter("weight"), weightParams(), weightScheme_));
+  }
+  if (weightOnlyGemm_) {
+    if (std::optional<at::Tensor> y = weightOnlyGemm_->forward(input, bias())) return *y;
   }
   const at::Tensor x = input_ ? input_->apply(input) : input;
   return at::linear(x, dequantizedWeight(), bias());

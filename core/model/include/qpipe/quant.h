@@ -121,11 +121,20 @@ std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme
 // where every partial sum is an exact integer.
 at::Tensor int8Matmul(const at::Tensor& a, const at::Tensor& b);
 
-// a [M, K] bf16 · bᵀ (b [N, K] bf16) → fp32 [M, N]. Each product of two bf16 values is exact in
-// fp32; only the fp32 accumulation rounds, as in an fp32 GEMM. MKL's bf16 GEMM where LibTorch
-// links it in (AVX512-BF16 or AMX hardware: 5–10× an fp32 GEMM), else an fp32 GEMM of the
-// widened operands. The same bits for any thread count.
+// a [M, K] bf16 · bᵀ (b [N, K] bf16, both with unit column stride) → fp32 [M, N]. Each product of two bf16 values is
+// exact in fp32; only the fp32 accumulation rounds, as in an fp32 GEMM. MKL's bf16 GEMM where LibTorch links it in
+// (AVX512-BF16 or AMX hardware: 5–10× an fp32 GEMM), else an fp32 GEMM of the widened operands. The same bits for any
+// thread count.
 at::Tensor bf16Matmul(const at::Tensor& a, const at::Tensor& b);
+// out (fp32 [M, N], contiguous) += a · bᵀ, under bf16Matmul's contract.
+void bf16MatmulAdd(const at::Tensor& a, const at::Tensor& b, at::Tensor& out);
+// A 2-D fp32 CPU x [R, C] as two bf16 parts side by side, [R, 2C]: hi = bf16(x) and
+// lo = bf16(x − hi), each rounded to nearest even as LibTorch's cast (NaN → NaN), in one pass;
+// [hi | lo] when hiFirst, else [lo | hi]. |x − hi − lo| ≤ 2⁻¹⁶·|x|.
+at::Tensor splitBf16(const at::Tensor& x, bool hiFirst);
+// Whether bf16Matmul runs MKL's kernel on a CPU with bf16 dot products (AVX512-BF16 or AMX), where
+// it is several times faster than an fp32 GEMM; elsewhere it is slower than one.
+bool nativeBf16Matmul();
 // quantize()'s E4M3 values of a 2-D fp32 CPU x (x / scale clamped to ±448, rounded to nearest
 // even) as bf16, which holds each exactly. scale: one value, or one per row.
 at::Tensor fp8ValuesBf16(const at::Tensor& x, const at::Tensor& scale);

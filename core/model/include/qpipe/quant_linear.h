@@ -64,6 +64,25 @@ class Fp8Linear {
   at::Tensor scale_;   // fp32 [N]
 };
 
+// The GEMM of a weight-only quantized Linear (float inputs, a weight known to fp32 as its
+// dequantized values) on CPUs with bf16 dot products (quant::nativeBf16Matmul). "bf16x3": x and w
+// are each split into bf16 parts, v = hi + lo + δ with |δ| ≤ 2⁻¹⁶·|v|, and
+//   y = b + (x_lo·w_hiᵀ + x_hi·w_loᵀ) + x_hi·w_hiᵀ
+// in two bf16 GEMMs with exact products and fp32 sums. Each dropped term is below 2⁻¹⁶ of
+// |x·w|, so y is within about 3·2⁻¹⁶ of the fp32 GEMM relative to Σ|x·w| (docs/quantization.md);
+// the GEMMs take about 0.55× an fp32 GEMM's time (AMX). The weight's parts take the 4 bytes per
+// element the dequantized fp32 weight would.
+class Bf16x3Linear {
+ public:
+  // weight fp32 [N, K].
+  explicit Bf16x3Linear(const at::Tensor& weight);
+  // Empty when x is not an fp32 CPU tensor.
+  std::optional<at::Tensor> forward(const at::Tensor& x, const at::Tensor& bias) const;
+
+ private:
+  at::Tensor parts_;  // bf16 [N, 2K]: [w_hi | w_lo]
+};
+
 // Whichever of Int8Linear and Fp8Linear runs a quantized Linear's weight and input schemes.
 class QuantGemm {
  public:
@@ -90,8 +109,9 @@ class QuantGemm {
 //   input_zero_point   int32 [1]; static asymmetric activations only
 //   bias               compute dtype; when the layer has one
 // forward: y = actQuant(x) · dequantize(weight)ᵀ + b in the compute dtype; by QuantGemm where it
-// applies. The dequantized weight is cached on first use (it is not a parameter, so savers never
-// see it).
+// applies, and for weight-only fp32 Linears by Bf16x3Linear where the CPU has bf16 dot products
+// (unless QPIPE_WEIGHT_ONLY_FP32=1). The dequantized weight is cached on first use (it is not a
+// parameter, so savers never see it).
 class QuantLinear : public Module {
  public:
   QuantLinear(at::Tensor qweight, quant::QParams weightParams, quant::QScheme weightScheme,
@@ -117,7 +137,8 @@ class QuantLinear : public Module {
   std::optional<ActivationQuant> input_;
   at::ScalarType computeDtype_;
   at::Tensor dequantized_;
-  std::optional<QuantGemm> gemm_;  // made on the first forward where QuantGemm::supports
+  std::optional<QuantGemm> gemm_;               // made on the first forward where QuantGemm::supports
+  std::optional<Bf16x3Linear> weightOnlyGemm_;  // made on the first forward where it applies
 };
 
 }  // namespace qpipe
