@@ -4,7 +4,9 @@
 # SmolLM2, .venv-test, and .venv-bench with llm-compressor: it sees .venv's torch 2.11.0, the one
 # LibTorch comes from, through a .pth file, so both sides run the same ATen kernels).
 #   tools/bench/vs_llmcompressor.sh [MODEL_DIR] [SAMPLES] [SEQ_LEN]
-# Environment: QPIPE (default build/bin/qpipe), RECIPES (default "dynamic static fp8_static w4a16").
+# Environment: QPIPE (default build/bin/qpipe), RECIPES (default "dynamic static fp8_static w4a16"),
+#   QPIPE_DEVICE (qpipe's --device, default cpu: one process with a thread per core; cpu:0,1 runs
+#   two ranks of one thread each, splitting the calibration samples).
 #   dynamic     W8A8: int8 per-channel symmetric weights (minmax), dynamic per-token int8
 #               activations, lm_head kept; data-free on both sides
 #   static      the same weights, per-tensor asymmetric static int8 activations from the min/max
@@ -77,7 +79,7 @@ for recipe in $recipes; do
   out_q=$work/qpipe-$recipe
   rm -rf "$out_q"
   read -r wall_q rss_q cpu_q < <(timed "$work/qpipe-$recipe.log" "$qpipe" quant --model_path "$model" --save_path "$out_q" \
-    "${qpipe_args[@]}" --calib_data "$data" --calib_samples "$samples" --seq_len "$seq" --device cpu --log_level info)
+    "${qpipe_args[@]}" --calib_data "$data" --calib_samples "$samples" --seq_len "$seq" --device "${QPIPE_DEVICE:-cpu}" --log_level info)
 
   runner_q=$(python3 -c 'import json,sys; print("%.2f" % json.load(open(sys.argv[1]))["total_seconds"])' \
     "$out_q/quant_report.json")
