@@ -579,9 +579,8 @@ inline uint16_t bf16Bits(uint32_t u) {
   return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
 }
 
-// Memory-bound: the wider clones halve its time.
-[[gnu::target_clones("arch=skylake-avx512", "avx2", "default")]] void splitBf16Row(const uint32_t* in, uint16_t* hi,
-                                                                                   uint16_t* lo, int64_t cols) {
+[[gnu::target_clones("avx2", "default")]] void splitBf16Row(const uint32_t* in, uint16_t* hi, uint16_t* lo,
+                                                            int64_t cols) {
   for (int64_t c = 0; c < cols; ++c) {
     const uint16_t top = bf16Bits(in[c]);
     const float rest = std::bit_cast<float>(in[c]) - std::bit_cast<float>(static_cast<uint32_t>(top) << 16);
