@@ -35,18 +35,34 @@ TEST(Int8Matmul, IsExactAtTheExtremesAndOnRandomValues) {
   EXPECT_TRUE(at::equal(quant::int8Matmul(a, w.t()).to(at::kLong), at::matmul(a.to(at::kLong), w.t().to(at::kLong))));
 }
 
+// sums [rows, N] rounded to fp32 once, times sx[m]·sw[n], plus b, shaped as x with N outputs.
+at::Tensor scaledReference(const at::Tensor& x, const at::Tensor& sums, const QParams& p, const at::Tensor& sw,
+                           const at::Tensor& bias) {
+  at::Tensor y = sums.to(at::kFloat) * (p.scale.to(at::kFloat).reshape({-1, 1}) * sw.reshape({1, -1}));
+  if (bias.defined()) y = y + bias;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = sums.size(1);
+  return y.view(shape);
+}
+
+// The same bits on one thread as on the default number.
+template <typename F>
+at::Tensor onOneThread(const F& f) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  at::Tensor y = f();
+  at::set_num_threads(threads);
+  return y;
+}
+
 // y = float(Σ (qx − zx)·qw) · (sx·sw) + b with the sum in int64: what Int8Linear promises, bit for bit.
 at::Tensor exactReference(const at::Tensor& x, const ActivationQuant& act, const at::Tensor& qw, const at::Tensor& sw,
                           const at::Tensor& bias) {
   const at::Tensor flat = x.reshape({-1, x.size(-1)});
   const QParams p = act.isDynamic() ? quant::computeQParams(flat, act.scheme) : act.params;
   const at::Tensor q = quant::quantize(flat, p, act.scheme).to(at::kLong);
-  const at::Tensor sums = at::matmul(q - p.zeroPoint.to(at::kLong).reshape({-1, 1}), qw.to(at::kLong).t());
-  at::Tensor y = sums.to(at::kFloat) * (p.scale.to(at::kFloat).reshape({-1, 1}) * sw.reshape({1, -1}));
-  if (bias.defined()) y = y + bias;
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = qw.size(0);
-  return y.view(shape);
+  return scaledReference(x, at::matmul(q - p.zeroPoint.to(at::kLong).reshape({-1, 1}), qw.to(at::kLong).t()), p, sw,
+                         bias);
 }
 
 TEST(Int8Linear, IsTheExactIntegerSumTimesTheScalesBitForBit) {
@@ -132,12 +148,7 @@ TEST(Bf16Matmul, ProductsAreExactAndTheSumRoundsOnceInFp32PerAddition) {
   const double bound = 1031 * std::ldexp(1.0, -24) *
                        at::matmul(a.to(at::kDouble).abs(), b.to(at::kDouble).abs().t()).max().item<double>();
   EXPECT_LE((y.to(at::kDouble) - exact).abs().max().item<double>(), bound);
-  // The same bits on one thread as on several.
-  const int threads = at::get_num_threads();
-  at::set_num_threads(1);
-  const at::Tensor single = quant::bf16Matmul(a, b);
-  at::set_num_threads(threads);
-  EXPECT_TRUE(at::equal(single, y));
+  EXPECT_TRUE(at::equal(onOneThread([&] { return quant::bf16Matmul(a, b); }), y));
   // Empty operands, and shapes that do not match.
   EXPECT_EQ(quant::bf16Matmul(a.slice(0, 0, 0), b).sizes(), (std::vector<int64_t>{0, 19}));
   EXPECT_TRUE(at::equal(quant::bf16Matmul(a.slice(1, 0, 0), b.slice(1, 0, 0)), at::zeros({37, 19})));
@@ -242,12 +253,8 @@ TEST(Bf16x3Linear, IsTheFp32ProductWithinTheBf16x3Bound) {
   const at::Tensor oneBf16 = quant::bf16Matmul(x.reshape({-1, 384}).to(at::kBFloat16), w.to(at::kBFloat16)) + bias;
   EXPECT_LT((y->to(at::kDouble) - exact).abs().max().item<double>() * 20,
             (oneBf16.view({2, 41, 67}).to(at::kDouble) - exact).abs().max().item<double>());
-  // The same bits on one thread as on several; no GEMM for other inputs.
-  const int threads = at::get_num_threads();
-  at::set_num_threads(1);
-  const at::Tensor single = *gemm.forward(x, bias);
-  at::set_num_threads(threads);
-  EXPECT_TRUE(at::equal(single, *y));
+  EXPECT_TRUE(at::equal(onOneThread([&] { return *gemm.forward(x, bias); }), *y));
+  // No GEMM for other inputs.
   EXPECT_FALSE(gemm.forward(x.to(at::kDouble), bias).has_value());
 }
 
@@ -273,12 +280,7 @@ at::Tensor fp8Reference(const at::Tensor& x, const ActivationQuant& act, const a
   const at::Tensor flat = x.reshape({-1, x.size(-1)});
   const QParams p = act.isDynamic() ? quant::computeQParams(flat, act.scheme) : act.params;
   const at::Tensor fx = quant::quantize(flat, p, act.scheme).to(at::kDouble);
-  at::Tensor y = at::matmul(fx, qw.to(at::kDouble).t()).to(at::kFloat) *
-                 (p.scale.to(at::kFloat).reshape({-1, 1}) * sw.reshape({1, -1}));
-  if (bias.defined()) y = y + bias;
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = qw.size(0);
-  return y.view(shape);
+  return scaledReference(x, at::matmul(fx, qw.to(at::kDouble).t()), p, sw, bias);
 }
 
 TEST(Fp8Linear, IsTheE4m3ProductSumTimesTheScalesWithinFp32Accumulation) {

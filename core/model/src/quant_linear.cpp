@@ -14,6 +14,13 @@ namespace qpipe {
 
 namespace {
 
+// A [rows, n] result shaped as the input x with n outputs.
+at::Tensor shapedAs(const at::Tensor& x, const at::Tensor& out, int64_t n) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  return out.view(shape);
+}
+
 // The GEMMs' shared end: y[m, j] = acc(m, j) · (sx[m]·sw[j]) + b[j] in fp32, shaped as x with N
 // outputs. sx holds one scale or one per row.
 template <typename Acc>
@@ -35,9 +42,7 @@ at::Tensor scaledOutput(const at::Tensor& x, int64_t rows, int64_t n, const at::
       }
     }
   });
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = n;
-  return out.view(shape);
+  return shapedAs(x, out, n);
 }
 
 // Static per_tensor with its parameters, or dynamic per_token, in `dtype`.
@@ -127,9 +132,7 @@ std::optional<at::Tensor> Bf16x3Linear::forward(const at::Tensor& x, const at::T
     out = quant::bf16Matmul(xParts, parts_);
   }
   quant::bf16MatmulAdd(xParts.slice(1, k), parts_.slice(1, 0, k), out);
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = n;
-  return out.view(shape);
+  return shapedAs(x, out, n);
 }
 
 namespace {
@@ -144,13 +147,13 @@ std::variant<Int8Linear, Fp8Linear> makeGemm(const at::Tensor& qweight, const at
 
 // Weight-only fp32 Linears on a CPU with bf16 dot products, unless QPIPE_WEIGHT_ONLY_FP32=1 asks
 // for the fp32 GEMM of the dequantized weight.
-bool bf16x3Applies(const std::optional<ActivationQuant>& input, at::ScalarType computeDtype, const at::Tensor& weight) {
+bool bf16x3Applies(const std::optional<ActivationQuant>& input, at::ScalarType computeDtype) {
   static const bool fp32 = [] {
     const char* env = std::getenv("QPIPE_WEIGHT_ONLY_FP32");
     return env != nullptr && std::string_view(env) == "1";
   }();
   return !fp32 && (!input || input->scheme.dtype == quant::QDtype::kFloat) && computeDtype == at::kFloat &&
-         weight.device().is_cpu() && quant::nativeBf16Matmul();
+         quant::nativeBf16Matmul();
 }
 
 }  // namespace
@@ -225,7 +228,7 @@ at::Tensor QuantLinear::forward(const at::Tensor& input) {
   if (gemm_) {
     if (std::optional<at::Tensor> y = gemm_->forward(input, *input_, bias())) return *y;
   }
-  if (!weightOnlyGemm_ && bf16x3Applies(input_, computeDtype_, parameter("weight"))) {
+  if (!weightOnlyGemm_ && bf16x3Applies(input_, computeDtype_) && parameter("weight").device().is_cpu()) {
     weightOnlyGemm_.emplace(quant::dequantize(parameter("weight"), weightParams(), weightScheme_));
   }
   if (weightOnlyGemm_) {

@@ -121,10 +121,11 @@ std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme
 // where every partial sum is an exact integer.
 at::Tensor int8Matmul(const at::Tensor& a, const at::Tensor& b);
 
-// a [M, K] bf16 · bᵀ (b [N, K] bf16, both with unit column stride) → fp32 [M, N]. Each product of two bf16 values is
-// exact in fp32; only the fp32 accumulation rounds, as in an fp32 GEMM. MKL's bf16 GEMM where LibTorch links it in
-// (AVX512-BF16 or AMX hardware: 5–10× an fp32 GEMM), else an fp32 GEMM of the widened operands. The same bits for any
-// thread count.
+// a [M, K] bf16 · bᵀ (b [N, K] bf16) → fp32 [M, N]; views whose rows are contiguous but spaced
+// apart are read in place. Each product of two bf16 values is exact in fp32; only the fp32
+// accumulation rounds, as in an fp32 GEMM. MKL's bf16 GEMM where LibTorch links it in
+// (AVX512-BF16 or AMX hardware: 5–10× an fp32 GEMM), else an fp32 GEMM of the widened operands.
+// The same bits for any thread count.
 at::Tensor bf16Matmul(const at::Tensor& a, const at::Tensor& b);
 // out (fp32 [M, N], contiguous) += a · bᵀ, under bf16Matmul's contract.
 void bf16MatmulAdd(const at::Tensor& a, const at::Tensor& b, at::Tensor& out);
