@@ -302,9 +302,14 @@ TEST(QuantWeight, OnePassIsComputeQParamsThenQuantizeBitForBit) {
           << s.name();
     }
   }
-  // A NaN takes the tensor-op path, whose NaN the scale keeps.
+  // A NaN, in the rows' 16-lane body or in their tail, takes the tensor-op path, whose NaN the
+  // scale keeps.
   w[5][3] = std::numeric_limits<float>::quiet_NaN();
-  EXPECT_TRUE(std::isnan(quantizeWeight(w, scheme(QDtype::kInt8, QScope::kPerChannel)).first.scale[5].item<float>()));
+  w[6][576] = std::numeric_limits<float>::quiet_NaN();
+  const at::Tensor scales = quantizeWeight(w, scheme(QDtype::kInt8, QScope::kPerChannel)).first.scale;
+  EXPECT_TRUE(std::isnan(scales[5].item<float>()));
+  EXPECT_TRUE(std::isnan(scales[6].item<float>()));
+  EXPECT_FALSE(std::isnan(scales[7].item<float>()));
 }
 
 TEST(QuantPack, Int4HandComputed) {

@@ -14,6 +14,7 @@
 #include <bit>
 #include <climits>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <sstream>
 #include <type_traits>
@@ -423,15 +424,18 @@ template <typename Out>
   }
 }
 
-// Compiled for AVX2 beside the baseline, chosen at load time.
-[[gnu::target_clones("avx2", "default")]] void fakeQuantizeRows(const float* x, float* out, int64_t begin, int64_t end,
-                                                                int64_t cols, const float* scale, const float* zero,
-                                                                bool perRow, float lo, float hi) {
+// Compiled for AVX-512 (x86-64-v4) and AVX2 beside the baseline, chosen at load time.
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void fakeQuantizeRows(const float* x, float* out,
+                                                                                  int64_t begin, int64_t end,
+                                                                                  int64_t cols, const float* scale,
+                                                                                  const float* zero, bool perRow,
+                                                                                  float lo, float hi) {
   intRows(x, out, begin, end, cols, scale, zero, perRow, lo, hi);
 }
-[[gnu::target_clones("avx2", "default")]] void quantizeRows(const float* x, int8_t* out, int64_t begin, int64_t end,
-                                                            int64_t cols, const float* scale, const float* zero,
-                                                            bool perRow, float lo, float hi) {
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void quantizeRows(const float* x, int8_t* out,
+                                                                              int64_t begin, int64_t end, int64_t cols,
+                                                                              const float* scale, const float* zero,
+                                                                              bool perRow, float lo, float hi) {
   intRows(x, out, begin, end, cols, scale, zero, perRow, lo, hi);
 }
 
@@ -482,18 +486,21 @@ template <typename Out, typename Emit>
 }
 
 // fp8(clamp(x / s)) · s.
-[[gnu::target_clones("avx2", "default")]] void fakeQuantizeFp8Rows(const float* x, float* out, int64_t begin,
-                                                                   int64_t end, int64_t cols, const float* scale,
-                                                                   bool perRow) {
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void fakeQuantizeFp8Rows(const float* x, float* out,
+                                                                                     int64_t begin, int64_t end,
+                                                                                     int64_t cols, const float* scale,
+                                                                                     bool perRow) {
   fp8Rows(x, out, begin, end, cols, scale, perRow,
           [](float v, float s) { return std::bit_cast<float>(uint32_t{fp8ValueBf16Bits(v)} << 16) * s; });
 }
-[[gnu::target_clones("avx2", "default")]] void fp8CodeRows(const float* x, uint8_t* out, int64_t begin, int64_t end,
-                                                           int64_t cols, const float* scale, bool perRow) {
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void fp8CodeRows(const float* x, uint8_t* out,
+                                                                             int64_t begin, int64_t end, int64_t cols,
+                                                                             const float* scale, bool perRow) {
   fp8Rows(x, out, begin, end, cols, scale, perRow, [](float v, float) { return fp8Code(v); });
 }
-[[gnu::target_clones("avx2", "default")]] void fp8ValueRows(const float* x, uint16_t* out, int64_t begin, int64_t end,
-                                                            int64_t cols, const float* scale, bool perRow) {
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void fp8ValueRows(const float* x, uint16_t* out,
+                                                                              int64_t begin, int64_t end, int64_t cols,
+                                                                              const float* scale, bool perRow) {
   fp8Rows(x, out, begin, end, cols, scale, perRow, [](float v, float) { return fp8ValueBf16Bits(v); });
 }
 
@@ -579,8 +586,8 @@ inline uint16_t bf16Bits(uint32_t u) {
   return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
 }
 
-[[gnu::target_clones("avx2", "default")]] void splitBf16Row(const uint32_t* in, uint16_t* hi, uint16_t* lo,
-                                                            int64_t cols) {
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void splitBf16Row(const uint32_t* in, uint16_t* hi,
+                                                                              uint16_t* lo, int64_t cols) {
   for (int64_t c = 0; c < cols; ++c) {
     const uint16_t top = bf16Bits(in[c]);
     const float rest = std::bit_cast<float>(in[c]) - std::bit_cast<float>(static_cast<uint32_t>(top) << 16);
@@ -610,19 +617,23 @@ at::Tensor splitBf16(const at::Tensor& x, bool hiFirst) {
 
 namespace detail {
 
-// Min and max are exact in any order, so the row is reduced in independent lanes that vectorize.
-[[gnu::target_clones("avx2", "default")]] bool rowMinMax(const float* row, int64_t cols, float& lo, float& hi) {
-  constexpr int64_t kLanes = 16;
-  float los[kLanes] = {}, his[kLanes] = {};
-  int32_t nans[kLanes] = {};
+// Min and max are exact in any order, so the row is reduced in 16 independent lanes. GCC's vector
+// type keeps them in vector registers; an array of lanes is scalarised into 48 cmov chains.
+using Lanes = float __attribute__((vector_size(64)));
+using LaneMask = int32_t __attribute__((vector_size(64)));
+
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] bool rowMinMax(const float* row, int64_t cols, float& lo,
+                                                                           float& hi) {
+  constexpr int64_t kLanes = sizeof(Lanes) / sizeof(float);
+  Lanes los{}, his{};
+  LaneMask nans{};
   int64_t c = 0;
   for (; c + kLanes <= cols; c += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) {
-      const float v = row[c + l];
-      los[l] = v < los[l] ? v : los[l];
-      his[l] = v > his[l] ? v : his[l];
-      nans[l] |= v != v;
-    }
+    Lanes v;
+    std::memcpy(&v, row + c, sizeof v);
+    los = v < los ? v : los;
+    his = v > his ? v : his;
+    nans |= v != v;
   }
   bool nan = false;
   for (; c < cols; ++c) {
