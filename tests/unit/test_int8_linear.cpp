@@ -95,6 +95,29 @@ TEST(Int8Linear, IsTheExactIntegerSumTimesTheScalesBitForBit) {
   EXPECT_TRUE(at::equal(linear.forward(x, cases[0], {})->select(0, 0).select(0, 3), at::zeros({24})));
   // Not an fp32 CPU input: the caller fake-quantizes.
   EXPECT_FALSE(linear.forward(x.to(at::kDouble), cases[0], {}).has_value());
+  // Nor one whose sums could leave 32 bits.
+  const int64_t wide = Int8Linear::kMaxInt8K + 1;
+  EXPECT_FALSE(
+      Int8Linear(at::ones({1, wide}, at::kChar), at::ones({1})).forward(at::ones({1, wide}), cases[0], {}).has_value());
+}
+
+TEST(Int8Linear, IsExactAtTheExtremesOfTheSumsOverWideRows) {
+  // Every qx − z is ±255 and every qw ±127 or −128: the largest sums K allows, over 70 outputs
+  // (vector bodies and tails), with and without a bias.
+  const int64_t k = 4099;
+  const at::Tensor qw = at::randint(0, 2, {70, k}, at::kChar) * 255 - 128;  // −128 or 127
+  const at::Tensor sw = at::rand({70}) + 0.5;
+  const QScheme staticAsym{QDtype::kInt8, QScope::kPerTensor, false, 0};
+  const ActivationQuant act{staticAsym, {at::full({1}, 0.5f), at::full({1}, -128, at::kInt)}};
+  at::Tensor x = at::full({3, k}, 127.5f);  // qx = 127
+  x[1].fill_(-64.0f);                       // qx = −128: qx − z = 0
+  x[2].slice(0, 0, k / 2).fill_(-1e6f);     // saturates at −128
+  const Int8Linear linear(qw, sw);
+  for (const at::Tensor& bias : {at::Tensor(), at::randn({70})}) {
+    const std::optional<at::Tensor> y = linear.forward(x, act, bias);
+    ASSERT_TRUE(y.has_value());
+    EXPECT_TRUE(at::equal(*y, exactReference(x, act, qw, sw, bias)));
+  }
 }
 
 TEST(Int8Linear, SupportsInt8PerChannelSymmetricWeightsWithInt8Activations) {

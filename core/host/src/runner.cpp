@@ -344,7 +344,9 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
 
   const auto release = [this](int64_t index) {
     model_.releaseLayer(index);
-    // glibc keeps freed heap otherwise, and the layer's buffers would pile up over the run.
+    // glibc keeps freed heap otherwise, and fragmentation would grow it layer by layer (by about
+    // 15 MB a layer in a static calibration of SmolLM2). The price: the next layer faults its
+    // working set back in (a sixth of that calibration's time; docs/benchmarks.md).
     ::malloc_trim(0);
   };
 
@@ -479,6 +481,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       for (const auto& [key, value] : splitSummary->reportValues()) report.values.push_back({"", key, value});
     }
     unit.writeBack(model_.root());
+    model_.restoreHead();
     report.seconds = secondsSince(unitStart);
     countTraffic(trafficBefore, report);
     // Listed only when a processor replaced or reported on one of its modules (default practices

@@ -135,6 +135,10 @@ class CausalLM {
   // converts its weight to the compute dtype on the device (head() does it on first use, the
   // runner before processors see lm_head). A tied head's copy leaves the embedding as it is.
   void prepareHead();
+  // Undoes prepareHead while lm_head still holds the converted weight with the same values (no
+  // processor replaced or changed it), freeing the copy: the savers then write the checkpoint's
+  // tensor.
+  void restoreHead();
 
   // Full forward: logits [batch, seq, vocab] in the compute dtype. Layers are loaded as needed
   // and kept loaded.
@@ -161,6 +165,8 @@ class CausalLM {
   std::shared_ptr<Module> root_;
   Module* layers_ = nullptr;
   at::Tensor invFreq_;
+  // prepareHead's converted lm_head weight and the weight it replaced.
+  at::Tensor preparedHead_, headBeforePrepare_;
 };
 
 }  // namespace qpipe

@@ -33,15 +33,18 @@ struct ActivationQuant {
 // (docs/quantization.md).
 class Int8Linear {
  public:
+  // Σ_k (qx − z)·qw, each term at most 255·128 in magnitude, fits in 32 bits up to this K (and
+  // so do Σ_k qx·qw and z·Σ_k qw); beyond it forward() declines.
+  static constexpr int64_t kMaxInt8K = 65536;
   static bool supports(const quant::QScheme& weight, const std::optional<ActivationQuant>& input);
   // qweight int8 [N, K], scale fp32 with N elements.
   Int8Linear(const at::Tensor& qweight, const at::Tensor& scale);
-  // Empty when x is not an fp32 CPU tensor (the caller fake-quantizes then).
+  // Empty when x is not an fp32 CPU tensor or K exceeds kMaxInt8K (the caller fake-quantizes then).
   std::optional<at::Tensor> forward(const at::Tensor& x, const ActivationQuant& input, const at::Tensor& bias) const;
 
  private:
   at::Tensor weightT_;  // [K, N] view of qweight
-  at::Tensor rowSums_;  // int64 [N]: Σ_k qw[n, k]
+  at::Tensor rowSums_;  // int32 [N]: Σ_k qw[n, k]
   at::Tensor scale_;    // fp32 [N]
 };
 
