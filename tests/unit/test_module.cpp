@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <limits>
 
 #include "qpipe/model.h"
 #include "qpipe/module.h"
@@ -128,6 +129,28 @@ TEST(ModuleTree, ErrorsNameTheModuleOrTensor) {
   const fs::path unsupported = test::writeTempFile("config.json", R"({"model_type": "gpt2"})");
   EXPECT_EQ(test::errorOf([&] { ModelConfig::fromFile(unsupported); }, ErrorCode::kInput),
             unsupported.string() + ": model_type 'gpt2' is not supported; supported: llama, qwen2, qwen3, qwen3_moe");
+}
+
+TEST(AllFinite, FindsEveryNonFinitePatternInBodiesAndTailsOfEachDtype) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // 70,007 elements: more than one block, vector bodies and a scalar tail.
+  at::Tensor x = at::randn({70007}) * 1e3;
+  x[5] = -0.0f;
+  x[6] = 3.0e38f;  // finite, near the top of fp32's and bf16's range
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble}) {
+    const at::Tensor finite = (dtype == at::kHalf ? x.clamp(-6e4, 6e4) : x).to(dtype);
+    EXPECT_TRUE(allFinite(finite)) << dtype;
+    EXPECT_TRUE(allFinite(finite.slice(0, 0, 0))) << dtype;
+    for (const int64_t at : {int64_t{0}, int64_t{17}, int64_t{65536}, int64_t{70006}}) {
+      for (const float bad : {inf, -inf, nan}) {
+        at::Tensor t = finite.clone();
+        t[at] = bad;
+        EXPECT_FALSE(allFinite(t)) << dtype << " " << bad << " at " << at;
+        EXPECT_FALSE(allFinite(t.view({7, 10001}).t())) << dtype;  // not contiguous
+      }
+    }
+  }
 }
 
 }  // namespace
