@@ -102,8 +102,9 @@ TEST(Int8Linear, IsTheExactIntegerSumTimesTheScalesBitForBit) {
 }
 
 TEST(Int8Linear, IsExactAtTheExtremesOfTheSumsOverWideRows) {
-  // Every qx − z is ±255 and every qw ±127 or −128: the largest sums K allows, over 70 outputs
-  // (vector bodies and tails), with and without a bias.
+  // qx − z is 255, its largest, in row 0, 0 in row 1 and both in row 2; every qw is −128 or 127:
+  // the extreme terms of the sums, over 70 outputs (vector bodies and tails), with and without
+  // a bias.
   const int64_t k = 4099;
   const at::Tensor qw = at::randint(0, 2, {70, k}, at::kChar) * 255 - 128;  // −128 or 127
   const at::Tensor sw = at::rand({70}) + 0.5;
