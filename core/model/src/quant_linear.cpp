@@ -46,6 +46,29 @@ template <typename Sum>
   outputRow([&](int64_t j) { return a[j]; }, s, sw, b, y, n);
 }
 
+// Σ_k w[k] of one int8 weight row, for the zero-point correction. ATen's int8 → int32 sum
+// goes through a casting reduction at a quarter of memory speed: 7 % of a data-free W8A8 run,
+// whose probe builds an Int8Linear per module.
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] int32_t int8RowSum(const int8_t* w, int64_t k) {
+  int32_t sum = 0;
+  for (int64_t i = 0; i < k; ++i) sum += w[i];
+  return sum;
+}
+
+at::Tensor int8RowSums(const at::Tensor& qweight) {
+  // Off the CPU the forward declines anyway; a malformed weight meets the constructor's check.
+  if (qweight.dim() != 2 || qweight.scalar_type() != at::kChar || !qweight.device().is_cpu()) {
+    return qweight.sum(-1, false, at::kInt);
+  }
+  const at::Tensor w = qweight.contiguous();
+  const int64_t rows = w.size(0), k = w.size(1);
+  at::Tensor sums = at::empty({rows}, at::TensorOptions().dtype(at::kInt));
+  const int8_t* data = w.const_data_ptr<int8_t>();
+  int32_t* out = sums.data_ptr<int32_t>();
+  for (int64_t r = 0; r < rows; ++r) out[r] = int8RowSum(data + r * k, k);
+  return sums;
+}
+
 // The GEMMs' shared end over [rows, n]: row(m, sx[m], b, y) writes output row m, shaped as x with
 // n outputs. sx holds one scale or one per row.
 template <typename Row>
@@ -80,9 +103,7 @@ bool Int8Linear::supports(const quant::QScheme& weight, const std::optional<Acti
 }
 
 Int8Linear::Int8Linear(const at::Tensor& qweight, const at::Tensor& scale)
-    : weightT_(qweight.t()),
-      rowSums_(qweight.sum(1, false, at::kInt)),
-      scale_(scale.to(at::kFloat).reshape({-1}).contiguous()) {
+    : weightT_(qweight.t()), rowSums_(int8RowSums(qweight)), scale_(scale.to(at::kFloat).reshape({-1}).contiguous()) {
   QPIPE_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && scale_.numel() == qweight.size(0),
               "Int8Linear takes an int8 [N, K] weight and N scales, got ", qweight.sizes(), " and ", scale.sizes());
 }
