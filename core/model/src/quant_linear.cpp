@@ -65,7 +65,11 @@ at::Tensor int8RowSums(const at::Tensor& qweight) {
   at::Tensor sums = at::empty({rows}, at::TensorOptions().dtype(at::kInt));
   const int8_t* data = w.const_data_ptr<int8_t>();
   int32_t* out = sums.data_ptr<int32_t>();
-  for (int64_t r = 0; r < rows; ++r) out[r] = int8RowSum(data + r * k, k);
+  // The same grain as quant.cpp's row kernels: a large weight splits over the threads as
+  // ATen's sum did.
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) out[r] = int8RowSum(data + r * k, k);
+  });
   return sums;
 }
 
