@@ -1,10 +1,11 @@
-// Int8Linear and int8Matmul, Fp8Linear, bf16Matmul, bf16MatmulAdd and fp8ValuesBf16, Bf16x3Linear
+// Int8Linear, Int8Weight and int8Matmul, Fp8Linear, bf16Matmul, bf16MatmulAdd and fp8ValuesBf16, Bf16x3Linear
 // (qpipe/quant_linear.h, qpipe/quant.h) against exact arithmetic (integers, doubles), and against
 // fake quantization in fp32 within its rounding.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -53,6 +54,64 @@ at::Tensor onOneThread(const F& f) {
   at::Tensor y = f();
   at::set_num_threads(threads);
   return y;
+}
+
+// Every kernel against int64 arithmetic, on shapes that cross each edge of the packed kernel's
+// blocking: rows not a multiple of its 4-row tile or beyond its 192-row block, outputs not a
+// multiple of its 16-wide panel, odd K, K below one 16-column pack block and beyond its 256-column
+// block, and the extreme codes.
+TEST(Int8Weight, EveryKernelIsExactAcrossTheBlockingEdges) {
+  at::manual_seed(7);
+  const std::vector<std::array<int64_t, 3>> shapes = {{1, 1, 1},     {3, 7, 5},       {4, 16, 16}, {5, 33, 17},
+                                                      {13, 600, 48}, {197, 1029, 37}, {64, 257, 1}};
+  for (const auto& [m, k, n] : shapes) {
+    at::Tensor a = at::randint(-128, 128, {m, k}, at::kChar);
+    at::Tensor w = at::randint(-128, 128, {n, k}, at::kChar);
+    a[0].fill_(-128);
+    w[0].fill_(-128);
+    if (m > 1) a[m - 1].fill_(127);
+    if (n > 1) w[n - 1].fill_(127);
+    const at::Tensor exact = at::matmul(a.to(at::kLong), w.to(at::kLong).t());
+    for (const quant::Int8Kernel kernel :
+         {quant::Int8Kernel::kBest, quant::Int8Kernel::kPacked, quant::Int8Kernel::kReference}) {
+      const quant::Int8Weight weight(w, kernel);
+      const at::Tensor y = weight.matmul(a);
+      ASSERT_EQ(y.scalar_type(), at::kInt);
+      EXPECT_TRUE(at::equal(y.to(at::kLong), exact))
+          << m << "x" << k << "x" << n << " kernel " << static_cast<int>(kernel);
+      EXPECT_TRUE(at::equal(onOneThread([&] { return weight.matmul(a); }), y));
+    }
+  }
+}
+
+TEST(Int8Weight, ReadsRowsSpacedApartAndEmptyShapes) {
+  at::manual_seed(8);
+  const at::Tensor wide = at::randint(-128, 128, {9, 70}, at::kChar);
+  const at::Tensor a = wide.slice(1, 3, 53);  // rows 70 apart, 50 wide
+  const at::Tensor w = at::randint(-128, 128, {21, 50}, at::kChar);
+  const at::Tensor exact = at::matmul(a.to(at::kLong), w.to(at::kLong).t());
+  const quant::Int8Weight packed(w, quant::Int8Kernel::kPacked);
+  EXPECT_TRUE(at::equal(packed.matmul(a).to(at::kLong), exact));
+  EXPECT_EQ(packed.matmul(at::empty({0, 50}, at::kChar)).sizes(), at::IntArrayRef({0, 21}));
+  const quant::Int8Weight noK(at::empty({6, 0}, at::kChar), quant::Int8Kernel::kPacked);
+  EXPECT_TRUE(at::equal(noK.matmul(at::empty({2, 0}, at::kChar)), at::zeros({2, 6}, at::kInt)));
+}
+
+TEST(Int8Weight, RefusesInputsOfTheWrongShapeOrType) {
+  const quant::Int8Weight weight(at::zeros({4, 8}, at::kChar), quant::Int8Kernel::kPacked);
+  const auto message = [&](const at::Tensor& a) {
+    try {
+      weight.matmul(a);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(
+      message(at::zeros({2, 7}, at::kChar)).find("an int8 GEMM with a [4, 8] weight takes int8 [M, 8], got [2, 7]"),
+      std::string::npos);
+  EXPECT_NE(message(at::zeros({2, 8})).find("takes int8 [M, 8], got [2, 8] Float"), std::string::npos);
+  EXPECT_THROW(quant::Int8Weight(at::zeros({4, 8})), std::exception);
 }
 
 // y = float(Σ (qx − zx)·qw) · (sx·sw) + b with the sum in int64: what Int8Linear promises, bit for bit.

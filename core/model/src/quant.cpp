@@ -287,36 +287,6 @@ at::Tensor nvfp4GlobalScale(const at::Tensor& absmax) {
 
 namespace {
 
-// Without VNNI, oneDNN's s8 GEMM shifts one side to u8 and adds pairs of products in int16, which
-// saturates; so try the worst case once rather than trust CPU flags (an ISA cap set in the
-// environment, ONEDNN_MAX_CPU_ISA, is caught too).
-bool intMmIsExact() {
-  static const bool exact = [] {
-    at::Tensor a = at::full({8, 64}, 127, at::kChar);
-    at::Tensor b = at::full({64, 8}, 127, at::kChar);
-    a[1].fill_(-128);
-    b.select(1, 1).fill_(-128);
-    try {
-      return at::equal(at::_int_mm(a, b).to(at::kLong), at::matmul(a.to(at::kLong), b.to(at::kLong)));
-    } catch (const std::exception&) {
-      return false;
-    }
-  }();
-  return exact;
-}
-
-}  // namespace
-
-at::Tensor int8Matmul(const at::Tensor& a, const at::Tensor& b) {
-  QPIPE_CHECK(a.scalar_type() == at::kChar && b.scalar_type() == at::kChar && a.dim() == 2 && b.dim() == 2,
-              "int8Matmul takes two 2-D int8 tensors");
-  if (a.device().is_cpu() && intMmIsExact()) return at::_int_mm(a, b);
-  // |product| < 2^15, so a sum of up to 2^38 of them is an exact double.
-  return at::matmul(a.to(at::kDouble), b.to(at::kDouble)).to(at::kInt);
-}
-
-namespace {
-
 // MKL's cblas_gemm_bf16bf16f32 (LP64 ints; CBLAS enums), which LibTorch's MKL build links in and
 // exports; absent from LibTorch builds without MKL, where bf16Matmul falls back.
 using GemmBf16F32 = void (*)(int layout, int transA, int transB, int m, int n, int k, float alpha, const void* a,
@@ -340,7 +310,9 @@ void bf16Gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, float b
   const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
   QPIPE_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == at::IntArrayRef({m, n}),
               "bf16MatmulAdd adds into a contiguous fp32 [", m, ", ", n, "], got ", out.sizes());
-  const GemmBf16F32 gemm = mklGemmBf16F32();
+  // Only with bf16 dot products: MKL's AVX2 bf16 kernel runs no faster than the fp32 GEMM, and its
+  // sums depend on the thread count (seen on a Zen 3 host), which would break rank invariance.
+  const GemmBf16F32 gemm = nativeBf16Matmul() ? mklGemmBf16F32() : nullptr;
   if (gemm == nullptr || !a.device().is_cpu() || !b.device().is_cpu() || !out.device().is_cpu() || m == 0 || n == 0 ||
       k == 0 || std::max({m, n, k}) > INT_MAX / 2) {
     out.addmm_(a.to(at::kFloat), b.to(at::kFloat).t(), beta);

@@ -107,20 +107,20 @@ bool Int8Linear::supports(const quant::QScheme& weight, const std::optional<Acti
 }
 
 Int8Linear::Int8Linear(const at::Tensor& qweight, const at::Tensor& scale)
-    : weightT_(qweight.t()), rowSums_(int8RowSums(qweight)), scale_(scale.to(at::kFloat).reshape({-1}).contiguous()) {
+    : weight_(qweight), rowSums_(int8RowSums(qweight)), scale_(scale.to(at::kFloat).reshape({-1}).contiguous()) {
   QPIPE_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && scale_.numel() == qweight.size(0),
               "Int8Linear takes an int8 [N, K] weight and N scales, got ", qweight.sizes(), " and ", scale.sizes());
 }
 
 std::optional<at::Tensor> Int8Linear::forward(const at::Tensor& x, const ActivationQuant& input,
                                               const at::Tensor& bias) const {
-  const int64_t k = weightT_.size(0), n = weightT_.size(1);
-  if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || !weightT_.device().is_cpu() || k > kMaxInt8K) {
+  const int64_t k = weight_.k(), n = weight_.n();
+  if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || !rowSums_.device().is_cpu() || k > kMaxInt8K) {
     return std::nullopt;
   }
   const at::Tensor flat = x.reshape({-1, k});
   const quant::QParams params = input.isDynamic() ? quant::computeQParams(flat, input.scheme) : input.params;
-  const at::Tensor acc = quant::int8Matmul(quant::quantize(flat, params, input.scheme), weightT_).contiguous();
+  const at::Tensor acc = weight_.matmul(quant::quantize(flat, params, input.scheme)).contiguous();
   const at::Tensor zx = params.zeroPoint.to(at::kInt).reshape({-1}).contiguous();
   const bool perRowZero = zx.numel() != 1;
   const int32_t* a = acc.const_data_ptr<int32_t>();

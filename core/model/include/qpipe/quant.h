@@ -116,15 +116,36 @@ at::Tensor fakeQuantizeFp4Dynamic(const at::Tensor& x, const QScheme& scheme, co
 // with int8/int4 per_channel symmetric schemes each row is reduced and quantized while it is in
 // cache, one pass over memory instead of two, with the same bits.
 std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme& scheme);
-// a [M, K] int8 · b [K, N] int8 → int32 [M, N], exactly: at::_int_mm where it accumulates in
-// int32 without saturating (checked once on the worst case: CPUs with VNNI), else in double,
-// where every partial sum is an exact integer.
+// How Int8Weight multiplies. Every kernel gives the same int32 results (int8_gemm.cpp):
+// kBest picks at::_int_mm where it is exact (CPUs with VNNI; off the CPU), else kPacked where the
+// CPU has AVX2, else kReference. kPacked: an AVX2 kernel on a weight packed once (vpmaddwd, int32
+// sums). kReference: a GEMM in double. Asking for kPacked without AVX2 gets kReference.
+enum class Int8Kernel { kBest, kPacked, kReference };
+// An int8 weight w [N, K], prepared once for exact GEMMs a · wᵀ with int8 inputs a [M, K]. Sums
+// are exact in int32 up to K = 2^17 (|product| ≤ 2^14).
+class Int8Weight {
+ public:
+  explicit Int8Weight(const at::Tensor& qweight, Int8Kernel kernel = Int8Kernel::kBest);
+  // a [M, K] int8 → int32 [M, N].
+  at::Tensor matmul(const at::Tensor& a) const;
+  int64_t n() const { return n_; }
+  int64_t k() const { return k_; }
+  // The kernel this weight runs (kBest: at::_int_mm).
+  Int8Kernel kernel() const { return kernel_; }
+
+ private:
+  at::Tensor weight_;  // w itself; with kPacked, its packed panels
+  int64_t n_ = 0, k_ = 0;
+  Int8Kernel kernel_ = Int8Kernel::kBest;
+};
+// a [M, K] int8 · b [K, N] int8 → int32 [M, N], exactly: Int8Weight(bᵀ).matmul(a).
 at::Tensor int8Matmul(const at::Tensor& a, const at::Tensor& b);
 
 // a [M, K] bf16 · bᵀ (b [N, K] bf16) → fp32 [M, N]; views whose rows are contiguous but spaced
 // apart are read in place. Each product of two bf16 values is exact in fp32; only the fp32
-// accumulation rounds, as in an fp32 GEMM. MKL's bf16 GEMM where LibTorch links it in
-// (AVX512-BF16 or AMX hardware: 5–10× an fp32 GEMM), else an fp32 GEMM of the widened operands.
+// accumulation rounds, as in an fp32 GEMM. MKL's bf16 GEMM where LibTorch links it in and the
+// CPU has bf16 dot products (AVX512-BF16 or AMX: 5–10× an fp32 GEMM), else an fp32 GEMM of the
+// widened operands.
 // The same bits for any thread count.
 at::Tensor bf16Matmul(const at::Tensor& a, const at::Tensor& b);
 // out (fp32 [M, N], contiguous) += a · bᵀ, under bf16Matmul's contract.

@@ -28,7 +28,7 @@ struct ActivationQuant {
 // The int8 GEMM of a Linear whose weight is int8 per_channel symmetric and whose input is
 // quantized to int8 (per_tensor static or per_token dynamic), for fp32 inputs on the CPU:
 //   y[m, n] = float(Σ_k qx[m, k]·qw[n, k] − zx[m]·Σ_k qw[n, k]) · (sx[m]·sw[n]) + b[n]
-// with the integer sums exact (quant::int8Matmul). Fake quantization computes the same real
+// with the integer sums exact (quant::Int8Weight). Fake quantization computes the same real
 // number through an fp32 GEMM of dequantized values; the two differ only by that GEMM's rounding
 // (docs/quantization.md).
 class Int8Linear {
@@ -43,7 +43,7 @@ class Int8Linear {
   std::optional<at::Tensor> forward(const at::Tensor& x, const ActivationQuant& input, const at::Tensor& bias) const;
 
  private:
-  at::Tensor weightT_;  // [K, N] view of qweight
+  quant::Int8Weight weight_;
   at::Tensor rowSums_;  // int32 [N]: Σ_k qw[n, k]
   at::Tensor scale_;    // fp32 [N]
 };
