@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "qpipe/error.h"
 #include "qpipe/log.h"
@@ -78,7 +79,9 @@ PerplexityResult computePerplexity(const std::vector<int64_t>& ids, const Perple
     const auto* sums = windowNll.const_data_ptr<double>();
     for (int64_t i = 0; i < count; ++i) {
       QPIPE_REQUIRE(std::isfinite(sums[i]), ErrorCode::kInput, "perplexity: window ", begin + i, " (tokens ",
-                    (begin + i) * seqLen, " to ", (begin + i + 1) * seqLen, ") has a non-finite loss (", sums[i],
+                    (begin + i) * seqLen, " to ", (begin + i + 1) * seqLen, ") has a non-finite loss (",
+                    // A NaN's sign bit depends on the CPU's arithmetic; the message should not.
+                    std::isnan(sums[i]) ? std::string("nan") : std::to_string(sums[i]),
                     "): the model computes NaN or Inf");
       result.totalNll += sums[i];
     }
