@@ -22,6 +22,12 @@ message(STATUS "qpipe: LibTorch ${Torch_VERSION}, CUDA path ${QPIPE_HAS_CUDA}")
 add_library(qpipe_torch INTERFACE)
 target_link_libraries(qpipe_torch INTERFACE "-Wl,--push-state,--no-as-needed" stdc++ "-Wl,--pop-state"
                       torch_cpu_library)
+# at::parallel_for is a header template that splits its range over threads only where the code
+# including it is compiled with OpenMP (ATen/ParallelOpenMP.h tests _OPENMP); elsewhere it runs the
+# whole range on the calling thread. So qpipe and its plugins compile with OpenMP. At run time the
+# one libgomp.so.1 loaded is the torch wheel's, LibTorch's own thread pool.
+find_package(OpenMP REQUIRED COMPONENTS CXX)
+target_link_libraries(qpipe_torch INTERFACE OpenMP::OpenMP_CXX)
 
 # ProcessGroupGloo's header includes Gloo's, which the torch wheel does not ship (Debian's
 # libgloo-dev; only the declarations are used, the code is LibTorch's own copy of Gloo).

@@ -48,8 +48,9 @@ TEST(Safetensors, EveryDtypeRoundTripsByteForByte) {
     ASSERT_EQ(read.sizes(), tensor.sizes()) << name;
     const at::Tensor expected = tensor.contiguous();
     // memcmp takes no null pointers, which an empty tensor's storage is.
-    if (expected.nbytes() > 0)
+    if (expected.nbytes() > 0) {
       EXPECT_EQ(std::memcmp(read.data_ptr(), expected.data_ptr(), expected.nbytes()), 0) << name;
+    }
   }
 }
 

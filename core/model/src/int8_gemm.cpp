@@ -1,11 +1,11 @@
 // Exact int8 GEMMs (quant::Int8Weight, quant::int8Matmul).
 //
 // Three kernels give the same int32 results, so which one a host runs never shows in a result:
-// - ATen's at::_int_mm (oneDNN), where it accumulates without saturating: CPUs with VNNI.
-// - Without VNNI, oneDNN's s8 kernel adds pairs of products in int16 and saturates. There the
-//   packed AVX2 kernel below widens both operands to int16 and multiplies with vpmaddwd, which
-//   adds each pair of products in int32: exact, and on a Zen 3 core about 1.4× MKL's fp32 GEMM
-//   of the same shape (docs/benchmarks.md).
+// - ATen's at::_int_mm (oneDNN), on CPUs with VNNI, where it accumulates without saturating.
+// - Without VNNI, at::_int_mm either saturates (oneDNN's s8 kernel adds pairs of products in
+//   int16) or runs a scalar loop. There the packed AVX2 kernel below widens both operands to int16 and multiplies with
+//   vpmaddwd, which adds each pair of products in int32: exact, and on a Zen 3 core about 1.4× MKL's fp32 GEMM of the
+//   same shape (docs/benchmarks.md).
 // - Elsewhere a GEMM in double, where every partial sum of int8 products is an exact integer.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,10 +33,15 @@ constexpr int64_t kMr = 4;
 // (kMc · kKc · 2 bytes = 96 KiB) stay in L2.
 constexpr int64_t kKc = 256, kMc = 192;
 
-bool intMmIsExact() {
-  // Tried on the worst case rather than trusted from CPU flags: an ISA cap set in the environment
-  // (ONEDNN_MAX_CPU_ISA) is caught too.
-  static const bool exact = [] {
+// at::_int_mm where it is both exact and fast: oneDNN's VNNI kernel. Without VNNI, LibTorch's CPU
+// build runs either oneDNN's saturating s8 kernel or a scalar loop (exact, but some 100× slower
+// than an fp32 GEMM: seen on a Zen 3 host), so VNNI is required first; then the worst case is
+// tried rather than the flags trusted, which catches an ISA cap set in the environment
+// (ONEDNN_MAX_CPU_ISA).
+bool intMmIsBest() {
+  static const bool best = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") == 0 && __builtin_cpu_supports("avxvnni") == 0) return false;
     at::Tensor a = at::full({8, 64}, 127, at::kChar);
     at::Tensor b = at::full({64, 8}, 127, at::kChar);
     a[1].fill_(-128);
@@ -47,7 +52,7 @@ bool intMmIsExact() {
       return false;
     }
   }();
-  return exact;
+  return best;
 }
 
 bool hasAvx2() {
@@ -201,9 +206,9 @@ Int8Weight::Int8Weight(const at::Tensor& qweight, Int8Kernel kernel) {
   k_ = qweight.size(1);
   const bool cpu = qweight.device().is_cpu();
   const bool packedApplies =
-      cpu && hasAvx2() && (kernel == Int8Kernel::kPacked || (kernel == Int8Kernel::kBest && !intMmIsExact()));
+      cpu && hasAvx2() && (kernel == Int8Kernel::kPacked || (kernel == Int8Kernel::kBest && !intMmIsBest()));
   if (!packedApplies) {
-    kernel_ = kernel == Int8Kernel::kReference || (cpu && !intMmIsExact()) ? Int8Kernel::kReference : Int8Kernel::kBest;
+    kernel_ = kernel == Int8Kernel::kReference || (cpu && !intMmIsBest()) ? Int8Kernel::kReference : Int8Kernel::kBest;
     weight_ = qweight;
     return;
   }

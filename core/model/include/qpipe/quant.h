@@ -117,7 +117,7 @@ at::Tensor fakeQuantizeFp4Dynamic(const at::Tensor& x, const QScheme& scheme, co
 // cache, one pass over memory instead of two, with the same bits.
 std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme& scheme);
 // How Int8Weight multiplies. Every kernel gives the same int32 results (int8_gemm.cpp):
-// kBest picks at::_int_mm where it is exact (CPUs with VNNI; off the CPU), else kPacked where the
+// kBest picks at::_int_mm off the CPU and on CPUs with VNNI (exact and fast there), else kPacked where the
 // CPU has AVX2, else kReference. kPacked: an AVX2 kernel on a weight packed once (vpmaddwd, int32
 // sums). kReference: a GEMM in double. Asking for kPacked without AVX2 gets kReference.
 enum class Int8Kernel { kBest, kPacked, kReference };
