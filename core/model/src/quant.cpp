@@ -589,23 +589,28 @@ at::Tensor splitBf16(const at::Tensor& x, bool hiFirst) {
 
 namespace detail {
 
-// Min and max are exact in any order, so the row is reduced in 16 independent lanes. GCC's vector
-// type keeps them in vector registers; an array of lanes is scalarised into 48 cmov chains.
-using Lanes = float __attribute__((vector_size(64)));
-using LaneMask = int32_t __attribute__((vector_size(64)));
+// Min and max are exact in any order, so the row is reduced in 16 independent lanes: four
+// accumulators of GCC's 16-byte vector type, a width every x86-64 clone has in registers. (One
+// 64-byte vector was native only to the AVX-512 clone; GCC lowered its selects elementwise
+// elsewhere, 20× slower on AVX2.)
+using Lanes = float __attribute__((vector_size(16)));
+using LaneMask = int32_t __attribute__((vector_size(16)));
+constexpr int64_t kAccumulators = 4;
 
 [[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] bool rowMinMax(const float* row, int64_t cols, float& lo,
                                                                            float& hi) {
   constexpr int64_t kLanes = sizeof(Lanes) / sizeof(float);
-  Lanes los{}, his{};
-  LaneMask nans{};
+  Lanes los[kAccumulators]{}, his[kAccumulators]{};
+  LaneMask nans[kAccumulators]{};
   int64_t c = 0;
-  for (; c + kLanes <= cols; c += kLanes) {
-    Lanes v;
-    std::memcpy(&v, row + c, sizeof v);
-    los = v < los ? v : los;
-    his = v > his ? v : his;
-    nans |= v != v;
+  for (; c + kAccumulators * kLanes <= cols; c += kAccumulators * kLanes) {
+    for (int64_t a = 0; a < kAccumulators; ++a) {
+      Lanes v;
+      std::memcpy(&v, row + c + a * kLanes, sizeof v);
+      los[a] = v < los[a] ? v : los[a];
+      his[a] = v > his[a] ? v : his[a];
+      nans[a] |= v != v;
+    }
   }
   bool nan = false;
   for (; c < cols; ++c) {
@@ -613,10 +618,12 @@ using LaneMask = int32_t __attribute__((vector_size(64)));
     hi = std::max(hi, row[c]);
     nan = nan || std::isnan(row[c]);
   }
-  for (int64_t l = 0; l < kLanes; ++l) {
-    lo = std::min(lo, los[l]);
-    hi = std::max(hi, his[l]);
-    nan = nan || nans[l] != 0;
+  for (int64_t a = 0; a < kAccumulators; ++a) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      lo = std::min(lo, los[a][l]);
+      hi = std::max(hi, his[a][l]);
+      nan = nan || nans[a][l] != 0;
+    }
   }
   return nan;
 }
