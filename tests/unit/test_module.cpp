@@ -65,7 +65,10 @@ TEST(ModuleTree, LayersLoadOnDemandUnderHuggingFaceNames) {
 TEST(ModuleTree, ReleasedLayersReloadAndGiveTheSameOutput) {
   auto model = CausalLM::open(test::tinyLlama("release"));
   const at::Tensor before = model->forward(sampleIds());
-  model->releaseLayer(0);
+  int64_t layerBytes = 0;
+  for (const auto& [name, tensor] : model->layer(0).namedParameters())
+    layerBytes += static_cast<int64_t>(tensor->nbytes());
+  EXPECT_EQ(model->releaseLayer(0), static_cast<uint64_t>(layerBytes));  // fp32, as stored
   EXPECT_FALSE(model->isLoaded(0));
   EXPECT_TRUE(at::equal(model->forward(sampleIds()), before));
 }

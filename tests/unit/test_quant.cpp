@@ -312,6 +312,30 @@ TEST(QuantWeight, OnePassIsComputeQParamsThenQuantizeBitForBit) {
   EXPECT_FALSE(std::isnan(scales[7].item<float>()));
 }
 
+TEST(QuantWeight, OnePassPerGroupIsComputeQParamsThenQuantizeBitForBit) {
+  at::manual_seed(13);
+  at::Tensor w = at::randn({5, 192}) * 0.05;
+  w[1].narrow(0, 64, 64).zero_();  // an all-zero group: the scale's floor
+  w[2].narrow(0, 0, 32).fill_(-0.3);
+  w[3][100] = 25;
+  for (const QDtype dtype : {QDtype::kInt8, QDtype::kInt4}) {
+    for (const int64_t group : {32, 64, 192}) {
+      const QScheme s = scheme(dtype, QScope::kPerGroup, true, group);
+      const auto [params, codes] = quantizeWeight(w, s);
+      const QParams reference = computeQParams(w, s);
+      ASSERT_EQ(params.scale.sizes(), reference.scale.sizes()) << s.name();
+      EXPECT_TRUE(at::equal(params.scale.view(at::kInt), reference.scale.view(at::kInt))) << s.name();
+      EXPECT_TRUE(at::equal(params.zeroPoint, reference.zeroPoint)) << s.name();
+      EXPECT_TRUE(at::equal(codes, quantize(w, reference, s))) << s.name();
+    }
+  }
+  // A NaN takes the tensor-op path: its group's scale is NaN, the others are not.
+  w[4][70] = std::numeric_limits<float>::quiet_NaN();
+  const at::Tensor scales = quantizeWeight(w, scheme(QDtype::kInt4, QScope::kPerGroup, true, 64)).first.scale;
+  EXPECT_TRUE(std::isnan(scales[4][1].item<float>()));
+  EXPECT_FALSE(std::isnan(scales[4][0].item<float>()));
+}
+
 TEST(QuantPack, Int4HandComputed) {
   // u = q + 8 = 0, 1, 8, 15, 9, 10, 11, 12 | 13. Word 0, element k in bits 4k..4k+3 (element 0
   // least significant): nibbles from the top C B A 9 F 8 1 0 → 0xCBA9F810; word 1 = 0xD, the

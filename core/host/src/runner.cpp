@@ -343,11 +343,15 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
   };
 
   const auto release = [this](int64_t index) {
-    model_.releaseLayer(index);
-    // glibc keeps freed heap otherwise, and fragmentation would grow it layer by layer (by about
-    // 15 MB a layer in a static calibration of SmolLM2). The price: the next layer faults its
-    // working set back in (a sixth of that calibration's time; docs/benchmarks.md).
-    ::malloc_trim(0);
+    const uint64_t layerBytes = model_.releaseLayer(index);
+    // glibc keeps freed heap, and fragmentation would grow it layer by layer (by about 15 MB a
+    // layer in a static calibration of SmolLM2); trimming returns it. But every trim makes the
+    // next layer fault its working set back in, at about 3 µs a page here (a sixth of that
+    // calibration's time; in a data-free run more than the weights' quantization itself). So
+    // the heap is trimmed only once its free memory exceeds a layer's size (at least 64 MiB):
+    // RSS stays within that of the working set.
+    constexpr uint64_t kMinFreeBytes = uint64_t{64} << 20;
+    if (::mallinfo2().fordblks > std::max(kMinFreeBytes, layerBytes)) ::malloc_trim(0);
   };
 
   // A split layer, on its executor: processed, probed (the quantized output goes on to the next

@@ -489,14 +489,19 @@ bool CausalLM::isLoaded(int64_t index) const {
   return dynamic_cast<UnloadedLayer*>(&layers_->child(static_cast<size_t>(index))) == nullptr;
 }
 
-void CausalLM::releaseLayer(int64_t index) {
+uint64_t CausalLM::releaseLayer(int64_t index) {
   layers_->replace(std::to_string(index), std::make_shared<UnloadedLayer>());
   // The layer's mapped pages would otherwise stay resident, and RSS would grow to the whole
   // checkpoint over a run.
   const std::string prefix = layerName(index) + ".";
+  uint64_t bytes = 0;
   for (const std::string& name : checkpoint_.names()) {
-    if (name.starts_with(prefix)) checkpoint_.dropPages(name);
+    if (!name.starts_with(prefix)) continue;
+    checkpoint_.dropPages(name);
+    const safetensors::TensorInfo& info = checkpoint_.info(name);
+    bytes += info.end - info.begin;
   }
+  return bytes;
 }
 
 at::Tensor CausalLM::embed(const at::Tensor& ids) {

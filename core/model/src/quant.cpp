@@ -618,12 +618,17 @@ constexpr int64_t kAccumulators = 4;
     hi = std::max(hi, row[c]);
     nan = nan || std::isnan(row[c]);
   }
-  for (int64_t a = 0; a < kAccumulators; ++a) {
-    for (int64_t l = 0; l < kLanes; ++l) {
-      lo = std::min(lo, los[a][l]);
-      hi = std::max(hi, his[a][l]);
-      nan = nan || nans[a][l] != 0;
-    }
+  // The accumulators are folded as vectors first: a group of 32 or 64 elements is short enough
+  // that sixteen scalar steps would cost as much as its loop.
+  for (int64_t a = 1; a < kAccumulators; ++a) {
+    los[0] = los[a] < los[0] ? los[a] : los[0];
+    his[0] = his[a] > his[0] ? his[a] : his[0];
+    nans[0] |= nans[a];
+  }
+  for (int64_t l = 0; l < kLanes; ++l) {
+    lo = std::min(lo, los[0][l]);
+    hi = std::max(hi, his[0][l]);
+    nan = nan || nans[0][l] != 0;
   }
   return nan;
 }
@@ -631,24 +636,35 @@ constexpr int64_t kAccumulators = 4;
 }  // namespace detail
 
 std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme& scheme) {
-  const bool fast = isInt(scheme.dtype) && scheme.scope == QScope::kPerChannel && scheme.symmetric && w.dim() == 2 &&
-                    w.scalar_type() == at::kFloat && w.device().is_cpu() && w.size(0) > 0 && w.size(1) > 0;
+  const bool perGroup = scheme.scope == QScope::kPerGroup;
+  const bool fast = isInt(scheme.dtype) && (scheme.scope == QScope::kPerChannel || perGroup) && scheme.symmetric &&
+                    w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu() && w.size(0) > 0 &&
+                    w.size(1) > 0 && (!perGroup || w.size(1) % scheme.groupSize == 0);
   if (fast) {
     const at::Tensor input = w.contiguous();
     const int64_t rows = input.size(0), cols = input.size(1);
-    at::Tensor scale = at::empty({rows, 1}, input.options());
+    // A channel is one group of the whole row.
+    const int64_t group = perGroup ? scheme.groupSize : cols, groups = cols / group;
+    at::Tensor scale = at::empty({rows, groups}, input.options());
     at::Tensor codes = at::empty({rows, cols}, input.options().dtype(at::kChar));
     const float qmaxF = static_cast<float>(qmax(scheme.dtype)), qminF = static_cast<float>(qmin(scheme.dtype));
-    const float zero = 0.0f;
+    const float* in = input.const_data_ptr<float>();
+    float* scales = scale.mutable_data_ptr<float>();
+    int8_t* out = codes.mutable_data_ptr<int8_t>();
     std::atomic<bool> nan = false;
-    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const float* row = input.const_data_ptr<float>() + r * cols;
-        float lo = 0.0f, hi = 0.0f;
-        if (detail::rowMinMax(row, cols, lo, hi)) nan.store(true);
-        const float s = detail::symmetricScale(lo, hi, qmaxF);
-        scale.mutable_data_ptr<float>()[r] = s;
-        quantizeRows(row, codes.mutable_data_ptr<int8_t>() + r * cols, 0, 1, cols, &s, &zero, false, qminF, qmaxF);
+    // Groups are reduced, then quantized, in blocks of up to kBlock: one quantizeRows call a
+    // block rather than one a group (whose call and vector tails cost as much as a short group).
+    constexpr int64_t kBlock = 256;
+    static constexpr std::array<float, kBlock> kZeros{};
+    at::parallel_for(0, rows * groups, std::max<int64_t>(1, 16384 / group), [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; b += kBlock) {
+        const int64_t n = std::min(kBlock, end - b);
+        for (int64_t g = b; g < b + n; ++g) {
+          float lo = 0.0f, hi = 0.0f;
+          if (detail::rowMinMax(in + g * group, group, lo, hi)) nan.store(true);
+          scales[g] = detail::symmetricScale(lo, hi, qmaxF);
+        }
+        quantizeRows(in + b * group, out + b * group, 0, n, group, scales + b, kZeros.data(), true, qminF, qmaxF);
       }
     });
     // NaN: ATen's reductions carry payload bits this loop does not reproduce.

@@ -122,8 +122,8 @@ class CausalLM {
   // A new instance of decoder layer `index` from the checkpoint, not part of the model: the float
   // reference of a layer that processors are changing.
   std::shared_ptr<DecoderLayer> loadLayerCopy(int64_t index);
-  // Frees the layer's tensors; layer(index) loads it again.
-  void releaseLayer(int64_t index);
+  // Frees the layer's tensors; layer(index) loads it again. Returns their size in the checkpoint.
+  uint64_t releaseLayer(int64_t index);
 
   at::Tensor embed(const at::Tensor& ids);
   Rotary rotary(const at::Tensor& positions);  // positions [batch, seq] int64

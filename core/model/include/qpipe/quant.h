@@ -113,8 +113,8 @@ at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QSchem
 // (for finite inputs).
 at::Tensor fakeQuantizeFp4Dynamic(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale = {});
 // computeQParams(w) and quantize(w) of a weight: {params, codes}. For fp32 CPU [out, in] weights
-// with int8/int4 per_channel symmetric schemes each row is reduced and quantized while it is in
-// cache, one pass over memory instead of two, with the same bits.
+// with int8/int4 per_channel or per_group symmetric schemes each row (group) is reduced and
+// quantized while it is in cache, one pass over memory instead of two, with the same bits.
 std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme& scheme);
 // How Int8Weight multiplies. Every kernel gives the same int32 results (int8_gemm.cpp):
 // kBest picks at::_int_mm off the CPU and on CPUs with VNNI (exact and fast there), else kPacked where the
