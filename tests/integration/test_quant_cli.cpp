@@ -307,6 +307,54 @@ TEST(QuantCli, QuantTypeAndConfigPathTogetherOrNeitherAreUsageErrors) {
                      "qpipe: usage error: one of --quant_type or --config_path is required (see 'qpipe --help')");
 }
 
+// --probe_tokens 0: the same checkpoint, a report listing every replaced module without errors,
+// and a data-free run reads no calibration text (a missing --calib_data file is not opened).
+// Static calibration still reads it. A negative count is a usage error.
+TEST(QuantCli, ProbeTokensZeroSkipsTheErrorProbeButNotTheCheckpoint) {
+  const fs::path model = qpipe::test::tinyLlama("float");
+  const fs::path probed = qpipe::test::testDir() / "probed", unprobed = qpipe::test::testDir() / "unprobed";
+  fs::remove_all(probed);
+  fs::remove_all(unprobed);
+  const std::string common = "quant --model_path " + quote(model) + " --quant_type w8a8" + kTinyCalib;
+  ASSERT_EQ(qpipe(common + " --save_path " + quote(probed)).exitCode, 0);
+  const CommandResult r = qpipe(common + " --save_path " + quote(unprobed) + " --probe_tokens 0 --calib_data " +
+                                quote(qpipe::test::testDir() / "no-such-file.jsonl"));
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find("calibration: none (a data-free pipeline, --probe_tokens 0)"), std::string::npos) << r.err;
+  const CommandResult same = qpipe("compare " + quote(probed) + " " + quote(unprobed));
+  EXPECT_EQ(same.exitCode, 0) << same.out << same.err;
+
+  const Json withErrors = readJson(probed / "quant_report.json"), without = readJson(unprobed / "quant_report.json");
+  ASSERT_EQ(without["layers"].size(), withErrors["layers"].size()) << without.dump(2);
+  for (size_t i = 0; i < without["layers"].size(); ++i) {
+    const Json& layer = without["layers"][i];
+    EXPECT_TRUE(layer["relative_mse"].is_null()) << layer.dump();
+    ASSERT_EQ(layer["modules"].size(), withErrors["layers"][i]["modules"].size()) << layer.dump();
+    for (size_t m = 0; m < layer["modules"].size(); ++m) {
+      const Json& module = layer["modules"][m];
+      EXPECT_EQ(module["name"], withErrors["layers"][i]["modules"][m]["name"]);
+      EXPECT_EQ(module["scheme"], withErrors["layers"][i]["modules"][m]["scheme"]);
+      EXPECT_TRUE(module["relative_mse"].is_null()) << module.dump();
+    }
+  }
+  EXPECT_NE(r.out.find(" modules replaced,"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("worst modules"), std::string::npos) << r.out;
+
+  const fs::path staticOut = qpipe::test::testDir() / "static-unprobed";
+  fs::remove_all(staticOut);
+  const CommandResult calibrated =
+      qpipe("quant --model_path " + quote(model) + " --save_path " + quote(staticOut) + " --config_path " +
+            quote(pipelineFile("static.yaml", kStaticW8A8)) + kTinyCalib + " --probe_tokens 0");
+  EXPECT_EQ(calibrated.exitCode, 0) << calibrated.err;
+  EXPECT_NE(calibrated.err.find("calibration: 4 samples x 32 tokens"), std::string::npos) << calibrated.err;
+
+  const CommandResult negative =
+      qpipe(common + " --save_path " + quote(qpipe::test::testDir() / "negative") + " --probe_tokens -1");
+  EXPECT_EQ(negative.exitCode, code(ErrorCode::kUsage)) << negative.err;
+  EXPECT_EQ(std::count(negative.err.begin(), negative.err.end(), '\n'), 1) << negative.err;
+  EXPECT_NE(negative.err.find("--probe_tokens"), std::string::npos) << negative.err;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Pipelines.
 

@@ -6,7 +6,8 @@
 #   tools/bench/vs_llmcompressor.sh [MODEL_DIR] [SAMPLES] [SEQ_LEN]
 # Environment: QPIPE (default build/bin/qpipe), RECIPES (default "dynamic static fp8_static w4a16"),
 #   QPIPE_DEVICE (qpipe's --device, default cpu: one process with a thread per core; cpu:0,1 runs
-#   two ranks of one thread each, splitting the calibration samples).
+#   two ranks of one thread each, splitting the calibration samples), QPIPE_ARGS (more options of
+#   qpipe quant, e.g. "--probe_tokens 0": no error probe in the report, which llm-compressor has not).
 #   dynamic     W8A8: int8 per-channel symmetric weights (minmax), dynamic per-token int8
 #               activations, lm_head kept; data-free on both sides
 #   static      the same weights, per-tensor asymmetric static int8 activations from the min/max
@@ -27,6 +28,8 @@ samples=${2:-128}
 seq=${3:-512}
 qpipe=${QPIPE:-$root/build/bin/qpipe}
 recipes=${RECIPES:-dynamic static fp8_static w4a16}
+read -r -a extra_args <<<"${QPIPE_ARGS:-}"
+qpipe_label="qpipe${QPIPE_ARGS:+ $QPIPE_ARGS}"
 data=$root/data/calib.jsonl
 work=$root/.cache/bench/vs_llmcompressor
 bench_py=$root/tools/bench/vs_llmcompressor.py
@@ -79,7 +82,8 @@ for recipe in $recipes; do
   out_q=$work/qpipe-$recipe
   rm -rf "$out_q"
   read -r wall_q rss_q cpu_q < <(timed "$work/qpipe-$recipe.log" "$qpipe" quant --model_path "$model" --save_path "$out_q" \
-    "${qpipe_args[@]}" --calib_data "$data" --calib_samples "$samples" --seq_len "$seq" --device "${QPIPE_DEVICE:-cpu}" --log_level info)
+    "${qpipe_args[@]}" --calib_data "$data" --calib_samples "$samples" --seq_len "$seq" --device "${QPIPE_DEVICE:-cpu}" --log_level info \
+    ${extra_args[@]+"${extra_args[@]}"})
 
   runner_q=$(python3 -c 'import json,sys; print("%.2f" % json.load(open(sys.argv[1]))["total_seconds"])' \
     "$out_q/quant_report.json")
@@ -94,8 +98,8 @@ print("%.2f" % sum(sum(l["processor_seconds"]) for l in r["layers"]) + (", α/β
   quant_l=$(echo "$load_l + $oneshot_l + $save_l" | bc -l)
   rows+=("$(printf '| %s | llm-compressor 0.14.0.1 | %.2f | load %s, oneshot %s, save %s | %.1f | %s | %d | | |' \
     "$recipe" "$quant_l" "$load_l" "$oneshot_l" "$save_l" "$wall_l" "$cpu_l" $((rss_l / 1024)))")
-  rows+=("$(printf '| %s | qpipe | %.2f | runner %s (processors %s) | %.1f | %s | %d | %.2f | %.2f |' "$recipe" \
-    "$total_q" "$runner_q" "$processors_q" "$wall_q" "$cpu_q" $((rss_q / 1024)) \
+  rows+=("$(printf '| %s | %s | %.2f | runner %s (processors %s) | %.1f | %s | %d | %.2f | %.2f |' "$recipe" \
+    "$qpipe_label" "$total_q" "$runner_q" "$processors_q" "$wall_q" "$cpu_q" $((rss_q / 1024)) \
     "$(echo "$quant_l / $total_q" | bc -l)" "$(echo "$wall_l / $wall_q" | bc -l)")")
 done
 

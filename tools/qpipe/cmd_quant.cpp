@@ -40,6 +40,7 @@ struct QuantOptions {
   std::string calibData;
   int64_t calibSamples = 128;
   int64_t seqLen = 512;
+  int64_t probeTokens = 32;
   std::optional<double> distTimeoutSeconds;  // unset: QPIPE_DIST_TIMEOUT_S, else 60
   std::optional<int> threadsPerRank;         // unset: the cores shared among this host's ranks
   PluginOptions plugins;
@@ -127,6 +128,7 @@ void run(const QuantOptions& options) {
                         .defaultCalibData = resourceDir("data") / "calib.jsonl",
                         .calibSamples = options.calibSamples,
                         .seqLen = options.seqLen,
+                        .probeTokens = options.probeTokens,
                         .checkFinite = !options.allowNonFinite,
                         .pluginPath = pluginSearchPath(options.plugins),
                         .rank = rank,
@@ -200,6 +202,11 @@ Subcommand setupQuant(CLI::App& parent) {
   app->add_option("--seq_len", options->seqLen, "Tokens per calibration window")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app->add_option("--probe_tokens", options->probeTokens,
+                  "Tokens of the first calibration window on which the report measures each layer's and "
+                  "module's error (about three forwards of them per layer); 0: no errors in the report")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   addPluginOptions(*app, options->plugins);
   app->callback([app, quantType, configPath] {
     if (quantType->count() == 0 && configPath->count() == 0) {

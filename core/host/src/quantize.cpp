@@ -161,15 +161,22 @@ QuantizeResult quantize(const QuantizeOptions& options) {
   const SaveStep& saving = prepared.pipeline.save.front();
   std::unique_ptr<CheckpointSaver> saver;
   if (saves) saver = prepared.registry.createSaver(saving.type, saving.config, *model, options.savePath);
-  const Tokenizer tokenizer = Tokenizer::fromFile(options.modelPath / "tokenizer.json");
   // A pipeline that trains the whole model on chat data trains on the chats (SFT); any other run
-  // calibrates on windows of the text.
+  // calibrates on windows of the text. A data-free run without the report's probe reads none.
+  const bool calibrates = std::any_of(prepared.processors.begin(), prepared.processors.end(),
+                                      [](const auto& processor) { return needsCalibration(*processor); });
+  const bool readsData = calibrates || options.probeTokens > 0 || anyWholeModel(prepared.processors);
+  const std::optional<Tokenizer> tokenizer =
+      readsData ? std::optional(Tokenizer::fromFile(options.modelPath / "tokenizer.json")) : std::nullopt;
   std::vector<at::Tensor> samples, labels;
   std::vector<DataSample> records;
   if (anyWholeModel(prepared.processors)) records = loadDataset(prepared.calibData);
-  if (std::any_of(records.begin(), records.end(), [](const DataSample& record) { return !record.turns.empty(); })) {
+  if (!readsData) {
+    logger->info("calibration: none (a data-free pipeline, --probe_tokens 0)");
+  } else if (std::any_of(records.begin(), records.end(),
+                         [](const DataSample& record) { return !record.turns.empty(); })) {
     int64_t supervised = 0;
-    for (SftSample& sample : sftSamples(records, tokenizer, ChatFormat::fromModel(options.modelPath),
+    for (SftSample& sample : sftSamples(records, *tokenizer, ChatFormat::fromModel(options.modelPath),
                                         options.calibSamples, options.seqLen)) {
       samples.push_back(std::move(sample.ids));
       labels.push_back(std::move(sample.labels));
@@ -178,28 +185,30 @@ QuantizeResult quantize(const QuantizeOptions& options) {
     logger->info("training: ", samples.size(), " chats of at most ", options.seqLen, " tokens from ",
                  prepared.calibData.string(), ", their last assistant turns supervised (", supervised, " tokens)");
   } else {
-    samples = calibrationWindows(encodeDataset(prepared.calibData, tokenizer), prepared.calibData.string(),
+    samples = calibrationWindows(encodeDataset(prepared.calibData, *tokenizer), prepared.calibData.string(),
                                  options.calibSamples, options.seqLen);
   }
   const std::vector<at::Tensor> share = rankShare(samples, group.rank(), group.worldSize());
   if (group.worldSize() > 1) {
-    logger->info("calibration: ", share.size(), " of ", samples.size(), " samples x ", options.seqLen, " tokens from ",
-                 prepared.calibData.string());
+    if (readsData) {
+      logger->info("calibration: ", share.size(), " of ", samples.size(), " samples x ", options.seqLen,
+                   " tokens from ", prepared.calibData.string());
+    }
     // Every rank settles each observer at the same points of a staged forward (qpipe/staged.h),
     // which a rank without samples never reaches. All ranks see the same count and stop together.
-    const bool calibrates = std::any_of(prepared.processors.begin(), prepared.processors.end(),
-                                        [](const auto& processor) { return needsCalibration(*processor); });
     QPIPE_REQUIRE(!calibrates || !share.empty(), ErrorCode::kUsage, samples.size(), " calibration samples for ",
                   group.worldSize(), " ranks: every rank needs one; give --calib_samples ", group.worldSize(),
                   " or more, or use fewer devices");
-  } else if (labels.empty()) {
+  } else if (readsData && labels.empty()) {
     logger->info("calibration: ", samples.size(), " samples x ", options.seqLen, " tokens from ",
                  prepared.calibData.string());
   }
 
   QuantizeResult result{.saver = saving.type, .saved = saves};
-  RunnerOptions runnerOptions{
-      .group = prepared.group, .mode = prepared.mode, .report = saves ? &result.report : nullptr};
+  RunnerOptions runnerOptions{.group = prepared.group,
+                              .mode = prepared.mode,
+                              .report = saves ? &result.report : nullptr,
+                              .probeTokens = options.probeTokens};
   runnerOptions.labels = rankShare(labels, group.rank(), group.worldSize());
   // Split layers (docs/scheduler.md): every rank writes the layers it executes as segments in
   // rank 0's partial folder, which must therefore be on a file system every rank sees.

@@ -9,6 +9,13 @@
 #include "qpipe/quant_linear.h"
 
 namespace qpipe {
+namespace {
+
+nlohmann::json errorJson(double relativeMse) {
+  return relativeMse >= 0 ? nlohmann::json(relativeMse) : nlohmann::json();
+}
+
+}  // namespace
 
 std::string QuantReport::describe(Module& module) {
   auto* linear = dynamic_cast<QuantLinear*>(&module);
@@ -24,7 +31,8 @@ std::string QuantReport::toJson() const {
   for (const auto& layer : layers) {
     nlohmann::json modules = nlohmann::json::array();
     for (const auto& module : layer.modules) {
-      modules.push_back({{"name", module.name}, {"scheme", module.scheme}, {"relative_mse", module.relativeMse}});
+      modules.push_back(
+          {{"name", module.name}, {"scheme", module.scheme}, {"relative_mse", errorJson(module.relativeMse)}});
     }
     nlohmann::json entry = {
         {"name", layer.name},
@@ -32,7 +40,7 @@ std::string QuantReport::toJson() const {
         {"processor_seconds", layer.processorSeconds},
         {"sync", {{"collectives", layer.syncCollectives}, {"bytes", layer.syncBytes}, {"seconds", layer.syncSeconds}}},
         {"modules", modules}};
-    entry["relative_mse"] = layer.relativeMse >= 0 ? nlohmann::json(layer.relativeMse) : nlohmann::json();
+    entry["relative_mse"] = errorJson(layer.relativeMse);
     // What processors reported: {module: {key: value}}.
     if (!layer.values.empty()) {
       nlohmann::json values = nlohmann::json::object();
@@ -91,23 +99,27 @@ std::string format(const char* pattern, auto... values) {
 std::string QuantReport::summary(size_t worstModules) const {
   std::ostringstream out;
   out << format("%-24s %9s %8s %14s %14s\n", "layer", "seconds", "modules", "layer rel MSE", "worst module");
-  std::vector<const ModuleReport*> all;
+  const auto error = [](double relativeMse) {
+    return relativeMse >= 0 ? format("%14.3e", relativeMse) : format("%14s", "-");
+  };
+  std::vector<const ModuleReport*> probed;
+  size_t replaced = 0;
   for (const auto& layer : layers) {
-    double worst = 0;
+    double worst = kNotProbed;
     for (const auto& module : layer.modules) {
       worst = std::max(worst, module.relativeMse);
-      all.push_back(&module);
+      if (module.relativeMse >= 0) probed.push_back(&module);
     }
+    replaced += layer.modules.size();
     out << format("%-24s %9.2f %8zu ", layer.name.c_str(), layer.seconds, layer.modules.size())
-        << (layer.relativeMse >= 0 ? format("%14.3e", layer.relativeMse) : format("%14s", "-"))
-        << format(" %14.3e\n", worst);
+        << error(layer.relativeMse) << " " << error(worst) << "\n";
   }
-  std::sort(all.begin(), all.end(), [](auto* a, auto* b) { return a->relativeMse > b->relativeMse; });
-  if (!all.empty()) out << "worst modules (relative MSE on the probe sample):\n";
-  for (size_t i = 0; i < std::min(worstModules, all.size()); ++i) {
-    out << format("  %-40s %11.3e  %s\n", all[i]->name.c_str(), all[i]->relativeMse, all[i]->scheme.c_str());
+  std::sort(probed.begin(), probed.end(), [](auto* a, auto* b) { return a->relativeMse > b->relativeMse; });
+  if (!probed.empty()) out << "worst modules (relative MSE on the probe sample):\n";
+  for (size_t i = 0; i < std::min(worstModules, probed.size()); ++i) {
+    out << format("  %-40s %11.3e  %s\n", probed[i]->name.c_str(), probed[i]->relativeMse, probed[i]->scheme.c_str());
   }
-  out << format("total: %zu units, %zu modules replaced, %.1f s\n", layers.size(), all.size(), totalSeconds);
+  out << format("total: %zu units, %zu modules replaced, %.1f s\n", layers.size(), replaced, totalSeconds);
   return out.str();
 }
 

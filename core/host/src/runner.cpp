@@ -268,8 +268,10 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
   for (size_t k = 0; k < inputs.size(); ++k) {
     sampleIds.push_back(group.rank() + static_cast<int64_t>(k) * group.worldSize());
   }
+  // The report's error probe; without it the report still lists each unit's replaced modules.
+  const bool probes = options_.report != nullptr && !samples.empty() && options_.probeTokens > 0;
   std::optional<Probe> probe;
-  if (options_.report != nullptr && !samples.empty()) {
+  if (probes) {
     probe.emplace(embedSample(model_, samples.front().slice(1, 0, options_.probeTokens)));
   }
 
@@ -284,6 +286,12 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
   const auto runUnit = [&](const UnitRun& unit, LayerReport& report, Probe* unitProbe) {
     LayerRequest& request = unit.request;
     if (unitProbe) unitProbe->recordFloat(*request.module, request.name, unit.probeForward);
+    std::map<std::string, Module*> linears;  // the unit's Linears, to name those replaced when nothing probes
+    if (options_.report != nullptr && !probes) {
+      for (auto& [name, module] : request.module->namedModules(request.name)) {
+        if (module->typeName() == "Linear") linears.emplace(name, module);
+      }
+    }
     bool forwarded = false;
     const bool onWholeModel = request.wholeModel;
     for (size_t i = 0; i < processors_.size(); ++i) {
@@ -304,6 +312,14 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       report.processorSeconds.push_back(secondsSince(start));
     }
     if (unitProbe) unitProbe->compare(*request.module, request.name, unit.probeForward, unit.propagateProbe, report);
+    if (!linears.empty()) {
+      for (auto& [name, module] : request.module->namedModules(request.name)) {
+        const auto it = linears.find(name);
+        if (it != linears.end() && it->second != module) {
+          report.modules.push_back({name, QuantReport::describe(*module), kNotProbed});
+        }
+      }
+    }
     report.values = std::move(request.reportValues);
     return forwarded;
   };
@@ -514,7 +530,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     LayerReport report{.name = std::string(kWholeModelReportName)};
     runUnit({request, {}, false}, report, nullptr);
     report.seconds = secondsSince(unitStart);
-    if (options_.report != nullptr && !samples.empty()) {
+    if (probes) {
       // The layers' module errors as the unit left them: each layer against a float copy from the
       // checkpoint, on a probe of the quantized stream, replacing what the layer units recorded.
       Probe after(embedSample(model_, samples.front().slice(1, 0, options_.probeTokens)));

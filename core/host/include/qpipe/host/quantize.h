@@ -37,6 +37,7 @@ struct QuantizeOptions {
   std::filesystem::path defaultCalibData;
   int64_t calibSamples = 128;
   int64_t seqLen = 512;
+  int64_t probeTokens = 32;  // RunnerOptions::probeTokens: 0, no error probe in the report
   c10::Device device = c10::Device(c10::kCPU);
   bool checkFinite = true;                  // ModelOptions::checkFinite
   std::vector<PluginSearchDir> pluginPath;  // searched in order (PluginLoader::searchPath)

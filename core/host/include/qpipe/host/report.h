@@ -1,7 +1,8 @@
 // The quantization report (docs/quantization.md): per decoder layer, the time each processor took and,
 // per module a processor replaced, the relative output error of the new module against the
-// original on a probe (the first 128 tokens of this rank's first calibration sample, carried
-// through the quantized layers as inference would see them).
+// original on a probe (the first RunnerOptions::probeTokens tokens of this rank's first calibration
+// sample, carried through the quantized layers as inference would see them). Without a probe
+// (`--probe_tokens 0`) the errors are absent: -1 here, null in the JSON.
 //
 // Relative error is relative MSE: mean((y_new - y_ref)²) / mean(y_ref²) over the module's (or the
 // layer's) output, with y_ref the original module's output for the same input.
@@ -19,14 +20,15 @@ namespace qpipe {
 struct ModuleReport {
   std::string name;    // HF name, e.g. "model.layers.3.mlp.down_proj"
   std::string scheme;  // e.g. "w int8_per_channel_sym, a int8_per_token_sym dynamic"
-  double relativeMse = 0;
+  double relativeMse = 0;  // kNotProbed without a probe
 };
+inline constexpr double kNotProbed = -1;
 
 struct LayerReport {
   std::string name;
   double seconds = 0;                    // load to release, probe included
   std::vector<double> processorSeconds;  // preprocess + process + postprocess, per processor
-  double relativeMse = -1;               // the whole layer's output; -1 without a probe
+  double relativeMse = kNotProbed;       // the whole layer's output
   std::vector<ModuleReport> modules;
   // This rank's collectives during the layer (multi-rank runs): calls, payload bytes, seconds.
   int64_t syncCollectives = 0;
