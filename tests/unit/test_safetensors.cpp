@@ -72,6 +72,31 @@ TEST(Safetensors, ShardsByTheSizeLimitWithAnIndexAndReadsBack) {
   EXPECT_TRUE(at::equal(checkpoint.tensor("t3"), at::full({16}, 3, at::kFloat)));
 }
 
+// A shard of the writer's own data gets its header inserted in front of the data in place where
+// the file system can; one holding another file's tensors (addFrom) is copied. Both give the same
+// bytes, with the data on a 4 KiB boundary.
+TEST(Safetensors, InsertedAndCopiedShardsAreTheSameBytesWithTheDataOn4KiB) {
+  const fs::path root = test::writeTempFile("x", "").parent_path();
+  const fs::path own = root / "own", adopted = root / "adopted";
+  fs::remove_all(own);
+  fs::remove_all(adopted);
+  const std::vector<std::pair<std::string, at::Tensor>> tensors{
+      {"a", at::randn({7, 5})}, {"b", at::arange(11, at::kChar)}, {"c", at::randn({3}).to(at::kBFloat16)}};
+  Writer first(own);
+  for (const auto& [name, tensor] : tensors) first.add(name, tensor);
+  first.finish();
+  const auto source = File::open(own / "model.safetensors");
+  Writer second(adopted);
+  for (const auto& [name, tensor] : tensors) second.addFrom(*source, name);
+  second.finish();
+  const std::string bytes = test::slurp(own / "model.safetensors");
+  EXPECT_EQ(bytes, test::slurp(adopted / "model.safetensors"));
+  EXPECT_EQ(source->dataOffset() % 4096, 0u);
+  EXPECT_EQ(bytes.size(), source->dataOffset() + 7 * 5 * 4 + 11 + 3 * 2);
+  for (const auto& [name, tensor] : tensors) EXPECT_TRUE(at::equal(source->tensor(name), tensor)) << name;
+  EXPECT_EQ(std::distance(fs::directory_iterator(own), fs::directory_iterator()), 1);
+}
+
 TEST(Safetensors, AnUnfinishedWriterLeavesNothing) {
   const fs::path dir = test::writeTempFile("x", "").parent_path() / "unfinished";
   fs::remove_all(dir);
