@@ -14,11 +14,11 @@
 //                 quantizer (SSZ int4 in its practices)
 #include <ATen/ATen.h>
 
-#include <chrono>
 #include <limits>
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -45,13 +45,13 @@ class SmoothQuant final : public SmoothingProcessor {
         scaleMin_(config.at("scale_min").asFloat()) {}
 
  protected:
-  Scales scales(const SubgraphInput& in, std::vector<std::pair<std::string, double>>& report) const override {
-    report.emplace_back("alpha", alpha_);
+  std::unique_ptr<Search> search(const SubgraphInput& in) const override {
     const ScaleFormula formula = [this](const at::Tensor& a, const at::Tensor& w) {
       return at::where(w > 0, a.pow(alpha_) / w.pow(1.0 - alpha_), a).clamp_min(scaleMin_);
     };
-    return grouped(in.graph, in.max - in.min, 2.0 * columnAbsMax(in.weights), formula,
-                   GroupReduction::kMaxOfStatistics);
+    return chosen(
+        grouped(in.graph, in.max - in.min, 2.0 * columnAbsMax(in.weights), formula, GroupReduction::kMaxOfStatistics),
+        {{"alpha", alpha_}});
   }
 
  private:
@@ -83,16 +83,15 @@ class IterSmooth final : public SmoothingProcessor {
  protected:
   // Asymmetric norm-linear (msmodelslim's rule; the other types stay symmetric): the shift is the
   // centre of each channel's range, and the statistic max|X − shift| = (max − min) / 2.
-  Scales scales(const SubgraphInput& in, std::vector<std::pair<std::string, double>>& report) const override {
-    report.emplace_back("alpha", alpha_);
+  std::unique_ptr<Search> search(const SubgraphInput& in) const override {
     const ScaleFormula formula = powerFormula(alpha_, 1.0 - alpha_, scaleMin_);
     const at::Tensor w = columnAbsMax(in.weights);
     if (symmetric_ || in.graph.type != SubgraphType::kNormLinear) {
-      return grouped(in.graph, absMax(in), w, formula, GroupReduction::kMeanOfScales);
+      return chosen(grouped(in.graph, absMax(in), w, formula, GroupReduction::kMeanOfScales), {{"alpha", alpha_}});
     }
     Scales out = grouped(in.graph, (in.max - in.min) / 2, w, formula, GroupReduction::kMeanOfScales);
     out.shift = (in.max + in.min) / 2;
-    return out;
+    return chosen(std::move(out), {{"alpha", alpha_}});
   }
 
  private:
@@ -144,10 +143,10 @@ class SmoothedInt8Loss {
 
 // msmodelslim's flex_smooth_quant: s = max|X|^α / max|W|^β floored at 1e-5, with α and β given or
 // found per subgraph by a two-phase grid search (step 0.05) on the int8 loss above: α over [0, 1]
-// with β = 1 − α, then β over [0, 1] with the best α (a later value wins a tie). The loss weights
-// are the consumers' concatenated for norm-linear, o_proj for ov, down_proj for up-down; the
-// tokens are up to `search_tokens` of the consumers' inputs in sample order, the same on any
-// number of ranks. ov averages the heads' scales per KV group.
+// with β = 1 − α, then β over [0, 1] with the best α (a later value wins a tie, over both phases).
+// The loss weights are the consumers' concatenated for norm-linear, o_proj for ov, down_proj for
+// up-down; the tokens are up to `search_tokens` of the consumers' inputs in sample order, the same
+// on any number of ranks. ov averages the heads' scales per KV group.
 class FlexSmoothQuant final : public SmoothingProcessor {
  public:
   FlexSmoothQuant(const ConfigNode& config, const ProcessorContext& context)
@@ -158,43 +157,71 @@ class FlexSmoothQuant final : public SmoothingProcessor {
   }
 
  protected:
-  Scales scales(const SubgraphInput& in, std::vector<std::pair<std::string, double>>& report) const override {
-    const at::Tensor a = absMax(in), w = columnAbsMax(in.weights);
-    const auto scalesFor = [&](double alpha, double beta) {
-      return grouped(in.graph, a, w, powerFormula(alpha, beta, kScaleMin), GroupReduction::kMeanOfScales);
-    };
-    double alpha = alpha_.value_or(0.5), beta = beta_.value_or(0.5);
-    if (!alpha_ || !beta_) {
-      const auto start = std::chrono::steady_clock::now();
-      const SmoothedInt8Loss loss(in.tokens, at::cat(in.weights, 0));
-      double best = std::numeric_limits<double>::infinity();
-      const auto tryPair = [&](double candidateAlpha, double candidateBeta) {
-        const double value = loss(scalesFor(candidateAlpha, candidateBeta).consumer);
-        if (value <= best) {
-          best = value;
-          alpha = candidateAlpha;
-          beta = candidateBeta;
-        }
-      };
-      if (!alpha_) {
-        for (int i = 0; i <= kSearchSteps; ++i) tryPair(i * kSearchStep, beta_.value_or(1.0 - i * kSearchStep));
-      }
-      if (!beta_) {
-        const double fixed = alpha;
-        for (int i = 0; i <= kSearchSteps; ++i) tryPair(fixed, i * kSearchStep);
-      }
-      report.emplace_back("loss", best);
-      // What the distributed task scheduler will split: the benches report it on its own.
-      report.emplace_back("search_seconds",
-                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    }
-    report.emplace_back("alpha", alpha);
-    report.emplace_back("beta", beta);
-    return scalesFor(alpha, beta);
+  std::vector<int> searchRounds() const override {
+    std::vector<int> rounds;
+    if (!alpha_) rounds.push_back(kSearchSteps + 1);
+    if (!beta_) rounds.push_back(kSearchSteps + 1);
+    return rounds;
+  }
+
+  std::unique_ptr<Search> search(const SubgraphInput& in) const override {
+    return std::make_unique<PairSearch>(in, alpha_, beta_);
   }
 
  private:
   static constexpr double kScaleMin = 1e-5;
+
+  // The rounds: α (when not given), then β (when not given).
+  class PairSearch final : public Search {
+   public:
+    PairSearch(const SubgraphInput& in, std::optional<double> alpha, std::optional<double> beta)
+        : graph_(in.graph),
+          activation_(absMax(in)),
+          weight_(columnAbsMax(in.weights)),
+          alphaGiven_(alpha.has_value()),
+          betaGiven_(beta.has_value()),
+          alpha_(alpha.value_or(0.5)),
+          beta_(beta.value_or(0.5)) {
+      if (!alphaGiven_ || !betaGiven_) loss_.emplace(in.tokens, at::cat(in.weights, 0));
+    }
+
+    double loss(int round, int candidate) const override {
+      const auto [alpha, beta] = pair(round, candidate);
+      return (*loss_)(scalesFor(alpha, beta).consumer);
+    }
+
+    void choose(int round, const std::vector<double>& losses) override {
+      for (size_t c = 0; c < losses.size(); ++c) {
+        if (losses[c] <= best_) std::tie(best_, alpha_, beta_) = std::tuple_cat(std::tuple(losses[c]), pair(round, c));
+      }
+    }
+
+    Scales scales(std::vector<std::pair<std::string, double>>& report) const override {
+      if (loss_) report.emplace_back("loss", best_);
+      report.emplace_back("alpha", alpha_);
+      report.emplace_back("beta", beta_);
+      return scalesFor(alpha_, beta_);
+    }
+
+   private:
+    bool searchesAlpha(int round) const { return !alphaGiven_ && round == 0; }
+    // The (α, β) a candidate tries; a β round holds the α chosen so far.
+    std::pair<double, double> pair(int round, size_t candidate) const {
+      const double value = static_cast<double>(candidate) * kSearchStep;
+      if (searchesAlpha(round)) return {value, betaGiven_ ? beta_ : 1.0 - value};
+      return {alpha_, value};
+    }
+    Scales scalesFor(double alpha, double beta) const {
+      return grouped(graph_, activation_, weight_, powerFormula(alpha, beta, kScaleMin), GroupReduction::kMeanOfScales);
+    }
+
+    const Subgraph& graph_;
+    at::Tensor activation_, weight_;
+    bool alphaGiven_, betaGiven_;
+    double alpha_, beta_;
+    double best_ = std::numeric_limits<double>::infinity();
+    std::optional<SmoothedInt8Loss> loss_;
+  };
 
   static std::optional<double> optionalFraction(const ConfigNode& config, const char* field) {
     const ConfigNode& value = config.at(field);
@@ -221,42 +248,71 @@ class FlexAwqSsz final : public SmoothingProcessor {
   }
 
  protected:
-  Scales scales(const SubgraphInput& in, std::vector<std::pair<std::string, double>>& report) const override {
-    const auto start = std::chrono::steady_clock::now();
-    const at::Tensor w = columnAbsMax(in.weights);
-    const auto scalesFor = [&](double alpha) {
-      return grouped(
-          in.graph, in.absMean, w,
-          [alpha](const at::Tensor& a, const at::Tensor&) { return a.pow(alpha).clamp_min(1e-5); },
-          GroupReduction::kMaxOfStatistics);
-    };
-    const bool firstTwo = in.graph.type == SubgraphType::kNormLinear && in.weights.size() > 3;
-    const at::Tensor weight = at::cat(firstTwo ? std::vector<at::Tensor>{in.weights[0], in.weights[1]} : in.weights, 0);
-    const RelativeError relativeError(in.tokens, weight);
-    double best = std::numeric_limits<double>::infinity(), alpha = 0;
-    for (int i = 0; i <= kSearchSteps; ++i) {
-      const at::Tensor s = scalesFor(i * kSearchStep).consumer.unsqueeze(0);
-      Linear scaled(weight * s);
+  std::vector<int> searchRounds() const override { return {kSearchSteps + 1}; }
+
+  std::unique_ptr<Search> search(const SubgraphInput& in) const override {
+    return std::make_unique<AlphaSearch>(in, qconfig_);
+  }
+
+ private:
+  class AlphaSearch final : public Search {
+   public:
+    AlphaSearch(const SubgraphInput& in, const quant::LinearQConfig& qconfig)
+        : graph_(in.graph),
+          name_(in.name),
+          absMean_(in.absMean),
+          weightMax_(columnAbsMax(in.weights)),
+          tokens_(in.tokens),
+          qconfig_(qconfig),
+          weight_(at::cat(searchedWeights(in), 0)),
+          error_(tokens_, weight_) {}
+
+    double loss(int, int candidate) const override {
+      const at::Tensor s = scalesFor(candidate * kSearchStep).consumer.unsqueeze(0);
+      Linear scaled(weight_ * s);
       LinearQuantizer quantizer(scaled, qconfig_);
-      const at::Tensor x = in.tokens / s;
+      const at::Tensor x = tokens_ / s;
       if (!qconfig_.isDataFree()) {
         quantizer.forward(x);
         quantizer.freeze();
       }
-      const double loss = relativeError(quantizer.deploy(in.name)->forward(x));
-      if (loss <= best) {
-        best = loss;
-        alpha = i * kSearchStep;
+      return error_(quantizer.deploy(name_)->forward(x));
+    }
+
+    void choose(int, const std::vector<double>& losses) override {
+      for (size_t c = 0; c < losses.size(); ++c) {
+        if (losses[c] <= best_) std::tie(best_, alpha_) = std::tuple(losses[c], static_cast<double>(c) * kSearchStep);
       }
     }
-    report.emplace_back("alpha", alpha);
-    report.emplace_back("loss", best);
-    report.emplace_back("search_seconds",
-                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    return scalesFor(alpha);
-  }
 
- private:
+    Scales scales(std::vector<std::pair<std::string, double>>& report) const override {
+      report.emplace_back("alpha", alpha_);
+      report.emplace_back("loss", best_);
+      return scalesFor(alpha_);
+    }
+
+   private:
+    // msmodelslim's rule: norm-linear with more than three consumers searches on the first two.
+    static std::vector<at::Tensor> searchedWeights(const SubgraphInput& in) {
+      if (in.graph.type == SubgraphType::kNormLinear && in.weights.size() > 3) return {in.weights[0], in.weights[1]};
+      return in.weights;
+    }
+    Scales scalesFor(double alpha) const {
+      return grouped(
+          graph_, absMean_, weightMax_,
+          [alpha](const at::Tensor& a, const at::Tensor&) { return a.pow(alpha).clamp_min(1e-5); },
+          GroupReduction::kMaxOfStatistics);
+    }
+
+    const Subgraph& graph_;
+    const std::string& name_;
+    at::Tensor absMean_, weightMax_, tokens_;
+    const quant::LinearQConfig& qconfig_;
+    at::Tensor weight_;
+    RelativeError error_;
+    double best_ = std::numeric_limits<double>::infinity(), alpha_ = 0;
+  };
+
   quant::LinearQConfig qconfig_;
 };
 

@@ -3,7 +3,10 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
+#include <map>
+#include <string>
 #include <utility>
 
 namespace qpipe::smooth {
@@ -59,7 +62,38 @@ void addBias(Module& module, const at::Tensor& delta) {
   bias = (bias.to(at::kFloat) + delta.to(bias.device())).to(bias.scalar_type());
 }
 
+// A candidate's loss as a task result: JSON has no NaN or infinity, so those travel as text.
+ConfigNode lossNode(double loss) {
+  if (std::isfinite(loss)) return ConfigNode::number(loss);
+  return ConfigNode::string(std::isnan(loss) ? "nan" : (loss > 0 ? "inf" : "-inf"));
+}
+double lossOf(const ConfigNode& node) {
+  return node.kind() == ConfigNode::Kind::kString ? std::stod(node.asString()) : node.asFloat();
+}
+
+class ChosenScales final : public Search {
+ public:
+  ChosenScales(Scales scales, std::vector<std::pair<std::string, double>> report)
+      : scales_(std::move(scales)), report_(std::move(report)) {}
+  double loss(int, int) const override { QPIPE_CHECK(false, "a search without rounds has no candidates"); }
+  void choose(int, const std::vector<double>&) override {
+    QPIPE_CHECK(false, "a search without rounds has nothing to choose");
+  }
+  Scales scales(std::vector<std::pair<std::string, double>>& report) const override {
+    report.insert(report.end(), report_.begin(), report_.end());
+    return scales_;
+  }
+
+ private:
+  Scales scales_;
+  std::vector<std::pair<std::string, double>> report_;
+};
+
 }  // namespace
+
+std::unique_ptr<Search> chosen(Scales scales, std::vector<std::pair<std::string, double>> report) {
+  return std::make_unique<ChosenScales>(std::move(scales), std::move(report));
+}
 
 struct SmoothingProcessor::Watched {
   Subgraph graph;
@@ -77,6 +111,11 @@ struct SmoothingProcessor::Watched {
   std::vector<int64_t> absCounts;
   std::vector<int64_t> absSamples;
   at::Tensor absMean;
+  // The search, made at first use (searchOf), what its input refers to, and each round's losses.
+  std::vector<at::Tensor> weights;  // fp32 CPU, one per consumer, in target order
+  std::unique_ptr<SubgraphInput> input;
+  std::unique_ptr<Search> search;
+  std::vector<std::vector<double>> losses;
 };
 
 Schema& SmoothingProcessor::addCommonFields(Schema& schema, const std::vector<SubgraphType>& defaults) {
@@ -189,32 +228,109 @@ void SmoothingProcessor::postprocess(LayerRequest& request) {
   }
   std::stable_sort(watched_.begin(), watched_.end(),
                    [](const auto& a, const auto& b) { return priority(a->graph.type) < priority(b->graph.type); });
-  // One task per subgraph (docs/scheduler.md): the subgraphs that share no module run on
-  // different ranks, in waves that keep msmodelslim's order where they do share one; the
-  // default sync then sends each changed norm and Linear (weights, biases) to every rank.
-  scheduler::DistributedTaskScheduler tasks(*request.module, *context_.group, {.name = type_});
+  scheduleAndSmooth(request);
+  watched_.clear();
+}
+
+// docs/scheduler.md: the candidates of the subgraphs' searches are the parallel tasks; choosing
+// and fusing run on every rank (local tasks: no weights broadcast). Subgraphs that share no
+// module form a stage, whose candidates share a wave; a stage ends at the first subgraph sharing
+// a module with one in it, which then searches on the smoothed weights (msmodelslim's order).
+void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
+  std::vector<Watched*> live;
   for (const auto& w : watched_) {
-    std::vector<std::string> dependencies{w->graph.source};
-    dependencies.insert(dependencies.end(), w->graph.targets.begin(), w->graph.targets.end());
-    tasks.submit({.name = type_ + ".subgraph",
-                  .fn = [this, &request, &w = *w](const ConfigNode&) { return smooth(request, w); },
-                  .args = ConfigNode::map({{"source", ConfigNode::string(w->name)},
-                                           {"type", ConfigNode::string(std::string(subgraphTypeName(w->graph.type)))}}),
-                  .dependencies = std::move(dependencies)});
+    if (smoothable(request, *w)) live.push_back(w.get());
+  }
+  const auto members = [](const Watched& w) {
+    std::vector<std::string> paths{w.graph.source};
+    paths.insert(paths.end(), w.graph.targets.begin(), w.graph.targets.end());
+    return paths;
+  };
+  const auto share = [&](const Watched& a, const Watched& b) {
+    const std::vector<std::string> x = members(a), y = members(b);
+    return std::any_of(x.begin(), x.end(), [&](const std::string& p) { return std::count(y.begin(), y.end(), p) > 0; });
+  };
+  const std::vector<int> rounds = searchRounds();
+  scheduler::DistributedTaskScheduler tasks(*request.module, *context_.group, {.name = type_});
+  // Per submitted task: its subgraph, which of the subgraph's tasks it is in the report
+  // ("r<round>c<candidate>", "r<round>" for a choice, empty for the fusion), and if a candidate.
+  struct Submitted {
+    Watched* subgraph;
+    std::string instance;
+    bool candidate;
+  };
+  std::vector<Submitted> submitted;
+  for (size_t begin = 0; begin < live.size();) {
+    size_t end = begin + 1;
+    while (end < live.size() &&
+           std::none_of(live.begin() + begin, live.begin() + end, [&](Watched* w) { return share(*w, *live[end]); })) {
+      ++end;
+    }
+    const std::vector<Watched*> stage(live.begin() + begin, live.begin() + end);
+    for (size_t r = 0; r < rounds.size(); ++r) {
+      const int round = static_cast<int>(r);
+      for (Watched* w : stage) {
+        w->losses.resize(rounds.size());
+        w->losses[r].assign(rounds[r], std::numeric_limits<double>::quiet_NaN());
+        for (int c = 0; c < rounds[r]; ++c) {
+          tasks.submit({.name = type_ + ".candidate",
+                        .fn =
+                            [this, &request, w, round, c](const ConfigNode&) {
+                              const double loss = searchOf(request, *w).loss(round, c);
+                              w->losses[round][c] = loss;
+                              return lossNode(loss);
+                            },
+                        .args = ConfigNode::map({{"source", ConfigNode::string(w->name)},
+                                                 {"round", ConfigNode::integer(round)},
+                                                 {"candidate", ConfigNode::integer(c)}}),
+                        .sync = [w, round, c](const TaskRecord& record,
+                                              SyncContext&) { w->losses[round][c] = lossOf(record.result); },
+                        .syncName = "smooth.loss"});
+          submitted.push_back({w, concat("r", round, "c", c), true});
+        }
+      }
+      for (Watched* w : stage) {
+        tasks.submit(
+            {.name = type_ + ".choice",
+             .fn =
+                 [this, &request, w, round](const ConfigNode&) {
+                   searchOf(request, *w).choose(round, w->losses[round]);
+                   return ConfigNode();
+                 },
+             .args = ConfigNode::map({{"source", ConfigNode::string(w->name)}, {"round", ConfigNode::integer(round)}}),
+             .parallel = false});
+        submitted.push_back({w, concat("r", round), false});
+      }
+    }
+    for (Watched* w : stage) {
+      tasks.submit(
+          {.name = type_ + ".subgraph",
+           .fn = [this, &request, w](const ConfigNode&) { return smooth(request, *w); },
+           .args = ConfigNode::map({{"source", ConfigNode::string(w->name)},
+                                    {"type", ConfigNode::string(std::string(subgraphTypeName(w->graph.type)))}}),
+           .dependencies = members(*w),
+           .parallel = false});
+      submitted.push_back({w, "", false});
+    }
+    begin = end;
   }
   const std::vector<TaskRecord> records = tasks.run();
+  std::map<Watched*, double> searchSeconds;
   for (size_t i = 0; i < records.size(); ++i) {
     const TaskRecord& record = records[i];
-    scheduler::reportTask(request, watched_[i]->name, record);
-    if (record.result.isNull()) continue;
+    const auto& [w, instance, candidate] = submitted[i];
+    scheduler::reportTask(request, w->name, record, instance);
+    if (candidate) searchSeconds[w] += record.execSeconds;
+    if (!instance.empty()) continue;
     ++smoothed_;
     for (const ConfigNode& value : record.result.items()) {
       request.report(value.items()[0].asString(), value.items()[1].asString(), value.items()[2].asFloat());
     }
+    // What the scheduler splits, on its executors' clocks: the benches report it on its own.
+    if (!rounds.empty()) request.report(w->name, "search_seconds", searchSeconds[w]);
   }
   scheduled_ += tasks.summary();
   for (const auto& [key, value] : tasks.summary().reportValues()) request.report(request.name, key, value);
-  watched_.clear();
 }
 
 // Every rank's `rows` (one per entry of `samples`, the run's sample index of each) gathered and
@@ -226,19 +342,55 @@ at::Tensor SmoothingProcessor::inSampleOrder(const at::Tensor& rows, const std::
 }
 
 // Every rank's kept tokens, ordered by the run's sample index (each sample's rows in the order its
-// forward produced them), so the rows are those one rank with every sample would have kept.
+// forward produced them), so the rows are those one rank with every sample would have kept: at
+// most searchTokens_ of them, evenly spaced. The ranks first exchange how many rows each forward
+// call gave, so that each sends only its selected rows, not every token of the layer.
 at::Tensor SmoothingProcessor::gatherTokens(Watched& w) const {
   const int64_t channels = w.min.numel();
-  std::vector<int64_t> rowSample;
-  for (size_t i = 0; i < w.tokens.size(); ++i) rowSample.insert(rowSample.end(), w.tokens[i].size(0), w.sampleOf[i]);
-  const at::Tensor local = w.tokens.empty() ? at::empty({0, channels}, at::kFloat) : at::cat(w.tokens);
+  std::vector<int64_t> calls;  // (sample, rows) per forward call of this rank
+  for (size_t i = 0; i < w.tokens.size(); ++i) {
+    calls.push_back(w.sampleOf[i]);
+    calls.push_back(w.tokens[i].size(0));
+  }
+  const std::vector<at::Tensor> everyRank = context_.group->allGather(at::tensor(calls, at::kLong));
+  // The global order: the calls of every rank, rank by rank, stably sorted by sample.
+  struct Call {
+    int64_t sample, rows;
+    int rank;
+    size_t index;  // in its rank's list
+  };
+  std::vector<Call> order;
+  for (size_t r = 0; r < everyRank.size(); ++r) {
+    const auto* pairs = everyRank[r].data_ptr<int64_t>();
+    for (int64_t i = 0; i < everyRank[r].numel() / 2; ++i) {
+      order.push_back({pairs[2 * i], pairs[2 * i + 1], static_cast<int>(r), static_cast<size_t>(i)});
+    }
+  }
+  std::stable_sort(order.begin(), order.end(), [](const Call& a, const Call& b) { return a.sample < b.sample; });
+  int64_t n = 0;
+  for (const Call& call : order) n += call.rows;
+  const int64_t kept = std::min(n, searchTokens_);
+  // This rank's selected rows and their positions in the result: global row floor(i·n / kept).
+  std::vector<at::Tensor> rows;
+  std::vector<int64_t> positions;
+  int64_t offset = 0, i = 0;
+  for (const Call& call : order) {
+    std::vector<int64_t> local;
+    for (; i < kept && i * n / kept < offset + call.rows; ++i) {
+      if (call.rank == context_.group->rank()) {
+        local.push_back(i * n / kept - offset);
+        positions.push_back(i);
+      }
+    }
+    if (!local.empty()) rows.push_back(w.tokens[call.index].index_select(0, at::tensor(local, at::kLong)));
+    offset += call.rows;
+  }
   w.tokens.clear();
   w.sampleOf.clear();
-  const at::Tensor rows = inSampleOrder(local, rowSample);
-  const int64_t n = rows.size(0);
-  if (n <= searchTokens_) return rows;
-  // Evenly spaced rows: floor(i·n / searchTokens), i < searchTokens.
-  return rows.index_select(0, at::floor_divide(at::arange(searchTokens_, at::kLong) * n, searchTokens_));
+  const at::Tensor mine = rows.empty() ? at::empty({0, channels}, at::kFloat) : at::cat(rows);
+  const at::Tensor all = at::cat(context_.group->allGather(mine));
+  const at::Tensor where = at::cat(context_.group->allGather(at::tensor(positions, at::kLong)));
+  return all.index_select(0, at::argsort(where));
 }
 
 // Every rank's per-call sums, added one by one in sample order: the order one rank would add them.
@@ -260,29 +412,46 @@ at::Tensor SmoothingProcessor::gatherAbsMean(Watched& w) const {
   return (total / std::max(tokens, 1.0)).to(at::kFloat);
 }
 
-ConfigNode SmoothingProcessor::smooth(LayerRequest& request, Watched& w) const {
-  const Subgraph& graph = w.graph;
+bool SmoothingProcessor::smoothable(LayerRequest& request, const Watched& w) const {
   // Channels no token reached hold min > max (all of them or none); NaN compares false as well.
   const bool nan = at::isnan(w.min).any().item<bool>() || at::isnan(w.max).any().item<bool>();
   if (!nan && !w.max.ge(w.min).all().item<bool>()) {
     context_.logger->warn(type_, ": no calibration token reached ", moduleName(request, w.firstPath), "; ",
-                          describe(w.name, graph), " is left unsmoothed");
-    return ConfigNode();
+                          describe(w.name, w.graph), " is left unsmoothed");
+    return false;
   }
-  QPIPE_REQUIRE(at::isfinite(w.min).all().item<bool>() && at::isfinite(w.max).all().item<bool>(),
-                ErrorCode::kInput, "the calibration inputs of ", describe(w.name, graph),
+  QPIPE_REQUIRE(at::isfinite(w.min).all().item<bool>() && at::isfinite(w.max).all().item<bool>(), ErrorCode::kInput,
+                "the calibration inputs of ", describe(w.name, w.graph),
                 " hold NaN or Inf, so it has no finite smoothing scale (does the float model overflow on the "
                 "calibration data? `qpipe "
                 "eval` shows it)");
+  return true;
+}
+
+Search& SmoothingProcessor::searchOf(LayerRequest& request, Watched& w) const {
+  if (!w.search) {
+    for (const std::string& target : w.graph.targets) {
+      auto& linear = request.module->getSubmodule(target).as<Linear>(moduleName(request, target));
+      w.weights.push_back(linear.weight().to(at::kCPU, at::kFloat));
+    }
+    w.input = std::make_unique<SubgraphInput>(
+        SubgraphInput{w.graph, w.name, w.min, w.max, w.weights, w.allTokens, w.absMean});
+    w.search = search(*w.input);
+  }
+  return *w.search;
+}
+
+ConfigNode SmoothingProcessor::smooth(LayerRequest& request, Watched& w) const {
+  const Subgraph& graph = w.graph;
   std::vector<Linear*> consumers;
-  std::vector<at::Tensor> weights;
   for (const std::string& target : graph.targets) {
-    auto& linear = request.module->getSubmodule(target).as<Linear>(moduleName(request, target));
-    consumers.push_back(&linear);
-    weights.push_back(linear.weight().to(at::kCPU, at::kFloat));
+    consumers.push_back(&request.module->getSubmodule(target).as<Linear>(moduleName(request, target)));
   }
   std::vector<std::pair<std::string, double>> values;
-  const Scales chosen = scales({graph, w.name, w.min, w.max, weights, w.allTokens, w.absMean}, values);
+  const Scales chosen = searchOf(request, w).scales(values);
+  w.search.reset();
+  w.input.reset();
+  w.weights.clear();
   const at::Tensor& producer = chosen.producer;
   const at::Tensor& consumer = chosen.consumer;
   const at::Tensor& shift = chosen.shift;

@@ -51,6 +51,23 @@ enum class GroupReduction {
   kMeanOfScales,     // apply the formula per head, then average the scales over the group
 };
 
+// How an algorithm finds one subgraph's scales. A search runs in rounds of candidates whose losses
+// are independent of each other: each candidate is a scheduler task on whichever rank takes it
+// (docs/scheduler.md), and every rank then calls `choose` with the round's losses in candidate
+// order, so every rank holds the choice one rank would have made. `loss` of a later round may
+// read what earlier rounds chose. An algorithm without a search has no rounds.
+class Search {
+ public:
+  virtual ~Search() = default;
+  virtual double loss(int round, int candidate) const = 0;
+  virtual void choose(int round, const std::vector<double>& losses) = 0;
+  // The chosen scales; `report` collects what the quant report records besides the range.
+  virtual Scales scales(std::vector<std::pair<std::string, double>>& report) const = 0;
+};
+
+// A search with no rounds: scales already known, and what the report records about them.
+std::unique_ptr<Search> chosen(Scales scales, std::vector<std::pair<std::string, double>> report);
+
 // Per-channel activation and weight statistics → scales.
 using ScaleFormula = std::function<at::Tensor(const at::Tensor& activation, const at::Tensor& weight)>;
 
@@ -79,8 +96,12 @@ class SmoothingProcessor : public Processor {
   void keepTokens(int64_t searchTokens) { searchTokens_ = searchTokens; }
   // Collect mean |X| per channel (SubgraphInput::absMean).
   void keepAbsMean() { absMean_ = true; }
-  // The subgraph's scales; `report` collects what the quant report records besides the range.
-  virtual Scales scales(const SubgraphInput& input, std::vector<std::pair<std::string, double>>& report) const = 0;
+  // The candidates of each round of the algorithm's search, the same for every subgraph of the
+  // step; none by default.
+  virtual std::vector<int> searchRounds() const { return {}; }
+  // The subgraph's search, made on every rank once the subgraphs before it that share a module
+  // are smoothed; `input` (what it refers to) outlives the search.
+  virtual std::unique_ptr<Search> search(const SubgraphInput& input) const = 0;
   // `formula` applied to per-channel statistics, with ov's KV-group reduction.
   static Scales grouped(const Subgraph& graph, const at::Tensor& activation, const at::Tensor& weight,
                         const ScaleFormula& formula, GroupReduction reduction);
@@ -90,8 +111,13 @@ class SmoothingProcessor : public Processor {
   at::Tensor inSampleOrder(const at::Tensor& rows, const std::vector<int64_t>& samples) const;
   at::Tensor gatherTokens(Watched& watched) const;
   at::Tensor gatherAbsMean(Watched& watched) const;
-  // Smooths one subgraph (a scheduler task: no collectives); its report values, or null when no
-  // token reached it.
+  // The subgraphs' searches and fusions as scheduler tasks, their report values and costs.
+  void scheduleAndSmooth(LayerRequest& request);
+  // False (with a warning) when no calibration token reached the subgraph; an error for NaN or Inf.
+  bool smoothable(LayerRequest& request, const Watched& watched) const;
+  // The subgraph's search, made at its first use on this rank (a candidate, a choice, the fusion).
+  Search& searchOf(LayerRequest& request, Watched& watched) const;
+  // Fuses the chosen scales into the subgraph's modules (on every rank); its report values.
   ConfigNode smooth(LayerRequest& request, Watched& watched) const;
 
   std::string type_;

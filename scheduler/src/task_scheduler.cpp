@@ -294,11 +294,25 @@ struct DistributedTaskScheduler::Impl {
     const int64_t n = static_cast<int64_t>(wave.tasks.size());
     const std::string counter = "dts/" + std::to_string(parallelWavesRun++);
     int64_t next = group.rank();
+    // Dynamic: guided chunks. A claim takes ceil(left / (4·W)) consecutive tasks, `left` as this
+    // rank last saw the counter, so a wave of many short tasks (a search's candidates, a
+    // many-expert layer's) costs a few store round trips per rank instead of one per task, and
+    // the chunks shrink to single tasks towards the end, where a rank that is done early takes
+    // what is left.
+    int64_t claimed = 0, claimEnd = 0, seen = 0;
+    const int64_t parts = 4 * static_cast<int64_t>(group.worldSize());
     const auto take = [&]() -> int64_t {
-      if (options.assignment == Assignment::kDynamic) return group.counterAdd(counter, 1) - 1;
-      const int64_t mine = next;
-      next += group.worldSize();
-      return mine;
+      if (options.assignment == Assignment::kRoundRobin) {
+        const int64_t mine = next;
+        next += group.worldSize();
+        return mine;
+      }
+      if (claimed < claimEnd) return claimed++;
+      const int64_t chunk = std::max<int64_t>(1, (n - seen + parts - 1) / parts);
+      seen = group.counterAdd(counter, chunk);
+      claimed = seen - chunk;
+      claimEnd = std::min(seen, n);
+      return claimed < claimEnd ? claimed++ : n;
     };
     Json mine = Json::array();
     for (int64_t i = take(); i < n; i = take()) {

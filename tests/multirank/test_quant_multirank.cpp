@@ -281,6 +281,46 @@ TEST(QuantMultirank, TwoRanksWriteTheCheckpointOfOne) {
   }
 }
 
+// flex_awq_ssz's α candidates are the parallel tasks (docs/scheduler.md, "Splitting a search"):
+// each rank takes some of them, and the report records each candidate as run once.
+TEST(QuantMultirank, TheSmoothingSearchSplitsItsCandidatesOverTheRanks) {
+  const fs::path model = qpipe::test::tinyQwen3("qwen3");
+  const fs::path out = qpipe::test::testDir() / "flex-awq-two";
+  fs::remove_all(out);
+  const fs::path config = fs::path(QPIPE_SOURCE_DIR) / "configs/default/w4a8_flex_awq.yaml";
+  const CommandResult multi =
+      qpipe::test::runQpipe(quantArgs(model, out, "--config_path " + config.string() + " --device cpu:0,1"));
+  ASSERT_EQ(multi.exitCode, 0) << multi.err;
+  // "flex_awq_ssz: subgraphs [DTS] tasks=T … my_tasks=M": M counts the choices and fusions (local:
+  // every rank runs them) and the candidates this rank took, so M < T on both ranks says that
+  // each rank left some candidates to the other.
+  for (const int rank : {0, 1}) {
+    const std::string head = "[rank " + std::to_string(rank) + "/2] [info] flex_awq_ssz: subgraphs [DTS] tasks=";
+    const size_t line = multi.err.find(head);
+    ASSERT_NE(line, std::string::npos) << multi.err;
+    const size_t mine = multi.err.find("my_tasks=", line);
+    ASSERT_NE(mine, std::string::npos) << multi.err;
+    EXPECT_LT(std::stol(multi.err.substr(mine + 9)), std::stol(multi.err.substr(line + head.size())))
+        << multi.err.substr(line, 200);
+  }
+  std::ifstream file(out / "quant_report.json");
+  const nlohmann::json report = nlohmann::json::parse(file);
+  int candidates = 0;
+  for (const auto& layer : report["layers"]) {
+    if (!layer.contains("values")) continue;
+    for (const auto& [module, values] : layer["values"].items()) {
+      for (const auto& [key, value] : values.items()) {
+        if (key.rfind("dts:flex_awq_ssz.candidate#", 0) != 0 || !key.ends_with(":parallel")) continue;
+        ++candidates;
+        EXPECT_EQ(value.get<double>(), 1.0) << module << " " << key;
+      }
+    }
+  }
+  // 21 values of α for each of a layer's subgraphs.
+  EXPECT_GT(candidates, 0);
+  EXPECT_EQ(candidates % 21, 0);
+}
+
 // learnable_scale_qat on 2 and 3 ranks (4 samples: 2 + 2, and 2 + 1 + 1), each step drawing 3 of
 // them across the ranks: the checkpoint, the scales artifact and the training log are the one
 // rank's byte for byte. Blockwise with an fa3_quant step and kv_scale, and end2end with CAKLD.

@@ -4,13 +4,15 @@
     tools/bench/dts_simulate.py REPORT [--ranks 2 8 64 512] [--latency_ms L] [--bandwidth_gbs B]
 
 REPORT is the quant_report.json of a 2-rank run (tools/bench/dts.sh writes them): every task's
-time on its executor (`dts:<task>:seconds`), its wave and the bytes its sync broadcast
-(`:sync_bytes`), per module. The schedulers' agreements give the cost of one collective
+time on its executor (`dts:<task>:seconds`), its wave, whether the wave was parallel and the bytes
+its sync broadcast (`:sync_bytes`), per module. The schedulers' agreements give the cost of one collective
 (`dts:<scheduler>:agree_seconds` per parallel wave) unless --latency_ms is given.
 
-Each wave of each scheduler run is replayed on N ranks:
-  dynamic      each task, in submit order, goes to the rank that is free first, and pays one
-               store round trip (a tenth of a collective);
+A local wave (every rank runs its tasks, no collective) costs the sum of its tasks on any N.
+Each parallel wave of each scheduler run is replayed on N ranks:
+  dynamic      the rank that is free first claims the next ceil(left / 4N) tasks in submit order
+               (the scheduler's guided chunks), paying one store round trip (a tenth of a
+               collective) per claim;
   round-robin  task i runs on rank i mod N;
 then the wave's sync: 2 + min(N, tasks) collectives (agreement, outcomes, one broadcast per
 executor), each costing latency · log2(N) (a tree's depth; the measured latency is at N = 2), plus
@@ -27,17 +29,23 @@ from collections import defaultdict
 
 
 def waves(report):
-    """[(seconds, bytes), ...] per (layer, task name, wave), in the report's module order."""
-    out = defaultdict(list)
+    """{(layer, scheduler, wave): (parallel, [(seconds, bytes), ...])} in the report's module order.
+
+    A task's keys are dts:<scheduler>.<task>[#<instance>]:seconds (and :wave, :parallel,
+    :sync_bytes); its scheduler run is one per layer, so (layer, scheduler, wave) names a wave."""
+    out = {}
     for layer in report["layers"]:
         for module, values in layer.get("values", {}).items():
             for key, seconds in values.items():
-                if key.startswith("dts:") and key.endswith(":seconds") and key.count(":") == 2:
-                    task = key[len("dts:") : -len(":seconds")]
-                    if values.get(f"dts:{task}:wave") is None:
-                        continue  # a scheduler's summary, not a task
-                    wave = int(values[f"dts:{task}:wave"])
-                    out[(layer["name"], task, wave)].append((seconds, values.get(f"dts:{task}:sync_bytes", 0.0)))
+                if not (key.startswith("dts:") and key.endswith(":seconds") and key.count(":") == 2):
+                    continue
+                task = key[len("dts:") : -len(":seconds")]
+                if values.get(f"dts:{task}:wave") is None:
+                    continue  # a scheduler's summary, not a task
+                scheduler = task.split("#")[0].split(".")[0]
+                wave = (layer["name"], scheduler, int(values[f"dts:{task}:wave"]))
+                parallel = values.get(f"dts:{task}:parallel", 1.0) > 0
+                out.setdefault(wave, (parallel, []))[1].append((seconds, values.get(f"dts:{task}:sync_bytes", 0.0)))
     return out
 
 
@@ -60,11 +68,17 @@ def makespan(costs, ranks, dynamic, take):
         for i, c in enumerate(costs):
             per_rank[i % ranks] += c
         return max(per_rank)
-    free = [0.0] * ranks
-    heapq.heapify(free)
-    for c in costs:
-        heapq.heappush(free, heapq.heappop(free) + take + c)
-    return max(free)
+    # Guided chunks, as the scheduler claims them: ceil(left / 4N) tasks per store round trip, left
+    # as the claiming rank last saw the counter.
+    parts, counter, n = 4 * ranks, 0, len(costs)
+    free = [(0.0, r, 0) for r in range(ranks)]
+    while counter < n:
+        time, rank, seen = heapq.heappop(free)
+        chunk = max(1, -(-(n - seen) // parts))
+        time += take + sum(costs[counter : counter + chunk])
+        counter += chunk
+        heapq.heappush(free, (time, rank, counter))
+    return max(time for time, _, _ in free)
 
 
 def main():
@@ -77,8 +91,8 @@ def main():
     report = json.load(open(args.report))
     groups = waves(report)
     latency = args.latency_ms / 1000 if args.latency_ms is not None else measured_latency(report)
-    total = sum(c for tasks in groups.values() for c, _ in tasks)
-    count = sum(len(tasks) for tasks in groups.values())
+    total = sum(c for _, tasks in groups.values() for c, _ in tasks)
+    count = sum(len(tasks) for _, tasks in groups.values())
     print(f"{args.report}: {count} tasks in {len(groups)} waves, {total:.2f} s of tasks; "
           f"{latency * 1000:.3f} ms per collective, {args.bandwidth_gbs} GB/s")
     print()
@@ -88,8 +102,11 @@ def main():
         depth = max(1.0, math.log2(n))
         for dynamic in (True, False):
             projected = 0.0
-            for tasks in groups.values():
+            for parallel, tasks in groups.values():
                 costs = [c for c, _ in tasks]
+                if not parallel:
+                    projected += sum(costs)
+                    continue
                 sync = (2 + min(n, len(tasks))) * latency * depth + sum(b for _, b in tasks) / (args.bandwidth_gbs * 1e9)
                 projected += makespan(costs, n, dynamic, latency / 10) + sync
             speedup = total / projected if projected else 1.0

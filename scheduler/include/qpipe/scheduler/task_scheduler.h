@@ -14,8 +14,9 @@
 //               1. the ranks agree on the wave (task count and semantic hash: name, arguments,
 //                  dependencies, sync name), else Error(kDistributed) on every rank naming the
 //                  first task that differs;
-//               2. each task runs once, on the rank that takes it from a counter in the c10d store
-//                  (dynamic), or on rank index mod W (round-robin); a collective inside it is
+//               2. each task runs once, on the rank that claims it from a counter in the c10d
+//                  store (dynamic: guided chunks of ceil(left / 4W) tasks per claim), or on rank
+//                  index mod W (round-robin); a collective inside it is
 //                  Error(kPlugin) naming the task and the call; a task that throws fails the run
 //                  on every rank, naming the task and its rank;
 //               3. on every rank, in submit order, exactly one sync level per task or module: the
@@ -121,12 +122,16 @@ class DistributedTaskScheduler {
 
 // A task's cost for the quant report and tools/bench/dts_simulate.py, as
 // request.report(module, key, value) calls with keys "dts:<task name>:seconds" (on its
-// executor), ":wave" and ":sync_bytes".
+// executor), ":wave", ":parallel" (1: ran once, 0: in a local wave, on every rank) and
+// ":sync_bytes"; "dts:<task name>#<instance>:…" where one module has several tasks of a name (a
+// search's candidates).
 template <typename Request>
-void reportTask(Request& request, const std::string& module, const TaskRecord& record) {
-  const std::string key = "dts:" + record.name + ":";
+void reportTask(Request& request, const std::string& module, const TaskRecord& record,
+                const std::string& instance = "") {
+  const std::string key = "dts:" + record.name + (instance.empty() ? "" : "#" + instance) + ":";
   request.report(module, key + "seconds", record.execSeconds);
   request.report(module, key + "wave", static_cast<double>(record.wave));
+  request.report(module, key + "parallel", record.parallel ? 1.0 : 0.0);
   request.report(module, key + "sync_bytes", static_cast<double>(record.syncBytes));
 }
 
