@@ -99,20 +99,25 @@ class IterSmooth final : public SmoothingProcessor {
   bool symmetric_;
 };
 
-// The searches' loss: rms(y_q − y) / rms(y) against the float product y = X·Wᵀ.
+// The searches' loss: rms(y_q − y) / rms(y) against the float product y = X·Wᵀ. y is computed at
+// the first call, so a rank that evaluates none of a subgraph's candidates never computes it.
 class RelativeError {
  public:
-  RelativeError(const at::Tensor& tokens, const at::Tensor& weight)
-      : reference_(at::matmul(tokens, weight.t())), norm_(rms(reference_)) {}
+  RelativeError(at::Tensor tokens, at::Tensor weight) : tokens_(std::move(tokens)), weight_(std::move(weight)) {}
   double operator()(const at::Tensor& quantized) const {
+    if (!reference_.defined()) {
+      reference_ = at::matmul(tokens_, weight_.t());
+      norm_ = rms(reference_);
+    }
     const double error = rms(quantized - reference_);
     return norm_ > 0 ? error / norm_ : error;
   }
 
  private:
   static double rms(const at::Tensor& t) { return t.square().mean().sqrt().item<double>(); }
-  at::Tensor reference_;
-  double norm_;
+  at::Tensor tokens_, weight_;
+  mutable at::Tensor reference_;
+  mutable double norm_ = 0;
 };
 
 // The grid both searches walk: 0, 0.05, …, 1.

@@ -111,6 +111,51 @@ std::string describe(const Task& task) {
   return task.name + " " + flow(task.args) + " on [" + dependencies + "]" + (task.sync ? " sync " + task.syncName : "");
 }
 
+uint64_t fnv1aBytes(const void* data, size_t size, uint64_t hash) {
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < size; ++i) hash = (hash ^ bytes[i]) * 1099511628211ULL;
+  return hash;
+}
+
+// `node`'s kind and value folded into `hash`: what describe() says, without formatting it (a
+// search submits thousands of tasks per wave).
+uint64_t hashNode(const ConfigNode& node, uint64_t hash) {
+  const auto kind = static_cast<unsigned char>(node.kind());
+  hash = fnv1aBytes(&kind, 1, hash);
+  switch (node.kind()) {
+    case ConfigNode::Kind::kNull:
+      return hash;
+    case ConfigNode::Kind::kBool: {
+      const unsigned char value = node.asBool() ? 1 : 0;
+      return fnv1aBytes(&value, 1, hash);
+    }
+    case ConfigNode::Kind::kInt: {
+      const int64_t value = node.asInt();
+      return fnv1aBytes(&value, sizeof value, hash);
+    }
+    case ConfigNode::Kind::kFloat: {
+      const double value = node.asFloat();
+      return fnv1aBytes(&value, sizeof value, hash);
+    }
+    case ConfigNode::Kind::kString:
+      return fnv1a(node.asString() + '\0', hash);
+    case ConfigNode::Kind::kList:
+      for (const ConfigNode& item : node.items()) hash = hashNode(item, hash);
+      return fnv1a("]", hash);
+    case ConfigNode::Kind::kMap:
+      for (const auto& [key, value] : node.entries()) hash = hashNode(value, fnv1a(key + '\0', hash));
+      return fnv1a("}", hash);
+  }
+  return hash;
+}
+
+// What the ranks compare, as describe() spells it: name, arguments, dependencies, sync name.
+uint64_t hashTask(const Task& task, uint64_t hash) {
+  hash = hashNode(task.args, fnv1a(task.name + '\0', hash));
+  for (const std::string& d : task.dependencies) hash = fnv1a(d + '\0', hash);
+  return fnv1a(task.sync ? "sync " + task.syncName : "-", hash);
+}
+
 // The bytes of `tensor` (contiguous) as a 1-D uint8 tensor sharing its storage.
 at::Tensor byteView(const at::Tensor& tensor) {
   return tensor.reshape({-1}).view(at::kByte);
@@ -199,6 +244,8 @@ RunSummary& RunSummary::operator+=(const RunSummary& other) {
   myExecSeconds += other.myExecSeconds;
   syncSeconds += other.syncSeconds;
   agreeSeconds += other.agreeSeconds;
+  settledAgreeSeconds += other.settledAgreeSeconds;
+  settledAgreements += other.settledAgreements;
   wallSeconds += other.wallSeconds;
   return *this;
 }
@@ -214,9 +261,14 @@ std::string RunSummary::line() const {
 
 std::vector<std::pair<std::string, double>> RunSummary::reportValues() const {
   const std::string key = "dts:" + name + ":";
-  return {{key + "tasks", static_cast<double>(tasks)}, {key + "parallel_waves", static_cast<double>(parallelWaves)},
-          {key + "exec_seconds", execSeconds},         {key + "sync_seconds", syncSeconds},
-          {key + "agree_seconds", agreeSeconds},       {key + "wall_seconds", wallSeconds}};
+  return {{key + "tasks", static_cast<double>(tasks)},
+          {key + "parallel_waves", static_cast<double>(parallelWaves)},
+          {key + "exec_seconds", execSeconds},
+          {key + "sync_seconds", syncSeconds},
+          {key + "agree_seconds", agreeSeconds},
+          {key + "settled_agree_seconds", settledAgreeSeconds},
+          {key + "settled_agreements", static_cast<double>(settledAgreements)},
+          {key + "wall_seconds", wallSeconds}};
 }
 
 struct DistributedTaskScheduler::Impl {
@@ -255,18 +307,14 @@ struct DistributedTaskScheduler::Impl {
 
   // Step 1: the same tasks on every rank, else the same error on every rank.
   void agree(const Wave& wave, size_t w) {
-    std::vector<std::string> descriptions;
     uint64_t hash = fnv1a(std::to_string(wave.tasks.size()));
-    for (size_t index : wave.tasks) {
-      descriptions.push_back(describe(tasks[index]));
-      hash = fnv1a(descriptions.back(), hash);
-    }
+    for (size_t index : wave.tasks) hash = hashTask(tasks[index], hash);
     const std::vector<std::string> hashes = group.allGatherBytes(std::to_string(hash));
     bool same = true;
     for (const std::string& h : hashes) same = same && h == hashes[0];
     if (same) return;
     std::string joined;
-    for (const std::string& d : descriptions) joined += d + "\n";
+    for (size_t index : wave.tasks) joined += describe(tasks[index]) + "\n";
     std::vector<std::vector<std::string>> all;
     for (const std::string& text : group.allGatherBytes(joined)) {
       std::vector<std::string> lines;
@@ -286,7 +334,9 @@ struct DistributedTaskScheduler::Impl {
                            at(r), " on rank ", r, "; every rank must submit the same parallel tasks"));
       }
     }
-    QPIPE_CHECK(false, where(), ": wave hashes differ but the tasks do not");
+    // The hash sees every bit of a number, the description only its printed digits.
+    throw Error(ErrorCode::kDistributed, concat(where(), ": the ranks disagree on parallel wave ", w,
+                                                ": a task's numeric arguments differ below their printed precision"));
   }
 
   // Step 2: this rank's tasks, then every rank's outcomes.
@@ -483,14 +533,19 @@ std::vector<TaskRecord> DistributedTaskScheduler::run() {
   for (size_t w = 0; w < s.waves.size(); ++w) {
     const Wave& wave = s.waves[w];
     const auto waveStart = Clock::now();
+    double agreeSeconds = 0;
     if (!wave.parallel) {
       s.runLocal(wave, w, records);
     } else {
-      ++s.summary.parallelWaves;
       const auto agreeing = Clock::now();
       s.agree(wave, w);
-      double syncSeconds = since(agreeing);
-      s.summary.agreeSeconds += syncSeconds;
+      agreeSeconds = since(agreeing);
+      s.summary.agreeSeconds += agreeSeconds;
+      if (s.summary.parallelWaves++ > 0) {
+        s.summary.settledAgreeSeconds += agreeSeconds;
+        ++s.summary.settledAgreements;
+      }
+      double syncSeconds = agreeSeconds;
       const std::vector<Outcome> outcomes = s.execute(wave, w, records);
       const auto syncing = Clock::now();
       for (size_t index : wave.tasks) records[index].parallel = true;
@@ -499,7 +554,7 @@ std::vector<TaskRecord> DistributedTaskScheduler::run() {
       s.summary.syncSeconds += syncSeconds;
     }
     logger->debug(s.where(), ": wave ", w, wave.parallel ? " parallel" : " local", ", ", wave.tasks.size(), " tasks, ",
-                  since(waveStart), " s");
+                  since(waveStart), " s", wave.parallel ? concat(" (agreement ", agreeSeconds, " s)") : "");
   }
   s.summary.wallSeconds = since(start);
   logger->debug(s.where(), ": ", s.summary.line());

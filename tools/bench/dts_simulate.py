@@ -5,8 +5,9 @@
 
 REPORT is the quant_report.json of a 2-rank run (tools/bench/dts.sh writes them): every task's
 time on its executor (`dts:<task>:seconds`), its wave, whether the wave was parallel and the bytes
-its sync broadcast (`:sync_bytes`), per module. The schedulers' agreements give the cost of one collective
-(`dts:<scheduler>:agree_seconds` per parallel wave) unless --latency_ms is given.
+its sync broadcast (`:sync_bytes`), per module. The schedulers' agreements give the cost of one
+collective (`dts:<scheduler>:settled_agree_seconds` per settled agreement) unless --latency_ms is
+given.
 
 A local wave (every rank runs its tasks, no collective) costs the sum of its tasks on any N.
 Each parallel wave of each scheduler run is replayed on N ranks:
@@ -15,7 +16,7 @@ Each parallel wave of each scheduler run is replayed on N ranks:
                collective) per claim;
   round-robin  task i runs on rank i mod N;
 then the wave's sync: 2 + min(N, tasks) collectives (agreement, outcomes, one broadcast per
-executor), each costing latency · log2(N) (a tree's depth; the measured latency is at N = 2), plus
+executor; 2 when its tasks broadcast nothing, as a search's candidates), each costing latency · log2(N) (a tree's depth; the measured latency is at N = 2), plus
 the wave's bytes at the bandwidth. The projected speed-up of the sub-task phase is Σ task seconds
 over Σ (makespan + sync). The rest of a run (loading, the calibration forward, saving) is not
 part of it.
@@ -50,16 +51,18 @@ def waves(report):
 
 
 def measured_latency(report):
-    """Seconds per agreement collective: the ranks arrive together there (the previous wave ended
-    in a collective), so it is a collective's cost without the waiting for a slower rank."""
-    seconds = waves_run = 0.0
+    """Seconds per collective: the agreements of the parallel waves after each run's first, where
+    the ranks arrive together from the previous wave's collectives (the first one's also waits
+    for the slower rank's calibration forward). Reports without them: every agreement."""
+    totals = defaultdict(float)
     for layer in report["layers"]:
         for values in layer.get("values", {}).values():
             for key, value in values.items():
-                if key.startswith("dts:") and key.endswith(":agree_seconds"):
-                    seconds += value
-                    waves_run += values[key.replace(":agree_seconds", ":parallel_waves")]
-    return seconds / waves_run if waves_run else 0.0
+                if key.startswith("dts:") and key.count(":") == 2:
+                    totals[key.split(":")[2]] += value
+    if totals["settled_agreements"]:
+        return totals["settled_agree_seconds"] / totals["settled_agreements"]
+    return totals["agree_seconds"] / totals["parallel_waves"] if totals["parallel_waves"] else 0.0
 
 
 def makespan(costs, ranks, dynamic, take):
@@ -107,7 +110,9 @@ def main():
                 if not parallel:
                     projected += sum(costs)
                     continue
-                sync = (2 + min(n, len(tasks))) * latency * depth + sum(b for _, b in tasks) / (args.bandwidth_gbs * 1e9)
+                sent = sum(b for _, b in tasks)
+                broadcasts = min(n, len(tasks)) if sent > 0 else 0
+                sync = (2 + broadcasts) * latency * depth + sent / (args.bandwidth_gbs * 1e9)
                 projected += makespan(costs, n, dynamic, latency / 10) + sync
             speedup = total / projected if projected else 1.0
             print(f"| {n} | {'dynamic' if dynamic else 'round-robin'} | {projected:.2f} | {speedup:.2f}x | "

@@ -82,6 +82,11 @@ struct RunSummary {
   double myExecSeconds = 0;  // this rank's share of it
   double syncSeconds = 0;    // this rank's time in agreement, record exchange and sync
   double agreeSeconds = 0;   // of it, in the agreements: one collective per parallel wave
+  // The agreements of the parallel waves after a run's first: the ranks arrive there together
+  // (from the previous parallel wave's collectives), so they time a collective itself, without
+  // the wait for a rank still in the calibration forward (tools/bench/dts_simulate.py).
+  double settledAgreeSeconds = 0;
+  int64_t settledAgreements = 0;
   double wallSeconds = 0;    // this rank's time in run()
   // Σexec / wall: how much faster than one rank running every task, for the same work.
   double speedup() const { return wallSeconds > 0 ? execSeconds / wallSeconds : 1.0; }
@@ -91,7 +96,7 @@ struct RunSummary {
   // "tasks=… waves=… world_size=… rank=… my_tasks=… exec_s=… my_exec_s=… sync_s=… wall_s=… speedup=…"
   std::string line() const;
   // For the quant report: "dts:<name>:tasks", ":parallel_waves", ":exec_seconds", ":sync_seconds",
-  // ":agree_seconds", ":wall_seconds".
+  // ":agree_seconds", ":settled_agree_seconds", ":settled_agreements", ":wall_seconds".
   std::vector<std::pair<std::string, double>> reportValues() const;
 };
 
