@@ -34,7 +34,12 @@ namespace {
 
 // Per input column: the largest |W| over the rows of every consumer.
 at::Tensor columnAbsMax(const std::vector<at::Tensor>& weights) {
-  return at::cat(weights, 0).abs().amax(0);
+  return at::cat(weights, 0).abs().amax(0).to(at::kCPU, at::kFloat);
+}
+
+// The weights stacked row-wise, fp32 on the CPU: what a search's loss multiplies.
+at::Tensor stackedRows(const std::vector<at::Tensor>& weights) {
+  return at::cat(weights, 0).to(at::kCPU, at::kFloat);
 }
 
 class SmoothQuant final : public SmoothingProcessor {
@@ -187,7 +192,7 @@ class FlexSmoothQuant final : public SmoothingProcessor {
           betaGiven_(beta.has_value()),
           alpha_(alpha.value_or(0.5)),
           beta_(beta.value_or(0.5)) {
-      if (!alphaGiven_ || !betaGiven_) loss_.emplace(in.tokens, at::cat(in.weights, 0));
+      if (!alphaGiven_ || !betaGiven_) loss_.emplace(in.tokens, stackedRows(in.weights));
     }
 
     double loss(int round, int candidate) const override {
@@ -266,10 +271,9 @@ class FlexAwqSsz final : public SmoothingProcessor {
         : graph_(in.graph),
           name_(in.name),
           absMean_(in.absMean),
-          weightMax_(columnAbsMax(in.weights)),
           tokens_(in.tokens),
           qconfig_(qconfig),
-          weight_(at::cat(searchedWeights(in), 0)),
+          weight_(stackedRows(searchedWeights(in))),
           error_(tokens_, weight_) {}
 
     double loss(int, int candidate) const override {
@@ -303,15 +307,16 @@ class FlexAwqSsz final : public SmoothingProcessor {
       return in.weights;
     }
     Scales scalesFor(double alpha) const {
+      // The formula reads no weight statistic.
       return grouped(
-          graph_, absMean_, weightMax_,
+          graph_, absMean_, at::Tensor(),
           [alpha](const at::Tensor& a, const at::Tensor&) { return a.pow(alpha).clamp_min(1e-5); },
           GroupReduction::kMaxOfStatistics);
     }
 
     const Subgraph& graph_;
     const std::string& name_;
-    at::Tensor absMean_, weightMax_, tokens_;
+    at::Tensor absMean_, tokens_;
     const quant::LinearQConfig& qconfig_;
     at::Tensor weight_;
     RelativeError error_;

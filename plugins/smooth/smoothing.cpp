@@ -112,7 +112,7 @@ struct SmoothingProcessor::Watched {
   std::vector<int64_t> absSamples;
   at::Tensor absMean;
   // The search, made at first use (searchOf), what its input refers to, and each round's losses.
-  std::vector<at::Tensor> weights;  // fp32 CPU, one per consumer, in target order
+  std::vector<at::Tensor> weights;  // as the consumers hold them, in target order
   std::unique_ptr<SubgraphInput> input;
   std::unique_ptr<Search> search;
   std::vector<std::vector<double>> losses;
@@ -432,7 +432,7 @@ Search& SmoothingProcessor::searchOf(LayerRequest& request, Watched& w) const {
   if (!w.search) {
     for (const std::string& target : w.graph.targets) {
       auto& linear = request.module->getSubmodule(target).as<Linear>(moduleName(request, target));
-      w.weights.push_back(linear.weight().to(at::kCPU, at::kFloat));
+      w.weights.push_back(linear.weight());
     }
     w.input = std::make_unique<SubgraphInput>(
         SubgraphInput{w.graph, w.name, w.min, w.max, w.weights, w.allTokens, w.absMean});
@@ -498,10 +498,10 @@ Scales SmoothingProcessor::grouped(const Subgraph& graph, const at::Tensor& acti
     return {s, s};
   }
   const int64_t kv = graph.kvHeads, dim = graph.headDim;
-  const at::Tensor producer =
-      reduction == GroupReduction::kMaxOfStatistics
-          ? formula(reduceGroups(activation, kv, dim, false), reduceGroups(weight, kv, dim, false))
-          : reduceGroups(formula(activation, weight), kv, dim, true);
+  const at::Tensor producer = reduction == GroupReduction::kMaxOfStatistics
+                                  ? formula(reduceGroups(activation, kv, dim, false),
+                                            weight.defined() ? reduceGroups(weight, kv, dim, false) : weight)
+                                  : reduceGroups(formula(activation, weight), kv, dim, true);
   return {producer, expandGroups(producer, graph.heads, kv, dim)};
 }
 

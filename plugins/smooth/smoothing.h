@@ -25,7 +25,9 @@ struct SubgraphInput {
   const std::string& name;                 // the source's full name
   at::Tensor min;                          // fp32 [channels]
   at::Tensor max;                          // fp32 [channels]
-  const std::vector<at::Tensor>& weights;  // fp32 [out, channels], one per consumer, in target order
+  // [out, channels], one per consumer, in target order, as the modules hold them (dtype, device):
+  // an algorithm converts what it reads.
+  const std::vector<at::Tensor>& weights;
   // The consumers' input tokens [tokens, channels] in global sample order (every rank's, rank by
   // rank), at most `searchTokens` of them evenly spaced; undefined unless the processor keeps them.
   at::Tensor tokens;
@@ -102,7 +104,8 @@ class SmoothingProcessor : public Processor {
   // The subgraph's search, made on every rank once the subgraphs before it that share a module
   // are smoothed; `input` (what it refers to) outlives the search.
   virtual std::unique_ptr<Search> search(const SubgraphInput& input) const = 0;
-  // `formula` applied to per-channel statistics, with ov's KV-group reduction.
+  // `formula` applied to per-channel statistics, with ov's KV-group reduction; `weight` may be
+  // undefined where the formula reads no weight statistic.
   static Scales grouped(const Subgraph& graph, const at::Tensor& activation, const at::Tensor& weight,
                         const ScaleFormula& formula, GroupReduction reduction);
 
