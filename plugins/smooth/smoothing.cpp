@@ -222,10 +222,8 @@ void SmoothingProcessor::postprocess(LayerRequest& request) {
     w->max = merged.slice(0, offset + n, offset + 2 * n);
     offset += 2 * n;
   }
-  for (const auto& w : watched_) {
-    if (searchTokens_ > 0) w->allTokens = gatherTokens(*w);
-    if (absMean_) w->absMean = gatherAbsMean(*w);
-  }
+  if (searchTokens_ > 0) gatherTokens();
+  if (absMean_) gatherAbsMean();
   std::stable_sort(watched_.begin(), watched_.end(),
                    [](const auto& a, const auto& b) { return priority(a->graph.type) < priority(b->graph.type); });
   scheduleAndSmooth(request);
@@ -333,83 +331,118 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
   for (const auto& [key, value] : tasks.summary().reportValues()) request.report(request.name, key, value);
 }
 
-// Every rank's `rows` (one per entry of `samples`, the run's sample index of each) gathered and
-// put in sample order, stably: each sample's rows stay in the order its forward produced them.
-at::Tensor SmoothingProcessor::inSampleOrder(const at::Tensor& rows, const std::vector<int64_t>& samples) const {
-  const at::Tensor all = at::cat(context_.group->allGather(rows));
-  const at::Tensor ids = at::cat(context_.group->allGather(at::tensor(samples, at::kLong)));
-  return all.index_select(0, std::get<1>(at::sort(ids, /*stable=*/true, /*dim=*/0, /*descending=*/false)));
+// Every rank's parts in two collectives whatever their number (one 1-D tensor of `dtype` per
+// subgraph; the ranks watch the same subgraphs): result[i][r] is rank r's part i.
+std::vector<std::vector<at::Tensor>> SmoothingProcessor::allGatherParts(const std::vector<at::Tensor>& parts,
+                                                                        at::ScalarType dtype) const {
+  std::vector<int64_t> lengths;
+  for (const at::Tensor& part : parts) lengths.push_back(part.numel());
+  const std::vector<at::Tensor> everyLength = context_.group->allGather(at::tensor(lengths, at::kLong));
+  const std::vector<at::Tensor> everyData =
+      context_.group->allGather(parts.empty() ? at::empty({0}, dtype) : at::cat(parts));
+  std::vector<std::vector<at::Tensor>> out(parts.size());
+  for (size_t r = 0; r < everyData.size(); ++r) {
+    const auto* length = everyLength[r].data_ptr<int64_t>();
+    int64_t offset = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      out[i].push_back(everyData[r].narrow(0, offset, length[i]));
+      offset += length[i];
+    }
+  }
+  return out;
 }
 
 // Every rank's kept tokens, ordered by the run's sample index (each sample's rows in the order its
 // forward produced them), so the rows are those one rank with every sample would have kept: at
 // most searchTokens_ of them, evenly spaced. The ranks first exchange how many rows each forward
-// call gave, so that each sends only its selected rows, not every token of the layer.
-at::Tensor SmoothingProcessor::gatherTokens(Watched& w) const {
-  const int64_t channels = w.min.numel();
-  std::vector<int64_t> calls;  // (sample, rows) per forward call of this rank
-  for (size_t i = 0; i < w.tokens.size(); ++i) {
-    calls.push_back(w.sampleOf[i]);
-    calls.push_back(w.tokens[i].size(0));
-  }
-  const std::vector<at::Tensor> everyRank = context_.group->allGather(at::tensor(calls, at::kLong));
-  // The global order: the calls of every rank, rank by rank, stably sorted by sample.
-  struct Call {
-    int64_t sample, rows;
-    int rank;
-    size_t index;  // in its rank's list
-  };
-  std::vector<Call> order;
-  for (size_t r = 0; r < everyRank.size(); ++r) {
-    const auto* pairs = everyRank[r].data_ptr<int64_t>();
-    for (int64_t i = 0; i < everyRank[r].numel() / 2; ++i) {
-      order.push_back({pairs[2 * i], pairs[2 * i + 1], static_cast<int>(r), static_cast<size_t>(i)});
+// call gave, so that each sends only its selected rows, not every token of the layer; every
+// subgraph's in the same few collectives.
+void SmoothingProcessor::gatherTokens() {
+  std::vector<at::Tensor> calls;  // per subgraph: (sample, rows) per forward call of this rank
+  for (const auto& w : watched_) {
+    std::vector<int64_t> pairs;
+    for (size_t i = 0; i < w->tokens.size(); ++i) {
+      pairs.push_back(w->sampleOf[i]);
+      pairs.push_back(w->tokens[i].size(0));
     }
+    calls.push_back(at::tensor(pairs, at::kLong));
   }
-  std::stable_sort(order.begin(), order.end(), [](const Call& a, const Call& b) { return a.sample < b.sample; });
-  int64_t n = 0;
-  for (const Call& call : order) n += call.rows;
-  const int64_t kept = std::min(n, searchTokens_);
-  // This rank's selected rows and their positions in the result: global row floor(i·n / kept).
-  std::vector<at::Tensor> rows;
-  std::vector<int64_t> positions;
-  int64_t offset = 0, i = 0;
-  for (const Call& call : order) {
-    std::vector<int64_t> local;
-    for (; i < kept && i * n / kept < offset + call.rows; ++i) {
-      if (call.rank == context_.group->rank()) {
-        local.push_back(i * n / kept - offset);
-        positions.push_back(i);
+  const std::vector<std::vector<at::Tensor>> everyCall = allGatherParts(calls, at::kLong);
+  std::vector<at::Tensor> rowParts, positionParts;
+  for (size_t s = 0; s < watched_.size(); ++s) {
+    Watched& w = *watched_[s];
+    // The global order: the calls of every rank, rank by rank, stably sorted by sample.
+    struct Call {
+      int64_t sample, rows;
+      int rank;
+      size_t index;  // in its rank's list
+    };
+    std::vector<Call> order;
+    for (size_t r = 0; r < everyCall[s].size(); ++r) {
+      const auto* pairs = everyCall[s][r].data_ptr<int64_t>();
+      for (int64_t i = 0; i < everyCall[s][r].numel() / 2; ++i) {
+        order.push_back({pairs[2 * i], pairs[2 * i + 1], static_cast<int>(r), static_cast<size_t>(i)});
       }
     }
-    if (!local.empty()) rows.push_back(w.tokens[call.index].index_select(0, at::tensor(local, at::kLong)));
-    offset += call.rows;
+    std::stable_sort(order.begin(), order.end(), [](const Call& a, const Call& b) { return a.sample < b.sample; });
+    int64_t n = 0;
+    for (const Call& call : order) n += call.rows;
+    const int64_t kept = std::min(n, searchTokens_);
+    // This rank's selected rows and their positions in the result: global row floor(i·n / kept).
+    std::vector<at::Tensor> rows;
+    std::vector<int64_t> positions;
+    int64_t offset = 0, i = 0;
+    for (const Call& call : order) {
+      std::vector<int64_t> local;
+      for (; i < kept && i * n / kept < offset + call.rows; ++i) {
+        if (call.rank == context_.group->rank()) {
+          local.push_back(i * n / kept - offset);
+          positions.push_back(i);
+        }
+      }
+      if (!local.empty()) rows.push_back(w.tokens[call.index].index_select(0, at::tensor(local, at::kLong)));
+      offset += call.rows;
+    }
+    w.tokens.clear();
+    w.sampleOf.clear();
+    rowParts.push_back(rows.empty() ? at::empty({0}, at::kFloat) : at::cat(rows).reshape({-1}));
+    positionParts.push_back(at::tensor(positions, at::kLong));
   }
-  w.tokens.clear();
-  w.sampleOf.clear();
-  const at::Tensor mine = rows.empty() ? at::empty({0, channels}, at::kFloat) : at::cat(rows);
-  const at::Tensor all = at::cat(context_.group->allGather(mine));
-  const at::Tensor where = at::cat(context_.group->allGather(at::tensor(positions, at::kLong)));
-  return all.index_select(0, at::argsort(where));
+  const std::vector<std::vector<at::Tensor>> everyRow = allGatherParts(rowParts, at::kFloat);
+  const std::vector<std::vector<at::Tensor>> everyPosition = allGatherParts(positionParts, at::kLong);
+  for (size_t s = 0; s < watched_.size(); ++s) {
+    const at::Tensor all = at::cat(everyRow[s]).view({-1, watched_[s]->min.numel()});
+    watched_[s]->allTokens = all.index_select(0, at::argsort(at::cat(everyPosition[s])));
+  }
 }
 
 // Every rank's per-call sums, added one by one in sample order: the order one rank would add them.
-at::Tensor SmoothingProcessor::gatherAbsMean(Watched& w) const {
-  const int64_t channels = w.min.numel();
-  // One row per call: Σ|x| per channel, then the call's token count (exact in double).
-  std::vector<at::Tensor> calls;
-  for (size_t i = 0; i < w.absSums.size(); ++i) {
-    calls.push_back(at::cat({w.absSums[i], at::full({1}, static_cast<double>(w.absCounts[i]), at::kDouble)}));
+void SmoothingProcessor::gatherAbsMean() {
+  std::vector<at::Tensor> sums, samples;
+  for (const auto& w : watched_) {
+    // One row per call: Σ|x| per channel, then the call's token count (exact in double).
+    std::vector<at::Tensor> calls;
+    for (size_t i = 0; i < w->absSums.size(); ++i) {
+      calls.push_back(at::cat({w->absSums[i], at::full({1}, static_cast<double>(w->absCounts[i]), at::kDouble)}));
+    }
+    sums.push_back(calls.empty() ? at::empty({0}, at::kDouble) : at::stack(calls).reshape({-1}));
+    samples.push_back(at::tensor(w->absSamples, at::kLong));
+    w->absSums.clear();
+    w->absCounts.clear();
+    w->absSamples.clear();
   }
-  const at::Tensor local = calls.empty() ? at::empty({0, channels + 1}, at::kDouble) : at::stack(calls);
-  const at::Tensor ordered = inSampleOrder(local, w.absSamples);
-  w.absSums.clear();
-  w.absCounts.clear();
-  w.absSamples.clear();
-  at::Tensor total = at::zeros({channels}, at::kDouble);
-  for (int64_t i = 0; i < ordered.size(0); ++i) total.add_(ordered[i].slice(0, 0, channels));
-  const double tokens = ordered.select(1, channels).sum().item<double>();
-  return (total / std::max(tokens, 1.0)).to(at::kFloat);
+  const std::vector<std::vector<at::Tensor>> everySum = allGatherParts(sums, at::kDouble);
+  const std::vector<std::vector<at::Tensor>> everySample = allGatherParts(samples, at::kLong);
+  for (size_t s = 0; s < watched_.size(); ++s) {
+    const int64_t channels = watched_[s]->min.numel();
+    const at::Tensor order =
+        std::get<1>(at::sort(at::cat(everySample[s]), /*stable=*/true, /*dim=*/0, /*descending=*/false));
+    const at::Tensor ordered = at::cat(everySum[s]).view({-1, channels + 1}).index_select(0, order);
+    at::Tensor total = at::zeros({channels}, at::kDouble);
+    for (int64_t i = 0; i < ordered.size(0); ++i) total.add_(ordered[i].slice(0, 0, channels));
+    const double tokens = ordered.select(1, channels).sum().item<double>();
+    watched_[s]->absMean = (total / std::max(tokens, 1.0)).to(at::kFloat);
+  }
 }
 
 bool SmoothingProcessor::smoothable(LayerRequest& request, const Watched& w) const {

@@ -111,9 +111,10 @@ class SmoothingProcessor : public Processor {
 
  private:
   struct Watched;
-  at::Tensor inSampleOrder(const at::Tensor& rows, const std::vector<int64_t>& samples) const;
-  at::Tensor gatherTokens(Watched& watched) const;
-  at::Tensor gatherAbsMean(Watched& watched) const;
+  std::vector<std::vector<at::Tensor>> allGatherParts(const std::vector<at::Tensor>& parts, at::ScalarType dtype) const;
+  // Each watched subgraph's allTokens, and its absMean, from every rank's.
+  void gatherTokens();
+  void gatherAbsMean();
   // The subgraphs' searches and fusions as scheduler tasks, their report values and costs.
   void scheduleAndSmooth(LayerRequest& request);
   // False (with a warning) when no calibration token reached the subgraph; an error for NaN or Inf.
