@@ -254,13 +254,18 @@ class C10dGroup final : public ProcessGroup {
     return outputs[0];
   }
 
-  // Shapes may differ: gather dtype and rank, then the sizes, then the data padded to the
-  // largest size, and cut each rank's part back out.
+  // Shapes may differ: gather dtype, rank and sizes (in the same collective up to kInlineDims
+  // dimensions, else in a second), then the data padded to the largest size, and cut each rank's
+  // part back out.
   std::vector<at::Tensor> gatherVariable(const at::Tensor& tensor, const char* collective) {
+    constexpr int64_t kInlineDims = 8;
     const auto longs = at::TensorOptions().dtype(at::kLong).device(tensor.device());
-    const at::Tensor header =
-        at::tensor({static_cast<int64_t>(tensor.scalar_type()), tensor.dim()}, at::kLong).to(tensor.device());
-    const at::Tensor headers = at::stack(gatherEqual(header, collective)).cpu();
+    at::Tensor header = at::zeros({2 + kInlineDims}, at::kLong);
+    auto* fields = header.data_ptr<int64_t>();
+    fields[0] = static_cast<int64_t>(tensor.scalar_type());
+    fields[1] = tensor.dim();
+    for (int64_t d = 0; d < std::min<int64_t>(tensor.dim(), kInlineDims); ++d) fields[2 + d] = tensor.size(d);
+    const at::Tensor headers = at::stack(gatherEqual(header.to(longs.device()), collective)).cpu();
     int64_t maxDim = 0;
     for (int r = 0; r < worldSize(); ++r) {
       const auto dtype = static_cast<at::ScalarType>(headers[r][0].item<int64_t>());
@@ -268,10 +273,12 @@ class C10dGroup final : public ProcessGroup {
                     " and rank ", rank(), " ", tensor.scalar_type(), "; every rank must pass the same dtype");
       maxDim = std::max(maxDim, headers[r][1].item<int64_t>());
     }
-    at::Tensor sizes = at::zeros({maxDim}, at::kLong);
-    for (int64_t d = 0; d < tensor.dim(); ++d) sizes[d] = tensor.size(d);
-    const at::Tensor allSizes = maxDim == 0 ? at::zeros({worldSize(), 0}, at::kLong)
-                                            : at::stack(gatherEqual(sizes.to(longs.device()), collective)).cpu();
+    at::Tensor allSizes = headers.narrow(1, 2, kInlineDims);
+    if (maxDim > kInlineDims) {
+      at::Tensor sizes = at::zeros({maxDim}, at::kLong);
+      for (int64_t d = 0; d < tensor.dim(); ++d) sizes[d] = tensor.size(d);
+      allSizes = at::stack(gatherEqual(sizes.to(longs.device()), collective)).cpu();
+    }
     std::vector<std::vector<int64_t>> shapes(worldSize());
     int64_t maxNumel = 0;
     bool equal = true;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cstring>
 #include <iomanip>
@@ -309,10 +310,12 @@ struct DistributedTaskScheduler::Impl {
   void agree(const Wave& wave, size_t w) {
     uint64_t hash = fnv1a(std::to_string(wave.tasks.size()));
     for (size_t index : wave.tasks) hash = hashTask(tasks[index], hash);
-    const std::vector<std::string> hashes = group.allGatherBytes(std::to_string(hash));
-    bool same = true;
-    for (const std::string& h : hashes) same = same && h == hashes[0];
-    if (same) return;
+    // One all-reduce decides: the maxima of h and of ~h are this rank's own h and ~h on every rank
+    // exactly when every rank has the same h (else the rank of the largest h sees a larger ~h).
+    const at::Tensor mine = at::tensor({std::bit_cast<int64_t>(hash), std::bit_cast<int64_t>(~hash)}, at::kLong);
+    at::Tensor largest = mine.clone();
+    group.allReduce(largest, ReduceOp::kMax);
+    if (at::equal(largest, mine)) return;
     std::string joined;
     for (size_t index : wave.tasks) joined += describe(tasks[index]) + "\n";
     std::vector<std::vector<std::string>> all;
