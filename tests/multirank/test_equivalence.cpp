@@ -62,6 +62,14 @@ spec:
   expectIdentical(model, pipeline);
 }
 
+// flex_awq_ssz on a Qwen3-MoE: one subgraph per expert, experts that a rank routes no token to
+// (their statistics and search tokens come from the others), and a norm-linear with more
+// consumers than it searches on; the candidates spread over the ranks.
+TEST(EquivalenceSmoothing, FlexAwqSszOnAMoeGivesTheSameCheckpointOnAnyNumberOfRanks) {
+  expectIdentical(qpipe::test::tinyMoe("equivalence-moe-awq"),
+                  fs::path(QPIPE_SOURCE_DIR) / "configs/default/w4a8_flex_awq.yaml");
+}
+
 // Asymmetric iter_smooth: the shifts come from the merged min/max, the new norm and projection
 // biases land in an ascendv1 checkpoint.
 TEST(EquivalenceSmoothing, AsymmetricIterSmoothGivesTheSameBiasesOnAnyNumberOfRanks) {
