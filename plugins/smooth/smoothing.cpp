@@ -236,17 +236,20 @@ void SmoothingProcessor::postprocess(LayerRequest& request) {
 // a module with one in it, which then searches on the smoothed weights (msmodelslim's order).
 void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
   std::vector<Watched*> live;
+  std::map<const Watched*, std::vector<std::string>> members;  // source, then targets
   for (const auto& w : watched_) {
-    if (smoothable(request, *w)) live.push_back(w.get());
+    if (!smoothable(request, *w)) continue;
+    live.push_back(w.get());
+    std::vector<std::string>& paths = members[w.get()];
+    paths.push_back(w->graph.source);
+    paths.insert(paths.end(), w->graph.targets.begin(), w->graph.targets.end());
   }
-  const auto members = [](const Watched& w) {
-    std::vector<std::string> paths{w.graph.source};
-    paths.insert(paths.end(), w.graph.targets.begin(), w.graph.targets.end());
-    return paths;
-  };
-  const auto share = [&](const Watched& a, const Watched& b) {
-    const std::vector<std::string> x = members(a), y = members(b);
-    return std::any_of(x.begin(), x.end(), [&](const std::string& p) { return std::count(y.begin(), y.end(), p) > 0; });
+  // The scheduler's own wave rule, applied to two subgraphs' modules.
+  const auto share = [&](const Watched* a, const Watched* b) {
+    return std::any_of(members[a].begin(), members[a].end(), [&](const std::string& p) {
+      return std::any_of(members[b].begin(), members[b].end(),
+                         [&](const std::string& q) { return scheduler::pathsOverlap(p, q); });
+    });
   };
   const std::vector<int> rounds = searchRounds();
   scheduler::DistributedTaskScheduler tasks(*request.module, *context_.group, {.name = type_});
@@ -261,14 +264,14 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
   for (size_t begin = 0; begin < live.size();) {
     size_t end = begin + 1;
     while (end < live.size() &&
-           std::none_of(live.begin() + begin, live.begin() + end, [&](Watched* w) { return share(*w, *live[end]); })) {
+           std::none_of(live.begin() + begin, live.begin() + end, [&](Watched* w) { return share(w, live[end]); })) {
       ++end;
     }
     const std::vector<Watched*> stage(live.begin() + begin, live.begin() + end);
+    for (Watched* w : stage) w->losses.resize(rounds.size());
     for (size_t r = 0; r < rounds.size(); ++r) {
       const int round = static_cast<int>(r);
       for (Watched* w : stage) {
-        w->losses.resize(rounds.size());
         w->losses[r].assign(rounds[r], std::numeric_limits<double>::quiet_NaN());
         for (int c = 0; c < rounds[r]; ++c) {
           tasks.submit({.name = type_ + ".candidate",
@@ -306,7 +309,7 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
            .fn = [this, &request, w](const ConfigNode&) { return smooth(request, *w); },
            .args = ConfigNode::map({{"source", ConfigNode::string(w->name)},
                                     {"type", ConfigNode::string(std::string(subgraphTypeName(w->graph.type)))}}),
-           .dependencies = members(*w),
+           .dependencies = members[w],
            .parallel = false});
       submitted.push_back({w, "", false});
     }

@@ -31,15 +31,6 @@ double since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Whether module paths a and b overlap: the same path, or one is an ancestor of the other.
-bool overlaps(const std::string& a, const std::string& b) {
-  const auto below = [](const std::string& path, const std::string& ancestor) {
-    return ancestor.empty() || (path.size() > ancestor.size() && path.compare(0, ancestor.size(), ancestor) == 0 &&
-                                path[ancestor.size()] == '.');
-  };
-  return a == b || below(a, b) || below(b, a);
-}
-
 uint64_t fnv1a(const std::string& text, uint64_t hash = 1469598103934665603ULL) {
   for (unsigned char c : text) hash = (hash ^ c) * 1099511628211ULL;
   return hash;
@@ -510,7 +501,7 @@ void DistributedTaskScheduler::submit(Task task) {
   const bool parallel = task.parallel && s.parallelAllowed();
   bool fresh = s.waves.empty() || s.waves.back().parallel != parallel;
   for (size_t d = 0; !fresh && d < task.dependencies.size(); ++d) {
-    for (const std::string& path : s.waves.back().paths) fresh = fresh || overlaps(task.dependencies[d], path);
+    for (const std::string& path : s.waves.back().paths) fresh = fresh || pathsOverlap(task.dependencies[d], path);
   }
   if (fresh) s.waves.push_back({parallel, {}, {}});
   Wave& wave = s.waves.back();
@@ -580,6 +571,14 @@ void DistributedTaskScheduler::setGlobalDisableParallel(bool disabled) {
 
 bool DistributedTaskScheduler::globalDisableParallel() {
   return globalDisabled;
+}
+
+bool pathsOverlap(const std::string& a, const std::string& b) {
+  const auto below = [](const std::string& path, const std::string& ancestor) {
+    return ancestor.empty() || (path.size() > ancestor.size() && path.compare(0, ancestor.size(), ancestor) == 0 &&
+                                path[ancestor.size()] == '.');
+  };
+  return a == b || below(a, b) || below(b, a);
 }
 
 ConfigNode tensorMeta(const at::Tensor& tensor) {

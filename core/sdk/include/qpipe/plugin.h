@@ -25,6 +25,7 @@
 #include "qpipe/log.h"
 #include "qpipe/module.h"
 #include "qpipe/pattern.h"
+#include "qpipe/plugin_entry.h"
 #include "qpipe/process_group.h"
 #include "qpipe/processor.h"
 #include "qpipe/saver.h"
@@ -121,31 +122,15 @@ struct QpipePluginDescriptor {
 }
 static_assert(std::is_standard_layout_v<QpipePluginDescriptor>);
 
-// The exported entry point. A loadable plugin exports the fixed name below; the static build
-// of plugin <name> (qpipe_add_plugin's <name>_static) exports qpipe_plugin_descriptor_<name>
-// so several plugins can be linked into one test binary.
-#define QPIPE_PLUGIN_ENTRY_NAME "qpipe_plugin_descriptor_v1"
-#define QPIPE_PLUGIN_CONCAT_IMPL(a, b) a##b
-#define QPIPE_PLUGIN_CONCAT(a, b) QPIPE_PLUGIN_CONCAT_IMPL(a, b)
-#ifdef QPIPE_PLUGIN_STATIC_NAME
-#define QPIPE_PLUGIN_ENTRY QPIPE_PLUGIN_CONCAT(qpipe_plugin_descriptor_, QPIPE_PLUGIN_STATIC_NAME)
-#else
-#define QPIPE_PLUGIN_ENTRY qpipe_plugin_descriptor_v1
-#endif
-#define QPIPE_PLUGIN_EXPORT __attribute__((visibility("default")))
-
-// Declares the statically linked descriptor of plugin `name` (for tests).
-#define QPIPE_DECLARE_STATIC_PLUGIN(name) \
-  extern "C" const QpipePluginDescriptor* QPIPE_PLUGIN_CONCAT(qpipe_plugin_descriptor_, name)()
-
-#define QPIPE_PLUGIN(NAME, VERSION, DESCRIPTION, REGISTER_FN)                        \
-  extern "C" QPIPE_PLUGIN_EXPORT const QpipePluginDescriptor* QPIPE_PLUGIN_ENTRY() { \
-    static const QpipePluginDescriptor descriptor{QPIPE_PLUGIN_ABI_MAJOR,            \
-                                                  QPIPE_PLUGIN_ABI_MINOR,            \
-                                                  QPIPE_BUILD_FINGERPRINT,           \
-                                                  NAME,                              \
-                                                  VERSION,                           \
-                                                  DESCRIPTION,                       \
-                                                  &REGISTER_FN};                     \
-    return &descriptor;                                                              \
+// The entry point's name and forms: qpipe/plugin_entry.h.
+#define QPIPE_PLUGIN(NAME, VERSION, DESCRIPTION, REGISTER_FN)                                  \
+  extern "C" QPIPE_PLUGIN_ENTRY_VISIBILITY const QpipePluginDescriptor* QPIPE_PLUGIN_ENTRY() { \
+    static const QpipePluginDescriptor descriptor{QPIPE_PLUGIN_ABI_MAJOR,                      \
+                                                  QPIPE_PLUGIN_ABI_MINOR,                      \
+                                                  QPIPE_BUILD_FINGERPRINT,                     \
+                                                  NAME,                                        \
+                                                  VERSION,                                     \
+                                                  DESCRIPTION,                                 \
+                                                  &REGISTER_FN};                               \
+    return &descriptor;                                                                        \
   }

@@ -143,4 +143,8 @@ void reportTask(Request& request, const std::string& module, const TaskRecord& r
 // A tensor as a task argument: {shape, dtype, device} (no values).
 ConfigNode tensorMeta(const at::Tensor& tensor);
 
+// The wave rule's test: module paths a and b overlap when they are the same path or one is an
+// ancestor of the other ('.'-separated; "" is the root, an ancestor of every path).
+bool pathsOverlap(const std::string& a, const std::string& b);
+
 }  // namespace qpipe::scheduler
