@@ -4,6 +4,7 @@
 #include <malloc.h>
 #include <stdlib.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -49,9 +50,7 @@ void preferProcessDefaults(int, char**, char**) {
 }
 [[gnu::section(".preinit_array"), gnu::used]] void (*const preferDefaults)(int, char**, char**) = preferProcessDefaults;
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   using namespace qpipe;
   cli::setCommandLine(argc, argv);
   CLI::App app{"qpipe: compress large language models with pipelines of processor plugins", "qpipe"};
@@ -88,4 +87,18 @@ int main(int argc, char** argv) {
   }
   log::shutdown();
   return 0;
+}
+
+}  // namespace
+
+// LibTorch's static destructors deregister its thousands of operators one by one: 0.18 s at the
+// end of every process on a 2-core VM, paid twice in a row by a multi-rank run (rank 0, then the
+// launcher waiting for it; docs/benchmarks.md). Everything qpipe writes is closed by the time a
+// command returns, so the process flushes its streams and leaves without them.
+int main(int argc, char** argv) {
+  const int code = run(argc, argv);
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  std::_Exit(code);
 }
