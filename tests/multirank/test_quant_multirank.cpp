@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -171,14 +172,17 @@ std::vector<pid_t> childrenOf(pid_t parent) {
   return children;
 }
 
-// The value of `name` in the environment of process `pid` ("" when absent).
-std::string environmentOf(pid_t pid, const std::string& name) {
-  const std::string all = qpipe::test::slurp("/proc/" + std::to_string(pid) + "/environ");
-  std::istringstream in(all);
-  for (std::string entry; std::getline(in, entry, '\0');) {
-    if (entry.rfind(name + "=", 0) == 0) return entry.substr(name.size() + 1);
+// The ranks' pids in rank order, from the launcher's line "launched 2 ranks (pids P0…P1), …";
+// empty before it. (A forked rank's /proc/<pid>/environ is the launcher's: it sets RANK after
+// the fork.)
+std::vector<pid_t> launchedRanks(const Process& launcher) {
+  const std::string err = qpipe::test::slurp(launcher.err);
+  const size_t at = err.find("launched 2 ranks (pids ");
+  int first = -1, last = -1;
+  if (at == std::string::npos || std::sscanf(err.c_str() + at, "launched 2 ranks (pids %d…%d)", &first, &last) != 2) {
+    return {};
   }
-  return {};
+  return {first, last};
 }
 
 bool alive(pid_t pid) {
@@ -192,13 +196,10 @@ std::vector<pid_t> ranksOnceSaving(const Process& launcher, const fs::path& out)
   const auto deadline = Clock::now() + std::chrono::seconds(20);
   while (Clock::now() < deadline) {
     const std::vector<pid_t> children = childrenOf(launcher.pid);
-    if (fs::exists(partial) && children.size() == 2) {
-      std::vector<pid_t> ranks(2, -1);
-      for (pid_t child : children) {
-        const std::string rank = environmentOf(child, "RANK");
-        if (rank == "0" || rank == "1") ranks[std::stoi(rank)] = child;
-      }
-      if (ranks[0] > 0 && ranks[1] > 0) return ranks;
+    const std::vector<pid_t> ranks = launchedRanks(launcher);
+    if (fs::exists(partial) && children.size() == 2 && ranks.size() == 2 &&
+        std::is_permutation(ranks.begin(), ranks.end(), children.begin())) {
+      return ranks;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -249,6 +250,8 @@ TEST(QuantMultirank, TwoRanksWriteTheCheckpointOfOne) {
   const std::vector<Case> cases = {{qpipe::test::tinyLlama("llama"), "w8a8"},
                                    {qpipe::test::tinyQwen3("qwen3"), "w4a16"}};
   for (const Case& c : cases) {
+    // The second case starts its ranks as fresh copies of the binary, as CUDA ranks are.
+    const bool exec = &c == &cases.back();
     const std::string tag = c.model.filename().string() + "-" + c.quantType;
     const fs::path one = dir / (tag + "-one"), two = dir / (tag + "-two");
     fs::remove_all(one);
@@ -257,9 +260,11 @@ TEST(QuantMultirank, TwoRanksWriteTheCheckpointOfOne) {
         qpipe::test::runQpipe(quantArgs(c.model, one, "--quant_type " + c.quantType + " --device cpu:0"));
     ASSERT_EQ(single.exitCode, 0) << single.err;
     const CommandResult multi =
-        qpipe::test::runQpipe(quantArgs(c.model, two, "--quant_type " + c.quantType + " --device cpu:0,1"));
+        qpipe::test::runQpipe(quantArgs(c.model, two, "--quant_type " + c.quantType + " --device cpu:0,1"),
+                              exec ? "QPIPE_RANK_START=exec" : "");
     ASSERT_EQ(multi.exitCode, 0) << multi.err;
     EXPECT_NE(multi.err.find("] [info] launched 2 ranks (pids "), std::string::npos) << multi.err;
+    EXPECT_EQ(multi.err.find(", forked\n") == std::string::npos, exec) << multi.err;
     EXPECT_NE(multi.err.find("[rank 1/2] [info] calibration: 2 of 4 samples x 32 tokens"), std::string::npos)
         << multi.err;
     // Rank 0 alone prints the summary and saves.
@@ -564,6 +569,9 @@ TEST(QuantMultirank, DeviceListErrorsAreUsageErrors) {
   r = quant("cpu:0,x");
   EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage));
   EXPECT_EQ(r.err, "qpipe: usage error: --device 'cpu:0,x' is not cpu, cuda, cpu:0,1,… or cuda:N[,M,…]\n");
+  r = qpipe::test::runQpipe(quantArgs(model, out, "--quant_type w8a8 --device cpu:0,1"), "QPIPE_RANK_START=spawn");
+  EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage));
+  EXPECT_EQ(lastLine(r.err), "qpipe: usage error: QPIPE_RANK_START='spawn' is not fork or exec") << r.err;
   expectNothingSaved(out);
 }
 

@@ -136,7 +136,12 @@ void run(const QuantOptions& options) {
   if (role.launcher) {
     // Everything about the pipeline is checked before any rank starts.
     checkQuantize(quant);
-    launchRanks({.worldSize = role.worldSize, .timeout = distTimeout(options), .savePath = options.savePath});
+    const bool forked = launchRanks({.worldSize = role.worldSize,
+                                     .timeout = distTimeout(options),
+                                     .savePath = options.savePath,
+                                     .fork = devices.type == c10::DeviceType::CPU});
+    // A forked rank has its rank's environment now: the rank flow, as a fresh copy would run it.
+    if (forked) run(options);
     return;
   }
 

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -229,6 +230,21 @@ fs::path makeErrorDir() {
   return pattern;
 }
 
+// QPIPE_RANK_START=exec starts every rank as a fresh copy of the binary, as CUDA ranks are.
+bool forkAllowed() {
+  const char* start = std::getenv("QPIPE_RANK_START");
+  if (start == nullptr || *start == '\0') return true;
+  QPIPE_REQUIRE(std::string_view(start) == "fork" || std::string_view(start) == "exec", ErrorCode::kUsage,
+                "QPIPE_RANK_START='", start, "' is not fork or exec");
+  return std::string_view(start) == "fork";
+}
+
+bool singleThreaded() {
+  std::error_code ec;
+  const auto tasks = fs::directory_iterator("/proc/self/task", ec);
+  return !ec && std::distance(fs::begin(tasks), fs::end(tasks)) == 1;
+}
+
 void signalAll(std::vector<Child>& children, int signal, bool ours) {
   for (Child& child : children) {
     if (!child.running) continue;
@@ -271,7 +287,7 @@ DeviceList parseDeviceList(const std::string& text) {
   return list;
 }
 
-void launchRanks(const LaunchOptions& options) {
+bool launchRanks(const LaunchOptions& options) {
   const auto logger = log::logger();
   QPIPE_CHECK(options.worldSize > 1, "launching ", options.worldSize, " ranks");
   QPIPE_CHECK(!commandLine().empty(), "setCommandLine was not called");
@@ -293,6 +309,10 @@ void launchRanks(const LaunchOptions& options) {
   }
   for (auto& env : envs) envps.push_back(pointers(env));
 
+  // A fork needs no second start of LibTorch (0.3–0.4 s of operator registration here), but only
+  // a process with one thread can fork without exec safely: CUDA and thread pools start threads.
+  const bool forkOnly = forkAllowed() && options.fork && singleThreaded();
+  std::optional<int> forkedRank;
   std::optional<Failure> failure;
   bool interrupted = false;
   int interruptSignal = 0;
@@ -300,6 +320,7 @@ void launchRanks(const LaunchOptions& options) {
     SignalScope signals;
     std::cout.flush();
     std::cerr.flush();
+    std::fflush(nullptr);  // a forked rank would write the buffers' contents again
     const pid_t parent = ::getpid();
     for (Child& child : children) {
       const pid_t pid = ::fork();
@@ -307,6 +328,10 @@ void launchRanks(const LaunchOptions& options) {
         // Only async-signal-safe calls until exec. A parent that dies takes its ranks with it.
         ::prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (::getppid() != parent) ::_exit(127);
+        if (forkOnly) {
+          forkedRank = child.rank;
+          break;
+        }
         // This very binary, even if the file was replaced since it started.
         ::execve("/proc/self/exe", argv.data(), envps[child.rank].data());
         ::_exit(127);
@@ -324,8 +349,18 @@ void launchRanks(const LaunchOptions& options) {
       child.pid = pid;
       child.running = true;
     }
+    if (forkedRank) {
+      // A single-threaded parent leaves its child in a consistent state: the rank's environment
+      // replaces the launcher's, and the scope's end restores the signal dispositions.
+      ::clearenv();
+      for (const std::string& entry : envs[*forkedRank]) {
+        const size_t equals = entry.find('=');
+        ::setenv(entry.substr(0, equals).c_str(), entry.substr(equals + 1).c_str(), 1);
+      }
+      return true;
+    }
     logger->info("launched ", options.worldSize, " ranks (pids ", children.front().pid, "…", children.back().pid,
-                 "), rendezvous on 127.0.0.1:", port);
+                 "), rendezvous on 127.0.0.1:", port, forkOnly ? ", forked" : "");
 
     // After the first failure the other ranks get `grace` to stop on their own (their
     // collectives fail once the failed rank is known), then SIGKILL.
@@ -388,6 +423,7 @@ void launchRanks(const LaunchOptions& options) {
     throw Error(ErrorCode::kInterrupted, signalName(interruptSignal) + " received; all ranks stopped");
   }
   if (failure) throw Error(failure->code, failure->message);
+  return false;
 }
 
 void markRank(int rank, int worldSize) {

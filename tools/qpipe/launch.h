@@ -1,5 +1,6 @@
 // Multi-rank `qpipe quant` (docs/multirank.md): the --device list, the local launcher that runs
-// one rank per listed device by re-executing qpipe, and what a rank does when it fails.
+// one rank per listed device (a fork of the launcher, or qpipe executed again), and what a rank
+// does when it fails.
 //
 // A process is a rank when RANK and WORLD_SIZE are in its environment (set by our launcher or by
 // any other: torchrun, SLURM). Our launcher also names, in QPIPE_RANK_ERROR_FILE, a file where
@@ -41,15 +42,19 @@ struct LaunchOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};
   // On failure the saver's hidden partial folder beside it is removed.
   std::filesystem::path savePath;
+  // Start each rank as a fork of this process rather than a new copy of the binary, when this
+  // process has a single thread (CPU ranks: no CUDA context to inherit).
+  bool fork = false;
 };
 
 // The parent of a local multi-rank run: picks the rendezvous port (MASTER_PORT, else a free one),
 // starts `worldSize` copies of this process with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 // MASTER_ADDR and MASTER_PORT set, and waits for them. When one fails the others get a grace
-// period (5 s at most, bounded by the timeout) and are then killed. Returns when every rank
+// period (5 s at most, bounded by the timeout) and are then killed. Returns false when every rank
 // exited 0; otherwise throws Error("rank R failed: <its message>" with that rank's code, or
-// "rank R was killed by signal N (SIGX)") or Error(kInterrupted).
-void launchRanks(const LaunchOptions& options);
+// "rank R was killed by signal N (SIGX)") or Error(kInterrupted). Returns true in a forked rank,
+// whose environment is then the rank's: it goes on as that rank.
+[[nodiscard]] bool launchRanks(const LaunchOptions& options);
 
 // What the rank flow of `qpipe quant` tells the error handler once it knows its place, and once
 // it has joined its group.
