@@ -325,7 +325,8 @@ bool launchRanks(const LaunchOptions& options) {
     for (Child& child : children) {
       const pid_t pid = ::fork();
       if (pid == 0) {
-        // Only async-signal-safe calls until exec. A parent that dies takes its ranks with it.
+        // Only async-signal-safe calls until exec, or until this child knows it is a forked rank
+        // (its parent had one thread). A parent that dies takes its ranks with it.
         ::prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (::getppid() != parent) ::_exit(127);
         if (forkOnly) {
