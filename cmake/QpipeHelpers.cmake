@@ -1,9 +1,19 @@
 # Helpers shared by every component: precompiled LibTorch header, plugins, tests.
 
 # Precompiles the LibTorch headers that qpipe code includes, so a one-file change does not
-# re-parse them. Each target builds its own PCH (flags differ between shared and executable).
+# re-parse them. Targets whose flags match reuse one PCH (REUSE_FROM): core's objects, the test
+# executables, the plugins' objects.
 function(qpipe_use_torch_pch target)
   target_precompile_headers(${target} PRIVATE <ATen/core/Tensor.h> <ATen/Functions.h>)
+endfunction()
+
+# The flags of code that goes into a plugin: the SDK's include path, PIC, hidden visibility.
+function(qpipe_plugin_objects target)
+  target_link_libraries(${target} PUBLIC qpipe::plugin_sdk ${ARGN})
+  set_target_properties(${target} PROPERTIES
+    POSITION_INDEPENDENT_CODE ON
+    CXX_VISIBILITY_PRESET hidden
+    VISIBILITY_INLINES_HIDDEN ON)
 endfunction()
 
 # qpipe_add_plugin(<name> SOURCES <src>... [OUTPUT_DIR <dir>] [LINK_LIBRARIES <lib>...] [NO_STATIC])
@@ -41,23 +51,15 @@ function(qpipe_add_plugin name)
   endif()
 
   add_library(${name}_objects OBJECT ${ARG_SOURCES})
-  target_link_libraries(${name}_objects PUBLIC qpipe::plugin_sdk ${ARG_LINK_LIBRARIES})
+  qpipe_plugin_objects(${name}_objects ${ARG_LINK_LIBRARIES})
   target_compile_definitions(${name}_objects PRIVATE QPIPE_PLUGIN_STATIC_NAME=${name})
-  set_target_properties(${name}_objects PROPERTIES
-    POSITION_INDEPENDENT_CODE ON
-    CXX_VISIBILITY_PRESET hidden
-    VISIBILITY_INLINES_HIDDEN ON)
   # Every plugin's objects have the same flags: one LibTorch PCH serves them all. Its host defines
   # no QPIPE_PLUGIN_STATIC_NAME (GCC refuses a PCH made under another value of a -D macro).
   if(NOT TARGET qpipe_plugin_pch)
     set(pch_source "${PROJECT_BINARY_DIR}/qpipe_plugin_pch.cpp")
     file(CONFIGURE OUTPUT "${pch_source}" CONTENT "// The host of the plugins' precompiled LibTorch header.\n")
     add_library(qpipe_plugin_pch OBJECT "${pch_source}")
-    target_link_libraries(qpipe_plugin_pch PRIVATE qpipe::plugin_sdk)
-    set_target_properties(qpipe_plugin_pch PROPERTIES
-      POSITION_INDEPENDENT_CODE ON
-      CXX_VISIBILITY_PRESET hidden
-      VISIBILITY_INLINES_HIDDEN ON)
+    qpipe_plugin_objects(qpipe_plugin_pch)
     qpipe_use_torch_pch(qpipe_plugin_pch)
   endif()
   target_precompile_headers(${name}_objects REUSE_FROM qpipe_plugin_pch)
