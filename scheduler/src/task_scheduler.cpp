@@ -338,13 +338,8 @@ struct DistributedTaskScheduler::Impl {
     const int64_t n = static_cast<int64_t>(wave.tasks.size());
     const std::string counter = "dts/" + std::to_string(parallelWavesRun++);
     int64_t next = group.rank();
-    // Dynamic: guided chunks. A claim takes ceil(left / (4·W)) consecutive tasks, `left` as this
-    // rank last saw the counter, so a wave of many short tasks (a search's candidates, a
-    // many-expert layer's) costs a few store round trips per rank instead of one per task, and
-    // the chunks shrink to single tasks towards the end, where a rank that is done early takes
-    // what is left.
+    // Dynamic: consecutive tasks in claims of claimSize.
     int64_t claimed = 0, claimEnd = 0, seen = 0;
-    const int64_t parts = 4 * static_cast<int64_t>(group.worldSize());
     const auto take = [&]() -> int64_t {
       if (options.assignment == Assignment::kRoundRobin) {
         const int64_t mine = next;
@@ -352,7 +347,7 @@ struct DistributedTaskScheduler::Impl {
         return mine;
       }
       if (claimed < claimEnd) return claimed++;
-      const int64_t chunk = std::max<int64_t>(1, (n - seen + parts - 1) / parts);
+      const int64_t chunk = claimSize(n - seen, group.worldSize(), options.claimLimit);
       seen = group.counterAdd(counter, chunk);
       claimed = seen - chunk;
       claimEnd = std::min(seen, n);
@@ -477,7 +472,10 @@ struct DistributedTaskScheduler::Impl {
 };
 
 DistributedTaskScheduler::DistributedTaskScheduler(Module& root, ProcessGroup& group, SchedulerOptions options)
-    : impl_(std::make_unique<Impl>(Impl{root, group, std::move(options), {}, {}, {}})) {}
+    : impl_(std::make_unique<Impl>(Impl{root, group, std::move(options), {}, {}, {}})) {
+  QPIPE_REQUIRE(impl_->options.claimLimit >= 0, ErrorCode::kPlugin, impl_->where(), ": claimLimit ",
+                impl_->options.claimLimit, " is negative (0 takes guided chunks)");
+}
 
 DistributedTaskScheduler::~DistributedTaskScheduler() = default;
 
@@ -571,6 +569,15 @@ void DistributedTaskScheduler::setGlobalDisableParallel(bool disabled) {
 
 bool DistributedTaskScheduler::globalDisableParallel() {
   return globalDisabled;
+}
+
+// Guided chunks: a wave of many short tasks (a search's candidates, a many-expert layer's) costs
+// a few store round trips per rank instead of one per task, and the chunks shrink to single tasks
+// towards the end, where a rank that is done early takes what is left.
+int64_t claimSize(int64_t left, int worldSize, int64_t claimLimit) {
+  const int64_t parts = 4 * static_cast<int64_t>(worldSize);
+  const int64_t guided = std::max<int64_t>(1, (left + parts - 1) / parts);
+  return claimLimit > 0 ? std::min(guided, claimLimit) : guided;
 }
 
 bool pathsOverlap(const std::string& a, const std::string& b) {

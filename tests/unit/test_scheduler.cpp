@@ -93,6 +93,25 @@ TEST(Scheduler, SubmitErrorsNameTheTaskAndThePath) {
             "scheduler 'flex_smooth_quant': task 'noop' has a sync function but no syncName");
 }
 
+// Guided chunks of ceil(left / 4W), shrinking to 1; claimLimit caps them.
+TEST(Scheduler, DynamicClaimsAreGuidedChunksUnderTheLimit) {
+  EXPECT_EQ(scheduler::claimSize(30, 2, 0), 4);
+  EXPECT_EQ(scheduler::claimSize(26, 2, 0), 4);
+  EXPECT_EQ(scheduler::claimSize(8, 2, 0), 1);
+  EXPECT_EQ(scheduler::claimSize(1, 2, 0), 1);
+  EXPECT_EQ(scheduler::claimSize(0, 2, 0), 1);
+  EXPECT_EQ(scheduler::claimSize(300, 3, 0), 25);
+  EXPECT_EQ(scheduler::claimSize(30, 2, 1), 1);
+  EXPECT_EQ(scheduler::claimSize(300, 3, 10), 10);
+  EXPECT_EQ(scheduler::claimSize(3, 3, 10), 1);
+
+  auto root = tree();
+  const auto group = ProcessGroup::single();
+  EXPECT_EQ(test::errorOf([&] { DistributedTaskScheduler(*root, *group, {.name = "runner", .claimLimit = -1}); },
+                          ErrorCode::kPlugin),
+            "scheduler 'runner': claimLimit -1 is negative (0 takes guided chunks)");
+}
+
 TEST(Scheduler, ACollectiveInsideAParallelTaskScopeIsRefused) {
   at::Tensor t = at::ones({1});
   const auto single = ProcessGroup::single();

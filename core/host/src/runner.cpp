@@ -370,9 +370,9 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     if (::mallinfo2().fordblks > std::max(kMinFreeBytes, layerBytes)) ::malloc_trim(0);
   };
 
-  // A split layer, on its executor: processed, probed (the quantized output goes on to the next
-  // layer's executor first; the float reference is a second copy of the layer from the
-  // checkpoint), written as a segment and released. Its notes and report are the task's result.
+  // A split layer, on its executor: processed, written as a segment, probed (the quantized
+  // output goes on to the next layer's executor first; the float reference is a second copy of
+  // the layer from the checkpoint) and released. Its notes and report are the task's result.
   const auto runSplitLayer = [&](int64_t index) {
     const auto layerStart = Clock::now();
     const std::string name = model_.layerName(index);
@@ -383,6 +383,8 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       DecoderLayer& layer = model_.layer(index);
       LayerRequest request = layerRequest(layer, index, {});
       runUnit(layerUnit(request, layer), report, nullptr);
+      // The segment first: while it is written, the layer before may still be on its way.
+      notes = options_.segments->write(index, name, layer);
       const std::string entering = group.storeGet(probeKey(index));
       QPIPE_REQUIRE(entering != kProbeFailed, ErrorCode::kDistributed, name, ": the layer before it failed");
       if (entering == kProbeOff) {
@@ -398,7 +400,6 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
                                [&reference](const TensorList& input) { return forwardLayer(*reference, input); });
         layerProbe.compare(layer, name, {}, true, report, output);
       }
-      notes = options_.segments->write(index, name, layer);
       release(index);
     } catch (...) {
       if (!passedOn) group.storeSet(probeKey(index + 1), std::string(kProbeFailed));
@@ -412,7 +413,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
   std::optional<scheduler::RunSummary> splitSummary;  // the layer wave's, for the report
   if (split) {
     if (group.rank() == 0) group.storeSet(probeKey(0), probe ? hiddenBytes(probe->input()[0]) : std::string(kProbeOff));
-    scheduler::DistributedTaskScheduler tasks(model_.root(), group, {.name = "runner"});
+    scheduler::DistributedTaskScheduler tasks(model_.root(), group, {.name = "runner", .claimLimit = 1});
     for (int64_t index = 0; index < layers; ++index) {
       tasks.submit({.name = "runner.layer",
                     .fn = [&runSplitLayer, index](const ConfigNode&) { return runSplitLayer(index); },

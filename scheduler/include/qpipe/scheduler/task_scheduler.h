@@ -67,6 +67,10 @@ struct SchedulerOptions {
   std::string name = "scheduler";  // the submitter, in messages and the summary line
   bool disableParallel = false;    // every wave local
   Assignment assignment = Assignment::kDynamic;
+  // The most tasks one dynamic claim takes; 0: guided chunks (task_scheduler.cpp). 1 where a task
+  // waits for the task before it (the runner's split layers pass the probe on): a chunk would
+  // make the next rank's first task wait for the whole chunk.
+  int64_t claimLimit = 0;
 };
 
 // What one run() (or several, added up) cost.
@@ -146,5 +150,10 @@ ConfigNode tensorMeta(const at::Tensor& tensor);
 // The wave rule's test: module paths a and b overlap when they are the same path or one is an
 // ancestor of the other ('.'-separated; "" is the root, an ancestor of every path).
 bool pathsOverlap(const std::string& a, const std::string& b);
+
+// How many tasks a dynamic claim takes when `left` tasks of the wave are unclaimed (as the rank
+// last saw the counter): a guided chunk, ceil(left / (4 · worldSize)), at least 1, at most
+// claimLimit unless that is 0.
+int64_t claimSize(int64_t left, int worldSize, int64_t claimLimit);
 
 }  // namespace qpipe::scheduler
