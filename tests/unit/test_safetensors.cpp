@@ -1,5 +1,6 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include "qpipe/safetensors.h"
 #include "test_helpers.h"
@@ -72,29 +73,70 @@ TEST(Safetensors, ShardsByTheSizeLimitWithAnIndexAndReadsBack) {
   EXPECT_TRUE(at::equal(checkpoint.tensor("t3"), at::full({16}, 3, at::kFloat)));
 }
 
-// A shard of the writer's own data gets its header inserted in front of the data in place where
-// the file system can; one holding another file's tensors (addFrom) is copied. Both give the same
-// bytes, with the data on a 4 KiB boundary.
+// A shard's header goes in front of its data in place where the file system can insert a range
+// (ext4, XFS); elsewhere (tmpfs: /dev/shm) the data is copied behind it. Both give the same bytes,
+// with the data on a 4 KiB boundary.
 TEST(Safetensors, InsertedAndCopiedShardsAreTheSameBytesWithTheDataOn4KiB) {
-  const fs::path root = test::writeTempFile("x", "").parent_path();
-  const fs::path own = root / "own", adopted = root / "adopted";
+  const fs::path own = test::writeTempFile("x", "").parent_path() / "own";
+  const fs::path copied = fs::path("/dev/shm") / ("qpipe-copied-" + std::to_string(::getpid()));
+  ASSERT_TRUE(fs::is_directory("/dev/shm")) << "this test needs a tmpfs at /dev/shm";
   fs::remove_all(own);
-  fs::remove_all(adopted);
+  fs::remove_all(copied);
   const std::vector<std::pair<std::string, at::Tensor>> tensors{
       {"a", at::randn({7, 5})}, {"b", at::arange(11, at::kChar)}, {"c", at::randn({3}).to(at::kBFloat16)}};
-  Writer first(own);
-  for (const auto& [name, tensor] : tensors) first.add(name, tensor);
-  first.finish();
-  const auto source = File::open(own / "model.safetensors");
-  Writer second(adopted);
-  for (const auto& [name, tensor] : tensors) second.addFrom(*source, name);
-  second.finish();
+  for (const fs::path& dir : {own, copied}) {
+    Writer writer(dir);
+    for (const auto& [name, tensor] : tensors) writer.add(name, tensor);
+    writer.finish();
+    EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 1) << dir;
+  }
   const std::string bytes = test::slurp(own / "model.safetensors");
-  EXPECT_EQ(bytes, test::slurp(adopted / "model.safetensors"));
-  EXPECT_EQ(source->dataOffset() % 4096, 0u);
-  EXPECT_EQ(bytes.size(), source->dataOffset() + 7 * 5 * 4 + 11 + 3 * 2);
-  for (const auto& [name, tensor] : tensors) EXPECT_TRUE(at::equal(source->tensor(name), tensor)) << name;
-  EXPECT_EQ(std::distance(fs::directory_iterator(own), fs::directory_iterator()), 1);
+  EXPECT_EQ(bytes, test::slurp(copied / "model.safetensors"));
+  fs::remove_all(copied);
+  const auto file = File::open(own / "model.safetensors");
+  EXPECT_EQ(file->dataOffset() % 4096, 0u);
+  EXPECT_EQ(bytes.size(), file->dataOffset() + 7 * 5 * 4 + 11 + 3 * 2);
+  for (const auto& [name, tensor] : tensors) EXPECT_TRUE(at::equal(file->tensor(name), tensor)) << name;
+}
+
+// What other processes write into a writer's data files (writePlaced), each laid out after the
+// last, and the writer adopts in order is the checkpoint one writer adding everything makes,
+// shard boundaries included; a placed tensor adopted out of place is an internal error.
+TEST(Safetensors, PlacedAndAdoptedTensorsMakeTheOneWriterCheckpoint) {
+  const fs::path root = test::writeTempFile("x", "").parent_path();
+  const fs::path direct = root / "placed-direct", shared = root / "placed-shared";
+  fs::remove_all(direct);
+  fs::remove_all(shared);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (int i = 0; i < 10; ++i) tensors.emplace_back("t" + std::to_string(i), at::full({5 + i}, i, at::kFloat));
+  const WriterOptions options{.maxShardBytes = 100};
+  {
+    Writer writer(direct, options);
+    for (const auto& [name, tensor] : tensors) writer.add(name, tensor);
+    writer.finish();
+  }
+  Writer owner(shared, options);
+  owner.add(tensors[0].first, tensors[0].second);
+  const std::vector<std::pair<std::string, at::Tensor>> first(tensors.begin() + 1, tensors.begin() + 5);
+  const std::vector<std::pair<std::string, at::Tensor>> second(tensors.begin() + 5, tensors.begin() + 9);
+  Position afterFirst, afterSecond;
+  const auto placedFirst =
+      writePlaced(shared, options, owner.position(), first, [&](Position end) { afterFirst = end; });
+  const auto placedSecond = writePlaced(shared, options, afterFirst, second, [&](Position end) { afterSecond = end; });
+  EXPECT_NE(test::errorOf([&] { owner.adopt(placedSecond); }, ErrorCode::kInternal)
+                .find("tensor 't5' lies at shard 2 byte 0, where the writer's next tensor goes to shard 0 byte 20"),
+            std::string::npos);
+  owner.adopt(placedFirst);
+  owner.adopt(placedSecond);
+  EXPECT_EQ(owner.position().shard, afterSecond.shard);
+  EXPECT_EQ(owner.position().bytes, afterSecond.bytes);
+  owner.add(tensors[9].first, tensors[9].second);
+  const auto files = owner.finish();
+  ASSERT_EQ(files.size(), 6u);
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(direct)) names.push_back(entry.path().filename().string());
+  EXPECT_EQ(names.size(), files.size());
+  for (const std::string& name : names) EXPECT_EQ(test::slurp(direct / name), test::slurp(shared / name)) << name;
 }
 
 TEST(Safetensors, AnUnfinishedWriterLeavesNothing) {

@@ -368,9 +368,10 @@ std::map<std::string, std::string> filesOf(const fs::path& dir) {
   return files;
 }
 
-// Layers written as segments by a segment saver, in reverse order, then adopted in layer order by
-// the saver of the folder, give the folder writeLayer gives, byte for byte: shards, index, the
-// config's groups (numbered in order of first use) or the ascendv1 description.
+// Layers written by a segment saver into the folder's data files, each laid out after the one
+// before through the chain, then adopted in layer order by the saver of the folder, give the
+// folder writeLayer gives, byte for byte: shards, index, the config's groups (numbered in order of
+// first use) or the ascendv1 description.
 void expectSegmentsWriteTheSameFolder(const std::string& name, const SaverOptions& options,
                                       const std::function<std::optional<Spec>(const std::string&)>& specFor) {
   auto lm = CausalLM::open(test::tinyLlama(name + "-src"));
@@ -384,16 +385,18 @@ void expectSegmentsWriteTheSameFolder(const std::string& name, const SaverOption
   SaverOptions segmentOptions = options;
   segmentOptions.segmentsOnly = true;
   auto segments = createBuiltinSaver(segmentOptions, *lm, adopted);
-  const fs::path partial = CheckpointSaver::partialDir(adopted);
-  const auto segment = [&](int64_t i) { return partial / (".layer-" + std::to_string(i) + ".safetensors"); };
-  std::vector<std::string> notes(static_cast<size_t>(lm->config().numLayers));
-  for (int64_t i = lm->config().numLayers - 1; i >= 0; --i) {
-    notes[static_cast<size_t>(i)] = segments->writeSegment(i, lm->layerName(i), lm->layer(i), segment(i));
+  const auto layers = static_cast<size_t>(lm->config().numLayers);
+  std::vector<std::string> written(layers), chain(layers + 1);
+  for (size_t i = 0; i < layers; ++i) {
+    written[i] = segments->writeSegment(static_cast<int64_t>(i), lm->layerName(static_cast<int64_t>(i)),
+                                        lm->layer(static_cast<int64_t>(i)),
+                                        {.start = [&chain, i] { return chain[i]; },
+                                         .passOn = [&chain, i](const std::string& end) { chain[i + 1] = end; }});
+    EXPECT_FALSE(chain[i + 1].empty()) << "layer " << i << " passed nothing on";
   }
-  for (int64_t i = 0; i < lm->config().numLayers; ++i)
-    saver->adoptSegment(i, segment(i), notes[static_cast<size_t>(i)]);
+  for (size_t i = 0; i < layers; ++i) saver->adoptSegment(static_cast<int64_t>(i), written[i]);
   saver->finish();
-  EXPECT_EQ(filesOf(adopted), filesOf(direct));  // the segments are gone too
+  EXPECT_EQ(filesOf(adopted), filesOf(direct));  // no data file is left over either
 }
 
 TEST(SaverSegments, CompressedTensorsMixedAndShardedFromSegments) {
@@ -423,8 +426,7 @@ TEST(SaverSegments, OnlyTheirOwnRole) {
                 .find("writeLayer after finish or on a segment saver"),
             std::string::npos);
   auto saver = createBuiltinSaver({}, *lm, out);
-  EXPECT_NE(test::errorOf([&] { saver->writeSegment(0, lm->layerName(0), lm->layer(0), out / "x.safetensors"); },
-                          ErrorCode::kInternal)
+  EXPECT_NE(test::errorOf([&] { saver->writeSegment(0, lm->layerName(0), lm->layer(0), {}); }, ErrorCode::kInternal)
                 .find("on the saver that owns the folder"),
             std::string::npos);
 }

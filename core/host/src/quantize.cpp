@@ -210,8 +210,9 @@ QuantizeResult quantize(const QuantizeOptions& options) {
                               .report = saves ? &result.report : nullptr,
                               .probeTokens = options.probeTokens};
   runnerOptions.labels = rankShare(labels, group.rank(), group.worldSize());
-  // Split layers (docs/scheduler.md): every rank writes the layers it executes as segments in
-  // rank 0's partial folder, which must therefore be on a file system every rank sees.
+  // Split layers (docs/scheduler.md): every rank writes the layers it executes straight into the
+  // shards' data files in rank 0's partial folder, which must therefore be on a file system every
+  // rank sees.
   std::unique_ptr<CheckpointSaver> segmentSaver;
   if (splitsLayers(prepared.processors, group.worldSize(), prepared.mode)) {
     segmentSaver = prepared.registry.createSaver(saving.type, saving.config, *model, options.savePath, true);
@@ -220,17 +221,11 @@ QuantizeResult quantize(const QuantizeOptions& options) {
     const std::vector<std::string> seen = group.allGatherBytes(segmentSaver && fs::is_directory(partial) ? "1" : "0");
     const auto blind = std::find(seen.begin(), seen.end(), "0");
     if (blind == seen.end()) {
-      const auto segment = [partial](int64_t index) {
-        std::array<char, 16> number{};
-        std::snprintf(number.data(), number.size(), "%05lld", static_cast<long long>(index));
-        return partial / (std::string(".layer-") + number.data() + ".safetensors");
-      };
       runnerOptions.segments = LayerSegments{
-          .write = [&segmentSaver, segment](
-                       int64_t index, const std::string& name,
-                       Module& layer) { return segmentSaver->writeSegment(index, name, layer, segment(index)); },
-          .adopt = [&saver, segment](int64_t index,
-                                     const std::string& notes) { saver->adoptSegment(index, segment(index), notes); }};
+          .write = [&segmentSaver](
+                       int64_t index, const std::string& name, Module& layer,
+                       const SegmentChain& chain) { return segmentSaver->writeSegment(index, name, layer, chain); },
+          .adopt = [&saver](int64_t index, const std::string& segment) { saver->adoptSegment(index, segment); }};
     } else if (saves) {
       logger->info(segmentSaver ? concat("rank ", blind - seen.begin(), " does not see '", partial.string(),
                                          "': every rank runs every layer (to split them over the ranks, save to a "

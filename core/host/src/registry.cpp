@@ -120,14 +120,13 @@ class GuardedSaver final : public CheckpointSaver {
   void finish() override {
     guardCall(where_ + "finish: ", true, [&] { inner_->finish(); });
   }
-  std::string writeSegment(int64_t index, const std::string& name, Module& layer,
-                           const std::filesystem::path& segment) override {
+  std::string writeSegment(int64_t index, const std::string& name, Module& layer, const SegmentChain& chain) override {
     return guardCall(where_ + "writeSegment(" + name + "): ", true,
-                     [&] { return inner_->writeSegment(index, name, layer, segment); });
+                     [&] { return inner_->writeSegment(index, name, layer, chain); });
   }
-  void adoptSegment(int64_t index, const std::filesystem::path& segment, const std::string& notes) override {
-    guardCall(where_ + "adoptSegment(" + segment.filename().string() + "): ", true,
-              [&] { inner_->adoptSegment(index, segment, notes); });
+  void adoptSegment(int64_t index, const std::string& segment) override {
+    guardCall(where_ + "adoptSegment(layer " + std::to_string(index) + "): ", true,
+              [&] { inner_->adoptSegment(index, segment); });
   }
 
  private:

@@ -160,6 +160,12 @@ std::string probeKey(int64_t index) {
 constexpr std::string_view kProbeOff = "off";        // the run has no report
 constexpr std::string_view kProbeFailed = "failed";  // the layer before failed (its error is the run's)
 
+// The segment chain (SegmentChain) over split layers: where layer `index`'s bytes start, as
+// "+<the saver's text>", or kProbeFailed.
+std::string segmentKey(int64_t index) {
+  return "runner/segment/" + std::to_string(index);
+}
+
 std::string hiddenBytes(const at::Tensor& hidden) {
   const at::Tensor flat = hidden.contiguous().cpu();
   return {static_cast<const char*>(flat.data_ptr()), flat.nbytes()};
@@ -377,14 +383,26 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     const auto layerStart = Clock::now();
     const std::string name = model_.layerName(index);
     LayerReport report{.name = name};
-    std::string notes;
-    bool passedOn = false;
+    std::string segment;
+    bool passedOn = false, segmentPassedOn = false;
     try {
       DecoderLayer& layer = model_.layer(index);
       LayerRequest request = layerRequest(layer, index, {});
       runUnit(layerUnit(request, layer), report, nullptr);
       // The segment first: while it is written, the layer before may still be on its way.
-      notes = options_.segments->write(index, name, layer);
+      const SegmentChain chain{.start =
+                                   [&] {
+                                     const std::string start = group.storeGet(segmentKey(index));
+                                     QPIPE_REQUIRE(start != kProbeFailed, ErrorCode::kDistributed, name,
+                                                   ": the layer before it failed");
+                                     return start.substr(1);
+                                   },
+                               .passOn =
+                                   [&](const std::string& end) {
+                                     group.storeSet(segmentKey(index + 1), "+" + end);
+                                     segmentPassedOn = true;
+                                   }};
+      segment = options_.segments->write(index, name, layer, chain);
       const std::string entering = group.storeGet(probeKey(index));
       QPIPE_REQUIRE(entering != kProbeFailed, ErrorCode::kDistributed, name, ": the layer before it failed");
       if (entering == kProbeOff) {
@@ -403,16 +421,21 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       release(index);
     } catch (...) {
       if (!passedOn) group.storeSet(probeKey(index + 1), std::string(kProbeFailed));
+      if (!segmentPassedOn) group.storeSet(segmentKey(index + 1), std::string(kProbeFailed));
       throw;
     }
     report.seconds = secondsSince(layerStart);
-    return ConfigNode::map({{"notes", ConfigNode::string(notes)}, {"report", ConfigNode::string(report.serialize())}});
+    return ConfigNode::map(
+        {{"segment", ConfigNode::string(segment)}, {"report", ConfigNode::string(report.serialize())}});
   };
 
   const int64_t layers = model_.config().numLayers;
   std::optional<scheduler::RunSummary> splitSummary;  // the layer wave's, for the report
   if (split) {
-    if (group.rank() == 0) group.storeSet(probeKey(0), probe ? hiddenBytes(probe->input()[0]) : std::string(kProbeOff));
+    if (group.rank() == 0) {
+      group.storeSet(probeKey(0), probe ? hiddenBytes(probe->input()[0]) : std::string(kProbeOff));
+      group.storeSet(segmentKey(0), "+");
+    }
     scheduler::DistributedTaskScheduler tasks(model_.root(), group, {.name = "runner", .claimLimit = 1});
     for (int64_t index = 0; index < layers; ++index) {
       tasks.submit({.name = "runner.layer",
@@ -422,7 +445,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
                     .sync =
                         [this, &group, index](const TaskRecord& record, SyncContext&) {
                           if (group.rank() != 0) return;
-                          options_.segments->adopt(index, record.result.at("notes").asString());
+                          options_.segments->adopt(index, record.result.at("segment").asString());
                           if (options_.report == nullptr) return;
                           LayerReport report = LayerReport::deserialize(record.result.at("report").asString());
                           report.values.push_back(

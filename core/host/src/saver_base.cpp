@@ -4,6 +4,7 @@
 #include <array>
 #include <fstream>
 #include <optional>
+#include <sstream>
 
 #include "qpipe/attention_quant.h"
 #include "qpipe/error.h"
@@ -109,10 +110,15 @@ std::string missingKvText(const AttentionInputs& inputs) {
 
 SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::path& saveDir,
                      const std::string& weightsPrefix)
-    : model_(model), start_(std::chrono::steady_clock::now()), segmentsOnly_(options.segmentsOnly) {
-  if (segmentsOnly_) return;  // rank 0's saver owns the folder
+    : model_(model),
+      writerOptions_{.filePrefix = weightsPrefix,
+                     .maxShardBytes = static_cast<uint64_t>(options.partFileSizeGb * kGiB)},
+      start_(std::chrono::steady_clock::now()),
+      segmentsOnly_(options.segmentsOnly) {
   final_ = fs::absolute(saveDir).lexically_normal();
   if (final_.filename().empty()) final_ = final_.parent_path();  // "out/" names "out"
+  temporary_ = CheckpointSaver::partialDir(final_);
+  if (segmentsOnly_) return;  // rank 0's saver owns the folder
   std::error_code ec;
   if (fs::exists(final_)) {
     QPIPE_REQUIRE(fs::is_directory(final_), ErrorCode::kInput, "save path '", final_.string(),
@@ -120,7 +126,6 @@ SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::pat
     QPIPE_REQUIRE(fs::is_empty(final_), ErrorCode::kInput, "save folder '", final_.string(),
                   "' exists and is not empty; choose another --save_path or remove it");
   }
-  temporary_ = CheckpointSaver::partialDir(final_);
   if (fs::exists(temporary_)) {
     log::logger()->warn("removing '", temporary_.string(), "', left by an interrupted save");
     fs::remove_all(temporary_, ec);
@@ -128,10 +133,7 @@ SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::pat
   }
   fs::create_directories(temporary_, ec);
   QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot create folder '", temporary_.string(), "': ", ec.message());
-  writer_.emplace(temporary_, safetensors::WriterOptions{
-                                  .filePrefix = weightsPrefix,
-                                  .maxShardBytes = static_cast<uint64_t>(options.partFileSizeGb * kGiB),
-                              });
+  writer_.emplace(temporary_, writerOptions_);
 }
 
 SaverBase::~SaverBase() {
@@ -149,7 +151,11 @@ void SaverBase::add(const std::string& name, const at::Tensor& tensor) {
     QPIPE_REQUIRE(allFinite(tensor), ErrorCode::kInput, "tensor '", name,
                   "' to be saved holds NaN or Inf; nothing is saved");
   }
-  writer_->add(name, tensor);
+  if (collected_ != nullptr) {
+    collected_->emplace_back(name, tensor.detach().to(at::kCPU).contiguous());
+  } else {
+    writer_->add(name, tensor);
+  }
   bytesWritten_ += tensor.nbytes();
 }
 
@@ -192,31 +198,49 @@ void SaverBase::writeLayer(int64_t index, const std::string& name, Module& layer
   writeModule(name, layer, "");
 }
 
-std::string SaverBase::writeSegment(int64_t index, const std::string& name, Module& layer, const fs::path& segment) {
+std::string SaverBase::writeSegment(int64_t index, const std::string& name, Module& layer, const SegmentChain& chain) {
   QPIPE_CHECK(segmentsOnly_, "writeSegment(", index, ") on the saver that owns the folder");
-  QPIPE_CHECK(segment.extension() == ".safetensors", "segment '", segment.string(), "' is not a .safetensors file");
-  writer_.emplace(segment.parent_path(), safetensors::WriterOptions{.filePrefix = segment.stem().string()});
-  writeModule(name, layer, "");
-  writer_->finish();
-  writer_.reset();
-  return takeNotes();
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  collected_ = &tensors;
+  try {
+    writeModule(name, layer, "");
+  } catch (...) {
+    collected_ = nullptr;
+    throw;
+  }
+  collected_ = nullptr;
+  // The chain's texts: "<shard> <bytes>", empty for the start of the checkpoint.
+  safetensors::Position start;
+  const std::string after = chain.start();
+  if (!after.empty()) {
+    std::istringstream in(after);
+    QPIPE_CHECK(static_cast<bool>(in >> start.shard >> start.bytes), "layer ", index, ": bad position '", after, "'");
+  }
+  const std::vector<safetensors::PlacedTensor> placed = safetensors::writePlaced(
+      temporary_, writerOptions_, start, tensors,
+      [&chain](safetensors::Position end) { chain.passOn(concat(end.shard, " ", end.bytes)); });
+  nlohmann::json segment = {{"notes", takeNotes()}, {"tensors", nlohmann::json::array()}};
+  for (const safetensors::PlacedTensor& tensor : placed) {
+    segment["tensors"].push_back(
+        {tensor.info.name, tensor.info.dtype, tensor.info.shape, tensor.shard, tensor.info.begin, tensor.info.end});
+  }
+  return segment.dump();
 }
 
-void SaverBase::adoptSegment(int64_t index, const fs::path& segment, const std::string& notes) {
+void SaverBase::adoptSegment(int64_t index, const std::string& segment) {
   QPIPE_CHECK(!finished_ && !segmentsOnly_, "adoptSegment after finish or on a segment saver");
   QPIPE_CHECK(layersWritten_.insert(index).second, "layer ", index, " written twice");
-  const std::shared_ptr<const safetensors::File> file = safetensors::File::open(segment);
-  std::vector<const safetensors::TensorInfo*> inOrder;
-  for (const safetensors::TensorInfo& info : file->tensors()) inOrder.push_back(&info);
-  // In the order writeSegment added them, which is the order of their bytes. The bytes stay in
-  // the segment until finish() copies them into the shards once.
-  std::sort(inOrder.begin(), inOrder.end(), [](const auto* a, const auto* b) { return a->begin < b->begin; });
-  for (const safetensors::TensorInfo* info : inOrder) {
-    writer_->addFrom(*file, info->name);
-    bytesWritten_ += info->end - info->begin;
+  const nlohmann::json parsed = nlohmann::json::parse(segment);
+  std::vector<safetensors::PlacedTensor> placed;
+  for (const nlohmann::json& tensor : parsed.at("tensors")) {
+    placed.push_back(
+        {tensor.at(3).get<int64_t>(),
+         {tensor.at(0).get<std::string>(), tensor.at(1).get<std::string>(), tensor.at(2).get<std::vector<int64_t>>(),
+          tensor.at(4).get<uint64_t>(), tensor.at(5).get<uint64_t>()}});
+    bytesWritten_ += placed.back().info.end - placed.back().info.begin;
   }
-  adopted_.push_back(segment);
-  mergeNotes(notes);
+  writer_->adopt(placed);
+  mergeNotes(parsed.at("notes").get<std::string>());
 }
 
 void SaverBase::addFile(const std::string& fileName, const std::string& content) {
@@ -259,11 +283,6 @@ void SaverBase::finish() {
   // The decoder layers were written (and released) one by one; the rest of the model now.
   writeModule("", model_.root(), "model.layers.");
   const size_t files = writer_->finish().size();
-  for (const fs::path& segment : adopted_) {
-    std::error_code ec;
-    fs::remove(segment, ec);
-    QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot remove '", segment.string(), "': ", ec.message());
-  }
   copySideFiles();
   writeMetadata(temporary_);
   std::error_code ec;

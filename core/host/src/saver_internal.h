@@ -40,9 +40,8 @@ class SaverBase : public CheckpointSaver {
   void writeLayer(int64_t index, const std::string& name, Module& layer) final;
   void addFile(const std::string& fileName, const std::string& content) final;
   void finish() final;
-  std::string writeSegment(int64_t index, const std::string& name, Module& layer,
-                           const std::filesystem::path& segment) final;
-  void adoptSegment(int64_t index, const std::filesystem::path& segment, const std::string& notes) final;
+  std::string writeSegment(int64_t index, const std::string& name, Module& layer, const SegmentChain& chain) final;
+  void adoptSegment(int64_t index, const std::string& segment) final;
 
  protected:
   // A quantized module, all of its tensors.
@@ -83,14 +82,16 @@ class SaverBase : public CheckpointSaver {
   CausalLM& model_;
   std::filesystem::path final_;
   std::filesystem::path temporary_;
+  safetensors::WriterOptions writerOptions_;
   std::optional<safetensors::Writer> writer_;
+  // While writeSegment collects a layer's tensors: add() keeps them here instead of writing.
+  std::vector<std::pair<std::string, at::Tensor>>* collected_ = nullptr;
   std::set<int64_t> layersWritten_;
   uint64_t bytesWritten_ = 0;
   std::chrono::steady_clock::time_point start_;
   bool finished_ = false;
   bool headUntied_ = false;  // set by finish()
   bool segmentsOnly_ = false;
-  std::vector<std::filesystem::path> adopted_;  // segments whose bytes finish() copies
 };
 
 std::unique_ptr<CheckpointSaver> makeCompressedTensorsSaver(const SaverOptions& options, CausalLM& model,

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <set>
 
 #include "qpipe/error.h"
@@ -360,70 +361,78 @@ uint64_t Checkpoint::totalBytes() const {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Writing: each shard's data goes to a temporary file as tensors arrive; finish() writes each
-// final file as header + data (a kernel-side copy) under a temporary name and renames it.
+// Writing: each shard's data goes to its own temporary file, `.<prefix>-<i>.data.tmp`, at the
+// offset it has in the shard; finish() puts the header in front and renames the file. Processes
+// that share the folder write their tensors into the same data files (writePlaced), so a
+// checkpoint that several ranks wrote is written once, as one writer's is.
 
 namespace {
 
-// A run of a shard's data bytes: `bytes` of `source` from `offset` (the shard's own data file, or a
-// file another writer completed, Writer::addFrom).
-struct Piece {
-  fs::path source;
-  uint64_t offset = 0;
-  uint64_t bytes = 0;
-};
+fs::path dataPath(const fs::path& dir, const WriterOptions& options, int64_t shard) {
+  return dir / concat(".", options.filePrefix, "-", shard, ".data.tmp");
+}
+
+// Where a tensor of `bytes` goes after `at`: there, or at the start of the next shard when it
+// would overflow this one (which holds at least one tensor).
+Position advance(Position at, uint64_t bytes, uint64_t maxShardBytes) {
+  if (maxShardBytes > 0 && at.bytes > 0 && at.bytes + bytes > maxShardBytes) return {at.shard + 1, 0};
+  return at;
+}
+
+// Opens a shard's data file for writing: created when missing, never truncated (other processes
+// may have written their tensors into it already).
+int openData(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+  QPIPE_REQUIRE(fd >= 0, ErrorCode::kIo, "cannot write '", path.string(), "': ", std::strerror(errno));
+  return fd;
+}
+
+void writeAt(int fd, const at::Tensor& tensor, uint64_t offset, const fs::path& path) {
+  const auto* bytes = static_cast<const char*>(tensor.data_ptr());
+  for (uint64_t done = 0; done < tensor.nbytes();) {
+    const ssize_t written = ::pwrite(fd, bytes + done, tensor.nbytes() - done, static_cast<off_t>(offset + done));
+    QPIPE_REQUIRE(written > 0, ErrorCode::kIo, "writing '", path.string(),
+                  "' failed (disk full?): ", std::strerror(errno));
+    done += static_cast<uint64_t>(written);
+  }
+}
 
 }  // namespace
 
 struct Writer::Impl {
   struct Shard {
-    fs::path dataPath;
-    uint64_t dataBytes = 0;  // written to dataPath
-    std::vector<Piece> pieces;
     std::vector<TensorInfo> tensors;
     uint64_t bytes = 0;
   };
 
   fs::path dir;
   WriterOptions options;
-  std::vector<Shard> shards;
-  std::ofstream data;
+  std::vector<Shard> shards{1};
   std::set<std::string> names;
+  std::optional<Fd> data;  // the data file of shard `open`, for add()
+  int64_t open = -1;
   bool finished = false;
 
-  void openShard() {
-    if (data.is_open()) data.close();
-    Shard shard;
-    shard.dataPath = dir / concat(".", options.filePrefix, "-", shards.size(), ".data.tmp");
-    data.open(shard.dataPath, std::ios::binary | std::ios::trunc);
-    QPIPE_REQUIRE(data.good(), ErrorCode::kIo, "cannot write '", shard.dataPath.string(), "'");
-    shards.push_back(std::move(shard));
-  }
+  Position position() const { return {static_cast<int64_t>(shards.size()) - 1, shards.back().bytes}; }
 
-  // The shard a tensor of `bytes` goes to: the current one, or a new one when it would overflow.
-  Shard& shardFor(uint64_t bytes) {
-    if (options.maxShardBytes > 0 && shards.back().bytes > 0 && shards.back().bytes + bytes > options.maxShardBytes) {
-      openShard();
-    }
-    return shards.back();
-  }
-
-  void record(Shard& shard, const std::string& name, std::string dtype, std::vector<int64_t> shape, Piece piece) {
+  // Records a tensor of `bytes` at the writer's next position, which must be `at`.
+  void record(const Position& at, const std::string& name, std::string dtype, std::vector<int64_t> shape,
+              uint64_t bytes) {
+    const Position next = advance(position(), bytes, options.maxShardBytes);
+    QPIPE_CHECK(next.shard == at.shard && next.bytes == at.bytes, "tensor '", name, "' lies at shard ", at.shard,
+                " byte ", at.bytes, ", where the writer's next tensor goes to shard ", next.shard, " byte ",
+                next.bytes);
     QPIPE_REQUIRE(names.insert(name).second, ErrorCode::kInternal, "tensor '", name, "' written twice");
-    shard.tensors.push_back({name, std::move(dtype), std::move(shape), shard.bytes, shard.bytes + piece.bytes});
-    shard.bytes += piece.bytes;
-    Piece* last = shard.pieces.empty() ? nullptr : &shard.pieces.back();
-    if (last != nullptr && last->source == piece.source && last->offset + last->bytes == piece.offset) {
-      last->bytes += piece.bytes;
-    } else {
-      shard.pieces.push_back(std::move(piece));
-    }
+    if (static_cast<size_t>(at.shard) == shards.size()) shards.emplace_back();
+    Shard& shard = shards[static_cast<size_t>(at.shard)];
+    shard.tensors.push_back({name, std::move(dtype), std::move(shape), at.bytes, at.bytes + bytes});
+    shard.bytes += bytes;
   }
 
   void removeTemporaries() {
-    if (data.is_open()) data.close();
+    data.reset();
     std::error_code ignored;
-    for (const auto& shard : shards) fs::remove(shard.dataPath, ignored);
+    for (size_t i = 0; i < shards.size(); ++i) fs::remove(dataPath(dir, options, static_cast<int64_t>(i)), ignored);
   }
 };
 
@@ -433,7 +442,6 @@ Writer::Writer(fs::path dir, WriterOptions options) : impl_(std::make_unique<Imp
   std::error_code ec;
   fs::create_directories(impl_->dir, ec);
   QPIPE_REQUIRE(fs::is_directory(impl_->dir), ErrorCode::kIo, "cannot create folder '", impl_->dir.string(), "'");
-  impl_->openShard();
 }
 
 Writer::~Writer() {
@@ -444,21 +452,54 @@ void Writer::add(const std::string& name, const at::Tensor& tensor) {
   QPIPE_CHECK(!impl_->finished, "Writer::add after finish");
   QPIPE_REQUIRE(!impl_->names.count(name), ErrorCode::kInternal, "tensor '", name, "' written twice");
   const at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
-  const uint64_t bytes = cpu.nbytes();
-  Impl::Shard& shard = impl_->shardFor(bytes);
-  impl_->data.write(static_cast<const char*>(cpu.data_ptr()), static_cast<std::streamsize>(bytes));
-  QPIPE_REQUIRE(impl_->data.good(), ErrorCode::kIo, "writing '", shard.dataPath.string(), "' failed (disk full?)");
-  impl_->record(shard, name, dtypeName(cpu.scalar_type()), cpu.sizes().vec(), {shard.dataPath, shard.dataBytes, bytes});
-  shard.dataBytes += bytes;
+  const Position at = advance(impl_->position(), cpu.nbytes(), impl_->options.maxShardBytes);
+  const fs::path path = dataPath(impl_->dir, impl_->options, at.shard);
+  if (impl_->open != at.shard) {
+    impl_->data.emplace(openData(path));
+    impl_->open = at.shard;
+  }
+  writeAt(impl_->data->get(), cpu, at.bytes, path);
+  impl_->record(at, name, dtypeName(cpu.scalar_type()), cpu.sizes().vec(), cpu.nbytes());
 }
 
-void Writer::addFrom(const File& source, const std::string& name) {
-  QPIPE_CHECK(!impl_->finished, "Writer::addFrom after finish");
-  const TensorInfo* info = source.find(name);
-  QPIPE_CHECK(info != nullptr, "no tensor '", name, "' in ", source.path().string());
-  const uint64_t bytes = info->end - info->begin;
-  Impl::Shard& shard = impl_->shardFor(bytes);
-  impl_->record(shard, name, info->dtype, info->shape, {source.path(), source.dataOffset() + info->begin, bytes});
+Position Writer::position() const {
+  return impl_->position();
+}
+
+void Writer::adopt(const std::vector<PlacedTensor>& placed) {
+  QPIPE_CHECK(!impl_->finished, "Writer::adopt after finish");
+  for (const PlacedTensor& tensor : placed) {
+    impl_->record({tensor.shard, tensor.info.begin}, tensor.info.name, tensor.info.dtype, tensor.info.shape,
+                  tensor.info.end - tensor.info.begin);
+  }
+}
+
+std::vector<PlacedTensor> writePlaced(const fs::path& dir, const WriterOptions& options, Position start,
+                                      const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                      const std::function<void(Position end)>& placed) {
+  std::vector<PlacedTensor> out;
+  Position at = start;
+  for (const auto& [name, tensor] : tensors) {
+    QPIPE_CHECK(tensor.device().is_cpu() && tensor.is_contiguous(), "writePlaced: tensor '", name,
+                "' is not a contiguous CPU tensor");
+    const uint64_t bytes = tensor.nbytes();
+    at = advance(at, bytes, options.maxShardBytes);
+    out.push_back(
+        {at.shard, {name, dtypeName(tensor.scalar_type()), tensor.sizes().vec(), at.bytes, at.bytes + bytes}});
+    at.bytes += bytes;
+  }
+  placed(at);
+  std::optional<Fd> data;
+  int64_t open = -1;
+  for (size_t i = 0; i < out.size(); ++i) {
+    const fs::path path = dataPath(dir, options, out[i].shard);
+    if (open != out[i].shard) {
+      data.emplace(openData(path));
+      open = out[i].shard;
+    }
+    writeAt(data->get(), tensors[i].second, out[i].info.begin, path);
+  }
+  return out;
 }
 
 namespace {
@@ -475,16 +516,12 @@ std::array<char, 8> lengthBytes(uint64_t length) {
   return bytes;
 }
 
-// The header in front of `data`, a shard's own data file holding `pieces` alone, renamed to
-// finalPath; false, with nothing changed, where `pieces` are more than that file or the file
-// system cannot insert a range.
-bool insertHeader(const fs::path& finalPath, const std::string& header, const fs::path& data,
-                  const std::vector<Piece>& pieces) {
+// The header in front of the shard's data file, `bytes` long, renamed to finalPath; false, with
+// nothing changed, where the file system cannot insert a range (or the file is empty).
+bool insertHeader(const fs::path& finalPath, const std::string& header, const fs::path& data, uint64_t bytes) {
   std::error_code ec;
   const uint64_t size = fs::file_size(data, ec);
-  if (ec || pieces.size() != 1 || pieces[0].source != data || pieces[0].offset != 0 || pieces[0].bytes != size) {
-    return false;
-  }
+  if (ec || size != bytes || size == 0) return false;
   Fd fd(::open(data.c_str(), O_RDWR | O_CLOEXEC));
   const uint64_t front = 8 + header.size();
   if (fd.get() < 0 || ::fallocate(fd.get(), FALLOC_FL_INSERT_RANGE, 0, static_cast<off_t>(front)) != 0) return false;
@@ -499,7 +536,8 @@ bool insertHeader(const fs::path& finalPath, const std::string& header, const fs
   return true;
 }
 
-void writeAtomically(const fs::path& finalPath, const std::string& header, const std::vector<Piece>& pieces) {
+// Header + the first `bytes` of `data` (a kernel-side copy) under a temporary name, renamed.
+void writeAtomically(const fs::path& finalPath, const std::string& header, const fs::path& data, uint64_t bytes) {
   const fs::path temporary = finalPath.string() + ".tmp";
   {
     std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
@@ -508,22 +546,18 @@ void writeAtomically(const fs::path& finalPath, const std::string& header, const
     out.write(header.data(), static_cast<std::streamsize>(header.size()));
     QPIPE_REQUIRE(out.good(), ErrorCode::kIo, "writing '", temporary.string(), "' failed (disk full?)");
   }
-  {
-    // sendfile refuses O_APPEND descriptors: seek to the end instead.
-    Fd out(::open(temporary.c_str(), O_WRONLY | O_CLOEXEC));
-    QPIPE_REQUIRE(out.get() >= 0 && ::lseek(out.get(), 0, SEEK_END) >= 0, ErrorCode::kIo, "cannot reopen '",
-                  temporary.string(), "'");
-    for (const Piece& piece : pieces) {
-      Fd in(::open(piece.source.c_str(), O_RDONLY | O_CLOEXEC));
-      QPIPE_REQUIRE(in.get() >= 0, ErrorCode::kIo, "cannot read '", piece.source.string(), "'");
-      auto offset = static_cast<off_t>(piece.offset);
-      uint64_t remaining = piece.bytes;
-      while (remaining > 0) {
-        const ssize_t copied = ::sendfile(out.get(), in.get(), &offset, static_cast<size_t>(remaining));
-        QPIPE_REQUIRE(copied > 0, ErrorCode::kIo, "writing '", temporary.string(), "' failed: ", std::strerror(errno));
-        remaining -= static_cast<uint64_t>(copied);
-      }
-    }
+  // sendfile refuses O_APPEND descriptors: seek to the end instead.
+  Fd out(::open(temporary.c_str(), O_WRONLY | O_CLOEXEC));
+  QPIPE_REQUIRE(out.get() >= 0 && ::lseek(out.get(), 0, SEEK_END) >= 0, ErrorCode::kIo, "cannot reopen '",
+                temporary.string(), "'");
+  // A writer that got no tensor never made its data file.
+  Fd in(::open(data.c_str(), O_RDONLY | O_CLOEXEC | O_CREAT, 0644));
+  QPIPE_REQUIRE(in.get() >= 0, ErrorCode::kIo, "cannot read '", data.string(), "'");
+  off_t offset = 0;
+  for (uint64_t remaining = bytes; remaining > 0;) {
+    const ssize_t copied = ::sendfile(out.get(), in.get(), &offset, static_cast<size_t>(remaining));
+    QPIPE_REQUIRE(copied > 0, ErrorCode::kIo, "writing '", temporary.string(), "' failed: ", std::strerror(errno));
+    remaining -= static_cast<uint64_t>(copied);
   }
   fs::rename(temporary, finalPath);
 }
@@ -532,7 +566,7 @@ void writeAtomically(const fs::path& finalPath, const std::string& header, const
 
 std::vector<fs::path> Writer::finish() {
   QPIPE_CHECK(!impl_->finished, "Writer::finish called twice");
-  impl_->data.close();
+  impl_->data.reset();
   auto& shards = impl_->shards;
   const auto& prefix = impl_->options.filePrefix;
   std::vector<fs::path> written;
@@ -557,9 +591,10 @@ std::vector<fs::path> Writer::finish() {
     }
     std::string text = header.dump();
     text.append((kDataAlignment - (8 + text.size()) % kDataAlignment) % kDataAlignment, ' ');
-    if (!insertHeader(impl_->dir / fileName, text, shards[i].dataPath, shards[i].pieces)) {
-      writeAtomically(impl_->dir / fileName, text, shards[i].pieces);
-      fs::remove(shards[i].dataPath);
+    const fs::path data = dataPath(impl_->dir, impl_->options, static_cast<int64_t>(i));
+    if (!insertHeader(impl_->dir / fileName, text, data, shards[i].bytes)) {
+      writeAtomically(impl_->dir / fileName, text, data, shards[i].bytes);
+      fs::remove(data);
     }
     written.push_back(impl_->dir / fileName);
   }

@@ -52,13 +52,12 @@ std::filesystem::path CheckpointSaver::partialDir(const std::filesystem::path& s
   return target.parent_path() / ("." + target.filename().string() + ".qpipe-partial");
 }
 
-std::string CheckpointSaver::writeSegment(int64_t index, const std::string& name, Module&,
-                                          const std::filesystem::path&) {
+std::string CheckpointSaver::writeSegment(int64_t index, const std::string& name, Module&, const SegmentChain&) {
   QPIPE_CHECK(false, "writeSegment(", index, ", ", name, ") on a saver without a segmentFactory");
   return {};
 }
 
-void CheckpointSaver::adoptSegment(int64_t index, const std::filesystem::path&, const std::string&) {
+void CheckpointSaver::adoptSegment(int64_t index, const std::string&) {
   QPIPE_CHECK(false, "adoptSegment(", index, ") on a saver without a segmentFactory");
 }
 

@@ -6,16 +6,19 @@
 // nothing trailing. A violation is Error(kInput) naming the file, the tensor and the rule.
 //
 // Writing streams one tensor at a time into size-limited shards plus the index, each file
-// under a temporary name until it is complete.
+// under a temporary name until it is complete. Several processes can write one checkpoint: each
+// lays its tensors out after the previous one's (writePlaced), the owner adopts them.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace qpipe::safetensors {
@@ -95,6 +98,18 @@ struct WriterOptions {
   std::map<std::string, std::string> metadata;  // "format": "pt" is always added
 };
 
+// Where a writer's next tensor goes: its shard, and the bytes of that shard before it.
+struct Position {
+  int64_t shard = 0;
+  uint64_t bytes = 0;
+};
+
+// A tensor written by writePlaced: its shard, and its name, dtype, shape and data offsets there.
+struct PlacedTensor {
+  int64_t shard = 0;
+  TensorInfo info;
+};
+
 class Writer {
  public:
   Writer(std::filesystem::path dir, WriterOptions options = {});
@@ -105,9 +120,10 @@ class Writer {
   // Writes `tensor` (any device, contiguous or not) to the current shard now; the caller may
   // free it afterwards. Names must be unique.
   void add(const std::string& name, const at::Tensor& tensor);
-  // Tensor `name` of `source`, as it is: finish() copies its bytes from the file, which must
-  // stay until then (no copy now; the savers' adopted segments).
-  void addFrom(const File& source, const std::string& name);
+  Position position() const;
+  // Takes tensors another process wrote into this writer's data files (writePlaced) as if add()
+  // had written them; each must lie where this writer's next tensor would go.
+  void adopt(const std::vector<PlacedTensor>& placed);
 
   // Completes the last shard, names the shards (prefix.safetensors, or
   // prefix-0000i-of-0000N.safetensors with prefix.safetensors.index.json) and returns the
@@ -118,5 +134,14 @@ class Writer {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// For ranks that share a Writer's folder `dir` (created with the same `options`): lays `tensors`
+// out from `start` as that writer's add() would, one after the other, calls `placed` with the
+// position after the last, then writes their bytes into the writer's data files and says where
+// each went (Writer::adopt). `placed` comes before the writing, so whoever writes next need not
+// wait for it. The tensors are on the CPU and contiguous.
+std::vector<PlacedTensor> writePlaced(const std::filesystem::path& dir, const WriterOptions& options, Position start,
+                                      const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                      const std::function<void(Position end)>& placed);
 
 }  // namespace qpipe::safetensors

@@ -25,6 +25,14 @@ class CausalLM;
 class ConfigNode;
 class Module;
 
+// How the executor of a split layer learns where its bytes go: start() blocks until the layer
+// before it was laid out and returns that layer's passOn text (empty for layer 0); passOn gives
+// the position after this layer to the next one's executor. Both texts are the saver's own.
+struct SegmentChain {
+  std::function<std::string()> start;
+  std::function<void(const std::string& end)> passOn;
+};
+
 class CheckpointSaver {
  public:
   virtual ~CheckpointSaver() = default;
@@ -43,15 +51,15 @@ class CheckpointSaver {
   virtual void finish() = 0;
 
   // A run that splits its decoder layers over the ranks (docs/scheduler.md) has each rank write
-  // the layers it executed as segments, on a saver from SaverInfo::segmentFactory: writeSegment
-  // writes layer `index` into the safetensors file `segment` (under partialDir) and returns what
-  // the format noted of it. Rank 0's saver then adopts the segments in layer order, and writes
-  // the checkpoint writeLayer would have written, byte for byte. Only for savers that have a
+  // the layers it executed, on a saver from SaverInfo::segmentFactory, straight into rank 0's
+  // partial folder: writeSegment lays layer `index` out after the layers before it (chain.start(),
+  // which waits for them), hands the position after it on (chain.passOn), writes it and returns
+  // what rank 0 needs to adopt it. Rank 0's saver adopts the layers in layer order and writes the
+  // checkpoint writeLayer would have written, byte for byte. Only for savers that have a
   // segmentFactory.
-  virtual std::string writeSegment(int64_t index, const std::string& name, Module& layer,
-                                   const std::filesystem::path& segment);
-  // Takes layer `index` from `segment` (removed afterwards) with the notes writeSegment returned.
-  virtual void adoptSegment(int64_t index, const std::filesystem::path& segment, const std::string& notes);
+  virtual std::string writeSegment(int64_t index, const std::string& name, Module& layer, const SegmentChain& chain);
+  // Takes layer `index`, written by writeSegment, which returned `segment`.
+  virtual void adoptSegment(int64_t index, const std::string& segment);
 };
 
 // Builds a saver from its validated spec.save step (defaults filled in, `type` removed).

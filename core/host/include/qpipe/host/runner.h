@@ -45,6 +45,7 @@
 #include "qpipe/model.h"
 #include "qpipe/process_group.h"
 #include "qpipe/processor.h"
+#include "qpipe/saver.h"
 
 namespace qpipe {
 
@@ -88,10 +89,11 @@ using LayerSink = std::function<void(int64_t index, const std::string& name, Mod
 
 // What split layers are written with (CheckpointSaver::writeSegment / adoptSegment).
 struct LayerSegments {
-  // On the layer's executor, before the layer is released: writes it, returns its notes.
-  std::function<std::string(int64_t index, const std::string& name, Module& layer)> write;
-  // On rank 0 after every layer ran, in layer order: takes the layer's segment and notes.
-  std::function<void(int64_t index, const std::string& notes)> adopt;
+  // On the layer's executor, before the layer is released: writes it where `chain` says (the
+  // runner passes the chain along the layers through the group's store), returns what adopt takes.
+  std::function<std::string(int64_t index, const std::string& name, Module& layer, const SegmentChain& chain)> write;
+  // On rank 0 after every layer ran, in layer order: takes the layer write returned `segment` for.
+  std::function<void(int64_t index, const std::string& segment)> adopt;
 };
 
 struct RunnerOptions {
