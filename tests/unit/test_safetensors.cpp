@@ -74,29 +74,40 @@ TEST(Safetensors, ShardsByTheSizeLimitWithAnIndexAndReadsBack) {
 }
 
 // A shard's header goes in front of its data in place where the file system can insert a range
-// (ext4, XFS); elsewhere (tmpfs: /dev/shm) the data is copied behind it. Both give the same bytes,
-// with the data on a 4 KiB boundary.
-TEST(Safetensors, InsertedAndCopiedShardsAreTheSameBytesWithTheDataOn4KiB) {
-  const fs::path own = test::writeTempFile("x", "").parent_path() / "own";
-  const fs::path copied = fs::path("/dev/shm") / ("qpipe-copied-" + std::to_string(::getpid()));
+// (ext4, XFS) or the writer reserved room for it; elsewhere (tmpfs: /dev/shm) the data is copied
+// behind it. All give the same bytes, with the data on a 4 KiB boundary: after the reserve where
+// the header fits in it, else after the header.
+TEST(Safetensors, HeadersInPlaceReservedOrCopiedGiveTheSameBytesWithTheDataOn4KiB) {
+  const fs::path local = test::writeTempFile("x", "").parent_path();
+  const fs::path shm = fs::path("/dev/shm") / ("qpipe-copied-" + std::to_string(::getpid()));
   ASSERT_TRUE(fs::is_directory("/dev/shm")) << "this test needs a tmpfs at /dev/shm";
-  fs::remove_all(own);
-  fs::remove_all(copied);
-  const std::vector<std::pair<std::string, at::Tensor>> tensors{
+  std::vector<std::pair<std::string, at::Tensor>> few{
       {"a", at::randn({7, 5})}, {"b", at::arange(11, at::kChar)}, {"c", at::randn({3}).to(at::kBFloat16)}};
-  for (const fs::path& dir : {own, copied}) {
-    Writer writer(dir);
+  std::vector<std::pair<std::string, at::Tensor>> many;  // a header of more than 4 KiB
+  for (int i = 0; i < 100; ++i) many.emplace_back("tensor_number_" + std::to_string(i), at::full({3}, i));
+  const auto write = [](const fs::path& dir, uint64_t reserve, const auto& tensors) {
+    fs::remove_all(dir);
+    Writer writer(dir, {.headerReserve = reserve});
     for (const auto& [name, tensor] : tensors) writer.add(name, tensor);
     writer.finish();
     EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 1) << dir;
+    const std::string bytes = test::slurp(dir / "model.safetensors");
+    fs::remove_all(dir);
+    return bytes;
+  };
+  for (const uint64_t reserve : {uint64_t{0}, uint64_t{8192}}) {
+    const std::string bytes = write(local / "own", reserve, few);
+    EXPECT_EQ(bytes, write(shm, reserve, few)) << "reserve " << reserve;
+    const fs::path file = test::writeTempFile("few.safetensors", bytes);
+    const auto read = File::open(file);
+    EXPECT_EQ(read->dataOffset(), reserve == 0 ? 4096u : reserve);
+    EXPECT_EQ(bytes.size(), read->dataOffset() + 7 * 5 * 4 + 11 + 3 * 2);
+    for (const auto& [name, tensor] : few) EXPECT_TRUE(at::equal(read->tensor(name), tensor)) << name;
   }
-  const std::string bytes = test::slurp(own / "model.safetensors");
-  EXPECT_EQ(bytes, test::slurp(copied / "model.safetensors"));
-  fs::remove_all(copied);
-  const auto file = File::open(own / "model.safetensors");
-  EXPECT_EQ(file->dataOffset() % 4096, 0u);
-  EXPECT_EQ(bytes.size(), file->dataOffset() + 7 * 5 * 4 + 11 + 3 * 2);
-  for (const auto& [name, tensor] : tensors) EXPECT_TRUE(at::equal(file->tensor(name), tensor)) << name;
+  const std::string unreserved = write(local / "many", 0, many);
+  EXPECT_GT(File::open(test::writeTempFile("many.safetensors", unreserved))->dataOffset(), 4096u);
+  EXPECT_EQ(write(local / "many-small-reserve", 4096, many), unreserved);
+  EXPECT_EQ(write(shm, 4096, many), unreserved);
 }
 
 // What other processes write into a writer's data files (writePlaced), each laid out after the
@@ -109,7 +120,7 @@ TEST(Safetensors, PlacedAndAdoptedTensorsMakeTheOneWriterCheckpoint) {
   fs::remove_all(shared);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (int i = 0; i < 10; ++i) tensors.emplace_back("t" + std::to_string(i), at::full({5 + i}, i, at::kFloat));
-  const WriterOptions options{.maxShardBytes = 100};
+  const WriterOptions options{.maxShardBytes = 100, .headerReserve = 4096};
   {
     Writer writer(direct, options);
     for (const auto& [name, tensor] : tensors) writer.add(name, tensor);

@@ -101,6 +101,15 @@ std::optional<AttentionInputs> quantizedInputs(const Module& module) {
   return inputs;
 }
 
+// Room for a shard's header in front of its data (safetensors::WriterOptions::headerReserve), by
+// the source's tensor count: a quantized Linear's weight becomes up to four tensors (weight,
+// scale, zero point, input scale or shape) of about 120 header bytes each.
+uint64_t headerReserve(const CausalLM& model) {
+  constexpr uint64_t kPage = 4096;
+  const uint64_t bytes = 16 * 1024 + 512 * static_cast<uint64_t>(model.checkpoint().names().size());
+  return (bytes + kPage - 1) / kPage * kPage;
+}
+
 }  // namespace
 
 std::string missingKvText(const AttentionInputs& inputs) {
@@ -112,7 +121,8 @@ SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::pat
                      const std::string& weightsPrefix)
     : model_(model),
       writerOptions_{.filePrefix = weightsPrefix,
-                     .maxShardBytes = static_cast<uint64_t>(options.partFileSizeGb * kGiB)},
+                     .maxShardBytes = static_cast<uint64_t>(options.partFileSizeGb * kGiB),
+                     .headerReserve = headerReserve(model)},
       start_(std::chrono::steady_clock::now()),
       segmentsOnly_(options.segmentsOnly) {
   final_ = fs::absolute(saveDir).lexically_normal();

@@ -368,6 +368,14 @@ uint64_t Checkpoint::totalBytes() const {
 
 namespace {
 
+// A shard's data starts on a 4 KiB boundary: safetensors lets the header end in spaces, and with
+// the header so padded finish() can put it in front of a shard's data in place, in the bytes the
+// data file reserved for it or in a range inserted in front of the data (FALLOC_FL_INSERT_RANGE:
+// a metadata operation on ext4 and XFS, whose blocks are 4 KiB, but one that first writes every
+// dirty page of the file to disk) instead of copying every byte of the data behind it. Either
+// way the file's bytes are the same.
+constexpr uint64_t kDataAlignment = 4096;
+
 fs::path dataPath(const fs::path& dir, const WriterOptions& options, int64_t shard) {
   return dir / concat(".", options.filePrefix, "-", shard, ".data.tmp");
 }
@@ -442,6 +450,8 @@ Writer::Writer(fs::path dir, WriterOptions options) : impl_(std::make_unique<Imp
   std::error_code ec;
   fs::create_directories(impl_->dir, ec);
   QPIPE_REQUIRE(fs::is_directory(impl_->dir), ErrorCode::kIo, "cannot create folder '", impl_->dir.string(), "'");
+  QPIPE_CHECK(impl_->options.headerReserve % kDataAlignment == 0, "headerReserve ", impl_->options.headerReserve,
+              " is not a multiple of ", kDataAlignment);
 }
 
 Writer::~Writer() {
@@ -458,7 +468,7 @@ void Writer::add(const std::string& name, const at::Tensor& tensor) {
     impl_->data.emplace(openData(path));
     impl_->open = at.shard;
   }
-  writeAt(impl_->data->get(), cpu, at.bytes, path);
+  writeAt(impl_->data->get(), cpu, impl_->options.headerReserve + at.bytes, path);
   impl_->record(at, name, dtypeName(cpu.scalar_type()), cpu.sizes().vec(), cpu.nbytes());
 }
 
@@ -497,36 +507,37 @@ std::vector<PlacedTensor> writePlaced(const fs::path& dir, const WriterOptions& 
       data.emplace(openData(path));
       open = out[i].shard;
     }
-    writeAt(data->get(), tensors[i].second, out[i].info.begin, path);
+    writeAt(data->get(), tensors[i].second, options.headerReserve + out[i].info.begin, path);
   }
   return out;
 }
 
 namespace {
 
-// A shard's data starts on a 4 KiB boundary: safetensors lets the header end in spaces, and with
-// the header so padded finish() can put it in front of a shard's data file in place
-// (FALLOC_FL_INSERT_RANGE: a metadata operation on ext4 and XFS, whose blocks are 4 KiB) instead
-// of copying every byte of the data behind it. Either way the file's bytes are the same.
-constexpr uint64_t kDataAlignment = 4096;
-
-std::array<char, 8> lengthBytes(uint64_t length) {
-  std::array<char, 8> bytes{};
-  for (size_t i = 0; i < 8; ++i) bytes[i] = static_cast<char>((length >> (8 * i)) & 0xff);
-  return bytes;
+// The 8-byte length and the header, padded with spaces to at least `reserve` bytes and to a
+// multiple of kDataAlignment.
+std::string headerBytes(std::string text, uint64_t reserve) {
+  const uint64_t minimal = (8 + text.size() + kDataAlignment - 1) / kDataAlignment * kDataAlignment;
+  text.append(std::max(reserve, minimal) - 8 - text.size(), ' ');
+  std::string head(8, '\0');
+  for (size_t i = 0; i < 8; ++i) head[i] = static_cast<char>((text.size() >> (8 * i)) & 0xff);
+  return head + text;
 }
 
-// The header in front of the shard's data file, `bytes` long, renamed to finalPath; false, with
-// nothing changed, where the file system cannot insert a range (or the file is empty).
-bool insertHeader(const fs::path& finalPath, const std::string& header, const fs::path& data, uint64_t bytes) {
+// `head` in front of the shard's data, `bytes` from `reserve` in its data file, which is renamed
+// to finalPath; false, with nothing changed, where the file is not that or the file system cannot
+// insert the range the reserve lacks.
+bool headerInPlace(const fs::path& finalPath, const std::string& head, const fs::path& data, uint64_t reserve,
+                   uint64_t bytes) {
   std::error_code ec;
   const uint64_t size = fs::file_size(data, ec);
-  if (ec || size != bytes || size == 0) return false;
+  if (ec || size != reserve + bytes || size == 0) return false;
   Fd fd(::open(data.c_str(), O_RDWR | O_CLOEXEC));
-  const uint64_t front = 8 + header.size();
-  if (fd.get() < 0 || ::fallocate(fd.get(), FALLOC_FL_INSERT_RANGE, 0, static_cast<off_t>(front)) != 0) return false;
-  std::string head(lengthBytes(header.size()).data(), 8);
-  head += header;
+  if (fd.get() < 0) return false;
+  if (head.size() > reserve &&
+      ::fallocate(fd.get(), FALLOC_FL_INSERT_RANGE, 0, static_cast<off_t>(head.size() - reserve)) != 0) {
+    return false;
+  }
   for (uint64_t done = 0; done < head.size();) {
     const ssize_t written = ::pwrite(fd.get(), head.data() + done, head.size() - done, static_cast<off_t>(done));
     QPIPE_REQUIRE(written > 0, ErrorCode::kIo, "writing '", data.string(), "' failed: ", std::strerror(errno));
@@ -536,14 +547,14 @@ bool insertHeader(const fs::path& finalPath, const std::string& header, const fs
   return true;
 }
 
-// Header + the first `bytes` of `data` (a kernel-side copy) under a temporary name, renamed.
-void writeAtomically(const fs::path& finalPath, const std::string& header, const fs::path& data, uint64_t bytes) {
+// `head` + `bytes` of `data` from `offset` (a kernel-side copy) under a temporary name, renamed.
+void writeAtomically(const fs::path& finalPath, const std::string& head, const fs::path& data, uint64_t offset,
+                     uint64_t bytes) {
   const fs::path temporary = finalPath.string() + ".tmp";
   {
     std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
     QPIPE_REQUIRE(out.good(), ErrorCode::kIo, "cannot write '", temporary.string(), "'");
-    out.write(lengthBytes(header.size()).data(), 8);
-    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    out.write(head.data(), static_cast<std::streamsize>(head.size()));
     QPIPE_REQUIRE(out.good(), ErrorCode::kIo, "writing '", temporary.string(), "' failed (disk full?)");
   }
   // sendfile refuses O_APPEND descriptors: seek to the end instead.
@@ -553,9 +564,9 @@ void writeAtomically(const fs::path& finalPath, const std::string& header, const
   // A writer that got no tensor never made its data file.
   Fd in(::open(data.c_str(), O_RDONLY | O_CLOEXEC | O_CREAT, 0644));
   QPIPE_REQUIRE(in.get() >= 0, ErrorCode::kIo, "cannot read '", data.string(), "'");
-  off_t offset = 0;
+  auto from = static_cast<off_t>(offset);
   for (uint64_t remaining = bytes; remaining > 0;) {
-    const ssize_t copied = ::sendfile(out.get(), in.get(), &offset, static_cast<size_t>(remaining));
+    const ssize_t copied = ::sendfile(out.get(), in.get(), &from, static_cast<size_t>(remaining));
     QPIPE_REQUIRE(copied > 0, ErrorCode::kIo, "writing '", temporary.string(), "' failed: ", std::strerror(errno));
     remaining -= static_cast<uint64_t>(copied);
   }
@@ -589,11 +600,11 @@ std::vector<fs::path> Writer::finish() {
       weightMap[info.name] = fileName;
       totalSize += info.end - info.begin;
     }
-    std::string text = header.dump();
-    text.append((kDataAlignment - (8 + text.size()) % kDataAlignment) % kDataAlignment, ' ');
+    const std::string head = headerBytes(header.dump(), impl_->options.headerReserve);
     const fs::path data = dataPath(impl_->dir, impl_->options, static_cast<int64_t>(i));
-    if (!insertHeader(impl_->dir / fileName, text, data, shards[i].bytes)) {
-      writeAtomically(impl_->dir / fileName, text, data, shards[i].bytes);
+    const uint64_t reserve = impl_->options.headerReserve;
+    if (!headerInPlace(impl_->dir / fileName, head, data, reserve, shards[i].bytes)) {
+      writeAtomically(impl_->dir / fileName, head, data, reserve, shards[i].bytes);
       fs::remove(data);
     }
     written.push_back(impl_->dir / fileName);

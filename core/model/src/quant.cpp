@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <dlfcn.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <array>
@@ -324,8 +325,31 @@ void bf16Gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, float b
   };
   const at::Tensor lhs = rowMajor(a), rhs = rowMajor(b);
   const auto i = [](int64_t v) { return static_cast<int>(v); };
-  gemm(kCblasRowMajor, kCblasNoTrans, kCblasTrans, i(m), i(n), i(k), 1.0f, lhs.const_data_ptr(), i(lhs.stride(0)),
-       rhs.const_data_ptr(), i(rhs.stride(0)), beta, out.mutable_data_ptr<float>(), i(n));
+  // MKL's threaded bf16 GEMM splits its sums differently for other thread counts (seen on a Zen 4
+  // host with AVX512-BF16), but runs one thread when called inside an active OpenMP region. So
+  // the output is cut into tiles whose shape depends on the operands alone, and each tile is one
+  // MKL call from a thread of such a region (or of a single-threaded process): every sum is made
+  // the same way whatever the number of threads.
+  constexpr int64_t kTileRows = 128, kTileCols = 512;
+  const int64_t colTiles = (n + kTileCols - 1) / kTileCols, tiles = (m + kTileRows - 1) / kTileRows * colTiles;
+  const auto* left = static_cast<const c10::BFloat16*>(lhs.const_data_ptr());
+  const auto* right = static_cast<const c10::BFloat16*>(rhs.const_data_ptr());
+  float* result = out.mutable_data_ptr<float>();
+  const auto runTiles = [&](int64_t first, int64_t step) {
+    for (int64_t tile = first; tile < tiles; tile += step) {
+      const int64_t r = tile / colTiles * kTileRows, c = tile % colTiles * kTileCols;
+      gemm(kCblasRowMajor, kCblasNoTrans, kCblasTrans, i(std::min(kTileRows, m - r)), i(std::min(kTileCols, n - c)),
+           i(k), 1.0f, left + r * lhs.stride(0), i(lhs.stride(0)), right + c * rhs.stride(0), i(rhs.stride(0)), beta,
+           result + r * n + c, i(n));
+    }
+  };
+  const int threads = at::get_num_threads();
+  if (threads <= 1) {
+    runTiles(0, 1);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  runTiles(omp_get_thread_num(), omp_get_num_threads());
 }
 
 }  // namespace

@@ -96,6 +96,12 @@ struct WriterOptions {
   std::string filePrefix = "model";
   uint64_t maxShardBytes = 0;                   // 0: one file
   std::map<std::string, std::string> metadata;  // "format": "pt" is always added
+  // Bytes kept in front of each shard's data for its header, a multiple of 4 KiB. A header that
+  // fits is written there, and the data starts after them: no byte of the data moves at finish(),
+  // where a header that does not fit has the data file's pages written to disk first (or, where
+  // ranges cannot be inserted, the data copied). The data starts at the larger of the reserve and
+  // the header rounded up to 4 KiB, so the same reserve and tensors give the same bytes.
+  uint64_t headerReserve = 0;
 };
 
 // Where a writer's next tensor goes: its shard, and the bytes of that shard before it.

@@ -110,8 +110,9 @@ class CausalLM {
 
   const ModelConfig& config() const { return config_; }
   const ModelOptions& options() const { return options_; }
-  // The checkpoint directory the model was opened from.
+  // The checkpoint directory the model was opened from, and its tensors.
   const std::filesystem::path& directory() const { return dir_; }
+  const safetensors::Checkpoint& checkpoint() const { return checkpoint_; }
   // The root module: children "model" (embed_tokens, layers, norm) and "lm_head".
   Module& root() { return *root_; }
   std::string layerName(int64_t index) const { return "model.layers." + std::to_string(index); }
