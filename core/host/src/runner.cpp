@@ -378,7 +378,8 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
 
   // A split layer, on its executor: processed, written as a segment, probed (the quantized
   // output goes on to the next layer's executor first; the float reference is a second copy of
-  // the layer from the checkpoint) and released. Its notes and report are the task's result.
+  // the layer from the checkpoint) and released. What rank 0 adopts and its report are the task's
+  // result.
   const auto runSplitLayer = [&](int64_t index) {
     const auto layerStart = Clock::now();
     const std::string name = model_.layerName(index);
@@ -389,7 +390,8 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       DecoderLayer& layer = model_.layer(index);
       LayerRequest request = layerRequest(layer, index, {});
       runUnit(layerUnit(request, layer), report, nullptr);
-      // The segment first: while it is written, the layer before may still be on its way.
+      // The segment first: the layer before passes its position on before its probe, and while
+      // this layer is written, that probe may still be on its way.
       const SegmentChain chain{.start =
                                    [&] {
                                      const std::string start = group.storeGet(segmentKey(index));
