@@ -232,6 +232,10 @@ TEST(Bf16Matmul, ProductsAreExactAndTheSumRoundsOnceInFp32PerAddition) {
                        at::matmul(a.to(at::kDouble).abs(), b.to(at::kDouble).abs().t()).max().item<double>();
   EXPECT_LE((y.to(at::kDouble) - exact).abs().max().item<double>(), bound);
   EXPECT_TRUE(at::equal(onOneThread([&] { return quant::bf16Matmul(a, b); }), y));
+  // Several blocks of rows, shared among the threads: still the one-thread bits.
+  const at::Tensor tall = (at::randn({300, 96}) * 50).to(at::kFloat8_e4m3fn).to(at::kBFloat16);
+  EXPECT_TRUE(at::equal(onOneThread([&] { return quant::bf16Matmul(tall, b.slice(1, 0, 96)); }),
+                        quant::bf16Matmul(tall, b.slice(1, 0, 96))));
   // Empty operands, and shapes that do not match.
   EXPECT_EQ(quant::bf16Matmul(a.slice(0, 0, 0), b).sizes(), (std::vector<int64_t>{0, 19}));
   EXPECT_TRUE(at::equal(quant::bf16Matmul(a.slice(1, 0, 0), b.slice(1, 0, 0)), at::zeros({37, 19})));
