@@ -157,11 +157,12 @@ class NonLayerUnit {
 std::string probeKey(int64_t index) {
   return "runner/probe/" + std::to_string(index);
 }
-constexpr std::string_view kProbeOff = "off";        // the run has no report
-constexpr std::string_view kProbeFailed = "failed";  // the layer before failed (its error is the run's)
+constexpr std::string_view kProbeOff = "off";  // the run has no report
+// On either chain: the layer before failed (its error is the run's).
+constexpr std::string_view kLayerFailed = "failed";
 
 // The segment chain (SegmentChain) over split layers: where layer `index`'s bytes start, as
-// "+<the saver's text>", or kProbeFailed.
+// "+<the saver's text>", or kLayerFailed.
 std::string segmentKey(int64_t index) {
   return "runner/segment/" + std::to_string(index);
 }
@@ -386,27 +387,26 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     LayerReport report{.name = name};
     std::string segment;
     bool passedOn = false, segmentPassedOn = false;
+    // What the layer before put under `key`, once it is there.
+    const auto fromLayerBefore = [&](const std::string& key) {
+      std::string value = group.storeGet(key);
+      QPIPE_REQUIRE(value != kLayerFailed, ErrorCode::kDistributed, name, ": the layer before it failed");
+      return value;
+    };
     try {
       DecoderLayer& layer = model_.layer(index);
       LayerRequest request = layerRequest(layer, index, {});
       runUnit(layerUnit(request, layer), report, nullptr);
       // The segment first: the layer before passes its position on before its probe, and while
       // this layer is written, that probe may still be on its way.
-      const SegmentChain chain{.start =
-                                   [&] {
-                                     const std::string start = group.storeGet(segmentKey(index));
-                                     QPIPE_REQUIRE(start != kProbeFailed, ErrorCode::kDistributed, name,
-                                                   ": the layer before it failed");
-                                     return start.substr(1);
-                                   },
+      const SegmentChain chain{.start = [&] { return fromLayerBefore(segmentKey(index)).substr(1); },
                                .passOn =
                                    [&](const std::string& end) {
                                      group.storeSet(segmentKey(index + 1), "+" + end);
                                      segmentPassedOn = true;
                                    }};
       segment = options_.segments->write(index, name, layer, chain);
-      const std::string entering = group.storeGet(probeKey(index));
-      QPIPE_REQUIRE(entering != kProbeFailed, ErrorCode::kDistributed, name, ": the layer before it failed");
+      const std::string entering = fromLayerBefore(probeKey(index));
       if (entering == kProbeOff) {
         group.storeSet(probeKey(index + 1), std::string(kProbeOff));
         passedOn = true;
@@ -422,8 +422,8 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       }
       release(index);
     } catch (...) {
-      if (!passedOn) group.storeSet(probeKey(index + 1), std::string(kProbeFailed));
-      if (!segmentPassedOn) group.storeSet(segmentKey(index + 1), std::string(kProbeFailed));
+      if (!passedOn) group.storeSet(probeKey(index + 1), std::string(kLayerFailed));
+      if (!segmentPassedOn) group.storeSet(segmentKey(index + 1), std::string(kLayerFailed));
       throw;
     }
     report.seconds = secondsSince(layerStart);

@@ -395,15 +395,40 @@ int openData(const fs::path& path) {
   return fd;
 }
 
-void writeAt(int fd, const at::Tensor& tensor, uint64_t offset, const fs::path& path) {
-  const auto* bytes = static_cast<const char*>(tensor.data_ptr());
-  for (uint64_t done = 0; done < tensor.nbytes();) {
-    const ssize_t written = ::pwrite(fd, bytes + done, tensor.nbytes() - done, static_cast<off_t>(offset + done));
-    QPIPE_REQUIRE(written > 0, ErrorCode::kIo, "writing '", path.string(),
-                  "' failed (disk full?): ", std::strerror(errno));
-    done += static_cast<uint64_t>(written);
+// The shards' data files of one writer's folder, as a writer (or writePlaced) writes into them:
+// the file of the shard written last stays open.
+class DataFiles {
+ public:
+  DataFiles(const fs::path& dir, const WriterOptions& options) : dir_(dir), options_(options) {}
+
+  // A CPU contiguous tensor's bytes where a tensor placed at `at` lies in its shard's file.
+  void write(const Position& at, const at::Tensor& tensor) {
+    const fs::path path = dataPath(dir_, options_, at.shard);
+    if (shard_ != at.shard) {
+      fd_.emplace(openData(path));
+      shard_ = at.shard;
+    }
+    const auto* bytes = static_cast<const char*>(tensor.data_ptr());
+    const uint64_t offset = options_.headerReserve + at.bytes;
+    for (uint64_t done = 0; done < tensor.nbytes();) {
+      const ssize_t written =
+          ::pwrite(fd_->get(), bytes + done, tensor.nbytes() - done, static_cast<off_t>(offset + done));
+      QPIPE_REQUIRE(written > 0, ErrorCode::kIo, "writing '", path.string(),
+                    "' failed (disk full?): ", std::strerror(errno));
+      done += static_cast<uint64_t>(written);
+    }
   }
-}
+  void close() {
+    fd_.reset();
+    shard_ = -1;
+  }
+
+ private:
+  const fs::path& dir_;
+  const WriterOptions& options_;
+  std::optional<Fd> fd_;
+  int64_t shard_ = -1;
+};
 
 }  // namespace
 
@@ -415,10 +440,9 @@ struct Writer::Impl {
 
   fs::path dir;
   WriterOptions options;
+  DataFiles data{dir, options};
   std::vector<Shard> shards{1};
   std::set<std::string> names;
-  std::optional<Fd> data;  // the data file of shard `open`, for add()
-  int64_t open = -1;
   bool finished = false;
 
   Position position() const { return {static_cast<int64_t>(shards.size()) - 1, shards.back().bytes}; }
@@ -438,7 +462,7 @@ struct Writer::Impl {
   }
 
   void removeTemporaries() {
-    data.reset();
+    data.close();
     std::error_code ignored;
     for (size_t i = 0; i < shards.size(); ++i) fs::remove(dataPath(dir, options, static_cast<int64_t>(i)), ignored);
   }
@@ -463,12 +487,7 @@ void Writer::add(const std::string& name, const at::Tensor& tensor) {
   QPIPE_REQUIRE(!impl_->names.count(name), ErrorCode::kInternal, "tensor '", name, "' written twice");
   const at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
   const Position at = advance(impl_->position(), cpu.nbytes(), impl_->options.maxShardBytes);
-  const fs::path path = dataPath(impl_->dir, impl_->options, at.shard);
-  if (impl_->open != at.shard) {
-    impl_->data.emplace(openData(path));
-    impl_->open = at.shard;
-  }
-  writeAt(impl_->data->get(), cpu, impl_->options.headerReserve + at.bytes, path);
+  impl_->data.write(at, cpu);
   impl_->record(at, name, dtypeName(cpu.scalar_type()), cpu.sizes().vec(), cpu.nbytes());
 }
 
@@ -499,16 +518,8 @@ std::vector<PlacedTensor> writePlaced(const fs::path& dir, const WriterOptions& 
     at.bytes += bytes;
   }
   placed(at);
-  std::optional<Fd> data;
-  int64_t open = -1;
-  for (size_t i = 0; i < out.size(); ++i) {
-    const fs::path path = dataPath(dir, options, out[i].shard);
-    if (open != out[i].shard) {
-      data.emplace(openData(path));
-      open = out[i].shard;
-    }
-    writeAt(data->get(), tensors[i].second, options.headerReserve + out[i].info.begin, path);
-  }
+  DataFiles data(dir, options);
+  for (size_t i = 0; i < out.size(); ++i) data.write({out[i].shard, out[i].info.begin}, tensors[i].second);
   return out;
 }
 
@@ -577,7 +588,7 @@ void writeAtomically(const fs::path& finalPath, const std::string& head, const f
 
 std::vector<fs::path> Writer::finish() {
   QPIPE_CHECK(!impl_->finished, "Writer::finish called twice");
-  impl_->data.reset();
+  impl_->data.close();
   auto& shards = impl_->shards;
   const auto& prefix = impl_->options.filePrefix;
   std::vector<fs::path> written;
