@@ -234,8 +234,18 @@ TEST(Bf16Matmul, ProductsAreExactAndTheSumRoundsOnceInFp32PerAddition) {
   EXPECT_TRUE(at::equal(onOneThread([&] { return quant::bf16Matmul(a, b); }), y));
   // Several blocks of rows, shared among the threads: still the one-thread bits.
   const at::Tensor tall = (at::randn({300, 96}) * 50).to(at::kFloat8_e4m3fn).to(at::kBFloat16);
-  EXPECT_TRUE(at::equal(onOneThread([&] { return quant::bf16Matmul(tall, b.slice(1, 0, 96)); }),
-                        quant::bf16Matmul(tall, b.slice(1, 0, 96))));
+  const at::Tensor tallY = quant::bf16Matmul(tall, b.slice(1, 0, 96));
+  EXPECT_TRUE(at::equal(onOneThread([&] { return quant::bf16Matmul(tall, b.slice(1, 0, 96)); }), tallY));
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512bf16") != 0 && __builtin_cpu_supports("amx-bf16") == 0) {
+    // qpipe's vdpbf16ps kernel: a row's bits do not depend on the rows around it (its position in
+    // a block of the micro-kernel, or M), and odd K and a partial last panel take the same path.
+    EXPECT_TRUE(at::equal(quant::bf16Matmul(tall.slice(0, 5, 298), b.slice(1, 0, 96)), tallY.slice(0, 5, 298)));
+    EXPECT_TRUE(at::equal(quant::bf16Matmul(a.slice(0, 3, 4), b), y.slice(0, 3, 4)));
+    // Nor on N: b's rows in a wider panel layout give the same columns.
+    const at::Tensor more = (at::randn({26, 1031}) * 50).to(at::kFloat8_e4m3fn).to(at::kBFloat16);
+    EXPECT_TRUE(at::equal(quant::bf16Matmul(a, at::cat({b, more})).slice(1, 0, 19), y));
+  }
   // Empty operands, and shapes that do not match.
   EXPECT_EQ(quant::bf16Matmul(a.slice(0, 0, 0), b).sizes(), (std::vector<int64_t>{0, 19}));
   EXPECT_TRUE(at::equal(quant::bf16Matmul(a.slice(1, 0, 0), b.slice(1, 0, 0)), at::zeros({37, 19})));

@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_gemm.h"
 #include "qpipe/error.h"
 #include "weight_rows.h"
 
@@ -311,18 +312,26 @@ void bf16Gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, float b
   const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
   QPIPE_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == at::IntArrayRef({m, n}),
               "bf16MatmulAdd adds into a contiguous fp32 [", m, ", ", n, "], got ", out.sizes());
-  // Only with bf16 dot products: MKL's AVX2 bf16 kernel runs no faster than the fp32 GEMM, and its
-  // sums depend on the thread count (seen on a Zen 3 host), which would break rank invariance.
-  const GemmBf16F32 gemm = nativeBf16Matmul() ? mklGemmBf16F32() : nullptr;
-  if (gemm == nullptr || !a.device().is_cpu() || !b.device().is_cpu() || !out.device().is_cpu() || m == 0 || n == 0 ||
-      k == 0 || std::max({m, n, k}) > INT_MAX / 2) {
-    out.addmm_(a.to(at::kFloat), b.to(at::kFloat).t(), beta);
-    return;
-  }
+  const bool onCpu = a.device().is_cpu() && b.device().is_cpu() && out.device().is_cpu();
+  const bool empty = m == 0 || n == 0 || k == 0;
   // Rows may be spaced apart (a view of part of each row) as long as each row is contiguous.
   const auto rowMajor = [](const at::Tensor& t) {
     return t.stride(1) == 1 && t.stride(0) >= t.size(1) && t.stride(0) <= INT_MAX ? t : t.contiguous();
   };
+  if (onCpu && !empty && detail::avx512Bf16Gemm()) {
+    const at::Tensor lhs = rowMajor(a), rhs = rowMajor(b);
+    detail::avx512Bf16Gemm(static_cast<const c10::BFloat16*>(lhs.const_data_ptr()), lhs.stride(0),
+                           static_cast<const c10::BFloat16*>(rhs.const_data_ptr()), rhs.stride(0), m, n, k, beta != 0,
+                           out.mutable_data_ptr<float>());
+    return;
+  }
+  // Only with bf16 dot products: MKL's AVX2 bf16 kernel runs no faster than the fp32 GEMM, and its
+  // sums depend on the thread count (seen on a Zen 3 host), which would break rank invariance.
+  const GemmBf16F32 gemm = nativeBf16Matmul() ? mklGemmBf16F32() : nullptr;
+  if (gemm == nullptr || !onCpu || empty || std::max({m, n, k}) > INT_MAX / 2) {
+    out.addmm_(a.to(at::kFloat), b.to(at::kFloat).t(), beta);
+    return;
+  }
   const at::Tensor lhs = rowMajor(a), rhs = rowMajor(b);
   const auto i = [](int64_t v) { return static_cast<int>(v); };
   // MKL's threaded bf16 GEMM splits its sums differently for other thread counts (seen on a Zen 4
@@ -370,8 +379,7 @@ void bf16MatmulAdd(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
 bool nativeBf16Matmul() {
   static const bool native = [] {
     __builtin_cpu_init();
-    return mklGemmBf16F32() != nullptr &&
-           (__builtin_cpu_supports("avx512bf16") != 0 || __builtin_cpu_supports("amx-bf16") != 0);
+    return detail::avx512Bf16Gemm() || (mklGemmBf16F32() != nullptr && __builtin_cpu_supports("amx-bf16") != 0);
   }();
   return native;
 }

@@ -143,9 +143,10 @@ at::Tensor int8Matmul(const at::Tensor& a, const at::Tensor& b);
 
 // a [M, K] bf16 · bᵀ (b [N, K] bf16) → fp32 [M, N]; views whose rows are contiguous but spaced
 // apart are read in place. Each product of two bf16 values is exact in fp32; only the fp32
-// accumulation rounds, as in an fp32 GEMM. MKL's bf16 GEMM where LibTorch links it in and the
-// CPU has bf16 dot products (AVX512-BF16 or AMX: 5–10× an fp32 GEMM), else an fp32 GEMM of the
-// widened operands.
+// accumulation rounds, as in an fp32 GEMM. On CPUs with AVX512-BF16 and no AMX, qpipe's own
+// vdpbf16ps kernel (about 2× an fp32 GEMM; a row's bits do not depend on the other rows of the
+// call); with AMX, MKL's bf16 GEMM where LibTorch links it in (5–10× an fp32 GEMM); elsewhere an
+// fp32 GEMM of the widened operands.
 // The same bits for any thread count.
 at::Tensor bf16Matmul(const at::Tensor& a, const at::Tensor& b);
 // out (fp32 [M, N], contiguous) += a · bᵀ, under bf16Matmul's contract.
@@ -154,8 +155,8 @@ void bf16MatmulAdd(const at::Tensor& a, const at::Tensor& b, at::Tensor& out);
 // lo = bf16(x − hi), each rounded to nearest even as LibTorch's cast (NaN → NaN), in one pass;
 // [hi | lo] when hiFirst, else [lo | hi]. |x − hi − lo| ≤ 2⁻¹⁶·|x|.
 at::Tensor splitBf16(const at::Tensor& x, bool hiFirst);
-// Whether bf16Matmul runs MKL's kernel on a CPU with bf16 dot products (AVX512-BF16 or AMX), where
-// it is several times faster than an fp32 GEMM; elsewhere it is slower than one.
+// Whether bf16Matmul runs on bf16 dot products (AVX512-BF16, or AMX through MKL), where it is
+// several times faster than an fp32 GEMM; elsewhere it is slower than one.
 bool nativeBf16Matmul();
 // quantize()'s E4M3 values of a 2-D fp32 CPU x (x / scale clamped to ±448, rounded to nearest
 // even) as bf16, which holds each exactly. scale: one value, or one per row.
