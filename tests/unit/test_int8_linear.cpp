@@ -236,8 +236,7 @@ TEST(Bf16Matmul, ProductsAreExactAndTheSumRoundsOnceInFp32PerAddition) {
   const at::Tensor tall = (at::randn({300, 96}) * 50).to(at::kFloat8_e4m3fn).to(at::kBFloat16);
   const at::Tensor tallY = quant::bf16Matmul(tall, b.slice(1, 0, 96));
   EXPECT_TRUE(at::equal(onOneThread([&] { return quant::bf16Matmul(tall, b.slice(1, 0, 96)); }), tallY));
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512bf16") != 0 && __builtin_cpu_supports("amx-bf16") == 0) {
+  if (quant::bf16MatmulKernel() == quant::Bf16Kernel::kAvx512Bf16) {
     // qpipe's vdpbf16ps kernel: a row's bits do not depend on the rows around it (its position in
     // a block of the micro-kernel, or M), and odd K and a partial last panel take the same path.
     EXPECT_TRUE(at::equal(quant::bf16Matmul(tall.slice(0, 5, 298), b.slice(1, 0, 96)), tallY.slice(0, 5, 298)));
@@ -365,8 +364,9 @@ TEST(QuantLinear, WeightOnlyFp32RunsBf16x3WhereTheCpuHasBf16AndTheFp32GemmElsewh
   const at::Tensor y = deployed->forward(x);
   const at::Tensor dequantized = deployed->dequantizedWeight();
   expectWithinBf16x3(y, x, dequantized, linear.bias());
-  const at::Tensor expected = quant::nativeBf16Matmul() ? *Bf16x3Linear(dequantized).forward(x, linear.bias())
-                                                        : at::linear(x, dequantized, linear.bias());
+  const at::Tensor expected = quant::bf16MatmulKernel() == quant::Bf16Kernel::kAmx
+                                  ? *Bf16x3Linear(dequantized).forward(x, linear.bias())
+                                  : at::linear(x, dequantized, linear.bias());
   EXPECT_TRUE(at::equal(y, expected));
 }
 

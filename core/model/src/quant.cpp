@@ -327,7 +327,7 @@ void bf16Gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, float b
   }
   // Only with bf16 dot products: MKL's AVX2 bf16 kernel runs no faster than the fp32 GEMM, and its
   // sums depend on the thread count (seen on a Zen 3 host), which would break rank invariance.
-  const GemmBf16F32 gemm = nativeBf16Matmul() ? mklGemmBf16F32() : nullptr;
+  const GemmBf16F32 gemm = bf16MatmulKernel() == Bf16Kernel::kAmx ? mklGemmBf16F32() : nullptr;
   if (gemm == nullptr || !onCpu || empty || std::max({m, n, k}) > INT_MAX / 2) {
     out.addmm_(a.to(at::kFloat), b.to(at::kFloat).t(), beta);
     return;
@@ -376,12 +376,14 @@ void bf16MatmulAdd(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   bf16Gemm(a, b, out, 1.0f);
 }
 
-bool nativeBf16Matmul() {
-  static const bool native = [] {
+Bf16Kernel bf16MatmulKernel() {
+  static const Bf16Kernel kernel = [] {
     __builtin_cpu_init();
-    return detail::avx512Bf16Gemm() || (mklGemmBf16F32() != nullptr && __builtin_cpu_supports("amx-bf16") != 0);
+    if (detail::avx512Bf16Gemm()) return Bf16Kernel::kAvx512Bf16;
+    return mklGemmBf16F32() != nullptr && __builtin_cpu_supports("amx-bf16") != 0 ? Bf16Kernel::kAmx
+                                                                                  : Bf16Kernel::kFp32;
   }();
-  return native;
+  return kernel;
 }
 
 at::Tensor toFp8E4m3(const at::Tensor& x) {

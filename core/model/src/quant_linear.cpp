@@ -194,15 +194,17 @@ std::variant<Int8Linear, Fp8Linear> makeGemm(const at::Tensor& qweight, const at
   return Fp8Linear(qweight, scale);
 }
 
-// Weight-only fp32 Linears on a CPU with bf16 dot products, unless QPIPE_WEIGHT_ONLY_FP32=1 asks
-// for the fp32 GEMM of the dequantized weight.
+// Weight-only fp32 Linears on a CPU with AMX, unless QPIPE_WEIGHT_ONLY_FP32=1 asks for the fp32
+// GEMM of the dequantized weight. bf16x3 makes three times the products of one fp32 GEMM, so it
+// pays only where bf16 GEMMs run several times faster: with AVX512-BF16 alone (about 2×) a
+// W4A16 eval ran at 0.75× the fp32 GEMM's speed (docs/benchmarks.md).
 bool bf16x3Applies(const std::optional<ActivationQuant>& input, at::ScalarType computeDtype) {
   static const bool fp32 = [] {
     const char* env = std::getenv("QPIPE_WEIGHT_ONLY_FP32");
     return env != nullptr && std::string_view(env) == "1";
   }();
   return !fp32 && (!input || input->scheme.dtype == quant::QDtype::kFloat) && computeDtype == at::kFloat &&
-         quant::nativeBf16Matmul();
+         quant::bf16MatmulKernel() == quant::Bf16Kernel::kAmx;
 }
 
 }  // namespace

@@ -155,9 +155,10 @@ void bf16MatmulAdd(const at::Tensor& a, const at::Tensor& b, at::Tensor& out);
 // lo = bf16(x − hi), each rounded to nearest even as LibTorch's cast (NaN → NaN), in one pass;
 // [hi | lo] when hiFirst, else [lo | hi]. |x − hi − lo| ≤ 2⁻¹⁶·|x|.
 at::Tensor splitBf16(const at::Tensor& x, bool hiFirst);
-// Whether bf16Matmul runs on bf16 dot products (AVX512-BF16, or AMX through MKL), where it is
-// several times faster than an fp32 GEMM; elsewhere it is slower than one.
-bool nativeBf16Matmul();
+// What bf16Matmul runs on this CPU: AMX through MKL (5–10× an fp32 GEMM), qpipe's AVX512-BF16
+// kernel (about 2×), or an fp32 GEMM of the widened operands (a little slower than one).
+enum class Bf16Kernel { kAmx, kAvx512Bf16, kFp32 };
+Bf16Kernel bf16MatmulKernel();
 // quantize()'s E4M3 values of a 2-D fp32 CPU x (x / scale clamped to ±448, rounded to nearest
 // even) as bf16, which holds each exactly. scale: one value, or one per row.
 at::Tensor fp8ValuesBf16(const at::Tensor& x, const at::Tensor& scale);

@@ -68,7 +68,7 @@ class Fp8Linear {
 };
 
 // The GEMM of a weight-only quantized Linear (float inputs, a weight known to fp32 as its
-// dequantized values) on CPUs with bf16 dot products (quant::nativeBf16Matmul). "bf16x3": x and w
+// dequantized values) on CPUs with AMX (quant::Bf16Kernel::kAmx). "bf16x3": x and w
 // are each split into bf16 parts, v = hi + lo + δ with |δ| ≤ 2⁻¹⁶·|v|, and
 //   y = b + (x_lo·w_hiᵀ + x_hi·w_loᵀ) + x_hi·w_hiᵀ
 // in two bf16 GEMMs with exact products and fp32 sums. Each dropped term is below 2⁻¹⁶ of
