@@ -180,7 +180,7 @@ std::vector<std::pair<std::string, Module*>> modulesOf(Module& root, const Task&
 }
 
 // This module's own parameter or buffer `name` as the executor holds it; on the other ranks a new
-// tensor of the executor's dtype and shape, for the broadcast to fill (never the one held before,
+// tensor of the executor's dtype and shape, for the exchange to fill (never the one held before,
 // whose storage may be shared, e.g. with the checkpoint's mapping).
 at::Tensor slotFor(Module& module, bool parameter, const std::string& name, at::ScalarType dtype,
                    const std::vector<int64_t>& shape, bool executor) {
@@ -197,28 +197,41 @@ at::Tensor slotFor(Module& module, bool parameter, const std::string& name, at::
   return fresh;
 }
 
-// `tensors` (the same dtypes and shapes on every rank) from `root`, in one collective: their bytes
-// packed into one buffer, so backends without a dtype (fp8) are no obstacle.
-void broadcastTogether(ProcessGroup& group, const std::vector<at::Tensor>& tensors, int root) {
-  int64_t total = 0;
-  for (const at::Tensor& t : tensors) total += static_cast<int64_t>(t.nbytes());
-  if (total == 0) return;
-  at::Tensor flat = at::empty({total}, at::kByte);
-  const bool sending = group.rank() == root;
+// Every executor's tensors to every rank in one variable all-gather: fromRank[r] holds, on every
+// rank, the tensors rank r executed (the same dtypes and shapes everywhere; on r itself the
+// values to send, elsewhere the slots to fill). Their bytes travel packed, so backends without a
+// dtype (fp8) are no obstacle. One broadcast per executor cost W collectives a wave instead:
+// 66 a wave at 64 ranks, most of a wave's time in the projection (docs/benchmarks.md).
+void exchangeTogether(ProcessGroup& group, const std::vector<std::vector<at::Tensor>>& fromRank) {
+  const auto bytesOf = [](const std::vector<at::Tensor>& tensors) {
+    int64_t total = 0;
+    for (const at::Tensor& t : tensors) total += static_cast<int64_t>(t.nbytes());
+    return total;
+  };
+  int64_t all = 0;
+  for (const auto& tensors : fromRank) all += bytesOf(tensors);
+  if (all == 0) return;
+  const auto me = static_cast<size_t>(group.rank());
+  at::Tensor flat = at::empty({bytesOf(fromRank[me])}, at::kByte);
   int64_t offset = 0;
-  for (const at::Tensor& t : tensors) {
+  for (const at::Tensor& t : fromRank[me]) {
     const int64_t n = static_cast<int64_t>(t.nbytes());
-    if (sending && n > 0) flat.narrow(0, offset, n).copy_(byteView(t.contiguous().cpu()));
+    if (n > 0) flat.narrow(0, offset, n).copy_(byteView(t.contiguous().cpu()));
     offset += n;
   }
-  group.broadcast(flat, root);
-  if (sending) return;
-  offset = 0;
-  for (const at::Tensor& t : tensors) {
-    const int64_t n = static_cast<int64_t>(t.nbytes());
-    if (n > 0)
-      const_cast<at::Tensor&>(t).copy_(flat.narrow(0, offset, n).clone().view(t.scalar_type()).view(t.sizes()));
-    offset += n;
+  const std::vector<at::Tensor> parts = group.allGather(flat);
+  for (size_t r = 0; r < fromRank.size(); ++r) {
+    if (r == me) continue;
+    QPIPE_CHECK(parts[r].numel() == bytesOf(fromRank[r]), "rank ", r, " sent ", parts[r].numel(),
+                " bytes of synced tensors, this rank expected ", bytesOf(fromRank[r]));
+    offset = 0;
+    for (const at::Tensor& t : fromRank[r]) {
+      const int64_t n = static_cast<int64_t>(t.nbytes());
+      if (n > 0) {
+        const_cast<at::Tensor&>(t).copy_(parts[r].narrow(0, offset, n).clone().view(t.scalar_type()).view(t.sizes()));
+      }
+      offset += n;
+    }
   }
 }
 
@@ -421,7 +434,7 @@ struct DistributedTaskScheduler::Impl {
   }
 
   // Step 3, on every rank in submit order: a task's own sync; else each module's own tensors
-  // (level 2) or its parameters and buffers (level 3), broadcast together per executor.
+  // (level 2) or its parameters and buffers (level 3), all executors' in one exchange.
   void sync(const Wave& wave, const std::vector<Outcome>& outcomes, size_t w, std::vector<TaskRecord>& records) {
     SyncContext context{root, group};
     std::vector<std::vector<at::Tensor>> fromRank(static_cast<size_t>(group.worldSize()));
@@ -464,7 +477,7 @@ struct DistributedTaskScheduler::Impl {
       batched.push_back(&record);
     }
     const auto start = Clock::now();
-    for (int r = 0; r < group.worldSize(); ++r) broadcastTogether(group, fromRank[static_cast<size_t>(r)], r);
+    exchangeTogether(group, fromRank);
     for (auto& [synced, record] : own) synced->syncDone(*record, context);
     const double share = batched.empty() ? 0 : since(start) / static_cast<double>(batched.size());
     for (TaskRecord* record : batched) record->syncSeconds = share;

@@ -15,9 +15,12 @@ Each parallel wave of each scheduler run is replayed on N ranks:
                (the scheduler's guided chunks), paying one store round trip (a tenth of a
                collective) per claim;
   round-robin  task i runs on rank i mod N;
-then the wave's sync: 2 + min(N, tasks) collectives (agreement, outcomes, one broadcast per
-executor; 2 when its tasks broadcast nothing, as a search's candidates), each costing latency · log2(N) (a tree's depth; the measured latency is at N = 2), plus
-the wave's bytes at the bandwidth. The projected speed-up of the sub-task phase is Σ task seconds
+then the wave's collectives, as the scheduler makes them: the agreement (an all-reduce), the
+outcomes (a variable all-gather: the sizes, then the bytes) and, when its tasks sync tensors, those
+tensors (another variable all-gather); 3 or 5 collectives whatever N, each costing
+latency · log2(N) (recursive doubling's depth, as NCCL's trees and MPI; Gloo's ring all-gather
+takes N - 1 steps; the measured latency is at N = 2), plus the wave's synced bytes at the
+bandwidth. The projected speed-up of the sub-task phase is Σ task seconds
 over Σ (makespan + sync). The rest of a run (loading, the calibration forward, saving) is not
 part of it.
 """
@@ -111,8 +114,8 @@ def main():
                     projected += sum(costs)
                     continue
                 sent = sum(b for _, b in tasks)
-                broadcasts = min(n, len(tasks)) if sent > 0 else 0
-                sync = (2 + broadcasts) * latency * depth + sent / (args.bandwidth_gbs * 1e9)
+                collectives = 5 if sent > 0 else 3
+                sync = collectives * latency * depth + sent / (args.bandwidth_gbs * 1e9)
                 projected += makespan(costs, n, dynamic, latency / 10) + sync
             speedup = total / projected if projected else 1.0
             print(f"| {n} | {'dynamic' if dynamic else 'round-robin'} | {projected:.2f} | {speedup:.2f}x | "
