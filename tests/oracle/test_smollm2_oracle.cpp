@@ -31,6 +31,29 @@ class SmolLM2 : public ::testing::Test {
   }
 };
 
+// A data-free run tokenizes only the start of its calibration file, for the report's probe: it
+// must be the start of the stream a calibrating run cuts its windows from, also where a text's
+// last token changes with the text after it ("hello  " ends in "ĠĠ" alone, "ĠĠĊ" before a blank line).
+TEST_F(SmolLM2, ProbeTokensAreTheStartOfTheWholeStream) {
+  const Tokenizer tokenizer = Tokenizer::fromFile(kModel / "tokenizer.json");
+  const fs::path edges =
+      test::writeTempFile("edges.jsonl", "{\"text\": \"hello  \"}\n{\"text\": \"x\\n\"}\n{\"text\": \"world\"}\n");
+  for (const fs::path& data : {kData / "calib.jsonl", kData / "eval.jsonl", edges}) {
+    const std::vector<int64_t> whole = encodeDataset(data, tokenizer).ids;
+    for (const size_t count : {size_t{1}, size_t{2}, size_t{5}, size_t{32}, size_t{512}, whole.size()}) {
+      if (count > whole.size()) continue;
+      EXPECT_EQ(encodeDatasetPrefix(data, tokenizer, static_cast<int64_t>(count)),
+                std::vector<int64_t>(whole.begin(), whole.begin() + static_cast<std::ptrdiff_t>(count)))
+          << data << ", " << count << " tokens";
+    }
+  }
+  const size_t tokens = encodeDataset(edges, tokenizer).ids.size();
+  EXPECT_EQ(test::errorOf([&] { encodeDatasetPrefix(edges, tokenizer, static_cast<int64_t>(tokens) + 1); },
+                          ErrorCode::kInput),
+            concat(edges.string(), ": ", tokens, " tokens, fewer than the ", tokens + 1,
+                   " the report's probe reads (--probe_tokens)"));
+}
+
 TEST_F(SmolLM2, TokenizerMatchesHuggingFaceOnRealLines) {
   std::vector<std::string> lines;
   for (const char* file : {"eval.jsonl", "calib.jsonl"}) {

@@ -162,16 +162,26 @@ QuantizeResult quantize(const QuantizeOptions& options) {
   std::unique_ptr<CheckpointSaver> saver;
   if (saves) saver = prepared.registry.createSaver(saving.type, saving.config, *model, options.savePath);
   // A pipeline that trains the whole model on chat data trains on the chats (SFT); any other run
-  // calibrates on windows of the text. A data-free run without the report's probe reads none.
+  // calibrates on windows of the text. A data-free run reads only the tokens of the report's probe,
+  // on the rank that writes the report (rank 0), or none without the probe.
   const bool calibrates = std::any_of(prepared.processors.begin(), prepared.processors.end(),
                                       [](const auto& processor) { return needsCalibration(*processor); });
-  const bool readsData = calibrates || options.probeTokens > 0 || anyWholeModel(prepared.processors);
+  const bool probesOnly = !calibrates && !anyWholeModel(prepared.processors) && options.probeTokens > 0;
+  const bool readsData = calibrates || anyWholeModel(prepared.processors) || (probesOnly && saves);
   const std::optional<Tokenizer> tokenizer =
       readsData ? std::optional(Tokenizer::fromFile(options.modelPath / "tokenizer.json")) : std::nullopt;
   std::vector<at::Tensor> samples, labels;
   std::vector<DataSample> records;
   if (anyWholeModel(prepared.processors)) records = loadDataset(prepared.calibData);
-  if (!readsData) {
+  if (probesOnly) {
+    if (readsData) {
+      const int64_t tokens = std::min(options.probeTokens, options.seqLen);
+      samples.push_back(
+          at::tensor(encodeDatasetPrefix(prepared.calibData, *tokenizer, tokens), at::kLong).unsqueeze(0));
+      logger->info("calibration: none (a data-free pipeline); the report's probe reads the first ", tokens,
+                   " tokens of ", prepared.calibData.string());
+    }
+  } else if (!readsData) {
     logger->info("calibration: none (a data-free pipeline, --probe_tokens 0)");
   } else if (std::any_of(records.begin(), records.end(),
                          [](const DataSample& record) { return !record.turns.empty(); })) {
@@ -190,7 +200,7 @@ QuantizeResult quantize(const QuantizeOptions& options) {
   }
   const std::vector<at::Tensor> share = rankShare(samples, group.rank(), group.worldSize());
   if (group.worldSize() > 1) {
-    if (readsData) {
+    if (readsData && !probesOnly) {
       logger->info("calibration: ", share.size(), " of ", samples.size(), " samples x ", options.seqLen,
                    " tokens from ", prepared.calibData.string());
     }
@@ -199,7 +209,7 @@ QuantizeResult quantize(const QuantizeOptions& options) {
     QPIPE_REQUIRE(!calibrates || !share.empty(), ErrorCode::kUsage, samples.size(), " calibration samples for ",
                   group.worldSize(), " ranks: every rank needs one; give --calib_samples ", group.worldSize(),
                   " or more, or use fewer devices");
-  } else if (readsData && labels.empty()) {
+  } else if (readsData && !probesOnly && labels.empty()) {
     logger->info("calibration: ", samples.size(), " samples x ", options.seqLen, " tokens from ",
                  prepared.calibData.string());
   }

@@ -250,6 +250,25 @@ TokenStream encodeDataset(const std::filesystem::path& path, const Tokenizer& to
   return {tokenizer.encode(joinEvalTexts(texts), /*addSpecialTokens=*/false), texts.size()};
 }
 
+std::vector<int64_t> encodeDatasetPrefix(const std::filesystem::path& path, const Tokenizer& tokenizer, int64_t count) {
+  std::vector<std::string> texts;
+  for (auto& sample : loadDataset(path)) texts.push_back(std::move(sample.text));
+  const auto encodeFirst = [&](size_t n) {
+    return tokenizer.encode(joinEvalTexts({texts.begin(), texts.begin() + static_cast<std::ptrdiff_t>(n)}),
+                            /*addSpecialTokens=*/false);
+  };
+  // Doubling the texts tried keeps the work within twice what the final prefix costs.
+  size_t held = 1;
+  while (held < texts.size() && static_cast<int64_t>(encodeFirst(held).size()) < count) {
+    held = std::min(2 * held, texts.size());
+  }
+  std::vector<int64_t> ids = encodeFirst(std::min(held + 1, texts.size()));
+  QPIPE_REQUIRE(static_cast<int64_t>(ids.size()) >= count, ErrorCode::kInput, path.string(), ": ", ids.size(),
+                " tokens, fewer than the ", count, " the report's probe reads (--probe_tokens)");
+  ids.resize(static_cast<size_t>(count));
+  return ids;
+}
+
 std::vector<at::Tensor> calibrationWindows(const TokenStream& stream, const std::string& origin, int64_t count,
                                            int64_t seqLen) {
   const int64_t available = static_cast<int64_t>(stream.ids.size()) / seqLen;

@@ -59,6 +59,11 @@ struct TokenStream {
 TokenStream encodeDataset(const std::filesystem::path& path, const Tokenizer& tokenizer,
                           const DatasetOptions& options = {});
 
+// The first `count` tokens of encodeDataset's stream, tokenizing only the texts that hold them and
+// the one after (a text's last tokens can depend on what follows it; its first ones do not): what
+// a run reads that only probes. Error(kInput) naming the file when the whole stream is shorter.
+std::vector<int64_t> encodeDatasetPrefix(const std::filesystem::path& path, const Tokenizer& tokenizer, int64_t count);
+
 // Calibration samples: the first `count` windows of `seqLen` tokens of the stream, each [1, seqLen]
 // int64, non-overlapping from the start (as perplexity windows are cut). Fewer, with a warning naming `origin`, when
 // the stream is short; Error(kInput) naming `origin` when not one window fits.
