@@ -237,7 +237,7 @@ TEST(QuantFake, KeepsInputDtype) {
 
 // quantize's and fakeQuantize's one-pass kernels (fp32, every int and FP8 scope) against the
 // definition in tensor ops: the same bits.
-TEST(QuantFake, OnePassKernelsAreTheTensorOpMathBitForBit) {
+TEST(QuantFake, OnePassKernelsAreTheTensorOpMathBitForBit) {  // quantize, fakeQuantize, dequantize
   at::manual_seed(11);
   // Rows: random, ties at .5 after scaling, saturating both ends, an all-zero token (its
   // per-token scale is the epsilon floor), large values; odd widths leave a vector tail.
@@ -276,6 +276,11 @@ TEST(QuantFake, OnePassKernelsAreTheTensorOpMathBitForBit) {
             fake = fake.reshape(input.sizes());
             EXPECT_TRUE(at::equal(fakeQuantize(input, params, s).view(at::kInt), fake.contiguous().view(at::kInt)))
                 << s.name();
+            if (dtype != QDtype::kFp8E4m3) {  // dequantize's one-pass kernel on the codes
+              EXPECT_TRUE(at::equal(dequantize(quantize(input, params, s), params, s).view(at::kInt),
+                                    fake.contiguous().view(at::kInt)))
+                  << s.name();
+            }
           }
         }
       }
@@ -362,6 +367,22 @@ TEST(QuantPack, Int4RoundTripsRandom) {
   const at::Tensor q = at::randint(-8, 8, {5, 37}, at::kChar);
   EXPECT_EQ(packInt4(q).sizes(), at::IntArrayRef({5, 5}));
   EXPECT_TRUE(at::equal(unpackInt4(packInt4(q), 37), q));
+  const at::Tensor whole = at::randint(-8, 8, {3, 64}, at::kChar);  // no partial word
+  EXPECT_TRUE(at::equal(unpackInt4(packInt4(whole), 64), whole));
+}
+
+TEST(QuantPack, Int4RefusesCodesOutsideItsRange) {
+  // In a whole word and in the last, partial one; 8 and -9 are the nearest, ±127 and -128 the
+  // bytes whose top bit the word-at-a-time check flips.
+  for (const int64_t column : {0, 5, 7, 33, 36}) {
+    for (const int value : {8, -9, 127, -128}) {
+      at::Tensor q = at::zeros({2, 37}, at::kChar);
+      q[1][column] = value;
+      EXPECT_NE(test::errorOf([&] { packInt4(q); }, ErrorCode::kInternal).find("packInt4 values must lie in [-8, 7]"),
+                std::string::npos)
+          << "column " << column << ", value " << value;
+    }
+  }
 }
 
 TEST(QuantSsz, HandComputedTwoChannels) {

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <type_traits>
 #include <vector>
@@ -511,28 +512,78 @@ template <typename Out, typename Emit>
   fp8Rows(x, out, begin, end, cols, scale, perRow, [](float v, float) { return fp8ValueBf16Bits(v); });
 }
 
-// The fast paths of quantize() and fakeQuantize(): an fp32 CPU tensor whose scheme's parameters
-// are per row (per_tensor, per_token, per_channel, per_group). Returns false when they do not apply.
-bool rowKernel(const at::Tensor& x, const QParams& params, const QScheme& scheme, at::Tensor& out, bool codes) {
-  // Rows of the last dimension share parameters (per_tensor: all of them); per_group cuts each
-  // weight row into rows of group_size.
+// (q - z) · s over rows of `cols` codes, each row with its own s and z or all with the first: the
+// tensor ops' one rounding per element (the difference of two small integers is exact).
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void dequantizeRows(const int8_t* q, float* out,
+                                                                                int64_t begin, int64_t end,
+                                                                                int64_t cols, const float* scale,
+                                                                                const float* zero, bool perRow) {
+  for (int64_t r = begin; r < end; ++r) {
+    const float s = scale[perRow ? r : 0];
+    const float z = zero[perRow ? r : 0];
+    const int8_t* in = q + r * cols;
+    float* o = out + r * cols;
+    for (int64_t c = 0; c < cols; ++c) o[c] = (static_cast<float>(in[c]) - z) * s;
+  }
+}
+
+// How a CPU tensor `x` of the row kernels' dtype `dtype` splits into rows of the last dimension
+// that share the scheme's parameters (per_tensor: all rows; per_group cuts each weight row into
+// rows of group_size), with the parameters as fp32: unset when they do not split so.
+struct ParamRows {
+  at::Tensor input;  // x, contiguous
+  int64_t rows = 0, cols = 0;
+  at::Tensor scale, zero;
+  bool perRow = false;
+};
+std::optional<ParamRows> paramRows(const at::Tensor& x, at::ScalarType dtype, const QParams& params,
+                                   const QScheme& scheme) {
   const bool weightRows =
       x.dim() == 2 &&
       (scheme.scope == QScope::kPerChannel ||
        (scheme.scope == QScope::kPerGroup && scheme.groupSize > 0 && x.size(1) % scheme.groupSize == 0));
   const bool rowwise = scheme.scope == QScope::kPerTensor || scheme.scope == QScope::kPerToken || weightRows;
-  const bool fp8 = scheme.dtype == QDtype::kFp8E4m3;
-  if (!(isInt(scheme.dtype) || fp8) || !rowwise || x.scalar_type() != at::kFloat || !x.device().is_cpu() ||
-      x.dim() == 0 || x.size(-1) == 0) {
-    return false;
+  if (!rowwise || x.scalar_type() != dtype || !x.device().is_cpu() || x.dim() == 0 || x.size(-1) == 0) {
+    return std::nullopt;
   }
-  const at::Tensor input = x.contiguous();
-  const int64_t cols = scheme.scope == QScope::kPerGroup ? scheme.groupSize : input.size(-1);
-  const int64_t rows = input.numel() / cols;
-  const at::Tensor scale = params.scale.to(at::kFloat).contiguous();
-  const at::Tensor zero = params.zeroPoint.to(at::kFloat).contiguous();
-  const bool perRow = scale.numel() != 1;
-  if (perRow && (scale.numel() != rows || zero.numel() != rows)) return false;
+  ParamRows split{.input = x.contiguous()};
+  split.cols = scheme.scope == QScope::kPerGroup ? scheme.groupSize : split.input.size(-1);
+  split.rows = split.input.numel() / split.cols;
+  split.scale = params.scale.to(at::kFloat).contiguous();
+  split.zero = params.zeroPoint.to(at::kFloat).contiguous();
+  split.perRow = split.scale.numel() != 1;
+  if (split.perRow && (split.scale.numel() != split.rows || split.zero.numel() != split.rows)) return std::nullopt;
+  return split;
+}
+
+// The fast path of dequantize() for int codes: one pass, no temporaries.
+bool dequantizeKernel(const at::Tensor& q, const QParams& params, const QScheme& scheme, at::Tensor& out) {
+  if (!isInt(scheme.dtype)) return false;
+  const std::optional<ParamRows> split = paramRows(q, at::kChar, params, scheme);
+  if (!split) return false;
+  out = at::empty(split->input.sizes(), split->input.options().dtype(at::kFloat));
+  const int8_t* in = split->input.const_data_ptr<int8_t>();
+  const float* s = split->scale.const_data_ptr<float>();
+  const float* z = split->zero.const_data_ptr<float>();
+  float* o = out.mutable_data_ptr<float>();
+  at::parallel_for(0, split->rows, std::max<int64_t>(1, 16384 / split->cols), [&](int64_t begin, int64_t end) {
+    dequantizeRows(in, o, begin, end, split->cols, s, z, split->perRow);
+  });
+  return true;
+}
+
+// The fast paths of quantize() and fakeQuantize(): an fp32 CPU tensor whose scheme's parameters
+// are per row (per_tensor, per_token, per_channel, per_group). Returns false when they do not apply.
+bool rowKernel(const at::Tensor& x, const QParams& params, const QScheme& scheme, at::Tensor& out, bool codes) {
+  const bool fp8 = scheme.dtype == QDtype::kFp8E4m3;
+  if (!(isInt(scheme.dtype) || fp8)) return false;
+  const std::optional<ParamRows> split = paramRows(x, at::kFloat, params, scheme);
+  if (!split) return false;
+  const at::Tensor& input = split->input;
+  const int64_t cols = split->cols, rows = split->rows;
+  const at::Tensor& scale = split->scale;
+  const at::Tensor& zero = split->zero;
+  const bool perRow = split->perRow;
   out = at::empty(input.sizes(), input.options().dtype(!codes ? at::kFloat : fp8 ? at::kFloat8_e4m3fn : at::kChar));
   const float lo = fp8 ? 0 : static_cast<float>(qmin(scheme.dtype));
   const float hi = fp8 ? 0 : static_cast<float>(qmax(scheme.dtype));
@@ -716,6 +767,7 @@ at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme&
     return (grouped(fromFp4E2m1(q), scheme) * groupedParam(fp4Divisor(params, scheme.dtype), scheme))
         .reshape(q.sizes());
   }
+  if (at::Tensor out; dequantizeKernel(q, params, scheme, out)) return out;
   const at::Tensor values = grouped(q.to(at::kFloat), scheme);
   const at::Tensor scale = groupedParam(params.scale, scheme);
   if (scheme.dtype == QDtype::kFp8E4m3) return (values * scale).reshape(q.sizes());
@@ -835,20 +887,37 @@ at::Tensor packInt4(const at::Tensor& q, int64_t dim) {
   const int8_t* in = rows.const_data_ptr<int8_t>();
   int32_t* out = packed.mutable_data_ptr<int32_t>();
   std::atomic<bool> inRange = true;
+  // Eight codes at a time as the bytes of one word, then the last word's codes (padding nibbles
+  // stay 0).
+  const int64_t whole = size / kInt4PerWord;
   at::parallel_for(0, count, std::max<int64_t>(1, 65536 / std::max<int64_t>(size, 1)), [&](int64_t begin, int64_t end) {
-    bool ok = true;
+    bool bad = false;
     for (int64_t r = begin; r < end; ++r) {
-      for (int64_t w = 0; w < words; ++w) {
-        uint32_t word = 0;
-        for (int64_t k = 0; k < kInt4PerWord && w * kInt4PerWord + k < size; ++k) {
-          const int32_t v = in[r * size + w * kInt4PerWord + k];
-          ok = ok && v >= -8 && v <= 7;
-          word |= static_cast<uint32_t>(v + 8) << (4 * k);  // padding nibbles stay 0
-        }
-        out[r * words + w] = static_cast<int32_t>(word);  // the unsigned pattern, stored as int32
+      const int8_t* row = in + r * size;
+      int32_t* packedRow = out + r * words;
+      for (int64_t w = 0; w < whole; ++w) {
+        uint64_t codes = 0;
+        std::memcpy(&codes, row + w * kInt4PerWord, sizeof codes);
+        // Each byte + 8 modulo 256 (the low seven bits added, the top one flipped back), which is
+        // below 16 exactly for the codes in [-8, 7].
+        constexpr uint64_t kLow7 = 0x7F7F7F7F7F7F7F7FULL, kTop = 0x8080808080808080ULL;
+        const uint64_t biased = ((codes & kLow7) + 0x0808080808080808ULL) ^ (codes & kTop);
+        bad |= (biased & 0xF0F0F0F0F0F0F0F0ULL) != 0;
+        // Byte k's nibble to bits 4k..4k+3 (little-endian: byte k is code k).
+        uint64_t word = (biased | (biased >> 4)) & 0x00FF00FF00FF00FFULL;
+        word = (word | (word >> 8)) & 0x0000FFFF0000FFFFULL;
+        word = (word | (word >> 16)) & 0xFFFFFFFFULL;
+        packedRow[w] = static_cast<int32_t>(static_cast<uint32_t>(word));  // the unsigned pattern, stored as int32
       }
+      uint32_t last = 0;
+      for (int64_t k = 0; whole * kInt4PerWord + k < size; ++k) {
+        const int32_t v = row[whole * kInt4PerWord + k];
+        bad |= (v < -8) | (v > 7);
+        last |= static_cast<uint32_t>(v + 8) << (4 * k);
+      }
+      if (whole < words) packedRow[whole] = static_cast<int32_t>(last);
     }
-    if (!ok) inRange.store(false);
+    if (bad) inRange.store(false);
   });
   QPIPE_CHECK(inRange, "packInt4 values must lie in [-8, 7]");
   packed = packed.to(q.device());
