@@ -265,8 +265,12 @@ TEST(QuantMultirank, TwoRanksWriteTheCheckpointOfOne) {
     ASSERT_EQ(multi.exitCode, 0) << multi.err;
     EXPECT_NE(multi.err.find("] [info] launched 2 ranks (pids "), std::string::npos) << multi.err;
     EXPECT_EQ(multi.err.find(", forked\n") == std::string::npos, exec) << multi.err;
-    EXPECT_NE(multi.err.find("[rank 1/2] [info] calibration: 2 of 4 samples x 32 tokens"), std::string::npos)
+    // Data-free: only rank 0, which writes the report, reads the tokens of its probe.
+    EXPECT_NE(multi.err.find("[rank 0/2] [info] calibration: none (a data-free pipeline); the report's probe reads "
+                             "the first 32 tokens of "),
+              std::string::npos)
         << multi.err;
+    EXPECT_EQ(multi.err.find("[rank 1/2] [info] data: "), std::string::npos) << multi.err;
     // Rank 0 alone prints the summary and saves.
     EXPECT_EQ(lastLine(multi.out).rfind("saved compressed_tensors checkpoint to " + two.string() + " in ", 0), 0u)
         << multi.out;
@@ -472,7 +476,8 @@ TEST(QuantMultirank, TorchrunStyleRanksWriteTheLauncherCheckpoint) {
   for (int rank = 0; rank < 2; ++rank) {
     EXPECT_EQ(waitFor(ranks[rank], std::chrono::seconds(60)), 0) << qpipe::test::slurp(ranks[rank].err);
   }
-  EXPECT_NE(qpipe::test::slurp(ranks[1].err).find("[rank 1/2] [info] calibration: 2 of 4 samples"), std::string::npos)
+  EXPECT_NE(qpipe::test::slurp(ranks[1].err).find("[rank 1/2] [info] runner: 2 decoder layers split over 2 ranks"),
+            std::string::npos)
       << qpipe::test::slurp(ranks[1].err);
   EXPECT_EQ(qpipe::test::slurp(ranks[1].out), "") << "only rank 0 prints the summary";
   expectSameCheckpoint(launched, external);
