@@ -368,6 +368,10 @@ TEST(QuantLinear, WeightOnlyFp32RunsBf16x3WhereTheCpuHasBf16AndTheFp32GemmElsewh
                                   ? *Bf16x3Linear(dequantized).forward(x, linear.bias())
                                   : at::linear(x, dequantized, linear.bias());
   EXPECT_TRUE(at::equal(y, expected));
+  if (quant::bf16MatmulKernel() != quant::Bf16Kernel::kAmx) {  // the probe's GEMM of few rows: a float Linear's
+    const FewRowsGemm fewRows;
+    EXPECT_TRUE(at::equal(deployed->forward(x), Linear(dequantized, linear.bias())(x)));
+  }
 }
 
 // y = (Σ fx·fw) · (sx·sw) + b with the sum in double, rounded to fp32 once: Fp8Linear's result

@@ -1,8 +1,13 @@
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include <array>
+#include <cmath>
 #include <fstream>
 #include <limits>
+#include <string>
+#include <thread>
 
 #include "qpipe/model.h"
 #include "qpipe/module.h"
@@ -41,6 +46,60 @@ TEST(ModuleTree, ALibTorchErrorInAForwardIsOneLineNamingTheModule) {
                 ErrorCode::kInternal),
             "model.layers.0.mlp.down_proj (Linear) forward of [2, 24] Float: mat1 and mat2 shapes cannot be "
             "multiplied (2x24 and 3x16)");
+}
+
+// What Linear computes for an input of at most 64 rows on a CPU with AVX-512 (core/model/src/
+// small_gemm.h): per output, 16 fused lanes over k ≡ lane (mod 16) in order, summed in pairs.
+float smallGemmOutput(const float* x, const float* w, int64_t k) {
+  std::array<float, 16> lanes{};
+  for (int64_t p = 0; p < k; p += 16) {
+    for (int64_t l = 0; l < 16; ++l) {
+      lanes[l] = p + l < k ? std::fma(x[p + l], w[p + l], lanes[l]) : std::fma(0.0f, 0.0f, lanes[l]);
+    }
+  }
+  for (int width = 8; width >= 1; width /= 2) {
+    for (int l = 0; l < width; ++l) lanes[l] = lanes[l] + lanes[l + width];
+  }
+  return lanes[0];
+}
+
+TEST(Linear, FewRowsUnderTheirScopeAreTheDocumentedFusedSumsBitForBitOnAnyThreadCount) {
+  __builtin_cpu_init();
+  const bool kernel = __builtin_cpu_supports("avx512f") != 0 && __builtin_cpu_supports("fma") != 0;
+  at::manual_seed(5);
+  const FewRowsGemm fewRows;
+  for (const int64_t m : {1, 5, 6, 7, 13, 64}) {
+    for (const int64_t n : {1, 3, 4, 5, 37}) {
+      for (const int64_t k : {1, 15, 16, 17, 100}) {
+        const at::Tensor x = at::randn({m, k}), w = at::randn({n, k}), bias = at::randn({n});
+        Linear plain(w), biased(w, bias);
+        at::Tensor expected = at::empty({m, n});
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < n; ++j) {
+            expected[i][j] = smallGemmOutput(x[i].data_ptr<float>(), w[j].data_ptr<float>(), k);
+          }
+        }
+        if (!kernel) expected = at::linear(x, w);
+        const std::string shape = std::to_string(m) + "x" + std::to_string(k) + "x" + std::to_string(n);
+        for (const int threads : {1, 2}) {
+          at::set_num_threads(threads);
+          EXPECT_TRUE(at::equal(plain(x), expected)) << shape << ", " << threads << " threads";
+          EXPECT_TRUE(at::equal(biased(x), kernel ? expected + bias : at::linear(x, w, bias))) << shape;
+          EXPECT_TRUE(at::equal(plain(x.reshape({1, m, k})), expected.reshape({1, m, n}))) << shape;
+          EXPECT_TRUE(at::equal(plain(x.t().contiguous().t()), expected)) << shape << ", strided input";
+        }
+      }
+    }
+  }
+  at::set_num_threads(2);
+  // Beyond 64 rows, where autograd records the graph, and outside the scope, LibTorch's GEMM.
+  const at::Tensor x = at::randn({65, 24}), w = at::randn({8, 24});
+  EXPECT_TRUE(at::equal(Linear(w)(x), at::linear(x, w)));
+  std::thread([&] { EXPECT_TRUE(at::equal(Linear(w)(x.slice(0, 0, 4)), at::linear(x.slice(0, 0, 4), w))); }).join();
+  const at::Tensor trained = w.clone().requires_grad_();
+  const at::Tensor y = Linear(trained)(x.slice(0, 0, 4));
+  EXPECT_TRUE(y.requires_grad());
+  EXPECT_TRUE(at::equal(y, at::linear(x.slice(0, 0, 4), trained)));
 }
 
 TEST(ModuleTree, LayersLoadOnDemandUnderHuggingFaceNames) {

@@ -60,6 +60,7 @@ class Probe {
   explicit Probe(TensorList input) : input_(std::move(input)) {}
 
   void recordFloat(Module& unit, const std::string& prefix, const Forward& forward) {
+    const FewRowsGemm fewRows;
     std::vector<std::pair<Module*, Module::HookHandle>> hooks;
     for (auto& [name, module] : unit.namedModules(prefix)) {
       if (module->typeName() != "Linear") continue;
@@ -80,6 +81,7 @@ class Probe {
   // `output`: the unit's output on the probe when it was already computed.
   void compare(Module& unit, const std::string& prefix, const Forward& forward, bool propagate, LayerReport& report,
                at::Tensor output = {}) {
+    const FewRowsGemm fewRows;
     for (auto& [name, module] : unit.namedModules(prefix)) {
       const auto it = io_.find(name);
       if (it == io_.end() || module->typeName() == "Linear") continue;
@@ -412,7 +414,10 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
         passedOn = true;
       } else {
         Probe layerProbe(probeInput(model_, entering));
-        const at::Tensor output = forwardLayer(layer, layerProbe.input());
+        const at::Tensor output = [&] {
+          const FewRowsGemm fewRows;  // as Probe::compare computes it on one rank
+          return forwardLayer(layer, layerProbe.input());
+        }();
         group.storeSet(probeKey(index + 1), hiddenBytes(output));
         passedOn = true;
         const std::shared_ptr<DecoderLayer> reference = model_.loadLayerCopy(index);

@@ -3,8 +3,10 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "qpipe/error.h"
+#include "small_gemm.h"
 
 namespace qpipe {
 
@@ -200,7 +202,24 @@ at::Tensor Linear::bias() {
   return hasParameter("bias") ? parameter("bias") : at::Tensor();
 }
 
+namespace {
+thread_local bool fewRowsGemm = false;
+}  // namespace
+
+FewRowsGemm::FewRowsGemm() : outer_(fewRowsGemm) {
+  fewRowsGemm = true;
+}
+FewRowsGemm::~FewRowsGemm() {
+  fewRowsGemm = outer_;
+}
+bool FewRowsGemm::active() {
+  return fewRowsGemm;
+}
+
 at::Tensor Linear::forward(const at::Tensor& input) {
+  if (FewRowsGemm::active()) {
+    if (std::optional<at::Tensor> y = detail::smallLinear(input, weight(), bias())) return *y;
+  }
   return at::linear(input, weight(), bias());
 }
 

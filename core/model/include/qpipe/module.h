@@ -122,6 +122,24 @@ class Linear : public Module {
   int64_t outFeatures() { return weight().size(0); }
 };
 
+// While one lives on this thread, a float Linear (and a QuantLinear's fp32 path) multiplies an
+// input of at most 64 rows by qpipe's own GEMM on CPUs with AVX-512, which reads the weight in place
+// where MKL would first pack all of it (docs/quantization.md, "The fp32 GEMM of few rows"). Its
+// bits differ from at::linear's, so only what measures runs under it: the report's probe. The
+// calibration and every forward that makes a checkpoint stay with at::linear, whose bits are the
+// same whether or not autograd records them (QAT at learning rate 0 writes the PTQ checkpoint).
+class FewRowsGemm {
+ public:
+  FewRowsGemm();
+  ~FewRowsGemm();
+  FewRowsGemm(const FewRowsGemm&) = delete;
+  FewRowsGemm& operator=(const FewRowsGemm&) = delete;
+  static bool active();
+
+ private:
+  bool outer_;
+};
+
 // Returns its input. Marks a point in the data path (e.g. attention's Q after RoPE) where a
 // processor can observe or replace the tensor with hooks, or swap the module.
 class HookPoint : public Module {
