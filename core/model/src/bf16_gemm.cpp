@@ -84,32 +84,24 @@ template <int R>
   }
 }
 
+// microKernel<rows> for 1 ≤ rows ≤ R.
+template <int R>
+[[gnu::target("avx512f,avx512bf16")]] void tailRows(int64_t rows, const uint16_t* a, int64_t lda, int64_t k,
+                                                    const uint16_t* b, float* c, int64_t ldc, int64_t cols,
+                                                    bool accumulate) {
+  if constexpr (R > 1) {
+    if (rows < R) return tailRows<R - 1>(rows, a, lda, k, b, c, ldc, cols, accumulate);
+  }
+  microKernel<R>(a, lda, k, b, c, ldc, cols, accumulate);
+}
+
 // Rows [0, rows) of one panel's output, kMr at a time, then the rest.
 [[gnu::target("avx512f,avx512bf16")]] void panelRows(const uint16_t* a, int64_t lda, int64_t k, const uint16_t* b,
                                                      int64_t rows, float* c, int64_t ldc, int64_t cols,
                                                      bool accumulate) {
   int64_t r = 0;
   for (; r + kMr <= rows; r += kMr) microKernel<kMr>(a + r * lda, lda, k, b, c + r * ldc, ldc, cols, accumulate);
-  a += r * lda;
-  c += r * ldc;
-  switch (rows - r) {
-    case 7:
-      return microKernel<7>(a, lda, k, b, c, ldc, cols, accumulate);
-    case 6:
-      return microKernel<6>(a, lda, k, b, c, ldc, cols, accumulate);
-    case 5:
-      return microKernel<5>(a, lda, k, b, c, ldc, cols, accumulate);
-    case 4:
-      return microKernel<4>(a, lda, k, b, c, ldc, cols, accumulate);
-    case 3:
-      return microKernel<3>(a, lda, k, b, c, ldc, cols, accumulate);
-    case 2:
-      return microKernel<2>(a, lda, k, b, c, ldc, cols, accumulate);
-    case 1:
-      return microKernel<1>(a, lda, k, b, c, ldc, cols, accumulate);
-    default:
-      return;
-  }
+  if (r < rows) tailRows<kMr - 1>(rows - r, a + r * lda, lda, k, b, c + r * ldc, ldc, cols, accumulate);
 }
 
 }  // namespace
