@@ -166,13 +166,15 @@ QuantizeResult quantize(const QuantizeOptions& options) {
   // on the rank that writes the report (rank 0), or none without the probe.
   const bool calibrates = std::any_of(prepared.processors.begin(), prepared.processors.end(),
                                       [](const auto& processor) { return needsCalibration(*processor); });
-  const bool probesOnly = !calibrates && !anyWholeModel(prepared.processors) && options.probeTokens > 0;
-  const bool readsData = calibrates || anyWholeModel(prepared.processors) || (probesOnly && saves);
+  const bool wholeModel = anyWholeModel(prepared.processors);
+  const bool probesOnly = !calibrates && !wholeModel && options.probeTokens > 0;
+  const bool readsData = calibrates || wholeModel || (probesOnly && saves);
+  const bool readsWindows = readsData && !probesOnly;
   const std::optional<Tokenizer> tokenizer =
       readsData ? std::optional(Tokenizer::fromFile(options.modelPath / "tokenizer.json")) : std::nullopt;
   std::vector<at::Tensor> samples, labels;
   std::vector<DataSample> records;
-  if (anyWholeModel(prepared.processors)) records = loadDataset(prepared.calibData);
+  if (wholeModel) records = loadDataset(prepared.calibData);
   if (probesOnly) {
     if (readsData) {
       const int64_t tokens = std::min(options.probeTokens, options.seqLen);
@@ -200,7 +202,7 @@ QuantizeResult quantize(const QuantizeOptions& options) {
   }
   const std::vector<at::Tensor> share = rankShare(samples, group.rank(), group.worldSize());
   if (group.worldSize() > 1) {
-    if (readsData && !probesOnly) {
+    if (readsWindows) {
       logger->info("calibration: ", share.size(), " of ", samples.size(), " samples x ", options.seqLen,
                    " tokens from ", prepared.calibData.string());
     }
@@ -209,7 +211,7 @@ QuantizeResult quantize(const QuantizeOptions& options) {
     QPIPE_REQUIRE(!calibrates || !share.empty(), ErrorCode::kUsage, samples.size(), " calibration samples for ",
                   group.worldSize(), " ranks: every rank needs one; give --calib_samples ", group.worldSize(),
                   " or more, or use fewer devices");
-  } else if (readsData && !probesOnly && labels.empty()) {
+  } else if (readsWindows && labels.empty()) {
     logger->info("calibration: ", samples.size(), " samples x ", options.seqLen, " tokens from ",
                  prepared.calibData.string());
   }

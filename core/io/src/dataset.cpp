@@ -243,16 +243,24 @@ std::vector<DataSample> loadDataset(const std::filesystem::path& path, const Dat
   return samples;
 }
 
-TokenStream encodeDataset(const std::filesystem::path& path, const Tokenizer& tokenizer,
-                          const DatasetOptions& options) {
+namespace {
+
+std::vector<std::string> datasetTexts(const std::filesystem::path& path, const DatasetOptions& options = {}) {
   std::vector<std::string> texts;
   for (auto& sample : loadDataset(path, options)) texts.push_back(std::move(sample.text));
+  return texts;
+}
+
+}  // namespace
+
+TokenStream encodeDataset(const std::filesystem::path& path, const Tokenizer& tokenizer,
+                          const DatasetOptions& options) {
+  const std::vector<std::string> texts = datasetTexts(path, options);
   return {tokenizer.encode(joinEvalTexts(texts), /*addSpecialTokens=*/false), texts.size()};
 }
 
 std::vector<int64_t> encodeDatasetPrefix(const std::filesystem::path& path, const Tokenizer& tokenizer, int64_t count) {
-  std::vector<std::string> texts;
-  for (auto& sample : loadDataset(path)) texts.push_back(std::move(sample.text));
+  const std::vector<std::string> texts = datasetTexts(path);
   const auto encodeFirst = [&](size_t n) {
     return tokenizer.encode(joinEvalTexts({texts.begin(), texts.begin() + static_cast<std::ptrdiff_t>(n)}),
                             /*addSpecialTokens=*/false);

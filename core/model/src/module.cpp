@@ -217,9 +217,7 @@ bool FewRowsGemm::active() {
 }
 
 at::Tensor Linear::forward(const at::Tensor& input) {
-  if (FewRowsGemm::active()) {
-    if (std::optional<at::Tensor> y = detail::smallLinear(input, weight(), bias())) return *y;
-  }
+  if (std::optional<at::Tensor> y = detail::smallLinear(input, weight(), bias())) return *y;
   return at::linear(input, weight(), bias());
 }
 

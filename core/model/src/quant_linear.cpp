@@ -287,9 +287,7 @@ at::Tensor QuantLinear::forward(const at::Tensor& input) {
     if (std::optional<at::Tensor> y = weightOnlyGemm_->forward(input, bias())) return *y;
   }
   const at::Tensor x = input_ ? input_->apply(input) : input;
-  if (FewRowsGemm::active()) {
-    if (std::optional<at::Tensor> y = detail::smallLinear(x, dequantizedWeight(), bias())) return *y;
-  }
+  if (std::optional<at::Tensor> y = detail::smallLinear(x, dequantizedWeight(), bias())) return *y;
   return at::linear(x, dequantizedWeight(), bias());
 }
 

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "qpipe/module.h"
+
 namespace qpipe::detail {
 
 namespace {
@@ -109,8 +111,8 @@ bool hostRuns() {
 
 std::optional<at::Tensor> smallLinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
   const auto fp32Cpu = [](const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.device().is_cpu(); };
-  if (!hostRuns() || !fp32Cpu(x) || !fp32Cpu(w) || w.dim() != 2 || x.dim() == 0 || x.size(-1) != w.size(1) ||
-      w.numel() == 0) {
+  if (!FewRowsGemm::active() || !hostRuns() || !fp32Cpu(x) || !fp32Cpu(w) || w.dim() != 2 || x.dim() == 0 ||
+      x.size(-1) != w.size(1) || w.numel() == 0) {
     return std::nullopt;
   }
   const int64_t n = w.size(0), k = w.size(1), m = x.numel() / k;
