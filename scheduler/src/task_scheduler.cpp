@@ -26,6 +26,11 @@ std::atomic<bool> globalDisabled{false};
 // Parallel waves this process has run: every rank runs the same parallel waves in the same order
 // (the agreement checks it), so the count names a wave's counter in the store uniquely.
 std::atomic<int64_t> parallelWavesRun{0};
+// The bytes a rank's outcomes of a parallel wave may take for their gather to be one collective
+// (ProcessGroup::allGatherBytesWithin): one and a half times the last wave's largest, which every
+// rank saw, so every rank passes the same slot.
+constexpr int64_t kMinOutcomeSlot = 1024;
+std::atomic<int64_t> outcomeSlot{4096};
 
 double since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -148,11 +153,6 @@ uint64_t hashTask(const Task& task, uint64_t hash) {
   return fnv1a(task.sync ? "sync " + task.syncName : "-", hash);
 }
 
-// The bytes of `tensor` (contiguous) as a 1-D uint8 tensor sharing its storage.
-at::Tensor byteView(const at::Tensor& tensor) {
-  return tensor.reshape({-1}).view(at::kByte);
-}
-
 struct Wave {
   bool parallel = false;
   std::vector<size_t> tasks;  // indices into the submitted tasks
@@ -197,42 +197,46 @@ at::Tensor slotFor(Module& module, bool parameter, const std::string& name, at::
   return fresh;
 }
 
-// Every executor's tensors to every rank in one variable all-gather: fromRank[r] holds, on every
-// rank, the tensors rank r executed (the same dtypes and shapes everywhere; on r itself the
-// values to send, elsewhere the slots to fill). Their bytes travel packed, so backends without a
-// dtype (fp8) are no obstacle. One broadcast per executor cost W collectives a wave instead:
-// 66 a wave at 64 ranks, most of a wave's time in the projection (docs/benchmarks.md).
-void exchangeTogether(ProcessGroup& group, const std::vector<std::vector<at::Tensor>>& fromRank) {
+// Every executor's tensors to every rank in one all-gather: fromRank[r] holds, on every rank, the
+// tensors rank r executed (the same dtypes and shapes everywhere; on r itself the values to send,
+// elsewhere the slots to fill), so every rank knows the largest part, which is the gather's slot.
+// Their bytes travel packed, so backends without a dtype (fp8) are no obstacle. One broadcast per
+// executor cost W collectives a wave instead: 66 a wave at 64 ranks, most of a wave's time in the
+// projection (docs/benchmarks.md). False where no rank had a tensor to send.
+bool exchangeTogether(ProcessGroup& group, const std::vector<std::vector<at::Tensor>>& fromRank) {
   const auto bytesOf = [](const std::vector<at::Tensor>& tensors) {
     int64_t total = 0;
     for (const at::Tensor& t : tensors) total += static_cast<int64_t>(t.nbytes());
     return total;
   };
-  int64_t all = 0;
-  for (const auto& tensors : fromRank) all += bytesOf(tensors);
-  if (all == 0) return;
+  int64_t largest = 0;
+  for (const auto& tensors : fromRank) largest = std::max(largest, bytesOf(tensors));
+  if (largest == 0) return false;
   const auto me = static_cast<size_t>(group.rank());
-  at::Tensor flat = at::empty({bytesOf(fromRank[me])}, at::kByte);
-  int64_t offset = 0;
+  std::string flat(static_cast<size_t>(bytesOf(fromRank[me])), '\0');
+  size_t offset = 0;
   for (const at::Tensor& t : fromRank[me]) {
-    const int64_t n = static_cast<int64_t>(t.nbytes());
-    if (n > 0) flat.narrow(0, offset, n).copy_(byteView(t.contiguous().cpu()));
-    offset += n;
+    const at::Tensor bytes = t.contiguous().cpu();
+    std::memcpy(flat.data() + offset, bytes.const_data_ptr(), bytes.nbytes());
+    offset += bytes.nbytes();
   }
-  const std::vector<at::Tensor> parts = group.allGather(flat);
+  const std::vector<std::string> parts = group.allGatherBytesWithin(flat, largest);
   for (size_t r = 0; r < fromRank.size(); ++r) {
     if (r == me) continue;
-    QPIPE_CHECK(parts[r].numel() == bytesOf(fromRank[r]), "rank ", r, " sent ", parts[r].numel(),
+    QPIPE_CHECK(static_cast<int64_t>(parts[r].size()) == bytesOf(fromRank[r]), "rank ", r, " sent ", parts[r].size(),
                 " bytes of synced tensors, this rank expected ", bytesOf(fromRank[r]));
     offset = 0;
     for (const at::Tensor& t : fromRank[r]) {
-      const int64_t n = static_cast<int64_t>(t.nbytes());
+      const size_t n = t.nbytes();
       if (n > 0) {
-        const_cast<at::Tensor&>(t).copy_(parts[r].narrow(0, offset, n).clone().view(t.scalar_type()).view(t.sizes()));
+        at::Tensor received = at::empty(t.sizes(), t.options().device(at::kCPU));
+        std::memcpy(received.data_ptr(), parts[r].data() + offset, n);
+        const_cast<at::Tensor&>(t).copy_(received);
       }
       offset += n;
     }
   }
+  return true;
 }
 
 }  // namespace
@@ -249,8 +253,8 @@ RunSummary& RunSummary::operator+=(const RunSummary& other) {
   myExecSeconds += other.myExecSeconds;
   syncSeconds += other.syncSeconds;
   agreeSeconds += other.agreeSeconds;
-  settledAgreeSeconds += other.settledAgreeSeconds;
-  settledAgreements += other.settledAgreements;
+  settledCollectiveSeconds += other.settledCollectiveSeconds;
+  settledCollectives += other.settledCollectives;
   wallSeconds += other.wallSeconds;
   return *this;
 }
@@ -271,8 +275,8 @@ std::vector<std::pair<std::string, double>> RunSummary::reportValues() const {
           {key + "exec_seconds", execSeconds},
           {key + "sync_seconds", syncSeconds},
           {key + "agree_seconds", agreeSeconds},
-          {key + "settled_agree_seconds", settledAgreeSeconds},
-          {key + "settled_agreements", static_cast<double>(settledAgreements)},
+          {key + "settled_collective_seconds", settledCollectiveSeconds},
+          {key + "settled_collectives", static_cast<double>(settledCollectives)},
           {key + "wall_seconds", wallSeconds}};
 }
 
@@ -310,43 +314,71 @@ struct DistributedTaskScheduler::Impl {
     }
   }
 
-  // Step 1: the same tasks on every rank, else the same error on every rank.
-  void agree(const Wave& wave, size_t w) {
-    uint64_t hash = fnv1a(std::to_string(wave.tasks.size()));
-    for (size_t index : wave.tasks) hash = hashTask(tasks[index], hash);
+  // Before the waves, once per run() for all its parallel waves: the same tasks on every rank,
+  // else the same error on every rank, before any task runs.
+  void agree() {
+    uint64_t hash = fnv1a("");
+    for (const Wave& wave : waves) {
+      if (!wave.parallel) continue;  // local waves may differ between ranks
+      hash = fnv1a(std::to_string(wave.tasks.size()), hash);
+      for (size_t index : wave.tasks) hash = hashTask(tasks[index], hash);
+    }
     // One all-reduce decides: the maxima of h and of ~h are this rank's own h and ~h on every rank
     // exactly when every rank has the same h (else the rank of the largest h sees a larger ~h).
     const at::Tensor mine = at::tensor({std::bit_cast<int64_t>(hash), std::bit_cast<int64_t>(~hash)}, at::kLong);
     at::Tensor largest = mine.clone();
     group.allReduce(largest, ReduceOp::kMax);
     if (at::equal(largest, mine)) return;
+    // Each parallel wave as a line "wave <index>" and its tasks' lines, on every rank.
     std::string joined;
-    for (size_t index : wave.tasks) joined += describe(tasks[index]) + "\n";
-    std::vector<std::vector<std::string>> all;
+    for (size_t w = 0; w < waves.size(); ++w) {
+      if (!waves[w].parallel) continue;
+      joined += "wave " + std::to_string(w) + "\n";
+      for (size_t index : waves[w].tasks) joined += " " + describe(tasks[index]) + "\n";
+    }
+    struct Listed {
+      std::string wave;
+      std::vector<std::string> tasks;
+    };
+    std::vector<std::vector<Listed>> all;
     for (const std::string& text : group.allGatherBytes(joined)) {
-      std::vector<std::string> lines;
+      std::vector<Listed> listed;
       std::istringstream in(text);
-      for (std::string line; std::getline(in, line);) lines.push_back(line);
-      all.push_back(std::move(lines));
+      for (std::string line; std::getline(in, line);) {
+        if (line.starts_with(' ')) {
+          listed.back().tasks.push_back(line.substr(1));
+        } else {
+          listed.push_back({line.substr(5), {}});
+        }
+      }
+      all.push_back(std::move(listed));
     }
     for (size_t r = 1; r < all.size(); ++r) {
-      for (size_t i = 0; i < std::max(all[0].size(), all[r].size()); ++i) {
-        const auto at = [&](size_t rank) {
-          return i < all[rank].size() ? "'" + all[rank][i] + "'" : std::string("none");
-        };
-        if (i < all[0].size() && i < all[r].size() && all[0][i] == all[r][i]) continue;
-        throw Error(ErrorCode::kDistributed,
-                    concat(where(), ": the ranks disagree on parallel wave ", w, " (rank 0 has ", all[0].size(),
-                           " tasks, rank ", r, " has ", all[r].size(), "): task ", i, " is ", at(0), " on rank 0 and ",
-                           at(r), " on rank ", r, "; every rank must submit the same parallel tasks"));
+      for (size_t p = 0; p < std::max(all[0].size(), all[r].size()); ++p) {
+        static const Listed kNone;
+        const Listed& first = p < all[0].size() ? all[0][p] : kNone;
+        const Listed& other = p < all[r].size() ? all[r][p] : kNone;
+        for (size_t i = 0; i < std::max(first.tasks.size(), other.tasks.size()); ++i) {
+          const auto at = [i](const Listed& listed) {
+            return i < listed.tasks.size() ? "'" + listed.tasks[i] + "'" : std::string("none");
+          };
+          if (i < first.tasks.size() && i < other.tasks.size() && first.tasks[i] == other.tasks[i]) continue;
+          throw Error(
+              ErrorCode::kDistributed,
+              concat(where(), ": the ranks disagree on parallel wave ", first.wave.empty() ? other.wave : first.wave,
+                     " (rank 0 has ", first.tasks.size(), " tasks, rank ", r, " has ", other.tasks.size(), "): task ",
+                     i, " is ", at(first), " on rank 0 and ", at(other), " on rank ", r,
+                     "; every rank must submit the same parallel tasks"));
+        }
       }
     }
     // The hash sees every bit of a number, the description only its printed digits.
-    throw Error(ErrorCode::kDistributed, concat(where(), ": the ranks disagree on parallel wave ", w,
-                                                ": a task's numeric arguments differ below their printed precision"));
+    throw Error(ErrorCode::kDistributed, concat(where(),
+                                                ": the ranks disagree on the parallel waves: a task's "
+                                                "numeric arguments differ below their printed precision"));
   }
 
-  // Step 2: this rank's tasks, then every rank's outcomes.
+  // Step 1 of a parallel wave: this rank's tasks, then every rank's outcomes.
   std::vector<Outcome> execute(const Wave& wave, size_t w, std::vector<TaskRecord>& records) {
     const int64_t n = static_cast<int64_t>(wave.tasks.size());
     const std::string counter = "dts/" + std::to_string(parallelWavesRun++);
@@ -391,7 +423,11 @@ struct DistributedTaskScheduler::Impl {
       if (failed) break;
     }
     std::vector<Outcome> outcomes(static_cast<size_t>(n));
-    const std::vector<std::string> all = group.allGatherBytes(mine.dump());
+    const std::vector<std::string> all = group.allGatherBytesWithin(mine.dump(), outcomeSlot);
+    // The next wave's slot from this one's largest outcomes, which every rank saw alike.
+    size_t largest = 0;
+    for (const std::string& bytes : all) largest = std::max(largest, bytes.size());
+    outcomeSlot = std::max<int64_t>(kMinOutcomeSlot, static_cast<int64_t>(largest + largest / 2 + 255) / 256 * 256);
     for (size_t r = 0; r < all.size(); ++r) {
       for (const Json& o : Json::parse(all[r])) {
         Outcome& out = outcomes[o["i"].get<size_t>()];
@@ -433,7 +469,7 @@ struct DistributedTaskScheduler::Impl {
     return out;
   }
 
-  // Step 3, on every rank in submit order: a task's own sync; else each module's own tensors
+  // Step 2, on every rank in submit order: a task's own sync; else each module's own tensors
   // (level 2) or its parameters and buffers (level 3), all executors' in one exchange.
   void sync(const Wave& wave, const std::vector<Outcome>& outcomes, size_t w, std::vector<TaskRecord>& records) {
     SyncContext context{root, group};
@@ -477,7 +513,10 @@ struct DistributedTaskScheduler::Impl {
       batched.push_back(&record);
     }
     const auto start = Clock::now();
-    exchangeTogether(group, fromRank);
+    if (exchangeTogether(group, fromRank)) {
+      summary.settledCollectiveSeconds += since(start);
+      ++summary.settledCollectives;
+    }
     for (auto& [synced, record] : own) synced->syncDone(*record, context);
     const double share = batched.empty() ? 0 : since(start) / static_cast<double>(batched.size());
     for (TaskRecord* record : batched) record->syncSeconds = share;
@@ -535,31 +574,27 @@ std::vector<TaskRecord> DistributedTaskScheduler::run() {
     records[i].dependencies = s.tasks[i].dependencies;
   }
   const auto logger = log::logger();
+  if (std::any_of(s.waves.begin(), s.waves.end(), [](const Wave& wave) { return wave.parallel; })) {
+    const auto agreeing = Clock::now();
+    s.agree();
+    s.summary.agreeSeconds = since(agreeing);
+    s.summary.syncSeconds = s.summary.agreeSeconds;
+  }
   for (size_t w = 0; w < s.waves.size(); ++w) {
     const Wave& wave = s.waves[w];
     const auto waveStart = Clock::now();
-    double agreeSeconds = 0;
     if (!wave.parallel) {
       s.runLocal(wave, w, records);
     } else {
-      const auto agreeing = Clock::now();
-      s.agree(wave, w);
-      agreeSeconds = since(agreeing);
-      s.summary.agreeSeconds += agreeSeconds;
-      if (s.summary.parallelWaves++ > 0) {
-        s.summary.settledAgreeSeconds += agreeSeconds;
-        ++s.summary.settledAgreements;
-      }
-      double syncSeconds = agreeSeconds;
+      ++s.summary.parallelWaves;
       const std::vector<Outcome> outcomes = s.execute(wave, w, records);
       const auto syncing = Clock::now();
       for (size_t index : wave.tasks) records[index].parallel = true;
       s.sync(wave, outcomes, w, records);
-      syncSeconds += since(syncing);
-      s.summary.syncSeconds += syncSeconds;
+      s.summary.syncSeconds += since(syncing);
     }
     logger->debug(s.where(), ": wave ", w, wave.parallel ? " parallel" : " local", ", ", wave.tasks.size(), " tasks, ",
-                  since(waveStart), " s", wave.parallel ? concat(" (agreement ", agreeSeconds, " s)") : "");
+                  since(waveStart), " s");
   }
   s.summary.wallSeconds = since(start);
   logger->debug(s.where(), ": ", s.summary.line());

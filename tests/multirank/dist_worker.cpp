@@ -114,6 +114,15 @@ void collectives() {
   std::cout << "bytes:";
   for (const std::string& b : bytes) std::cout << " " << escaped(b);
   std::cout << "\n";
+  // Rank r passes 2 + 4r bytes: slot 0 sends everything as overflow, slot 6 only rank 2's tail
+  // (rank 1 fills it exactly), slot 64 nothing.
+  for (const int64_t slot : {0, 6, 64}) {
+    const auto within =
+        group.allGatherBytesWithin(std::to_string(rank) + std::string(4 * rank, 'x') + std::string(1, '\0'), slot);
+    std::cout << "within " << slot << ":";
+    for (const std::string& b : within) std::cout << " " << escaped(b);
+    std::cout << "\n";
+  }
   group.barrier();
   std::cout << "done" << std::endl;
 }
@@ -325,6 +334,23 @@ void schedulerDisagree() {
   std::cout << "unexpected: ran" << std::endl;
 }
 
+// The ranks agree on wave 0 and differ in wave 2 (after a local wave 1): every rank fails before
+// any task ran (a task would print).
+void schedulerDisagreeLater() {
+  ProcessGroup& group = world();
+  auto root = schedulerModel();
+  dts::DistributedTaskScheduler scheduler(*root, group, {.name = "test"});
+  const auto noisy = [](const qpipe::ConfigNode&) {
+    std::cout << "unexpected: a task ran" << std::endl;
+    return qpipe::ConfigNode::null({});
+  };
+  const bool last = group.rank() == group.worldSize() - 1;
+  scheduler.submit({.name = "noop", .fn = noisy, .dependencies = {"a"}});
+  scheduler.submit({.name = "noop", .fn = noisy, .dependencies = {"a"}, .parallel = false});
+  scheduler.submit({.name = last ? "other" : "noop", .fn = noisy, .dependencies = {"b"}});
+  scheduler.run();
+}
+
 // A parallel task calls a collective.
 void schedulerCollective() {
   ProcessGroup& group = world();
@@ -431,6 +457,8 @@ int main(int argc, char** argv) {
       schedulerLevels({.name = "test", .disableParallel = true});
     } else if (scenario == "dts_disagree") {
       schedulerDisagree();
+    } else if (scenario == "dts_disagree_later") {
+      schedulerDisagreeLater();
     } else if (scenario == "dts_collective") {
       schedulerCollective();
     } else if (scenario == "dts_task_fails") {

@@ -29,6 +29,7 @@ TEST(SingleGroup, CollectivesAreTheIdentity) {
   ASSERT_EQ(gathered.size(), 1u);
   EXPECT_TRUE(gathered[0].equal(t));
   EXPECT_EQ(group->allGatherBytes(std::string("a\0b", 3)), std::vector<std::string>{std::string("a\0b", 3)});
+  EXPECT_EQ(group->allGatherBytesWithin(std::string("a\0b", 3), 1), std::vector<std::string>{std::string("a\0b", 3)});
   group->barrier();
   group->reportFailure("ignored");
 }

@@ -70,6 +70,12 @@ std::string expectedCollectives(int w) {
     bytes << "\\n";
   }
   text += bytes.str() + "\n";
+  for (const int slot : {0, 6, 64}) {
+    std::ostringstream within;
+    within << "within " << slot << ":";
+    for (int r = 0; r < w; ++r) within << " " << r << std::string(4 * r, 'x') << "\\0";
+    text += within.str() + "\n";
+  }
   return text + "done\n";
 }
 

@@ -115,6 +115,13 @@ TEST(SchedulerErrors, RanksThatSubmitDifferentTasksFailTogetherNamingTheFirstDif
                        "submit the same parallel tasks");
 }
 
+TEST(SchedulerErrors, RanksAgreeOnEveryParallelWaveBeforeAnyTaskRuns) {
+  expectEveryRankFails("dts_disagree_later", 2, 7,
+                       "scheduler 'test': the ranks disagree on parallel wave 2 (rank 0 has 1 tasks, rank 1 has 1): "
+                       "task 0 is 'noop {} on [b]' on rank 0 and 'other {} on [b]' on rank 1; every rank must submit "
+                       "the same parallel tasks");
+}
+
 TEST(SchedulerErrors, ACollectiveInsideAParallelTaskIsAnErrorNotAHang) {
   expectEveryRankFails("dts_collective", 2, 4,
                        "scheduler 'test': task w0_t0 (reduce {} on [a]) failed on rank 0: task w0_t0 (reduce) called "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The latency of one small Gloo collective between two processes on this host: the figure
 tools/bench/dts_simulate.py --latency_ms takes when the in-run measurement (the schedulers'
-settled agreements) is disturbed by other work.
+settled tensor exchanges) is missing or disturbed by other work.
 
     .venv/bin/python tools/bench/collective_latency.py [--iterations 300] [--work_ms 2]
 

@@ -5,9 +5,10 @@
 
 REPORT is the quant_report.json of a 2-rank run (tools/bench/dts.sh writes them): every task's
 time on its executor (`dts:<task>:seconds`), its wave, whether the wave was parallel and the bytes
-its sync broadcast (`:sync_bytes`), per module. The schedulers' agreements give the cost of one
-collective (`dts:<scheduler>:settled_agree_seconds` per settled agreement) unless --latency_ms is
-given.
+its sync sent (`:sync_bytes`), per module. The schedulers' tensor exchanges give the cost of one
+collective (`dts:<scheduler>:settled_collective_seconds` per settled collective: the ranks enter
+them together) unless --latency_ms is given; a report without one (no wave synced tensors) needs
+--latency_ms (tools/bench/collective_latency.py measures it).
 
 A local wave (every rank runs its tasks, no collective) costs the sum of its tasks on any N.
 Each parallel wave of each scheduler run is replayed on N ranks:
@@ -15,14 +16,14 @@ Each parallel wave of each scheduler run is replayed on N ranks:
                (the scheduler's guided chunks), paying one store round trip (a tenth of a
                collective) per claim;
   round-robin  task i runs on rank i mod N;
-then the wave's collectives, as the scheduler makes them: the agreement (an all-reduce), the
-outcomes (a variable all-gather: the sizes, then the bytes) and, when its tasks sync tensors, those
-tensors (another variable all-gather); 3 or 5 collectives whatever N, each costing
-latency · log2(N) (recursive doubling's depth, as NCCL's trees and MPI; Gloo's ring all-gather
-takes N - 1 steps; the measured latency is at N = 2), plus the wave's synced bytes at the
-bandwidth. The projected speed-up of the sub-task phase is Σ task seconds
-over Σ (makespan + sync). The rest of a run (loading, the calibration forward, saving) is not
-part of it.
+then the wave's collectives, as the scheduler makes them: the outcomes (one all-gather of a slot
+every rank knows) and, when its tasks sync tensors, those tensors (another); 1 or 2 collectives
+whatever N, plus one agreement (an all-reduce) per scheduler run, i.e. per layer and scheduler,
+each costing latency · log2(N) (recursive doubling's depth, as NCCL's trees and MPI; Gloo's ring
+all-gather takes N - 1 steps; the measured latency is at N = 2), plus the wave's synced bytes at
+the bandwidth. The outcomes' second collective, when they outgrow the last wave's slot, is not
+modelled. The projected speed-up of the sub-task phase is Σ task seconds over Σ (makespan + sync).
+The rest of a run (loading, the calibration forward, saving) is not part of it.
 """
 
 import argparse
@@ -54,18 +55,17 @@ def waves(report):
 
 
 def measured_latency(report):
-    """Seconds per collective: the agreements of the parallel waves after each run's first, where
-    the ranks arrive together from the previous wave's collectives (the first one's also waits
-    for the slower rank's calibration forward). Reports without them: every agreement."""
+    """Seconds per collective: the tensor exchanges, which the ranks enter together from the
+    outcomes' gather (the other collectives also wait for the slowest rank); None without one."""
     totals = defaultdict(float)
     for layer in report["layers"]:
         for values in layer.get("values", {}).values():
             for key, value in values.items():
                 if key.startswith("dts:") and key.count(":") == 2:
                     totals[key.split(":")[2]] += value
-    if totals["settled_agreements"]:
-        return totals["settled_agree_seconds"] / totals["settled_agreements"]
-    return totals["agree_seconds"] / totals["parallel_waves"] if totals["parallel_waves"] else 0.0
+    if totals["settled_collectives"]:
+        return totals["settled_collective_seconds"] / totals["settled_collectives"]
+    return None
 
 
 def makespan(costs, ranks, dynamic, take):
@@ -97,6 +97,10 @@ def main():
     report = json.load(open(args.report))
     groups = waves(report)
     latency = args.latency_ms / 1000 if args.latency_ms is not None else measured_latency(report)
+    if latency is None:
+        parser.error(f"{args.report} holds no settled collective (no parallel wave synced tensors): give "
+                     "--latency_ms (tools/bench/collective_latency.py measures it)")
+    runs = {(layer, scheduler) for (layer, scheduler, _), (parallel, _) in groups.items() if parallel}
     total = sum(c for _, tasks in groups.values() for c, _ in tasks)
     count = sum(len(tasks) for _, tasks in groups.values())
     print(f"{args.report}: {count} tasks in {len(groups)} waves, {total:.2f} s of tasks; "
@@ -107,14 +111,14 @@ def main():
     for n in args.ranks:
         depth = max(1.0, math.log2(n))
         for dynamic in (True, False):
-            projected = 0.0
+            projected = len(runs) * latency * depth  # the agreements
             for parallel, tasks in groups.values():
                 costs = [c for c, _ in tasks]
                 if not parallel:
                     projected += sum(costs)
                     continue
                 sent = sum(b for _, b in tasks)
-                collectives = 5 if sent > 0 else 3
+                collectives = 2 if sent > 0 else 1
                 sync = collectives * latency * depth + sent / (args.bandwidth_gbs * 1e9)
                 projected += makespan(costs, n, dynamic, latency / 10) + sync
             speedup = total / projected if projected else 1.0

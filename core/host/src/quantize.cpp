@@ -44,6 +44,9 @@ class JoinedLater final : public ProcessGroup {
   void broadcast(at::Tensor& tensor, int root) override { joined().broadcast(tensor, root); }
   void barrier() override { joined().barrier(); }
   std::vector<std::string> allGatherBytes(const std::string& bytes) override { return joined().allGatherBytes(bytes); }
+  std::vector<std::string> allGatherBytesWithin(const std::string& bytes, int64_t slot) override {
+    return joined().allGatherBytesWithin(bytes, slot);
+  }
   void reportFailure(const std::string& message) noexcept override {
     if (group_) group_->reportFailure(message);
   }
@@ -230,7 +233,8 @@ QuantizeResult quantize(const QuantizeOptions& options) {
     segmentSaver = prepared.registry.createSaver(saving.type, saving.config, *model, options.savePath, true);
     const fs::path partial = CheckpointSaver::partialDir(options.savePath);
     group.barrier();  // rank 0's saver has made the folder
-    const std::vector<std::string> seen = group.allGatherBytes(segmentSaver && fs::is_directory(partial) ? "1" : "0");
+    const std::vector<std::string> seen =
+        group.allGatherBytesWithin(segmentSaver && fs::is_directory(partial) ? "1" : "0", 1);
     const auto blind = std::find(seen.begin(), seen.end(), "0");
     if (blind == seen.end()) {
       runnerOptions.segments = LayerSegments{

@@ -35,6 +35,14 @@ class ProcessGroup {
   virtual void barrier() = 0;
   // Every rank's bytes, in rank order (names, serialized records).
   virtual std::vector<std::string> allGatherBytes(const std::string& bytes) = 0;
+  // The same for exchanges whose size the ranks can bound alike: one collective where no rank
+  // passes more than `slot` bytes, two where one does (the overflow follows), against
+  // allGatherBytes' two always (the sizes, then the bytes). Every rank passes the same slot, and
+  // every rank sends slot bytes: a slot far above what the ranks pass wastes bandwidth.
+  virtual std::vector<std::string> allGatherBytesWithin(const std::string& bytes, int64_t slot) {
+    (void)slot;
+    return allGatherBytes(bytes);
+  }
 
   // Tells the peers this rank failed and why, so their errors name it; never throws. For the
   // top-level error handler: it closes this rank's connections (the peers' pending collectives

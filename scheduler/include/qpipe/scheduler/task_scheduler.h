@@ -10,21 +10,23 @@
 //             or the task's parallel flag differs from the wave's
 //   run()     runs the waves in order. A local wave (parallel = false, one rank, parallel
 //             disabled, or a scheduler inside another's parallel task) runs every task on every
-//             rank, with no collective. A parallel wave:
-//               1. the ranks agree on the wave (task count and semantic hash: name, arguments,
-//                  dependencies, sync name), else Error(kDistributed) on every rank naming the
-//                  first task that differs;
-//               2. each task runs once, on the rank that claims it from a counter in the c10d
+//             rank, with no collective. Before the first wave, the ranks agree on every
+//             parallel wave at once (task counts and semantic hash: name, arguments,
+//             dependencies, sync name; one all-reduce), else Error(kDistributed) on every rank
+//             naming the first task that differs. A parallel wave then:
+//               1. each task runs once, on the rank that claims it from a counter in the c10d
 //                  store (dynamic: guided chunks of ceil(left / 4W) tasks per claim), or on rank
 //                  index mod W (round-robin); a collective inside it is
 //                  Error(kPlugin) naming the task and the call; a task that throws fails the run
 //                  on every rank, naming the task and its rank;
-//               3. on every rank, in submit order, exactly one sync level per task or module: the
+//               2. on every rank, in submit order, exactly one sync level per task or module: the
 //                  task's sync, else for every module below its dependencies the tensors of its
 //                  own DistributedSync (qpipe/distributed_sync.h), else the default, the
-//                  executor's parameters and buffers (names, dtypes and shapes come with step 2's
+//                  executor's parameters and buffers (names, dtypes and shapes come with step 1's
 //                  outcomes; recreated where this rank's differ). The tensors of levels 2 and 3
-//                  go in one broadcast per executor.
+//                  of every executor go in one all-gather.
+//             A parallel wave costs one collective for its outcomes (two when they outgrow the
+//             slot the last wave's set) and one more when its tasks sync tensors.
 //
 // Arguments are ConfigNode values (numbers, strings, lists, maps; tensorMeta() for a tensor),
 // never pointers: the task function reaches its objects through what it captured, and the
@@ -85,12 +87,12 @@ struct RunSummary {
   double execSeconds = 0;    // Σ over tasks of their time on their executor
   double myExecSeconds = 0;  // this rank's share of it
   double syncSeconds = 0;    // this rank's time in agreement, record exchange and sync
-  double agreeSeconds = 0;   // of it, in the agreements: one collective per parallel wave
-  // The agreements of the parallel waves after a run's first: the ranks arrive there together
-  // (from the previous parallel wave's collectives), so they time a collective itself, without
-  // the wait for a rank still in the calibration forward (tools/bench/dts_simulate.py).
-  double settledAgreeSeconds = 0;
-  int64_t settledAgreements = 0;
+  double agreeSeconds = 0;   // of it, in the agreement: one collective per run() with a parallel wave
+  // The tensor exchanges of the parallel waves: the ranks enter them together from the outcomes'
+  // gather just before, so they time a collective itself, without a wait for a slower rank
+  // (tools/bench/dts_simulate.py).
+  double settledCollectiveSeconds = 0;
+  int64_t settledCollectives = 0;
   double wallSeconds = 0;    // this rank's time in run()
   // Σexec / wall: how much faster than one rank running every task, for the same work.
   double speedup() const { return wallSeconds > 0 ? execSeconds / wallSeconds : 1.0; }
@@ -100,7 +102,7 @@ struct RunSummary {
   // "tasks=… waves=… world_size=… rank=… my_tasks=… exec_s=… my_exec_s=… sync_s=… wall_s=… speedup=…"
   std::string line() const;
   // For the quant report: "dts:<name>:tasks", ":parallel_waves", ":exec_seconds", ":sync_seconds",
-  // ":agree_seconds", ":settled_agree_seconds", ":settled_agreements", ":wall_seconds".
+  // ":agree_seconds", ":settled_collective_seconds", ":settled_collectives", ":wall_seconds".
   std::vector<std::pair<std::string, double>> reportValues() const;
 };
 
