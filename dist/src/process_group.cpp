@@ -49,6 +49,23 @@ constexpr milliseconds kFailureLookup{1000};
 constexpr milliseconds kReportGrace{3000};
 constexpr milliseconds kPollInterval{20};
 
+// The start-up polls (the master's port, the ranks' check-in) sleep 1 ms, then twice as long each
+// time up to `cap`: ranks that start together meet within a millisecond or two, where a fixed
+// interval made every run wait for it (a rank that tried the port before rank 0 listened slept
+// 100 ms), and a slow peer costs no more wakeups than polling at the cap.
+class Backoff {
+ public:
+  explicit Backoff(milliseconds cap) : cap_(cap) {}
+  void wait() {
+    std::this_thread::sleep_for(next_);
+    next_ = std::min(cap_, next_ * 2);
+  }
+
+ private:
+  milliseconds cap_;
+  milliseconds next_{1};
+};
+
 std::string joinedKey(int rank) {
   return "qpipe/joined/" + std::to_string(rank);
 }
@@ -446,6 +463,7 @@ void waitForMaster(const GroupOptions& options) {
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   const std::string port = std::to_string(options.masterPort);
+  Backoff backoff(kPollInterval * 5);
   for (;;) {
     addrinfo* found = nullptr;
     if (::getaddrinfo(options.masterAddr.c_str(), port.c_str(), &hints, &found) == 0) {
@@ -471,7 +489,7 @@ void waitForMaster(const GroupOptions& options) {
     }
     QPIPE_REQUIRE(Clock::now() < deadline, ErrorCode::kDistributed, "cannot reach the master at ", masterName(options),
                   " within ", seconds(options.timeout), " (is rank 0 running there?)");
-    std::this_thread::sleep_for(kPollInterval * 5);
+    backoff.wait();
   }
 }
 
@@ -519,6 +537,7 @@ void rendezvous(c10d::Store& store, const GroupOptions& options) {
     store.set(kWorldSizeKey, bytes(std::to_string(options.worldSize)));
     std::vector<int> missing;
     for (int r = 1; r < options.worldSize; ++r) missing.push_back(r);
+    Backoff backoff(kPollInterval);
     while (!missing.empty()) {
       for (int r = 1; r < options.worldSize; ++r) {
         if (store.check({failedKey(r)}))
@@ -534,7 +553,7 @@ void rendezvous(c10d::Store& store, const GroupOptions& options) {
                 << " (WORLD_SIZE=" << options.worldSize << ")";
         fail(message.str());
       }
-      std::this_thread::sleep_for(kPollInterval);
+      backoff.wait();
     }
     store.set(kReadyKey, bytes(kReadyValue));
     return;

@@ -7,8 +7,9 @@ settled tensor exchanges) is missing or disturbed by other work.
 
 Two ranks all-reduce one int64 (the scheduler's agreement) `iterations` times, first back to back,
 then with `work_ms` of CPU work on each rank between collectives, as between a scheduler's waves.
-Prints the median, 90th percentile and mean on rank 0. PyTorch's Gloo is the library qpipe's
-process group links.
+Prints the median, 90th percentile and mean on rank 0. Then the bandwidth (--bandwidth_gbs):
+all-gathers of 8 MiB a rank, as a wave's synced tensors travel, in bytes received a second.
+PyTorch's Gloo is the library qpipe's process group links.
 """
 
 import argparse
@@ -48,6 +49,17 @@ def rank_main(rank, port, iterations, work_ms):
             median, p90 = times[len(times) // 2], times[len(times) * 9 // 10]
             mean = sum(times) / len(times)
             print(f"{label:>22}: median {median * 1e3:.3f} ms, p90 {p90 * 1e3:.3f} ms, mean {mean * 1e3:.3f} ms")
+    part = torch.zeros(8 << 20, dtype=torch.uint8)
+    parts = [torch.empty_like(part) for _ in range(2)]
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        dist.all_gather(parts, part)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    if rank == 0:
+        median = times[len(times) // 2]
+        print(f"{'8 MiB all-gather':>22}: median {median * 1e3:.3f} ms, {part.numel() / median / 1e9:.2f} GB/s")
     dist.destroy_process_group()
 
 

@@ -6,9 +6,10 @@
 REPORT is the quant_report.json of a 2-rank run (tools/bench/dts.sh writes them): every task's
 time on its executor (`dts:<task>:seconds`), its wave, whether the wave was parallel and the bytes
 its sync sent (`:sync_bytes`), per module. The schedulers' tensor exchanges give the cost of one
-collective (`dts:<scheduler>:settled_collective_seconds` per settled collective: the ranks enter
-them together) unless --latency_ms is given; a report without one (no wave synced tensors) needs
---latency_ms (tools/bench/collective_latency.py measures it).
+collective unless --latency_ms is given: `dts:<scheduler>:settled_collective_seconds` per settled
+collective (the ranks enter them together), less the time of the synced bytes they carried at
+--bandwidth_gbs. A report without one (no wave synced tensors) needs --latency_ms.
+tools/bench/collective_latency.py measures both figures on this host.
 
 A local wave (every rank runs its tasks, no collective) costs the sum of its tasks on any N.
 Each parallel wave of each scheduler run is replayed on N ranks:
@@ -54,18 +55,20 @@ def waves(report):
     return out
 
 
-def measured_latency(report):
+def measured_latency(report, groups, bandwidth):
     """Seconds per collective: the tensor exchanges, which the ranks enter together from the
-    outcomes' gather (the other collectives also wait for the slowest rank); None without one."""
+    outcomes' gather (the other collectives also wait for the slowest rank), less their bytes at
+    `bandwidth` B/s (they carried every parallel wave's synced bytes); None without one."""
     totals = defaultdict(float)
     for layer in report["layers"]:
         for values in layer.get("values", {}).values():
             for key, value in values.items():
                 if key.startswith("dts:") and key.count(":") == 2:
                     totals[key.split(":")[2]] += value
-    if totals["settled_collectives"]:
-        return totals["settled_collective_seconds"] / totals["settled_collectives"]
-    return None
+    if not totals["settled_collectives"]:
+        return None
+    sent = sum(b for parallel, tasks in groups.values() if parallel for _, b in tasks)
+    return max(0.0, totals["settled_collective_seconds"] - sent / bandwidth) / totals["settled_collectives"]
 
 
 def makespan(costs, ranks, dynamic, take):
@@ -96,7 +99,8 @@ def main():
     args = parser.parse_args()
     report = json.load(open(args.report))
     groups = waves(report)
-    latency = args.latency_ms / 1000 if args.latency_ms is not None else measured_latency(report)
+    bandwidth = args.bandwidth_gbs * 1e9
+    latency = args.latency_ms / 1000 if args.latency_ms is not None else measured_latency(report, groups, bandwidth)
     if latency is None:
         parser.error(f"{args.report} holds no settled collective (no parallel wave synced tensors): give "
                      "--latency_ms (tools/bench/collective_latency.py measures it)")
@@ -119,7 +123,7 @@ def main():
                     continue
                 sent = sum(b for _, b in tasks)
                 collectives = 2 if sent > 0 else 1
-                sync = collectives * latency * depth + sent / (args.bandwidth_gbs * 1e9)
+                sync = collectives * latency * depth + sent / bandwidth
                 projected += makespan(costs, n, dynamic, latency / 10) + sync
             speedup = total / projected if projected else 1.0
             print(f"| {n} | {'dynamic' if dynamic else 'round-robin'} | {projected:.2f} | {speedup:.2f}x | "
