@@ -260,7 +260,9 @@ void schedulerLevels(dts::SchedulerOptions options) {
                b.parameter("w") =
                    at::arange(6, at::kDouble).reshape({2, 3}).mul(static_cast<double>(a.at("k").asInt() + 1));
                if (!b.hasParameter("extra") && b.ownBuffers().empty()) b.addBuffer("extra", at::ones({1}, at::kLong));
-               return qpipe::ConfigNode::null({});
+               // More than the scheduler's first outcome slot (4096 bytes): its overflow travels too.
+               const int64_t k = a.at("k").asInt();
+               return qpipe::ConfigNode::string(std::string(static_cast<size_t>(6000 + k), static_cast<char>('p' + k)));
              },
          .args = args(round),
          .dependencies = {"b"}});
@@ -307,7 +309,13 @@ void schedulerLevels(dts::SchedulerOptions options) {
     if (options.assignment == dts::Assignment::kRoundRobin || !record.parallel) {
       std::cout << " executor " << record.executorRank;
     }
-    if (!record.result.isNull()) std::cout << " result " << record.result.asInt();
+    if (record.result.kind() == qpipe::ConfigNode::Kind::kString) {
+      const std::string& text = record.result.asString();
+      std::cout << " result " << text.size() << " chars of "
+                << (text.find_first_not_of(text.front()) == std::string::npos ? text.substr(0, 1) : "mixed");
+    } else if (!record.result.isNull()) {
+      std::cout << " result " << record.result.asInt();
+    }
     std::cout << "\n";
   }
   const auto& c = static_cast<SelfSynced&>(root->getSubmodule("c"));

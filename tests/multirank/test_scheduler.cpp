@@ -51,10 +51,14 @@ TEST_P(Scheduler, EverySyncLevelEndsInTheOneRankStateWithEitherAssignment) {
       EXPECT_TRUE(has(out, "level 2 syncs: 2 done 2")) << out;
       EXPECT_TRUE(has(out, "level 1 sync of w0_t3") && has(out, "level 1 sync of w1_t7")) << out;
       EXPECT_TRUE(has(out, "record w2_t8 local_a parallel 0 executor " + std::to_string(r))) << out;
+      // Results longer than the outcomes' first slot arrive whole on every rank.
+      EXPECT_TRUE(has(out, " result 6000 chars of p") && has(out, " result 6001 chars of q")) << out;
       if (std::string(scenario) == "dts_round_robin") {
         // Task i of a wave of four runs on rank i mod W; every rank has its result.
         EXPECT_TRUE(has(out, "record w0_t3 set_d parallel 1 executor " + std::to_string(3 % w))) << out;
-        EXPECT_TRUE(has(out, "record w0_t1 reshape_b parallel 1 executor " + std::to_string(1 % w))) << out;
+        EXPECT_TRUE(
+            has(out, "record w0_t1 reshape_b parallel 1 executor " + std::to_string(1 % w) + " result 6000 chars of p"))
+            << out;
         EXPECT_TRUE(has(out, "record w0_t0 fill_a parallel 1 executor 0 result 0")) << out;
         EXPECT_TRUE(has(out, "record w1_t4 fill_a parallel 1 executor 0 result 10")) << out;
       }
