@@ -131,6 +131,39 @@ TEST(Tokenizer, MissingFileIsAnIoError) {
             "cannot open '/nonexistent/tokenizer.json': no such file");
 }
 
+// The parse streams model.vocab and model.merges past the document (TokenizerParse); a file
+// still means what its document means: the last of a repeated token or key wins, and any other
+// shape fails with the document's own message.
+TEST(Tokenizer, StreamedVocabularyAndMergesMeanWhatTheDocumentMeans) {
+  const auto withModel = [](const std::string& model) {
+    std::string text = baseJson().dump();
+    const std::string was = baseJson()["model"].dump();
+    return text.replace(text.find(was), was.size(), R"({"type": "BPE", )" + model + "}");
+  };
+  const auto encode = [&](const std::string& model, const std::string& text) {
+    return Tokenizer::fromJson(withModel(model), "tokenizer.json").encode(text);
+  };
+  const auto error = [&](const std::string& model) {
+    return test::errorOf([&] { Tokenizer::fromJson(withModel(model), "tokenizer.json"); }, ErrorCode::kInput);
+  };
+  EXPECT_EQ(encode(R"("vocab": {"a": 0, "b": 1, "a": 11}, "merges": [])", "a"), (std::vector<int64_t>{11}));
+  EXPECT_EQ(encode(R"("vocab": {"a": 0, "b": 1, "ab": 2}, "merges": [["a", "b"]], "merges": [])", "ab"),
+            (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(encode(R"("vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"])", "ab"), (std::vector<int64_t>{2}));
+  EXPECT_EQ(error(R"("vocab": {"a": 0, "b": 1, "ab": 2}, "merges": [["a", "b"]], "vocab": {"a": 0, "b": 1})"),
+            "tokenizer.json: model.merges[0] ('a', 'b') refers to a token missing from model.vocab");
+  EXPECT_EQ(error(R"("vocab": {"a": -1}, "merges": [])"),
+            "tokenizer.json: model.vocab.a must be a non-negative integer id, not -1");
+  EXPECT_EQ(error(R"("vocab": {"a": "0"}, "merges": [])"),
+            "tokenizer.json: model.vocab.a must be a non-negative integer id, not \"0\"");
+  EXPECT_EQ(error(R"("vocab": {"a": 0}, "merges": [["a"]])"),
+            "tokenizer.json: model.merges[0] must be \"left right\" or [left, right], not [\"a\"]");
+  EXPECT_EQ(error(R"("vocab": {"a": 0}, "merges": ["a  b"])"),
+            "tokenizer.json: model.merges[0] 'a  b' must be two tokens separated by one space");
+  EXPECT_EQ(error(R"("vocab": {"a": 0}, "merges": [], "x": )" + std::string(200, '[') + std::string(200, ']')),
+            "tokenizer.json: JSON nested deeper than 100 levels");
+}
+
 TEST(Tokenizer, MalformedJsonIsAnInputError) {
   EXPECT_EQ(test::errorOf([] { Tokenizer::fromJson("{\"model\": [1, 2", "tokenizer.json"); }, ErrorCode::kInput),
             "tokenizer.json: not valid JSON (syntax error at byte 16)");

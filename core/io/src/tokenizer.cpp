@@ -55,8 +55,9 @@ bool flagAt(const std::string& source, const Json& object, const char* key, cons
   return it->get<bool>();
 }
 
-int64_t idAt(const std::string& source, const Json& value, const std::string& path) {
-  QPIPE_REQUIRE(value.is_number_integer() && value.get<int64_t>() >= 0, ErrorCode::kInput, source, ": ", path,
+// `path` + `name` says where `value` is (only an error spells it out: a vocabulary's 50k tokens).
+int64_t idAt(const std::string& source, const Json& value, std::string_view path, std::string_view name = {}) {
+  QPIPE_REQUIRE(value.is_number_integer() && value.get<int64_t>() >= 0, ErrorCode::kInput, source, ": ", path, name,
                 " must be a non-negative integer id, not ", value.dump());
   return value.get<int64_t>();
 }
@@ -376,6 +377,143 @@ class AddedTokenMatcher {
   std::vector<Entry> byFirstByte_[256];
 };
 
+// model.vocab and model.merges, where the parse streamed them (TokenizerParse) instead of building
+// them into the document.
+struct StreamedModel {
+  bool vocabStreamed = false;
+  bool mergesStreamed = false;
+  StringMap<int64_t> vocab;
+  std::vector<std::pair<std::string, std::string>> merges;
+};
+
+// nlohmann's document parser, except that model.vocab's entries and model.merges' items go
+// straight into a StreamedModel (the document keeps model.vocab and model.merges, empty): their
+// 100k small document nodes, built, read once and destroyed, were a third of a tokenizer's load.
+// Anything there that is not a vocabulary id or a merge in one of its two forms, or a second
+// model.vocab or model.merges, stops the parse (an event returns false): fromJson then builds the
+// whole document and checks it as before, so what is accepted and every message stay the same.
+// The same nesting limit as jsonDepthLimit.
+class TokenizerParse : public nlohmann::detail::json_sax_dom_parser<Json> {
+  using Base = nlohmann::detail::json_sax_dom_parser<Json>;
+  enum class Section { kNone, kVocab, kMerges, kMergePair };
+
+ public:
+  TokenizerParse(Json& root, const std::string& source, StreamedModel& out) : Base(root), source_(source), out_(out) {}
+
+  bool null() { return section_ == Section::kNone && Base::null(); }
+  bool boolean(bool value) { return section_ == Section::kNone && Base::boolean(value); }
+  bool number_integer(number_integer_t value) { return section_ == Section::kNone && Base::number_integer(value); }
+  bool number_float(number_float_t value, const string_t& text) {
+    return section_ == Section::kNone && Base::number_float(value, text);
+  }
+  bool binary(binary_t& value) { return section_ == Section::kNone && Base::binary(value); }
+
+  // Non-negative integers arrive here, negative ones at number_integer.
+  bool number_unsigned(number_unsigned_t value) {
+    if (section_ != Section::kVocab) return section_ == Section::kNone && Base::number_unsigned(value);
+    if (value > static_cast<number_unsigned_t>(INT64_MAX)) return false;
+    // A repeated token keeps its last id, as in the document.
+    out_.vocab.insert_or_assign(std::move(token_), static_cast<int64_t>(value));
+    return true;
+  }
+
+  bool string(string_t& value) {
+    switch (section_) {
+      case Section::kNone:
+        return Base::string(value);
+      case Section::kMerges: {
+        const size_t space = value.find(' ');
+        if (space == std::string::npos || value.find(' ', space + 1) != std::string::npos) return false;
+        out_.merges.emplace_back(value.substr(0, space), value.substr(space + 1));
+        return true;
+      }
+      case Section::kMergePair:
+        if (pair_.size() == 2) return false;
+        pair_.push_back(std::move(value));
+        return true;
+      case Section::kVocab:
+        return false;
+    }
+    return false;
+  }
+
+  bool key(string_t& value) {
+    if (section_ == Section::kVocab) {
+      token_ = std::move(value);
+      return true;
+    }
+    if (depth_ <= 2) keys_[depth_] = value;
+    return Base::key(value);
+  }
+
+  bool start_object(std::size_t elements) {
+    if (!open()) return false;
+    if (at("vocab")) {
+      if (out_.vocabStreamed) return false;
+      out_.vocabStreamed = true;
+      // LLM vocabularies hold 32k-256k tokens: 64k buckets to start with, not a dozen rehashes.
+      out_.vocab.reserve(size_t{1} << 16);
+      section_ = Section::kVocab;
+    }
+    return Base::start_object(elements);
+  }
+
+  bool start_array(std::size_t elements) {
+    if (section_ == Section::kMerges) {
+      ++depth_;
+      pair_.clear();
+      section_ = Section::kMergePair;
+      return true;
+    }
+    if (!open()) return false;
+    if (at("merges")) {
+      if (out_.mergesStreamed) return false;
+      out_.mergesStreamed = true;
+      section_ = Section::kMerges;
+    }
+    return Base::start_array(elements);
+  }
+
+  bool end_object() {
+    if (section_ == Section::kVocab) section_ = Section::kNone;
+    --depth_;
+    return Base::end_object();
+  }
+
+  bool end_array() {
+    --depth_;
+    if (section_ == Section::kMergePair) {
+      if (pair_.size() != 2) return false;
+      out_.merges.emplace_back(std::move(pair_[0]), std::move(pair_[1]));
+      section_ = Section::kMerges;
+      return true;
+    }
+    if (section_ == Section::kMerges) section_ = Section::kNone;
+    return Base::end_array();
+  }
+
+ private:
+  // A container opens below the open ones (none inside a streamed section but a merge's pair).
+  bool open() {
+    QPIPE_REQUIRE(depth_ <= kMaxJsonDepth, ErrorCode::kInput, source_, ": JSON nested deeper than ", kMaxJsonDepth,
+                  " levels");
+    if (section_ != Section::kNone) return false;
+    ++depth_;
+    if (depth_ <= 2) keys_[depth_].clear();
+    return true;
+  }
+  // The container just opened is model.<name>.
+  bool at(std::string_view name) const { return depth_ == 3 && keys_[1] == "model" && keys_[2] == name; }
+
+  const std::string& source_;
+  StreamedModel& out_;
+  Section section_ = Section::kNone;
+  int depth_ = 0;                  // open containers
+  std::string keys_[3];            // the last key of the open object at depth 1 and 2
+  std::string token_;              // model.vocab's key whose id comes next
+  std::vector<std::string> pair_;  // a [left, right] merge so far
+};
+
 }  // namespace
 
 // ---- the tokenizer ----
@@ -395,8 +533,8 @@ struct Tokenizer::Impl {
   bool byteLevelDecoder = false;
   int64_t vocabSize = 0;
 
-  void parse(const Json& root);
-  void parseModel(const Json& node);
+  void parse(const Json& root, StreamedModel& streamed);
+  void parseModel(const Json& node, StreamedModel& streamed);
   void parseAddedTokens(const Json& node);
   void parsePostProcessor(const Json& node, const std::string& path);
   void parseDecoder(const Json& node, const std::string& path);
@@ -404,7 +542,7 @@ struct Tokenizer::Impl {
   void encodePlain(std::string_view text, std::vector<int64_t>& ids) const;
 };
 
-void Tokenizer::Impl::parse(const Json& root) {
+void Tokenizer::Impl::parse(const Json& root, StreamedModel& streamed) {
   QPIPE_REQUIRE(root.is_object(), ErrorCode::kInput, source, ": expected a JSON object at the top, not ",
                 typeName(root));
   for (const char* option : {"truncation", "padding"}) {
@@ -412,7 +550,7 @@ void Tokenizer::Impl::parse(const Json& root) {
     QPIPE_REQUIRE(it == root.end() || it->is_null(), ErrorCode::kInput, source, ": ", option,
                   " is not supported (set it to null)");
   }
-  parseModel(member(source, root, "model", "tokenizer"));
+  parseModel(member(source, root, "model", "tokenizer"), streamed);
   parseNormalizer(source, root.value("normalizer", Json()), "normalizer", normalizers);
   parsePreTokenizer(source, root.value("pre_tokenizer", Json()), "pre_tokenizer", preTokenizers);
   parseAddedTokens(root.value("added_tokens", Json::array()));
@@ -425,7 +563,7 @@ void Tokenizer::Impl::parse(const Json& root) {
   vocabSize = static_cast<int64_t>(ids.size());
 }
 
-void Tokenizer::Impl::parseModel(const Json& node) {
+void Tokenizer::Impl::parseModel(const Json& node, StreamedModel& streamed) {
   const auto type = typeOf(source, node, "model");
   QPIPE_REQUIRE(type == "BPE", ErrorCode::kInput, source, ": model type '", type,
                 "' is not supported (only byte-level BPE)");
@@ -445,14 +583,14 @@ void Tokenizer::Impl::parseModel(const Json& node) {
   const auto& vocabNode = member(source, node, "vocab", "model");
   QPIPE_REQUIRE(vocabNode.is_object(), ErrorCode::kInput, source, ": model.vocab must be an object, not ",
                 typeName(vocabNode));
-  StringMap<int64_t> vocab;
+  StringMap<int64_t> vocab = std::move(streamed.vocab);
   vocab.reserve(vocabNode.size());
-  for (const auto& [token, id] : vocabNode.items()) vocab.emplace(token, idAt(source, id, "model.vocab." + token));
+  for (const auto& [token, id] : vocabNode.items()) vocab.emplace(token, idAt(source, id, "model.vocab.", token));
 
   const auto& mergesNode = member(source, node, "merges", "model");
   QPIPE_REQUIRE(mergesNode.is_array(), ErrorCode::kInput, source, ": model.merges must be a list, not ",
                 typeName(mergesNode));
-  std::vector<std::pair<std::string, std::string>> merges;
+  std::vector<std::pair<std::string, std::string>> merges = std::move(streamed.merges);
   merges.reserve(mergesNode.size());
   for (size_t i = 0; i < mergesNode.size(); ++i) {
     const auto& merge = mergesNode[i];
@@ -615,8 +753,14 @@ Tokenizer Tokenizer::fromFile(const std::filesystem::path& tokenizerJson) {
 
 Tokenizer Tokenizer::fromJson(std::string_view json, const std::string& sourceName) {
   Json root;
+  StreamedModel streamed;
   try {
-    root = Json::parse(json, jsonDepthLimit<Json>(sourceName));
+    TokenizerParse parse(root, sourceName, streamed);
+    if (!Json::sax_parse(json, &parse)) {
+      // A model.vocab or model.merges of another shape: the whole document, checked as ever.
+      streamed = {};
+      root = Json::parse(json, jsonDepthLimit<Json>(sourceName));
+    }
   } catch (const Json::parse_error& e) {
     QPIPE_REQUIRE(false, ErrorCode::kInput, sourceName, ": not valid JSON (syntax error at byte ", e.byte, ")");
   } catch (const Json::exception& e) {  // a number out of range
@@ -624,7 +768,7 @@ Tokenizer Tokenizer::fromJson(std::string_view json, const std::string& sourceNa
   }
   auto impl = std::make_unique<Impl>();
   impl->source = sourceName;
-  impl->parse(root);
+  impl->parse(root, streamed);
   return Tokenizer(std::move(impl));
 }
 

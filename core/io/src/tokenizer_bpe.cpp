@@ -33,6 +33,7 @@ BpeModel::BpeModel(StringMap<int64_t> vocab, const std::vector<std::pair<std::st
   }
   const auto& prefix = options_.continuingSubwordPrefix;
   merges_.reserve(merges.size());
+  std::string merged;
   for (size_t rank = 0; rank < merges.size(); ++rank) {
     const auto& [left, right] = merges[rank];
     const auto leftIt = vocab_.find(left);
@@ -40,7 +41,8 @@ BpeModel::BpeModel(StringMap<int64_t> vocab, const std::vector<std::pair<std::st
     // The merged token drops the right part's continuation prefix: "a" + "##b" gives "ab".
     const std::string_view rightTail =
         !prefix.empty() && right.starts_with(prefix) ? std::string_view(right).substr(prefix.size()) : right;
-    const auto mergedIt = vocab_.find(left + std::string(rightTail));
+    merged.assign(left).append(rightTail);
+    const auto mergedIt = vocab_.find(merged);
     QPIPE_REQUIRE(leftIt != vocab_.end() && rightIt != vocab_.end() && mergedIt != vocab_.end(), ErrorCode::kInput,
                   source, ": model.merges[", rank, "] ('", left, "', '", right,
                   "') refers to a token missing from model.vocab");
