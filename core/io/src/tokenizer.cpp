@@ -386,41 +386,40 @@ struct StreamedModel {
   std::vector<std::pair<std::string, std::string>> merges;
 };
 
-// nlohmann's document parser, except that model.vocab's entries and model.merges' items go
-// straight into a StreamedModel (the document keeps model.vocab and model.merges, empty): their
-// 100k small document nodes, built, read once and destroyed, were a third of a tokenizer's load.
-// Anything there that is not a vocabulary id or a merge in one of its two forms, or a second
-// model.vocab or model.merges, stops the parse (an event returns false): fromJson then builds the
-// whole document and checks it as before, so what is accepted and every message stay the same.
-// The same nesting limit as jsonDepthLimit.
-class TokenizerParse : public nlohmann::detail::json_sax_dom_parser<Json> {
-  using Base = nlohmann::detail::json_sax_dom_parser<Json>;
+// A SAX handler for Json::sax_parse that builds the document as Json::parse does, except that
+// model.vocab's entries and model.merges' items go straight into a StreamedModel (the document
+// keeps model.vocab and model.merges, empty): their 100k small document nodes, built, read once and
+// destroyed, were a third of a tokenizer's load. Anything there that is not a vocabulary id or a
+// merge in one of its two forms, or a second model.vocab or model.merges, stops the parse (an event
+// returns false): fromJson then builds the whole document and checks it as before, so what is
+// accepted and every message stay the same. The same nesting limit as jsonDepthLimit.
+class TokenizerParse {
   enum class Section { kNone, kVocab, kMerges, kMergePair };
 
  public:
-  TokenizerParse(Json& root, const std::string& source, StreamedModel& out) : Base(root), source_(source), out_(out) {}
+  TokenizerParse(Json& root, const std::string& source, StreamedModel& out) : root_(root), source_(source), out_(out) {}
 
-  bool null() { return section_ == Section::kNone && Base::null(); }
-  bool boolean(bool value) { return section_ == Section::kNone && Base::boolean(value); }
-  bool number_integer(number_integer_t value) { return section_ == Section::kNone && Base::number_integer(value); }
-  bool number_float(number_float_t value, const string_t& text) {
-    return section_ == Section::kNone && Base::number_float(value, text);
+  bool null() { return section_ == Section::kNone && place(nullptr); }
+  bool boolean(bool value) { return section_ == Section::kNone && place(value); }
+  bool number_integer(Json::number_integer_t value) { return section_ == Section::kNone && place(value); }
+  bool number_float(Json::number_float_t value, const Json::string_t& /*text*/) {
+    return section_ == Section::kNone && place(value);
   }
-  bool binary(binary_t& value) { return section_ == Section::kNone && Base::binary(value); }
+  bool binary(Json::binary_t& value) { return section_ == Section::kNone && place(Json::binary(std::move(value))); }
 
   // Non-negative integers arrive here, negative ones at number_integer.
-  bool number_unsigned(number_unsigned_t value) {
-    if (section_ != Section::kVocab) return section_ == Section::kNone && Base::number_unsigned(value);
-    if (value > static_cast<number_unsigned_t>(INT64_MAX)) return false;
+  bool number_unsigned(Json::number_unsigned_t value) {
+    if (section_ != Section::kVocab) return section_ == Section::kNone && place(value);
+    if (value > static_cast<Json::number_unsigned_t>(INT64_MAX)) return false;
     // A repeated token keeps its last id, as in the document.
-    out_.vocab.insert_or_assign(std::move(token_), static_cast<int64_t>(value));
+    out_.vocab.insert_or_assign(std::move(key_), static_cast<int64_t>(value));
     return true;
   }
 
-  bool string(string_t& value) {
+  bool string(Json::string_t& value) {
     switch (section_) {
       case Section::kNone:
-        return Base::string(value);
+        return place(std::move(value));
       case Section::kMerges: {
         const size_t space = value.find(' ');
         if (space == std::string::npos || value.find(' ', space + 1) != std::string::npos) return false;
@@ -437,17 +436,14 @@ class TokenizerParse : public nlohmann::detail::json_sax_dom_parser<Json> {
     return false;
   }
 
-  bool key(string_t& value) {
-    if (section_ == Section::kVocab) {
-      token_ = std::move(value);
-      return true;
-    }
-    if (depth_ <= 2) keys_[depth_] = value;
-    return Base::key(value);
+  bool key(Json::string_t& value) {
+    if (section_ == Section::kNone && open_.size() <= 2) keys_[open_.size()] = value;
+    key_ = std::move(value);
+    return true;
   }
 
-  bool start_object(std::size_t elements) {
-    if (!open()) return false;
+  bool start_object(std::size_t /*elements*/) {
+    if (!open(Json::object())) return false;
     if (at("vocab")) {
       if (out_.vocabStreamed) return false;
       out_.vocabStreamed = true;
@@ -455,62 +451,84 @@ class TokenizerParse : public nlohmann::detail::json_sax_dom_parser<Json> {
       out_.vocab.reserve(size_t{1} << 16);
       section_ = Section::kVocab;
     }
-    return Base::start_object(elements);
+    return true;
   }
 
-  bool start_array(std::size_t elements) {
+  bool start_array(std::size_t /*elements*/) {
     if (section_ == Section::kMerges) {
-      ++depth_;
       pair_.clear();
       section_ = Section::kMergePair;
       return true;
     }
-    if (!open()) return false;
+    if (!open(Json::array())) return false;
     if (at("merges")) {
       if (out_.mergesStreamed) return false;
       out_.mergesStreamed = true;
       section_ = Section::kMerges;
     }
-    return Base::start_array(elements);
+    return true;
   }
 
   bool end_object() {
-    if (section_ == Section::kVocab) section_ = Section::kNone;
-    --depth_;
-    return Base::end_object();
+    section_ = Section::kNone;  // the end of model.vocab, or of an object outside any section
+    open_.pop_back();
+    return true;
   }
 
   bool end_array() {
-    --depth_;
     if (section_ == Section::kMergePair) {
       if (pair_.size() != 2) return false;
       out_.merges.emplace_back(std::move(pair_[0]), std::move(pair_[1]));
       section_ = Section::kMerges;
       return true;
     }
-    if (section_ == Section::kMerges) section_ = Section::kNone;
-    return Base::end_array();
+    section_ = Section::kNone;
+    open_.pop_back();
+    return true;
+  }
+
+  // Json::parse's exception, whose type (parse_error, out_of_range) fromJson tells apart.
+  template <typename Exception>
+  bool parse_error(std::size_t /*position*/, const std::string& /*token*/, const Exception& error) {
+    throw error;
   }
 
  private:
-  // A container opens below the open ones (none inside a streamed section but a merge's pair).
-  bool open() {
-    QPIPE_REQUIRE(depth_ <= kMaxJsonDepth, ErrorCode::kInput, source_, ": JSON nested deeper than ", kMaxJsonDepth,
-                  " levels");
+  // `value` in the open container (under the last key in an object), or as the root.
+  Json* place(Json value) {
+    if (open_.empty()) {
+      root_ = std::move(value);
+      return &root_;
+    }
+    Json& parent = *open_.back();
+    if (parent.is_array()) {
+      parent.push_back(std::move(value));
+      return &parent.back();
+    }
+    Json& slot = parent[std::move(key_)];
+    slot = std::move(value);
+    return &slot;
+  }
+  // A container opens below the open ones (none inside a streamed section but a merge's pair,
+  // which start_array takes).
+  bool open(Json container) {
+    QPIPE_REQUIRE(open_.size() <= static_cast<size_t>(kMaxJsonDepth), ErrorCode::kInput, source_,
+                  ": JSON nested deeper than ", kMaxJsonDepth, " levels");
     if (section_ != Section::kNone) return false;
-    ++depth_;
-    if (depth_ <= 2) keys_[depth_].clear();
+    open_.push_back(place(std::move(container)));
+    if (open_.size() <= 2) keys_[open_.size()].clear();
     return true;
   }
   // The container just opened is model.<name>.
-  bool at(std::string_view name) const { return depth_ == 3 && keys_[1] == "model" && keys_[2] == name; }
+  bool at(std::string_view name) const { return open_.size() == 3 && keys_[1] == "model" && keys_[2] == name; }
 
+  Json& root_;
   const std::string& source_;
   StreamedModel& out_;
   Section section_ = Section::kNone;
-  int depth_ = 0;                  // open containers
+  std::vector<Json*> open_;        // the open containers, outermost first
   std::string keys_[3];            // the last key of the open object at depth 1 and 2
-  std::string token_;              // model.vocab's key whose id comes next
+  std::string key_;                // the last key: where the next value goes, or a vocabulary token
   std::vector<std::string> pair_;  // a [left, right] merge so far
 };
 
