@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <iomanip>
+#include <optional>
 #include <sstream>
 #include <utility>
 
@@ -31,6 +32,9 @@ std::atomic<int64_t> parallelWavesRun{0};
 // rank saw, so every rank passes the same slot.
 constexpr int64_t kMinOutcomeSlot = 1024;
 std::atomic<int64_t> outcomeSlot{4096};
+// The same for the synced tensors beyond those the outcomes announce (a DistributedSync's, whose
+// sizes each rank knows only from its own module): 1.5 times the last exchange's largest.
+std::atomic<int64_t> ownTensorsSlot{0};
 
 double since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -199,11 +203,16 @@ at::Tensor slotFor(Module& module, bool parameter, const std::string& name, at::
 
 // Every executor's tensors to every rank in one all-gather: fromRank[r] holds, on every rank, the
 // tensors rank r executed (the same dtypes and shapes everywhere; on r itself the values to send,
-// elsewhere the slots to fill), so every rank knows the largest part, which is the gather's slot.
-// Their bytes travel packed, so backends without a dtype (fp8) are no obstacle. One broadcast per
-// executor cost W collectives a wave instead: 66 a wave at 64 ranks, most of a wave's time in the
-// projection (docs/benchmarks.md). False where no rank had a tensor to send.
-bool exchangeTogether(ProcessGroup& group, const std::vector<std::vector<at::Tensor>>& fromRank) {
+// elsewhere the slots to fill). `slot` is a size every rank computed alike: a part within it
+// costs one collective, a larger one a second for the rest, so that a rank whose view of a part
+// differs (a DistributedSync returning other shapes on another rank) ends in the error below, not
+// in mismatched collectives. Their bytes travel packed, so backends without a dtype (fp8) are no
+// obstacle. One broadcast per executor cost W collectives a wave instead: 66 a wave at 64 ranks,
+// most of a wave's time in the projection (docs/benchmarks.md). The bytes each rank sent (alike on
+// every rank), or nothing where no rank had a tensor to send.
+std::optional<std::vector<int64_t>> exchangeTogether(ProcessGroup& group,
+                                                     const std::vector<std::vector<at::Tensor>>& fromRank,
+                                                     int64_t slot) {
   const auto bytesOf = [](const std::vector<at::Tensor>& tensors) {
     int64_t total = 0;
     for (const at::Tensor& t : tensors) total += static_cast<int64_t>(t.nbytes());
@@ -211,7 +220,7 @@ bool exchangeTogether(ProcessGroup& group, const std::vector<std::vector<at::Ten
   };
   int64_t largest = 0;
   for (const auto& tensors : fromRank) largest = std::max(largest, bytesOf(tensors));
-  if (largest == 0) return false;
+  if (largest == 0) return std::nullopt;
   const auto me = static_cast<size_t>(group.rank());
   std::string flat(static_cast<size_t>(bytesOf(fromRank[me])), '\0');
   size_t offset = 0;
@@ -220,7 +229,7 @@ bool exchangeTogether(ProcessGroup& group, const std::vector<std::vector<at::Ten
     std::memcpy(flat.data() + offset, bytes.const_data_ptr(), bytes.nbytes());
     offset += bytes.nbytes();
   }
-  const std::vector<std::string> parts = group.allGatherBytesWithin(flat, largest);
+  const std::vector<std::string> parts = group.allGatherBytesWithin(flat, slot);
   for (size_t r = 0; r < fromRank.size(); ++r) {
     if (r == me) continue;
     QPIPE_CHECK(static_cast<int64_t>(parts[r].size()) == bytesOf(fromRank[r]), "rank ", r, " sent ", parts[r].size(),
@@ -236,7 +245,9 @@ bool exchangeTogether(ProcessGroup& group, const std::vector<std::vector<at::Ten
       offset += n;
     }
   }
-  return true;
+  std::vector<int64_t> sizes;
+  for (const std::string& part : parts) sizes.push_back(static_cast<int64_t>(part.size()));
+  return sizes;
 }
 
 }  // namespace
@@ -334,7 +345,14 @@ struct DistributedTaskScheduler::Impl {
     for (size_t w = 0; w < waves.size(); ++w) {
       if (!waves[w].parallel) continue;
       joined += "wave " + std::to_string(w) + "\n";
-      for (size_t index : waves[w].tasks) joined += " " + describe(tasks[index]) + "\n";
+      for (size_t index : waves[w].tasks) {
+        // One line a task, whatever its name or arguments hold.
+        std::string line = describe(tasks[index]);
+        for (size_t at = line.find('\n'); at != std::string::npos; at = line.find('\n', at + 2)) {
+          line.replace(at, 1, "\\n");
+        }
+        joined += " " + line + "\n";
+      }
     }
     struct Listed {
       std::string wave;
@@ -474,6 +492,9 @@ struct DistributedTaskScheduler::Impl {
   void sync(const Wave& wave, const std::vector<Outcome>& outcomes, size_t w, std::vector<TaskRecord>& records) {
     SyncContext context{root, group};
     std::vector<std::vector<at::Tensor>> fromRank(static_cast<size_t>(group.worldSize()));
+    // Each executor's level-3 bytes, from the outcomes: the same on every rank, unlike the level-2
+    // tensors, which each rank's own DistributedSync returns.
+    std::vector<int64_t> agreed(static_cast<size_t>(group.worldSize()));
     std::vector<std::pair<DistributedSync*, TaskRecord*>> own;
     std::vector<TaskRecord*> batched;
     for (size_t i = 0; i < wave.tasks.size(); ++i) {
@@ -502,6 +523,7 @@ struct DistributedTaskScheduler::Impl {
         sent.push_back(slotFor(root.getSubmodule(t[0].get<std::string>()), t[1] == "p", t[2].get<std::string>(),
                                static_cast<at::ScalarType>(t[3].get<int>()), t[4].get<std::vector<int64_t>>(),
                                executor));
+        agreed[static_cast<size_t>(record.executorRank)] += static_cast<int64_t>(sent.back().nbytes());
       }
       for (auto& [path, module] : modulesOf(root, task)) {
         if (auto* synced = dynamic_cast<DistributedSync*>(module)) {
@@ -513,9 +535,14 @@ struct DistributedTaskScheduler::Impl {
       batched.push_back(&record);
     }
     const auto start = Clock::now();
-    if (exchangeTogether(group, fromRank)) {
+    const int64_t slot = *std::max_element(agreed.begin(), agreed.end()) + ownTensorsSlot;
+    if (const std::optional<std::vector<int64_t>> sent = exchangeTogether(group, fromRank, slot)) {
       summary.settledCollectiveSeconds += since(start);
-      ++summary.settledCollectives;
+      // A part beyond the slot cost the exchange a second collective.
+      summary.settledCollectives += *std::max_element(sent->begin(), sent->end()) > slot ? 2 : 1;
+      int64_t own = 0;
+      for (size_t r = 0; r < sent->size(); ++r) own = std::max(own, (*sent)[r] - agreed[r]);
+      ownTensorsSlot = own + own / 2;
     }
     for (auto& [synced, record] : own) synced->syncDone(*record, context);
     const double share = batched.empty() ? 0 : since(start) / static_cast<double>(batched.size());

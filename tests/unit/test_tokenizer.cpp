@@ -162,6 +162,12 @@ TEST(Tokenizer, StreamedVocabularyAndMergesMeanWhatTheDocumentMeans) {
             "tokenizer.json: model.merges[0] 'a  b' must be two tokens separated by one space");
   EXPECT_EQ(error(R"("vocab": {"a": 0}, "merges": [], "x": )" + std::string(200, '[') + std::string(200, ']')),
             "tokenizer.json: JSON nested deeper than 100 levels");
+  // A value inside 100 open containers (the top object, model, 98 lists) loads; inside 101 not.
+  const auto nested = [](int lists) {
+    return R"("vocab": {"a": 0}, "merges": [], "x": )" + std::string(lists, '[') + "1" + std::string(lists, ']');
+  };
+  EXPECT_EQ(encode(nested(98), "a"), (std::vector<int64_t>{0}));
+  EXPECT_EQ(error(nested(99)), "tokenizer.json: JSON nested deeper than 100 levels");
 }
 
 TEST(Tokenizer, MalformedJsonIsAnInputError) {

@@ -437,6 +437,7 @@ class TokenizerParse {
   }
 
   bool key(Json::string_t& value) {
+    checkDepth();
     if (section_ == Section::kNone && open_.size() <= 2) keys_[open_.size()] = value;
     key_ = std::move(value);
     return true;
@@ -494,8 +495,15 @@ class TokenizerParse {
   }
 
  private:
+  // As jsonDepthLimit: no key or value inside more than kMaxJsonDepth open containers (an empty
+  // container may still open there).
+  void checkDepth() const {
+    QPIPE_REQUIRE(open_.size() <= static_cast<size_t>(kMaxJsonDepth), ErrorCode::kInput, source_,
+                  ": JSON nested deeper than ", kMaxJsonDepth, " levels");
+  }
   // `value` in the open container (under the last key in an object), or as the root.
   Json* place(Json value) {
+    checkDepth();
     if (open_.empty()) {
       root_ = std::move(value);
       return &root_;
@@ -512,8 +520,6 @@ class TokenizerParse {
   // A container opens below the open ones (none inside a streamed section but a merge's pair,
   // which start_array takes).
   bool open(Json container) {
-    QPIPE_REQUIRE(open_.size() <= static_cast<size_t>(kMaxJsonDepth), ErrorCode::kInput, source_,
-                  ": JSON nested deeper than ", kMaxJsonDepth, " levels");
     if (section_ != Section::kNone) return false;
     open_.push_back(place(std::move(container)));
     if (open_.size() <= 2) keys_[open_.size()].clear();
@@ -627,7 +633,11 @@ void Tokenizer::Impl::parseModel(const Json& node, StreamedModel& streamed) {
     }
   }
   model = std::make_unique<BpeModel>(std::move(vocab), merges, std::move(options), source);
-  for (const auto& [token, id] : model->vocab()) modelTokens.emplace(id, token);
+  // An id several tokens share decodes to the least of them, whatever order the map holds them in.
+  for (const auto& [token, id] : model->vocab()) {
+    const auto [it, fresh] = modelTokens.emplace(id, token);
+    if (!fresh && token < it->second) it->second = token;
+  }
 }
 
 void Tokenizer::Impl::parseAddedTokens(const Json& node) {

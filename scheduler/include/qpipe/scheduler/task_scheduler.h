@@ -89,8 +89,8 @@ struct RunSummary {
   double syncSeconds = 0;    // this rank's time in agreement, record exchange and sync
   double agreeSeconds = 0;   // of it, in the agreement: one collective per run() with a parallel wave
   // The tensor exchanges of the parallel waves: the ranks enter them together from the outcomes'
-  // gather just before, so they time a collective itself, without a wait for a slower rank
-  // (tools/bench/dts_simulate.py).
+  // gather just before, so they time collectives themselves, without a wait for a slower rank
+  // (tools/bench/dts_simulate.py); an exchange is one collective, two when a part outgrew its slot.
   double settledCollectiveSeconds = 0;
   int64_t settledCollectives = 0;
   double wallSeconds = 0;    // this rank's time in run()
