@@ -196,30 +196,27 @@ class C10dGroup final : public ProcessGroup {
     return result;
   }
 
-  // One gather of equal parts: each rank's size and the slot (which must agree), then its first
-  // `slot` bytes; a second of the overflow, padded to the longest, only where a rank passed more.
+  // One gather of equal parts: each rank's size, then its first `slot` bytes; a second of the
+  // overflow, padded to the longest, only where a rank passed more. Unequal slots are unequal
+  // parts, which Gloo aborts on in its own thread: the callers derive the slot from what every
+  // rank saw alike.
   std::vector<std::string> allGatherBytesWithin(const std::string& bytes, int64_t slot) override {
     ParallelTaskScope::check("allGatherBytes");
     QPIPE_CHECK(slot >= 0, "allGatherBytesWithin: negative slot ", slot);
-    constexpr int64_t kHead = 2 * sizeof(int64_t);
+    constexpr int64_t kHead = sizeof(int64_t);
     const auto size = static_cast<int64_t>(bytes.size());
     std::vector<std::string> result(static_cast<size_t>(worldSize()));
     timed(size, [&] {
       at::Tensor local = at::empty({kHead + slot}, at::kByte);
       auto* data = static_cast<char*>(local.data_ptr());
-      const int64_t head[2] = {size, slot};
-      std::memcpy(data, head, kHead);
+      std::memcpy(data, &size, kHead);
       std::memcpy(data + kHead, bytes.data(), static_cast<size_t>(std::min(size, slot)));
       const std::vector<at::Tensor> parts = gatherEqual(local, "allGatherBytes");
       std::vector<int64_t> sizes(result.size());
       int64_t overflow = 0;
       for (size_t r = 0; r < result.size(); ++r) {
         const auto* part = static_cast<const char*>(parts[r].data_ptr());
-        int64_t theirs[2];
-        std::memcpy(theirs, part, kHead);
-        QPIPE_CHECK(theirs[1] == slot, "allGatherBytesWithin: rank ", r, " passed slot ", theirs[1], " and rank ",
-                    rank(), " ", slot, "; every rank must pass the same slot");
-        sizes[r] = theirs[0];
+        std::memcpy(&sizes[r], part, kHead);
         result[r].assign(part + kHead, static_cast<size_t>(std::min(sizes[r], slot)));
         overflow = std::max(overflow, sizes[r] - slot);
       }

@@ -9,7 +9,6 @@
 #include <chrono>
 #include <cstring>
 #include <iomanip>
-#include <optional>
 #include <sstream>
 #include <utility>
 
@@ -27,14 +26,19 @@ std::atomic<bool> globalDisabled{false};
 // Parallel waves this process has run: every rank runs the same parallel waves in the same order
 // (the agreement checks it), so the count names a wave's counter in the store uniquely.
 std::atomic<int64_t> parallelWavesRun{0};
-// The bytes a rank's outcomes of a parallel wave may take for their gather to be one collective
-// (ProcessGroup::allGatherBytesWithin): one and a half times the last wave's largest, which every
-// rank saw, so every rank passes the same slot.
+// The bytes a rank's part of a gather may take for it to be one collective
+// (ProcessGroup::allGatherBytesWithin), guessed from the last such gather, whose parts every rank
+// saw alike, so every rank passes the same slot: the outcomes of a parallel wave, and the synced
+// tensors beyond those the outcomes announce (a DistributedSync's, whose sizes each rank knows only
+// from its own module).
 constexpr int64_t kMinOutcomeSlot = 1024;
 std::atomic<int64_t> outcomeSlot{4096};
-// The same for the synced tensors beyond those the outcomes announce (a DistributedSync's, whose
-// sizes each rank knows only from its own module): 1.5 times the last exchange's largest.
 std::atomic<int64_t> ownTensorsSlot{0};
+
+// The next slot after a gather whose largest part was `largest`: half as much again, in 256 bytes.
+int64_t slotAfter(int64_t largest) {
+  return (largest + largest / 2 + 255) / 256 * 256;
+}
 
 double since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -208,11 +212,9 @@ at::Tensor slotFor(Module& module, bool parameter, const std::string& name, at::
 // differs (a DistributedSync returning other shapes on another rank) ends in the error below, not
 // in mismatched collectives. Their bytes travel packed, so backends without a dtype (fp8) are no
 // obstacle. One broadcast per executor cost W collectives a wave instead: 66 a wave at 64 ranks,
-// most of a wave's time in the projection (docs/benchmarks.md). The bytes each rank sent (alike on
-// every rank), or nothing where no rank had a tensor to send.
-std::optional<std::vector<int64_t>> exchangeTogether(ProcessGroup& group,
-                                                     const std::vector<std::vector<at::Tensor>>& fromRank,
-                                                     int64_t slot) {
+// most of a wave's time in the projection (docs/benchmarks.md). False where no rank had a tensor
+// to send.
+bool exchangeTogether(ProcessGroup& group, const std::vector<std::vector<at::Tensor>>& fromRank, int64_t slot) {
   const auto bytesOf = [](const std::vector<at::Tensor>& tensors) {
     int64_t total = 0;
     for (const at::Tensor& t : tensors) total += static_cast<int64_t>(t.nbytes());
@@ -220,7 +222,7 @@ std::optional<std::vector<int64_t>> exchangeTogether(ProcessGroup& group,
   };
   int64_t largest = 0;
   for (const auto& tensors : fromRank) largest = std::max(largest, bytesOf(tensors));
-  if (largest == 0) return std::nullopt;
+  if (largest == 0) return false;
   const auto me = static_cast<size_t>(group.rank());
   std::string flat(static_cast<size_t>(bytesOf(fromRank[me])), '\0');
   size_t offset = 0;
@@ -245,9 +247,7 @@ std::optional<std::vector<int64_t>> exchangeTogether(ProcessGroup& group,
       offset += n;
     }
   }
-  std::vector<int64_t> sizes;
-  for (const std::string& part : parts) sizes.push_back(static_cast<int64_t>(part.size()));
-  return sizes;
+  return true;
 }
 
 }  // namespace
@@ -445,7 +445,7 @@ struct DistributedTaskScheduler::Impl {
     // The next wave's slot from this one's largest outcomes, which every rank saw alike.
     size_t largest = 0;
     for (const std::string& bytes : all) largest = std::max(largest, bytes.size());
-    outcomeSlot = std::max<int64_t>(kMinOutcomeSlot, static_cast<int64_t>(largest + largest / 2 + 255) / 256 * 256);
+    outcomeSlot = std::max(kMinOutcomeSlot, slotAfter(static_cast<int64_t>(largest)));
     for (size_t r = 0; r < all.size(); ++r) {
       for (const Json& o : Json::parse(all[r])) {
         Outcome& out = outcomes[o["i"].get<size_t>()];
@@ -493,8 +493,9 @@ struct DistributedTaskScheduler::Impl {
     SyncContext context{root, group};
     std::vector<std::vector<at::Tensor>> fromRank(static_cast<size_t>(group.worldSize()));
     // Each executor's level-3 bytes, from the outcomes: the same on every rank, unlike the level-2
-    // tensors, which each rank's own DistributedSync returns.
+    // tensors, which each rank's own DistributedSync returns. `sending`: both levels' bytes.
     std::vector<int64_t> agreed(static_cast<size_t>(group.worldSize()));
+    std::vector<int64_t> sending(agreed.size());
     std::vector<std::pair<DistributedSync*, TaskRecord*>> own;
     std::vector<TaskRecord*> batched;
     for (size_t i = 0; i < wave.tasks.size(); ++i) {
@@ -532,17 +533,19 @@ struct DistributedTaskScheduler::Impl {
         }
       }
       for (size_t t = before; t < sent.size(); ++t) record.syncBytes += static_cast<int64_t>(sent[t].nbytes());
+      sending[static_cast<size_t>(record.executorRank)] += record.syncBytes;
       batched.push_back(&record);
     }
     const auto start = Clock::now();
     const int64_t slot = *std::max_element(agreed.begin(), agreed.end()) + ownTensorsSlot;
-    if (const std::optional<std::vector<int64_t>> sent = exchangeTogether(group, fromRank, slot)) {
+    if (exchangeTogether(group, fromRank, slot)) {
+      // Each rank's part as it sent it: exchangeTogether checked that every rank's view agrees.
       summary.settledCollectiveSeconds += since(start);
       // A part beyond the slot cost the exchange a second collective.
-      summary.settledCollectives += *std::max_element(sent->begin(), sent->end()) > slot ? 2 : 1;
+      summary.settledCollectives += *std::max_element(sending.begin(), sending.end()) > slot ? 2 : 1;
       int64_t own = 0;
-      for (size_t r = 0; r < sent->size(); ++r) own = std::max(own, (*sent)[r] - agreed[r]);
-      ownTensorsSlot = own + own / 2;
+      for (size_t r = 0; r < sending.size(); ++r) own = std::max(own, sending[r] - agreed[r]);
+      ownTensorsSlot = slotAfter(own);
     }
     for (auto& [synced, record] : own) synced->syncDone(*record, context);
     const double share = batched.empty() ? 0 : since(start) / static_cast<double>(batched.size());

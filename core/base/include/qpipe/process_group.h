@@ -39,8 +39,7 @@ class ProcessGroup {
   // passes more than `slot` bytes, two where one does (the overflow follows), against
   // allGatherBytes' two always (the sizes, then the bytes). Every rank passes the same slot, and
   // every rank sends slot bytes: a slot far above what the ranks pass wastes bandwidth.
-  virtual std::vector<std::string> allGatherBytesWithin(const std::string& bytes, int64_t slot) {
-    (void)slot;
+  virtual std::vector<std::string> allGatherBytesWithin(const std::string& bytes, int64_t /*slot*/) {
     return allGatherBytes(bytes);
   }
 
