@@ -371,6 +371,19 @@ TEST(QuantPack, Int4RoundTripsRandom) {
   EXPECT_TRUE(at::equal(unpackInt4(packInt4(whole), 64), whole));
 }
 
+TEST(QuantPack, Int4UnpacksEveryNibbleAndIgnoresThePadding) {
+  // u = 0..15 is q = -8..7; the second word has its top bit set (a negative int32). The last row
+  // keeps 3 of 8 nibbles: the five padding nibbles (F) are not codes.
+  const at::Tensor packed =
+      at::tensor(std::vector<int32_t>{0x76543210, static_cast<int32_t>(0xFEDCBA98u)}, at::kInt).reshape({1, 2});
+  EXPECT_EQ(valuesOf<int8_t>(unpackInt4(packed, 16)),
+            (std::vector<int8_t>{-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7}));
+  const at::Tensor padded =
+      at::tensor(std::vector<int32_t>{static_cast<int32_t>(0xFFFFF08Fu)}, at::kInt).reshape({1, 1});
+  EXPECT_EQ(valuesOf<int8_t>(unpackInt4(padded, 3)), (std::vector<int8_t>{7, 0, -8}));
+  EXPECT_EQ(valuesOf<int8_t>(unpackInt4(padded.t(), 3, 0)), (std::vector<int8_t>{7, 0, -8}));
+}
+
 TEST(QuantPack, Int4RefusesCodesOutsideItsRange) {
   // In a whole word and in the last, partial one; 8 and -9 are the nearest, ±127 and -128 the
   // bytes whose top bit the word-at-a-time check flips.

@@ -59,13 +59,34 @@ std::vector<at::Tensor> LinearQuantizer::syncTensors(const TaskRecord& record, S
     solveWeights();
     return {};
   }
-  if (context.group.rank() != record.executorRank) {
-    // Tensors of the solution's dtypes and shapes (the minmax solve has the search's) to receive it.
-    std::tie(weightParams_, qweight_) = quant::quantizeWeight(weight_, config_.weight.scheme);
+  // SSZ solutions are per-channel and symmetric (sszSearch refuses others): the scale [out, 1]
+  // and the codes travel, int4 codes packed eight a word (half the bytes); the zero point is 0.
+  const bool int4 = config_.weight.scheme.dtype == quant::QDtype::kInt4;
+  if (context.group.rank() == record.executorRank) {
+    QPIPE_CHECK(weightsSolved() && weightParams_.scale.dim() == 2 && weightParams_.scale.size(1) == 1, "rank ",
+                record.executorRank, " ran the weight solve but holds no per-channel solution");
+    syncedCodes_ = int4 ? quant::packInt4(qweight_) : qweight_;
+  } else {
+    // Buffers of the executor's dtypes and shapes; the float weight stays until syncDone() reads
+    // its width.
+    const int64_t out = weight_.size(0), in = weight_.size(1);
+    const at::TensorOptions options = weight_.options();
+    weightParams_ = {.scale = at::empty({out, 1}, options.dtype(at::kFloat)),
+                     .zeroPoint = at::zeros({out, 1}, options.dtype(at::kInt))};
+    syncedCodes_ =
+        int4 ? at::empty({out, (in + 7) / 8}, options.dtype(at::kInt)) : at::empty({out, in}, options.dtype(at::kChar));
+  }
+  return {weightParams_.scale, syncedCodes_};
+}
+
+void LinearQuantizer::syncDone(const TaskRecord& /*record*/, SyncContext& /*context*/) {
+  if (!syncedCodes_.defined()) return;
+  if (!weightsSolved()) {
+    const bool int4 = config_.weight.scheme.dtype == quant::QDtype::kInt4;
+    qweight_ = int4 ? quant::unpackInt4(syncedCodes_, weight_.size(1)) : syncedCodes_;
     weight_ = at::Tensor();
   }
-  QPIPE_CHECK(weightsSolved(), "rank ", record.executorRank, " ran the weight solve but holds no solution");
-  return {weightParams_.scale, weightParams_.zeroPoint, qweight_};
+  syncedCodes_ = at::Tensor();
 }
 
 at::Tensor LinearQuantizer::forward(const at::Tensor& input) {

@@ -869,10 +869,6 @@ at::Tensor unpackFp4(const at::Tensor& packed) {
 
 namespace {
 constexpr int64_t kInt4PerWord = 8;
-
-at::Tensor nibbleShifts(const at::Tensor& like) {
-  return at::arange(0, 32, 4, like.options().dtype(at::kLong));
-}
 }  // namespace
 
 at::Tensor packInt4(const at::Tensor& q, int64_t dim) {
@@ -927,11 +923,38 @@ at::Tensor packInt4(const at::Tensor& q, int64_t dim) {
 at::Tensor unpackInt4(const at::Tensor& packed, int64_t size, int64_t dim) {
   QPIPE_CHECK(packed.dim() == 2 && (dim == 0 || dim == 1), "unpackInt4 takes a 2-D tensor and dim 0 or 1, got shape ",
               shapeOf(packed), " dim ", dim);
-  const at::Tensor words = at::bitwise_and((dim == 0 ? packed.t() : packed).to(at::kLong), 0xFFFFFFFFLL);
-  QPIPE_CHECK(size <= words.size(1) * kInt4PerWord && size > (words.size(1) - 1) * kInt4PerWord, "unpackInt4 size ",
-              size, " does not match ", words.size(1), " packed words");
-  const at::Tensor u = at::bitwise_and(at::bitwise_right_shift(words.unsqueeze(-1), nibbleShifts(words)), 0xF);
-  const at::Tensor q = (u.reshape({words.size(0), -1}).narrow(1, 0, size) - 8).to(at::kChar);
+  const at::Tensor rows = (dim == 0 ? packed.t() : packed).to(at::kCPU).to(at::kInt).contiguous();
+  const int64_t count = rows.size(0), words = rows.size(1);
+  QPIPE_CHECK(size <= words * kInt4PerWord && size > (words - 1) * kInt4PerWord, "unpackInt4 size ", size,
+              " does not match ", words, " packed words");
+  at::Tensor q = at::empty({count, size}, rows.options().dtype(at::kChar));
+  const int32_t* in = rows.const_data_ptr<int32_t>();
+  int8_t* out = q.mutable_data_ptr<int8_t>();
+  // packInt4 backwards: one pass in C++ (the tensor-op form made int64 copies eight values wide,
+  // most of the time a synced or loaded int4 weight took).
+  const int64_t whole = size / kInt4PerWord;
+  at::parallel_for(0, count, std::max<int64_t>(1, 65536 / std::max<int64_t>(size, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t* packedRow = in + r * words;
+      int8_t* row = out + r * size;
+      for (int64_t w = 0; w < whole; ++w) {
+        // Nibble k to byte k, then u - 8 per byte: u ^ 8 when u >= 8, else that with the top
+        // four bits set (no carry crosses a byte).
+        uint64_t u = static_cast<uint32_t>(packedRow[w]);
+        u = (u | (u << 16)) & 0x0000FFFF0000FFFFULL;
+        u = (u | (u << 8)) & 0x00FF00FF00FF00FFULL;
+        u = (u | (u << 4)) & 0x0F0F0F0F0F0F0F0FULL;
+        constexpr uint64_t kBit3 = 0x0808080808080808ULL;
+        const uint64_t codes = (u ^ kBit3) | (((~u & kBit3) >> 3) * 0xF0);
+        std::memcpy(row + w * kInt4PerWord, &codes, sizeof codes);
+      }
+      const auto last = static_cast<uint32_t>(whole < words ? packedRow[whole] : 0);
+      for (int64_t k = 0; whole * kInt4PerWord + k < size; ++k) {
+        row[whole * kInt4PerWord + k] = static_cast<int8_t>(static_cast<int32_t>((last >> (4 * k)) & 0xF) - 8);
+      }
+    }
+  });
+  q = q.to(packed.device());
   return dim == 0 ? q.t().contiguous() : q;
 }
 

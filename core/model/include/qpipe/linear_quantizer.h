@@ -52,8 +52,9 @@ class LinearQuantizer : public Module, public DistributedSync {
   void shareGlobalScale(at::Tensor globalScale);
   // After another rank solved the weights in a parallel task: minmax is recomputed here (exact,
   // cheap; no tensors); an SSZ solution's scale, zero point and quantized weight come from the
-  // executor.
+  // executor (int4 codes packed).
   std::vector<at::Tensor> syncTensors(const TaskRecord& record, SyncContext& context) override;
+  void syncDone(const TaskRecord& record, SyncContext& context) override;
 
   at::Tensor forward(const at::Tensor& input) override;
 
@@ -87,6 +88,7 @@ class LinearQuantizer : public Module, public DistributedSync {
   at::Tensor weight_;  // the float weight until solveWeights()
   quant::QParams weightParams_;
   at::Tensor qweight_;     // quantize(W)
+  at::Tensor syncedCodes_;        // between syncTensors() and syncDone(): the SSZ codes as they travel
   at::Tensor sharedGlobalScale_;  // nvfp4: set by shareGlobalScale()
   at::Tensor bias_;        // undefined when the layer has none
   at::ScalarType dtype_;   // W's dtype, the compute dtype
