@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Projects the distributed task scheduler's speed-up to many ranks (docs/scheduler.md).
 
-    tools/bench/dts_simulate.py REPORT [--ranks 2 8 64 512] [--latency_ms L] [--bandwidth_gbs B]
+    tools/bench/dts_simulate.py REPORT [--ranks 2 8 64 512] [--latency_ms L] [--bandwidth_gbs B] [--no_setup]
 
 REPORT is the quant_report.json of a 2-rank run (tools/bench/dts.sh writes them): every task's
 time on its executor (`dts:<task>:seconds`), its wave, whether the wave was parallel and the bytes
@@ -25,17 +25,26 @@ all-gather takes N - 1 steps; the measured latency is at N = 2), plus the wave's
 the bandwidth. The outcomes' second collective, when they outgrow the last wave's slot, is not
 modelled. The projected speed-up of the sub-task phase is Σ task seconds over Σ (makespan + sync).
 The rest of a run (loading, the calibration forward, saving) is not part of it.
+
+A search's candidates (the parallel tasks of one module in one scheduler run) can share state that
+the first of them a rank runs computes and the rest reuse, such as the float product a smoothing
+search's losses compare against: the report shows it as tasks above twice their group's median,
+one per rank that took part. Such a group's setup (their mean excess) is paid once per rank that
+runs any of its tasks, in every wave of the run, and once in the one-rank time the speed-up divides
+(--no_setup replays the recorded times as they are).
 """
 
 import argparse
 import heapq
 import json
 import math
+import statistics
 from collections import defaultdict
 
 
 def waves(report):
-    """{(layer, scheduler, wave): (parallel, [(seconds, bytes), ...])} in the report's module order.
+    """{(layer, scheduler, wave): (parallel, [(seconds, bytes, group), ...])} in the report's module
+    order; group is (layer, scheduler, module, task name), the tasks of one search.
 
     A task's keys are dts:<scheduler>.<task>[#<instance>]:seconds (and :wave, :parallel,
     :sync_bytes); its scheduler run is one per layer, so (layer, scheduler, wave) names a wave."""
@@ -48,11 +57,32 @@ def waves(report):
                 task = key[len("dts:") : -len(":seconds")]
                 if values.get(f"dts:{task}:wave") is None:
                     continue  # a scheduler's summary, not a task
-                scheduler = task.split("#")[0].split(".")[0]
+                name = task.split("#")[0]
+                scheduler = name.split(".")[0]
                 wave = (layer["name"], scheduler, int(values[f"dts:{task}:wave"]))
                 parallel = values.get(f"dts:{task}:parallel", 1.0) > 0
-                out.setdefault(wave, (parallel, []))[1].append((seconds, values.get(f"dts:{task}:sync_bytes", 0.0)))
-    return out
+                group = (layer["name"], scheduler, module, name)
+                out.setdefault(wave, (parallel, []))[1].append(
+                    (seconds, values.get(f"dts:{task}:sync_bytes", 0.0), group))
+    return dict(sorted(out.items(), key=lambda item: (item[0][0], item[0][1], item[0][2])))
+
+
+def setups(groups):
+    """({group: setup seconds}, {group: base seconds of a task}) of the parallel groups whose
+    tasks above twice their median carry a setup; only the tasks that carry one are rebased."""
+    costs = defaultdict(list)
+    for parallel, tasks in groups.values():
+        if parallel:
+            for seconds, _, group in tasks:
+                costs[group].append(seconds)
+    setup, base = {}, {}
+    for group, values in costs.items():
+        median = statistics.median(values)
+        excess = [c - median for c in values if c > 2 * median]
+        if len(values) > 2 and excess:
+            setup[group] = sum(excess) / len(excess)
+            base[group] = median
+    return setup, base
 
 
 def measured_latency(report, groups, bandwidth):
@@ -67,24 +97,32 @@ def measured_latency(report, groups, bandwidth):
                     totals[key.split(":")[2]] += value
     if not totals["settled_collectives"]:
         return None
-    sent = sum(b for parallel, tasks in groups.values() if parallel for _, b in tasks)
+    sent = sum(b for parallel, tasks in groups.values() if parallel for _, b, _ in tasks)
     return max(0.0, totals["settled_collective_seconds"] - sent / bandwidth) / totals["settled_collectives"]
 
 
-def makespan(costs, ranks, dynamic, take):
+def makespan(tasks, ranks, dynamic, take, setup, seen):
+    """The wave's wall time on `ranks`; tasks are (seconds, group) in submit order. A rank's first
+    task of a group with a setup pays it (seen[rank]: the groups it set up earlier in the run)."""
+    def cost(rank, seconds, group):
+        if group in setup and group not in seen[rank]:
+            seen[rank].add(group)
+            return seconds + setup[group]
+        return seconds
+
     if not dynamic:
         per_rank = [0.0] * ranks
-        for i, c in enumerate(costs):
-            per_rank[i % ranks] += c
+        for i, (seconds, group) in enumerate(tasks):
+            per_rank[i % ranks] += cost(i % ranks, seconds, group)
         return max(per_rank)
     # Guided chunks, as the scheduler claims them: ceil(left / 4N) tasks per store round trip, left
     # as the claiming rank last saw the counter.
-    parts, counter, n = 4 * ranks, 0, len(costs)
+    parts, counter, n = 4 * ranks, 0, len(tasks)
     free = [(0.0, r, 0) for r in range(ranks)]
     while counter < n:
-        time, rank, seen = heapq.heappop(free)
-        chunk = max(1, -(-(n - seen) // parts))
-        time += take + sum(costs[counter : counter + chunk])
+        time, rank, seen_counter = heapq.heappop(free)
+        chunk = max(1, -(-(n - seen_counter) // parts))
+        time += take + sum(cost(rank, seconds, group) for seconds, group in tasks[counter : counter + chunk])
         counter += chunk
         heapq.heappush(free, (time, rank, counter))
     return max(time for time, _, _ in free)
@@ -96,6 +134,7 @@ def main():
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8, 64, 512])
     parser.add_argument("--latency_ms", type=float, default=None)
     parser.add_argument("--bandwidth_gbs", type=float, default=1.0)
+    parser.add_argument("--no_setup", action="store_true", help="replay the recorded task times as they are")
     args = parser.parse_args()
     report = json.load(open(args.report))
     groups = waves(report)
@@ -105,9 +144,12 @@ def main():
         parser.error(f"{args.report} holds no settled collective (no parallel wave synced tensors): give "
                      "--latency_ms (tools/bench/collective_latency.py measures it)")
     runs = {(layer, scheduler) for (layer, scheduler, _), (parallel, _) in groups.items() if parallel}
-    total = sum(c for _, tasks in groups.values() for c, _ in tasks)
+    setup, base = ({}, {}) if args.no_setup else setups(groups)
+    # The one-rank time: every task at its base, every setup once.
+    total = sum(base.get(g, c) for _, tasks in groups.values() for c, _, g in tasks) + sum(setup.values())
     count = sum(len(tasks) for _, tasks in groups.values())
-    print(f"{args.report}: {count} tasks in {len(groups)} waves, {total:.2f} s of tasks; "
+    print(f"{args.report}: {count} tasks in {len(groups)} waves, {total:.2f} s of tasks "
+          f"({len(setup)} searches with a setup of {sum(setup.values()):.2f} s in all); "
           f"{latency * 1000:.3f} ms per collective, {args.bandwidth_gbs} GB/s")
     print()
     print("| ranks | assignment | projected s | speed-up | of N |")
@@ -116,15 +158,18 @@ def main():
         depth = max(1.0, math.log2(n))
         for dynamic in (True, False):
             projected = len(runs) * latency * depth  # the agreements
-            for parallel, tasks in groups.values():
-                costs = [c for c, _ in tasks]
+            seen, run = None, None
+            for (layer, scheduler, _), (parallel, tasks) in groups.items():
+                if (layer, scheduler) != run:
+                    run, seen = (layer, scheduler), [set() for _ in range(n)]
+                costs = [(base.get(g, c), g) for c, _, g in tasks]
                 if not parallel:
-                    projected += sum(costs)
+                    projected += sum(c for c, _ in costs)
                     continue
-                sent = sum(b for _, b in tasks)
+                sent = sum(b for _, b, _ in tasks)
                 collectives = 2 if sent > 0 else 1
                 sync = collectives * latency * depth + sent / bandwidth
-                projected += makespan(costs, n, dynamic, latency / 10) + sync
+                projected += makespan(costs, n, dynamic, latency / 10, setup, seen) + sync
             speedup = total / projected if projected else 1.0
             print(f"| {n} | {'dynamic' if dynamic else 'round-robin'} | {projected:.2f} | {speedup:.2f}x | "
                   f"{speedup / n:.2f} |")
