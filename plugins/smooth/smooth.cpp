@@ -104,16 +104,19 @@ class IterSmooth final : public SmoothingProcessor {
   bool symmetric_;
 };
 
-// The searches' loss: rms(y_q − y) / rms(y) against the float product y = X·Wᵀ. y is computed at
-// the first call, so a rank that evaluates none of a subgraph's candidates never computes it.
+// The searches' loss: rms(y_q − y) / rms(y) against the float product y = X·Wᵀ: given by the
+// processor (Search::setProduct), else computed at the first call, so that a rank that evaluates
+// none of a subgraph's candidates never computes it.
 class RelativeError {
  public:
   RelativeError(at::Tensor tokens, at::Tensor weight) : tokens_(std::move(tokens)), weight_(std::move(weight)) {}
+  const at::Tensor& weight() const { return weight_; }
+  void setReference(const at::Tensor& reference) const {
+    reference_ = reference;
+    norm_ = rms(reference_);
+  }
   double operator()(const at::Tensor& quantized) const {
-    if (!reference_.defined()) {
-      reference_ = at::matmul(tokens_, weight_.t());
-      norm_ = rms(reference_);
-    }
+    if (!reference_.defined()) setReference(floatProduct(tokens_, weight_));
     const double error = rms(quantized - reference_);
     return norm_ > 0 ? error / norm_ : error;
   }
@@ -136,6 +139,8 @@ class SmoothedInt8Loss {
  public:
   SmoothedInt8Loss(at::Tensor tokens, at::Tensor weight)
       : tokens_(std::move(tokens)), weight_(std::move(weight)), error_(tokens_, weight_) {}
+  const at::Tensor& weight() const { return weight_; }
+  void setReference(const at::Tensor& product) { error_.setReference(product); }
 
   double operator()(const at::Tensor& consumerScale) const {
     using quant::QDtype, quant::QScope;
@@ -199,6 +204,9 @@ class FlexSmoothQuant final : public SmoothingProcessor {
       const auto [alpha, beta] = pair(round, candidate);
       return (*loss_)(scalesFor(alpha, beta).consumer);
     }
+
+    at::Tensor productWeight() const override { return loss_ ? loss_->weight() : at::Tensor(); }
+    void setProduct(const at::Tensor& product) override { loss_->setReference(product); }
 
     void choose(int round, const std::vector<double>& losses) override {
       for (size_t c = 0; c < losses.size(); ++c) {
@@ -275,6 +283,9 @@ class FlexAwqSsz final : public SmoothingProcessor {
           qconfig_(qconfig),
           weight_(stackedRows(searchedWeights(in))),
           error_(tokens_, weight_) {}
+
+    at::Tensor productWeight() const override { return weight_; }
+    void setProduct(const at::Tensor& product) override { error_.setReference(product); }
 
     double loss(int, int candidate) const override {
       const at::Tensor s = scalesFor(candidate * kSearchStep).consumer.unsqueeze(0);

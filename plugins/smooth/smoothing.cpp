@@ -91,6 +91,17 @@ class ChosenScales final : public Search {
 
 }  // namespace
 
+at::Tensor productChunk(const at::Tensor& tokens, const at::Tensor& weight, int64_t chunk) {
+  const int64_t first = chunk * kProductChunk;
+  return at::matmul(tokens.narrow(0, first, std::min(kProductChunk, tokens.size(0) - first)), weight.t());
+}
+
+at::Tensor floatProduct(const at::Tensor& tokens, const at::Tensor& weight) {
+  std::vector<at::Tensor> chunks;
+  for (int64_t c = 0; c * kProductChunk < tokens.size(0); ++c) chunks.push_back(productChunk(tokens, weight, c));
+  return chunks.empty() ? at::matmul(tokens, weight.t()) : at::cat(chunks);
+}
+
 std::unique_ptr<Search> chosen(Scales scales, std::vector<std::pair<std::string, double>> report) {
   return std::make_unique<ChosenScales>(std::move(scales), std::move(report));
 }
@@ -116,6 +127,7 @@ struct SmoothingProcessor::Watched {
   std::unique_ptr<SubgraphInput> input;
   std::unique_ptr<Search> search;
   std::vector<std::vector<double>> losses;
+  std::vector<at::Tensor> product;  // the search's float product, chunk by chunk, until it has it
 };
 
 Schema& SmoothingProcessor::addCommonFields(Schema& schema, const std::vector<SubgraphType>& defaults) {
@@ -230,6 +242,59 @@ void SmoothingProcessor::postprocess(LayerRequest& request) {
   watched_.clear();
 }
 
+// The float product X·Wᵀ of each search of a stage whose input is at least
+// kSharedProductChannels wide, one parallel task per chunk whose rows travel in the wave's
+// exchange, then one local task per subgraph that gives every rank's search the whole.
+void SmoothingProcessor::submitProducts(LayerRequest& request, const std::vector<Watched*>& stage,
+                                        scheduler::DistributedTaskScheduler& tasks,
+                                        const std::function<void(Watched*, std::string, bool)>& submitted) {
+  std::vector<Watched*> shared;
+  for (Watched* w : stage) {
+    if (w->allTokens.size(1) >= kSharedProductChannels) shared.push_back(w);
+  }
+  for (Watched* w : shared) {
+    const int64_t count = w->allTokens.size(0), chunks = (count + kProductChunk - 1) / kProductChunk;
+    w->product.assign(static_cast<size_t>(chunks), at::Tensor());
+    for (int64_t c = 0; c < chunks; ++c) {
+      tasks.submit(
+          {.name = type_ + ".product",
+           .fn =
+               [this, &request, w, c](const ConfigNode&) {
+                 const at::Tensor weight = searchOf(request, *w).productWeight();
+                 QPIPE_CHECK(weight.defined(), "the ", type_, " search of ", w->name,
+                             " has rounds but no product weight");
+                 w->product[static_cast<size_t>(c)] = productChunk(w->allTokens, weight, c);
+                 return ConfigNode();
+               },
+           .args = ConfigNode::map({{"source", ConfigNode::string(w->name)}, {"chunk", ConfigNode::integer(c)}}),
+           .syncTensors =
+               [this, &request, w, c, count](const TaskRecord& record, SyncContext& context) {
+                 at::Tensor& rows = w->product[static_cast<size_t>(c)];
+                 if (record.executorRank != context.group.rank()) {
+                   rows = at::empty({std::min(kProductChunk, count - c * kProductChunk),
+                                     searchOf(request, *w).productWeight().size(0)},
+                                    at::kFloat);
+                 }
+                 return std::vector<at::Tensor>{rows};
+               },
+           .syncName = "smooth.product"});
+      submitted(w, concat("p", c), true);
+    }
+  }
+  for (Watched* w : shared) {
+    tasks.submit({.name = type_ + ".product_whole",
+                  .fn =
+                      [this, &request, w](const ConfigNode&) {
+                        if (!w->product.empty()) searchOf(request, *w).setProduct(at::cat(w->product));
+                        w->product.clear();
+                        return ConfigNode();
+                      },
+                  .args = ConfigNode::map({{"source", ConfigNode::string(w->name)}}),
+                  .parallel = false});
+    submitted(w, "p", true);
+  }
+}
+
 // docs/scheduler.md: the candidates of the subgraphs' searches are the parallel tasks; choosing
 // and fusing run on every rank (local tasks: no weights broadcast). Subgraphs that share no
 // module form a stage, whose candidates share a wave; a stage ends at the first subgraph sharing
@@ -254,11 +319,12 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
   const std::vector<int> rounds = searchRounds();
   scheduler::DistributedTaskScheduler tasks(*request.module, *context_.group, {.name = type_});
   // Per submitted task: its subgraph, which of the subgraph's tasks it is in the report
-  // ("r<round>c<candidate>", "r<round>" for a choice, empty for the fusion), and if a candidate.
+  // ("p<chunk>" for a chunk of the float product, "p" for the whole, "r<round>c<candidate>",
+  // "r<round>" for a choice, empty for the fusion), and if it is part of the parallel search.
   struct Submitted {
     Watched* subgraph;
     std::string instance;
-    bool candidate;
+    bool searching;
   };
   std::vector<Submitted> submitted;
   for (size_t begin = 0; begin < live.size();) {
@@ -269,6 +335,11 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
     }
     const std::vector<Watched*> stage(live.begin() + begin, live.begin() + end);
     for (Watched* w : stage) w->losses.resize(rounds.size());
+    if (!rounds.empty()) {
+      submitProducts(request, stage, tasks, [&](Watched* w, std::string instance, bool searching) {
+        submitted.push_back({w, std::move(instance), searching});
+      });
+    }
     for (size_t r = 0; r < rounds.size(); ++r) {
       const int round = static_cast<int>(r);
       for (Watched* w : stage) {
@@ -319,9 +390,9 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
   std::map<Watched*, double> searchSeconds;
   for (size_t i = 0; i < records.size(); ++i) {
     const TaskRecord& record = records[i];
-    const auto& [w, instance, candidate] = submitted[i];
+    const auto& [w, instance, searching] = submitted[i];
     scheduler::reportTask(request, w->name, record, instance);
-    if (candidate) searchSeconds[w] += record.execSeconds;
+    if (searching) searchSeconds[w] += record.execSeconds;
     if (!instance.empty()) continue;
     ++smoothed_;
     for (const ConfigNode& value : record.result.items()) {

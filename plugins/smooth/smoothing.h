@@ -63,9 +63,27 @@ class Search {
   virtual ~Search() = default;
   virtual double loss(int round, int candidate) const = 0;
   virtual void choose(int round, const std::vector<double>& losses) = 0;
+  // A search with rounds compares its candidates against the float product X·Wᵀ (floatProduct)
+  // of its input's tokens X [tokens, channels] and this W [out, channels] (fp32, CPU), which costs
+  // 3-4 candidates. Where the channels are many (kSharedProductChannels), the processor computes
+  // it once, chunk by chunk in parallel tasks, and gives every rank's search the whole before
+  // the first round; otherwise the search computes it at its first loss on a rank.
+  virtual at::Tensor productWeight() const { return {}; }
+  virtual void setProduct(const at::Tensor& /*product*/) {}
   // The chosen scales; `report` collects what the quant report records besides the range.
   virtual Scales scales(std::vector<std::pair<std::string, double>>& report) const = 0;
 };
+
+// A search's float product X·Wᵀ in chunks of kProductChunk tokens, computed so wherever it is
+// computed (one chunk per task, or all on one rank): its bits do not depend on the rank count.
+constexpr int64_t kProductChunk = 64;
+at::Tensor productChunk(const at::Tensor& tokens, const at::Tensor& weight, int64_t chunk);
+at::Tensor floatProduct(const at::Tensor& tokens, const at::Tensor& weight);
+// Inputs at least this wide share their product across the ranks. X·Wᵀ costs 2·channels flops
+// per output value, sending a value 4 bytes: at this host's 80 GFLOP/s a core and 0.81 GB/s
+// all-gather (docs/benchmarks.md) a narrower product costs less to compute than to receive, as
+// on the 64-expert MoE (256 and 128 channels), where sharing made the searches 1.4× slower.
+constexpr int64_t kSharedProductChannels = 384;
 
 // A search with no rounds: scales already known, and what the report records about them.
 std::unique_ptr<Search> chosen(Scales scales, std::vector<std::pair<std::string, double>> report);
@@ -117,6 +135,11 @@ class SmoothingProcessor : public Processor {
   void gatherAbsMean();
   // The subgraphs' searches and fusions as scheduler tasks, their report values and costs.
   void scheduleAndSmooth(LayerRequest& request);
+  // The stage's searches' float products as tasks; `submitted` records each (subgraph, report
+  // instance, part of the search).
+  void submitProducts(LayerRequest& request, const std::vector<Watched*>& stage,
+                      scheduler::DistributedTaskScheduler& tasks,
+                      const std::function<void(Watched*, std::string, bool)>& submitted);
   // False (with a warning) when no calibration token reached the subgraph; an error for NaN or Inf.
   bool smoothable(LayerRequest& request, const Watched& watched) const;
   // The subgraph's search, made at its first use on this rank (a candidate, a choice, the fusion).

@@ -113,7 +113,8 @@ std::string flow(const ConfigNode& node) {
 std::string describe(const Task& task) {
   std::string dependencies;
   for (const std::string& d : task.dependencies) dependencies += (dependencies.empty() ? "" : ",") + d;
-  return task.name + " " + flow(task.args) + " on [" + dependencies + "]" + (task.sync ? " sync " + task.syncName : "");
+  return task.name + " " + flow(task.args) + " on [" + dependencies + "]" +
+         (task.sync || task.syncTensors ? " sync " + task.syncName : "");
 }
 
 uint64_t fnv1aBytes(const void* data, size_t size, uint64_t hash) {
@@ -158,7 +159,7 @@ uint64_t hashNode(const ConfigNode& node, uint64_t hash) {
 uint64_t hashTask(const Task& task, uint64_t hash) {
   hash = hashNode(task.args, fnv1a(task.name + '\0', hash));
   for (const std::string& d : task.dependencies) hash = fnv1a(d + '\0', hash);
-  return fnv1a(task.sync ? "sync " + task.syncName : "-", hash);
+  return fnv1a(task.sync || task.syncTensors ? "sync " + task.syncName : "-", hash);
 }
 
 struct Wave {
@@ -239,7 +240,9 @@ bool exchangeTogether(ProcessGroup& group, const std::vector<std::vector<at::Ten
     offset = 0;
     for (const at::Tensor& t : fromRank[r]) {
       const size_t n = t.nbytes();
-      if (n > 0) {
+      if (n > 0 && t.is_cpu() && t.is_contiguous()) {
+        std::memcpy(t.data_ptr(), parts[r].data() + offset, n);
+      } else if (n > 0) {
         at::Tensor received = at::empty(t.sizes(), t.options().device(at::kCPU));
         std::memcpy(received.data_ptr(), parts[r].data() + offset, n);
         const_cast<at::Tensor&>(t).copy_(received);
@@ -434,7 +437,7 @@ struct DistributedTaskScheduler::Impl {
       }
       outcome["s"] = since(start);
       const bool failed = outcome.contains("e");
-      if (!failed && !tasks[index].sync) outcome["t"] = defaultTensors(tasks[index]);
+      if (!failed && !tasks[index].sync && !tasks[index].syncTensors) outcome["t"] = defaultTensors(tasks[index]);
       if (!failed && !records[index].result.isNull()) outcome["r"] = toJson(records[index].result);
       mine.push_back(std::move(outcome));
       // The others go on with the tasks left; the run fails once every rank has reported.
@@ -497,6 +500,7 @@ struct DistributedTaskScheduler::Impl {
     std::vector<int64_t> agreed(static_cast<size_t>(group.worldSize()));
     std::vector<int64_t> sending(agreed.size());
     std::vector<std::pair<DistributedSync*, TaskRecord*>> own;
+    std::vector<size_t> afterExchange;  // tasks with syncTensors whose sync runs after the exchange
     std::vector<TaskRecord*> batched;
     for (size_t i = 0; i < wave.tasks.size(); ++i) {
       const size_t index = wave.tasks[i];
@@ -511,7 +515,7 @@ struct DistributedTaskScheduler::Impl {
         ++summary.myTasks;
       }
       const Task& task = tasks[index];
-      if (task.sync) {
+      if (task.sync && !task.syncTensors) {
         const auto start = Clock::now();
         task.sync(record, context);
         record.syncSeconds = since(start);
@@ -520,16 +524,21 @@ struct DistributedTaskScheduler::Impl {
       std::vector<at::Tensor>& sent = fromRank[static_cast<size_t>(record.executorRank)];
       const size_t before = sent.size();
       const bool executor = record.executorRank == group.rank();
-      for (const Json& t : outcomes[i].tensors) {
-        sent.push_back(slotFor(root.getSubmodule(t[0].get<std::string>()), t[1] == "p", t[2].get<std::string>(),
-                               static_cast<at::ScalarType>(t[3].get<int>()), t[4].get<std::vector<int64_t>>(),
-                               executor));
-        agreed[static_cast<size_t>(record.executorRank)] += static_cast<int64_t>(sent.back().nbytes());
-      }
-      for (auto& [path, module] : modulesOf(root, task)) {
-        if (auto* synced = dynamic_cast<DistributedSync*>(module)) {
-          for (const at::Tensor& t : synced->syncTensors(record, context)) sent.push_back(t);
-          own.emplace_back(synced, &record);
+      if (task.syncTensors) {
+        for (const at::Tensor& t : task.syncTensors(record, context)) sent.push_back(t);
+        afterExchange.push_back(index);
+      } else {
+        for (const Json& t : outcomes[i].tensors) {
+          sent.push_back(slotFor(root.getSubmodule(t[0].get<std::string>()), t[1] == "p", t[2].get<std::string>(),
+                                 static_cast<at::ScalarType>(t[3].get<int>()), t[4].get<std::vector<int64_t>>(),
+                                 executor));
+          agreed[static_cast<size_t>(record.executorRank)] += static_cast<int64_t>(sent.back().nbytes());
+        }
+        for (auto& [path, module] : modulesOf(root, task)) {
+          if (auto* synced = dynamic_cast<DistributedSync*>(module)) {
+            for (const at::Tensor& t : synced->syncTensors(record, context)) sent.push_back(t);
+            own.emplace_back(synced, &record);
+          }
         }
       }
       for (size_t t = before; t < sent.size(); ++t) record.syncBytes += static_cast<int64_t>(sent[t].nbytes());
@@ -548,6 +557,9 @@ struct DistributedTaskScheduler::Impl {
       ownTensorsSlot = slotAfter(own);
     }
     for (auto& [synced, record] : own) synced->syncDone(*record, context);
+    for (size_t index : afterExchange) {
+      if (tasks[index].sync) tasks[index].sync(records[index], context);
+    }
     const double share = batched.empty() ? 0 : since(start) / static_cast<double>(batched.size());
     for (TaskRecord* record : batched) record->syncSeconds = share;
   }
@@ -566,7 +578,7 @@ void DistributedTaskScheduler::submit(Task task) {
   const std::string label = s.where() + ": task '" + task.name + "'";
   QPIPE_REQUIRE(!task.name.empty(), ErrorCode::kPlugin, s.where(), ": a task needs a name");
   QPIPE_REQUIRE(static_cast<bool>(task.fn), ErrorCode::kPlugin, label, " has no function");
-  QPIPE_REQUIRE(!task.sync || !task.syncName.empty(), ErrorCode::kPlugin, label,
+  QPIPE_REQUIRE((!task.sync && !task.syncTensors) || !task.syncName.empty(), ErrorCode::kPlugin, label,
                 " has a sync function but no syncName");
   for (const std::string& dependency : task.dependencies) {
     QPIPE_REQUIRE(!dependency.empty(), ErrorCode::kPlugin, label,

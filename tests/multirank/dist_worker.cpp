@@ -294,6 +294,30 @@ void schedulerLevels(dts::SchedulerOptions options) {
                           },
                       .syncName = "broadcast_d"});
   }
+  // Level 1 by tensors: each task computes a tensor that every rank then holds; it joins the last
+  // wave (no dependency), and its sync runs after the exchange, with the values there.
+  std::vector<at::Tensor> carried(2);
+  for (int64_t k = 0; k < 2; ++k) {
+    scheduler.submit({.name = "carry",
+                      .fn =
+                          [&carried](const qpipe::ConfigNode& a) {
+                            const int64_t k = a.at("k").asInt();
+                            carried[k] = at::arange(k + 2, at::kDouble).mul(static_cast<double>(k + 1));
+                            return qpipe::ConfigNode::null({});
+                          },
+                      .args = args(k),
+                      .sync =
+                          [&carried, k](const qpipe::TaskRecord& record, qpipe::SyncContext&) {
+                            std::cout << "tensor sync of " << record.taskId << ": " << values(carried[k]) << "\n";
+                          },
+                      .syncTensors =
+                          [&carried, k](const qpipe::TaskRecord& record, qpipe::SyncContext& context) {
+                            if (record.executorRank != context.group.rank())
+                              carried[k] = at::empty({k + 2}, at::kDouble);
+                            return std::vector<at::Tensor>{carried[k]};
+                          },
+                      .syncName = "carry"});
+  }
   // A local task: every rank runs it.
   scheduler.submit({.name = "local_a",
                     .fn =
@@ -323,6 +347,7 @@ void schedulerLevels(dts::SchedulerOptions options) {
   std::cout << "waves: " << scheduler.summary().waves << " parallel " << scheduler.summary().parallelWaves << "\n";
   std::cout << "executed everywhere: " << scheduler.summary().tasks << "\n";
   printState(*root);
+  std::cout << "carried: " << values(carried[0]) << " | " << values(carried[1]) << "\n";
   std::cout << "done" << std::endl;
 }
 

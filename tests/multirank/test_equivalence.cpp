@@ -62,6 +62,25 @@ spec:
   expectIdentical(model, pipeline);
 }
 
+// Inputs of 384 channels or more share their searches' float products: one parallel task per 64
+// of the 150 search tokens, whose rows every rank receives in the wave's exchange.
+TEST(EquivalenceSmoothing, FlexSmoothQuantSharesWideProductsOnAnyNumberOfRanks) {
+  qpipe::test::detail::TinySpec wide = qpipe::test::detail::tinyLlamaSpec();
+  wide.hidden = wide.intermediate = 384;
+  wide.headDim = wide.hidden / wide.heads;
+  const fs::path model = qpipe::test::detail::writeTinyCheckpoint("equivalence-flex-wide", wide, {});
+  const fs::path pipeline = qpipe::test::writeTempFile("flex.yaml", R"(apiversion: modelslim_v1
+spec:
+  process:
+    - {type: flex_smooth_quant, search_tokens: 150}
+    - type: linear_quant
+      qconfig:
+        act: {dtype: int8, scope: per_token}
+        weight: {dtype: int8, scope: per_channel}
+)");
+  expectIdentical(model, pipeline);
+}
+
 // flex_awq_ssz on a Qwen3-MoE: one subgraph per expert, experts that a rank routes no token to
 // (their statistics and search tokens come from the others), and a norm-linear with more
 // consumers than it searches on; the candidates spread over the ranks.

@@ -50,7 +50,10 @@ TEST_P(Scheduler, EverySyncLevelEndsInTheOneRankStateWithEitherAssignment) {
       // c's own sync ran once per parallel task on c; d's tasks were synced by their own function.
       EXPECT_TRUE(has(out, "level 2 syncs: 2 done 2")) << out;
       EXPECT_TRUE(has(out, "level 1 sync of w0_t3") && has(out, "level 1 sync of w1_t7")) << out;
-      EXPECT_TRUE(has(out, "record w2_t8 local_a parallel 0 executor " + std::to_string(r))) << out;
+      EXPECT_TRUE(has(out, "record w2_t10 local_a parallel 0 executor " + std::to_string(r))) << out;
+      // Tasks' own tensors reach every rank in the exchange, before their sync runs.
+      EXPECT_TRUE(has(out, "tensor sync of w1_t8: 0 1") && has(out, "tensor sync of w1_t9: 0 2 4")) << out;
+      EXPECT_TRUE(has(out, "carried: 0 1 | 0 2 4")) << out;
       // Results longer than the outcomes' first slot arrive whole on every rank.
       EXPECT_TRUE(has(out, " result 6000 chars of p") && has(out, " result 6001 chars of q")) << out;
       if (std::string(scenario) == "dts_round_robin") {
@@ -74,6 +77,7 @@ TEST_P(Scheduler, ParallelDisabledRunsEveryTaskEverywhereWithTheSameResult) {
     EXPECT_EQ(stateOf(results[r].out), kFinalState);
     EXPECT_TRUE(has(results[r].out, "waves: 3 parallel 0")) << results[r].out;
     EXPECT_TRUE(has(results[r].out, "level 2 syncs: 0 done 0")) << results[r].out;
+    EXPECT_TRUE(has(results[r].out, "carried: 0 1 | 0 2 4")) << results[r].out;
     EXPECT_TRUE(has(results[r].out, "record w0_t0 fill_a parallel 0 executor " + std::to_string(r) + " result 0"))
         << results[r].out;
   }
@@ -100,6 +104,7 @@ TEST(SchedulerOneRank, EndsInTheSameState) {
   ASSERT_EQ(results[0].exitCode, 0) << results[0].out;
   EXPECT_EQ(stateOf(results[0].out), kFinalState);
   EXPECT_TRUE(has(results[0].out, "waves: 3 parallel 0")) << results[0].out;
+  EXPECT_TRUE(has(results[0].out, "carried: 0 1 | 0 2 4")) << results[0].out;
 }
 
 // Every rank of `scenario` exits with `code` and prints `message` alone, long before the timeout.

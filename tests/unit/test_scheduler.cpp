@@ -91,6 +91,10 @@ TEST(Scheduler, SubmitErrorsNameTheTaskAndThePath) {
   syncWithoutName.sync = [](const TaskRecord&, SyncContext&) {};
   EXPECT_EQ(test::errorOf([&] { s.submit(syncWithoutName); }, ErrorCode::kPlugin),
             "scheduler 'flex_smooth_quant': task 'noop' has a sync function but no syncName");
+  Task tensorsWithoutName = noop("a", &ran);
+  tensorsWithoutName.syncTensors = [](const TaskRecord&, SyncContext&) { return std::vector<at::Tensor>{}; };
+  EXPECT_EQ(test::errorOf([&] { s.submit(tensorsWithoutName); }, ErrorCode::kPlugin),
+            "scheduler 'flex_smooth_quant': task 'noop' has a sync function but no syncName");
 }
 
 // Guided chunks of ceil(left / 4W), shrinking to 1; claimLimit caps them.

@@ -20,11 +20,12 @@
 //                  Error(kPlugin) naming the task and the call; a task that throws fails the run
 //                  on every rank, naming the task and its rank;
 //               2. on every rank, in submit order, exactly one sync level per task or module: the
-//                  task's sync, else for every module below its dependencies the tensors of its
+//                  task's sync (its syncTensors, if any, in the exchange below and its sync after
+//                  it), else for every module below its dependencies the tensors of its
 //                  own DistributedSync (qpipe/distributed_sync.h), else the default, the
 //                  executor's parameters and buffers (names, dtypes and shapes come with step 1's
-//                  outcomes; recreated where this rank's differ). The tensors of levels 2 and 3
-//                  of every executor go in one all-gather.
+//                  outcomes; recreated where this rank's differ). The tensors of levels 2 and 3,
+//                  and the tasks' own, of every executor go in one all-gather.
 //             A parallel wave costs one collective for its outcomes (two when they outgrow the
 //             slot the last wave's set) and one more when its tasks sync tensors.
 //
@@ -59,7 +60,11 @@ struct Task {
   std::vector<std::string> dependencies;  // module paths below the root that the task changes
   // Level 1: brings every rank to the executor's state (collectives allowed); empty: levels 2/3.
   std::function<void(const TaskRecord& record, SyncContext& context)> sync;
-  std::string syncName;  // required with `sync`: in the hash
+  // Level 1 by tensors: what the task made that every rank needs (a product it computed), on its
+  // executor the values, on the other ranks tensors of the same dtypes and shapes that the wave's
+  // one exchange fills; `sync`, if any, runs after that exchange. No collectives.
+  std::function<std::vector<at::Tensor>(const TaskRecord& record, SyncContext& context)> syncTensors;
+  std::string syncName;  // required with `sync` or `syncTensors`: in the hash
   bool parallel = true;
 };
 
