@@ -110,7 +110,6 @@ class IterSmooth final : public SmoothingProcessor {
 class RelativeError {
  public:
   RelativeError(at::Tensor tokens, at::Tensor weight) : tokens_(std::move(tokens)), weight_(std::move(weight)) {}
-  const at::Tensor& weight() const { return weight_; }
   void setReference(const at::Tensor& reference) const {
     reference_ = reference;
     norm_ = rms(reference_);

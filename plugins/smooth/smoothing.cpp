@@ -91,9 +91,12 @@ class ChosenScales final : public Search {
 
 }  // namespace
 
+int64_t productChunkRows(int64_t tokens, int64_t chunk) {
+  return std::min(kProductChunk, tokens - chunk * kProductChunk);
+}
+
 at::Tensor productChunk(const at::Tensor& tokens, const at::Tensor& weight, int64_t chunk) {
-  const int64_t first = chunk * kProductChunk;
-  return at::matmul(tokens.narrow(0, first, std::min(kProductChunk, tokens.size(0) - first)), weight.t());
+  return at::matmul(tokens.narrow(0, chunk * kProductChunk, productChunkRows(tokens.size(0), chunk)), weight.t());
 }
 
 at::Tensor floatProduct(const at::Tensor& tokens, const at::Tensor& weight) {
@@ -271,9 +274,8 @@ void SmoothingProcessor::submitProducts(LayerRequest& request, const std::vector
                [this, &request, w, c, count](const TaskRecord& record, SyncContext& context) {
                  at::Tensor& rows = w->product[static_cast<size_t>(c)];
                  if (record.executorRank != context.group.rank()) {
-                   rows = at::empty({std::min(kProductChunk, count - c * kProductChunk),
-                                     searchOf(request, *w).productWeight().size(0)},
-                                    at::kFloat);
+                   const at::Tensor weight = searchOf(request, *w).productWeight();
+                   rows = at::empty({productChunkRows(count, c), weight.size(0)}, weight.options());
                  }
                  return std::vector<at::Tensor>{rows};
                },
@@ -291,7 +293,7 @@ void SmoothingProcessor::submitProducts(LayerRequest& request, const std::vector
                       },
                   .args = ConfigNode::map({{"source", ConfigNode::string(w->name)}}),
                   .parallel = false});
-    submitted(w, "p", true);
+    submitted(w, "p", false);
   }
 }
 

@@ -77,12 +77,14 @@ class Search {
 // A search's float product X·Wᵀ in chunks of kProductChunk tokens, computed so wherever it is
 // computed (one chunk per task, or all on one rank): its bits do not depend on the rank count.
 constexpr int64_t kProductChunk = 64;
+int64_t productChunkRows(int64_t tokens, int64_t chunk);
 at::Tensor productChunk(const at::Tensor& tokens, const at::Tensor& weight, int64_t chunk);
 at::Tensor floatProduct(const at::Tensor& tokens, const at::Tensor& weight);
 // Inputs at least this wide share their product across the ranks. X·Wᵀ costs 2·channels flops
-// per output value, sending a value 4 bytes: at this host's 80 GFLOP/s a core and 0.81 GB/s
-// all-gather (docs/benchmarks.md) a narrower product costs less to compute than to receive, as
-// on the 64-expert MoE (256 and 128 channels), where sharing made the searches 1.4× slower.
+// per output value, receiving it 4 bytes: at this host's 80 GFLOP/s a core and 0.81 GB/s
+// all-gather the two break even at about 200 channels, before the product's wave adds two
+// collectives a stage; on the 64-expert MoE (128 and 256 channels) sharing made the searches
+// 1.4× slower (docs/benchmarks.md). 384 leaves that margin.
 constexpr int64_t kSharedProductChannels = 384;
 
 // A search with no rounds: scales already known, and what the report records about them.

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <iomanip>
+#include <map>
 #include <sstream>
 #include <utility>
 
@@ -29,8 +30,8 @@ std::atomic<int64_t> parallelWavesRun{0};
 // The bytes a rank's part of a gather may take for it to be one collective
 // (ProcessGroup::allGatherBytesWithin), guessed from the last such gather, whose parts every rank
 // saw alike, so every rank passes the same slot: the outcomes of a parallel wave, and the synced
-// tensors beyond those the outcomes announce (a DistributedSync's, whose sizes each rank knows only
-// from its own module).
+// tensors beyond those the outcomes announce (the default sync's and the tasks' own are announced;
+// a DistributedSync's sizes each rank knows only from its own module).
 constexpr int64_t kMinOutcomeSlot = 1024;
 std::atomic<int64_t> outcomeSlot{4096};
 std::atomic<int64_t> ownTensorsSlot{0};
@@ -177,6 +178,9 @@ struct Outcome {
   // The default sync's tensors, as the executor holds them after the task:
   // [module path, "p"|"b", name, dtype, shape] each.
   Json tensors = Json::array();
+  // A task with syncTensors: the bytes of its executor's tensors, and on the executor the tensors.
+  int64_t madeBytes = 0;
+  std::vector<at::Tensor> made;
 };
 
 // The modules below a task's dependencies, each with its own sync or the default one.
@@ -420,6 +424,8 @@ struct DistributedTaskScheduler::Impl {
       return claimed < claimEnd ? claimed++ : n;
     };
     Json mine = Json::array();
+    std::map<size_t, std::vector<at::Tensor>> made;  // by wave position: this rank's syncTensors
+    SyncContext context{root, group};
     for (int64_t i = take(); i < n; i = take()) {
       const size_t index = wave.tasks[static_cast<size_t>(i)];
       const std::string id = taskId(w, index);
@@ -428,6 +434,18 @@ struct DistributedTaskScheduler::Impl {
       try {
         const ParallelTaskScope scope(id + " (" + tasks[index].name + ")");
         records[index].result = tasks[index].fn(tasks[index].args);
+        if (tasks[index].syncTensors) {
+          // Taken now, so that every rank knows their size from the outcomes.
+          TaskRecord executed = records[index];
+          executed.taskId = id;
+          executed.wave = static_cast<int64_t>(w);
+          executed.executorRank = group.rank();
+          std::vector<at::Tensor>& tensors = made[static_cast<size_t>(i)];
+          tensors = tasks[index].syncTensors(executed, context);
+          int64_t bytes = 0;
+          for (const at::Tensor& t : tensors) bytes += static_cast<int64_t>(t.nbytes());
+          outcome["b"] = bytes;
+        }
       } catch (const Error& e) {
         outcome["e"] = firstLine(e.what());
         outcome["c"] = static_cast<int>(e.code());
@@ -459,11 +477,13 @@ struct DistributedTaskScheduler::Impl {
           out.code = o["c"].get<int>();
         }
         if (o.contains("t")) out.tensors = o["t"];
+        if (o.contains("b")) out.madeBytes = o["b"].get<int64_t>();
         if (o.contains("r") && static_cast<int>(r) != group.rank()) {
           records[wave.tasks[o["i"].get<size_t>()]].result = fromJson(o["r"]);
         }
       }
     }
+    for (auto& [i, tensors] : made) outcomes[i].made = std::move(tensors);
     for (size_t i = 0; i < outcomes.size(); ++i) {
       const Outcome& o = outcomes[i];
       if (o.error.empty()) continue;
@@ -495,8 +515,9 @@ struct DistributedTaskScheduler::Impl {
   void sync(const Wave& wave, const std::vector<Outcome>& outcomes, size_t w, std::vector<TaskRecord>& records) {
     SyncContext context{root, group};
     std::vector<std::vector<at::Tensor>> fromRank(static_cast<size_t>(group.worldSize()));
-    // Each executor's level-3 bytes, from the outcomes: the same on every rank, unlike the level-2
-    // tensors, which each rank's own DistributedSync returns. `sending`: both levels' bytes.
+    // Each executor's bytes that its outcomes announced (level 3, and the tasks' own tensors): the
+    // same on every rank, unlike the level-2 tensors, which each rank's own DistributedSync
+    // returns. `sending`: all of them.
     std::vector<int64_t> agreed(static_cast<size_t>(group.worldSize()));
     std::vector<int64_t> sending(agreed.size());
     std::vector<std::pair<DistributedSync*, TaskRecord*>> own;
@@ -525,7 +546,9 @@ struct DistributedTaskScheduler::Impl {
       const size_t before = sent.size();
       const bool executor = record.executorRank == group.rank();
       if (task.syncTensors) {
-        for (const at::Tensor& t : task.syncTensors(record, context)) sent.push_back(t);
+        const std::vector<at::Tensor> tensors = executor ? outcomes[i].made : task.syncTensors(record, context);
+        sent.insert(sent.end(), tensors.begin(), tensors.end());
+        agreed[static_cast<size_t>(record.executorRank)] += outcomes[i].madeBytes;
         afterExchange.push_back(index);
       } else {
         for (const Json& t : outcomes[i].tensors) {

@@ -269,8 +269,8 @@ TEST_F(Smoothing, FlexSmoothQuantPicksTheLowestInt8LossOfTheTwoPhaseGrid) {
     EXPECT_DOUBLE_EQ(values.at("alpha"), alpha);
     EXPECT_DOUBLE_EQ(values.at("beta"), beta);
     // qpipe's fp32 against this test's double: the loss, rms(y_q − y) about 1 % of rms(y), scales
-    // the products' rounding by 100, over 384-channel sums as well as 16-channel ones.
-    EXPECT_NEAR(values.at("loss"), best, 1e-4 * best);
+    // the products' rounding by 100, which 384-channel sums carry more of than 16-channel ones.
+    EXPECT_NEAR(values.at("loss"), best, (shared ? 1e-4 : 1e-5) * best);
     EXPECT_EQ(values.count("dts:flex_smooth_quant.product#p0:seconds"), shared ? 1U : 0U);
   }
 }

@@ -68,21 +68,21 @@ def waves(report):
 
 
 def setups(groups):
-    """({group: setup seconds}, {group: base seconds of a task}) of the parallel groups whose
-    tasks above twice their median carry a setup; only the tasks that carry one are rebased."""
+    """({group: setup seconds}, {group: median task seconds}) of the parallel groups whose tasks
+    above twice their median carry a setup (see rebased)."""
     costs = defaultdict(list)
     for parallel, tasks in groups.values():
         if parallel:
             for seconds, _, group in tasks:
                 costs[group].append(seconds)
-    setup, base = {}, {}
+    setup, medians = {}, {}
     for group, values in costs.items():
         median = statistics.median(values)
         excess = [c - median for c in values if c > 2 * median]
         if len(values) > 2 and excess:
             setup[group] = sum(excess) / len(excess)
-            base[group] = median
-    return setup, base
+            medians[group] = median
+    return setup, medians
 
 
 def measured_latency(report, groups, bandwidth):
@@ -99,6 +99,11 @@ def measured_latency(report, groups, bandwidth):
         return None
     sent = sum(b for parallel, tasks in groups.values() if parallel for _, b, _ in tasks)
     return max(0.0, totals["settled_collective_seconds"] - sent / bandwidth) / totals["settled_collectives"]
+
+
+def rebased(seconds, group, setup, median):
+    """A task's time without its search's setup: the median for a task that carried it."""
+    return median[group] if group in setup and seconds > 2 * median[group] else seconds
 
 
 def makespan(tasks, ranks, dynamic, take, setup, seen):
@@ -144,9 +149,10 @@ def main():
         parser.error(f"{args.report} holds no settled collective (no parallel wave synced tensors): give "
                      "--latency_ms (tools/bench/collective_latency.py measures it)")
     runs = {(layer, scheduler) for (layer, scheduler, _), (parallel, _) in groups.items() if parallel}
-    setup, base = ({}, {}) if args.no_setup else setups(groups)
-    # The one-rank time: every task at its base, every setup once.
-    total = sum(base.get(g, c) for _, tasks in groups.values() for c, _, g in tasks) + sum(setup.values())
+    setup, median = ({}, {}) if args.no_setup else setups(groups)
+    # The one-rank time: every task without a setup, every setup once.
+    total = sum(rebased(c, g, setup, median) for _, tasks in groups.values() for c, _, g in tasks) + sum(
+        setup.values())
     count = sum(len(tasks) for _, tasks in groups.values())
     print(f"{args.report}: {count} tasks in {len(groups)} waves, {total:.2f} s of tasks "
           f"({len(setup)} searches with a setup of {sum(setup.values()):.2f} s in all); "
@@ -162,7 +168,7 @@ def main():
             for (layer, scheduler, _), (parallel, tasks) in groups.items():
                 if (layer, scheduler) != run:
                     run, seen = (layer, scheduler), [set() for _ in range(n)]
-                costs = [(base.get(g, c), g) for c, _, g in tasks]
+                costs = [(rebased(c, g, setup, median), g) for c, _, g in tasks]
                 if not parallel:
                     projected += sum(c for c, _ in costs)
                     continue

@@ -82,8 +82,9 @@ std::vector<at::Tensor> LinearQuantizer::syncTensors(const TaskRecord& record, S
 void LinearQuantizer::syncDone(const TaskRecord& /*record*/, SyncContext& /*context*/) {
   if (!syncedCodes_.defined()) return;
   if (!weightsSolved()) {
-    const bool int4 = config_.weight.scheme.dtype == quant::QDtype::kInt4;
-    qweight_ = int4 ? quant::unpackInt4(syncedCodes_, weight_.size(1)) : syncedCodes_;
+    // int32 words are packed int4 codes; int8 codes travel as they are.
+    const bool packed = syncedCodes_.scalar_type() == at::kInt;
+    qweight_ = packed ? quant::unpackInt4(syncedCodes_, weight_.size(1)) : syncedCodes_;
     weight_ = at::Tensor();
   }
   syncedCodes_ = at::Tensor();

@@ -28,7 +28,7 @@ struct TaskRecord {
   std::vector<std::string> dependencies;
   double execSeconds = 0;  // on the executor
   double syncSeconds = 0;  // on this rank
-  int64_t syncBytes = 0;   // what levels 2 and 3 broadcast for it (0 in a local wave)
+  int64_t syncBytes = 0;   // the tensors its sync sent (levels 2 and 3, or its own; 0 in a local wave)
 };
 
 struct SyncContext {

@@ -51,8 +51,8 @@ class LinearQuantizer : public Module, public DistributedSync {
   at::Tensor weightAbsMax() const;
   void shareGlobalScale(at::Tensor globalScale);
   // After another rank solved the weights in a parallel task: minmax is recomputed here (exact,
-  // cheap; no tensors); an SSZ solution's scale, zero point and quantized weight come from the
-  // executor (int4 codes packed).
+  // cheap; no tensors); an SSZ solution's scale and codes come from the executor (int4 codes
+  // packed; the zero point of a symmetric solution is 0 here).
   std::vector<at::Tensor> syncTensors(const TaskRecord& record, SyncContext& context) override;
   void syncDone(const TaskRecord& record, SyncContext& context) override;
 

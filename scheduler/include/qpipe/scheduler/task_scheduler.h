@@ -20,8 +20,9 @@
 //                  Error(kPlugin) naming the task and the call; a task that throws fails the run
 //                  on every rank, naming the task and its rank;
 //               2. on every rank, in submit order, exactly one sync level per task or module: the
-//                  task's sync (its syncTensors, if any, in the exchange below and its sync after
-//                  it), else for every module below its dependencies the tensors of its
+//                  task's sync (a task with syncTensors: its tensors in the exchange below, and its
+//                  sync after that exchange and the syncDone() calls), else for every module below
+//                  its dependencies the tensors of its
 //                  own DistributedSync (qpipe/distributed_sync.h), else the default, the
 //                  executor's parameters and buffers (names, dtypes and shapes come with step 1's
 //                  outcomes; recreated where this rank's differ). The tensors of levels 2 and 3,
@@ -58,11 +59,13 @@ struct Task {
   std::function<ConfigNode(const ConfigNode& args)> fn;  // its result goes to the executor's record
   ConfigNode args = ConfigNode::map();
   std::vector<std::string> dependencies;  // module paths below the root that the task changes
-  // Level 1: brings every rank to the executor's state (collectives allowed); empty: levels 2/3.
+  // Level 1: brings every rank to the executor's state (collectives allowed); with neither this
+  // nor syncTensors, levels 2/3.
   std::function<void(const TaskRecord& record, SyncContext& context)> sync;
   // Level 1 by tensors: what the task made that every rank needs (a product it computed), on its
-  // executor the values, on the other ranks tensors of the same dtypes and shapes that the wave's
-  // one exchange fills; `sync`, if any, runs after that exchange. No collectives.
+  // executor the values (taken right after the task, their size announced with its outcome), on
+  // the other ranks tensors of the same dtypes and shapes that the wave's one exchange fills;
+  // `sync`, if any, runs after that exchange. No collectives.
   std::function<std::vector<at::Tensor>(const TaskRecord& record, SyncContext& context)> syncTensors;
   std::string syncName;  // required with `sync` or `syncTensors`: in the hash
   bool parallel = true;
