@@ -46,20 +46,21 @@ TEST_P(Equivalence, OneTwoAndThreeRanksWriteTheSameCheckpoint) {
   expectIdentical(qpipe::test::tinyQwen3("equivalence-" + testName(GetParam())), GetParam());
 }
 
+// flex_smooth_quant keeping `searchTokens` search tokens, then int8 per-channel weights and `act`.
+fs::path flexSmoothPipeline(int searchTokens, const std::string& act) {
+  return qpipe::test::writeTempFile("flex.yaml",
+                                    "apiversion: modelslim_v1\nspec:\n  process:\n"
+                                    "    - {type: flex_smooth_quant, search_tokens: " +
+                                        std::to_string(searchTokens) +
+                                        "}\n    - type: linear_quant\n      qconfig:\n        act: " + act +
+                                        "\n        weight: {dtype: int8, scope: per_channel}\n");
+}
+
 // flex_smooth_quant's search keeps 7 of the 160 calibration tokens: the same 7 whichever rank
 // saw them, so the searched α and β, and the checkpoint, are those of one rank.
 TEST(EquivalenceSmoothing, FlexSmoothQuantSearchesTheSameTokensOnAnyNumberOfRanks) {
-  const fs::path model = qpipe::test::tinyQwen3("equivalence-flex-search");
-  const fs::path pipeline = qpipe::test::writeTempFile("flex.yaml", R"(apiversion: modelslim_v1
-spec:
-  process:
-    - {type: flex_smooth_quant, search_tokens: 7}
-    - type: linear_quant
-      qconfig:
-        act: {dtype: int8, scope: per_tensor, symmetric: False}
-        weight: {dtype: int8, scope: per_channel}
-)");
-  expectIdentical(model, pipeline);
+  expectIdentical(qpipe::test::tinyQwen3("equivalence-flex-search"),
+                  flexSmoothPipeline(7, "{dtype: int8, scope: per_tensor, symmetric: False}"));
 }
 
 // Inputs of 384 channels or more share their searches' float products: one parallel task per 64
@@ -68,17 +69,8 @@ TEST(EquivalenceSmoothing, FlexSmoothQuantSharesWideProductsOnAnyNumberOfRanks) 
   qpipe::test::detail::TinySpec wide = qpipe::test::detail::tinyLlamaSpec();
   wide.hidden = wide.intermediate = 384;
   wide.headDim = wide.hidden / wide.heads;
-  const fs::path model = qpipe::test::detail::writeTinyCheckpoint("equivalence-flex-wide", wide, {});
-  const fs::path pipeline = qpipe::test::writeTempFile("flex.yaml", R"(apiversion: modelslim_v1
-spec:
-  process:
-    - {type: flex_smooth_quant, search_tokens: 150}
-    - type: linear_quant
-      qconfig:
-        act: {dtype: int8, scope: per_token}
-        weight: {dtype: int8, scope: per_channel}
-)");
-  expectIdentical(model, pipeline);
+  expectIdentical(qpipe::test::detail::writeTinyCheckpoint("equivalence-flex-wide", wide, {}),
+                  flexSmoothPipeline(150, "{dtype: int8, scope: per_token}"));
 }
 
 // flex_awq_ssz on a Qwen3-MoE: one subgraph per expert, experts that a rank routes no token to
