@@ -290,6 +290,28 @@ TEST(QuantMultirank, TwoRanksWriteTheCheckpointOfOne) {
   }
 }
 
+// Each rank runs cores / ranks threads, so on this two-core machine one rank runs two threads and
+// each of two ranks one. MKL's fp32 GEMM splits long sums by thread unless asked not to (seen on
+// an Intel Xeon host, where this iterative smoothing's checkpoints differed): the CLI asks it.
+TEST(QuantMultirank, RanksOfDefaultThreadCountsWriteTheCheckpointOfOne) {
+  const fs::path model = fs::path(QPIPE_SOURCE_DIR) / ".cache/models/smollm2-135m";
+  ASSERT_TRUE(fs::exists(model / "config.json")) << model << " is missing: run tools/setup.sh";
+  const fs::path dir = qpipe::test::testDir();
+  const fs::path one = dir / "default-threads-one", two = dir / "default-threads-two";
+  fs::remove_all(one);
+  fs::remove_all(two);
+  const std::string args = "quant --model_path " + quote(model) + " --config_path " +
+                           quote(fs::path(QPIPE_SOURCE_DIR) / "configs/default/w8a8_iter_smooth.yaml") +
+                           " --calib_samples 8 --seq_len 128 --dist_timeout 30 --save_path ";
+  const CommandResult single = qpipe::test::runQpipe(args + quote(one) + " --device cpu:0");
+  ASSERT_EQ(single.exitCode, 0) << single.err;
+  const CommandResult multi = qpipe::test::runQpipe(args + quote(two) + " --device cpu:0,1");
+  ASSERT_EQ(multi.exitCode, 0) << multi.err;
+  expectSameCheckpoint(one, two);
+  fs::remove_all(one);
+  fs::remove_all(two);
+}
+
 // flex_awq_ssz's α candidates are the parallel tasks (docs/scheduler.md, "Splitting a search"):
 // each rank takes some of them, and the report records each candidate as run once.
 TEST(QuantMultirank, TheSmoothingSearchSplitsItsCandidatesOverTheRanks) {

@@ -7,9 +7,11 @@
 
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "qpipe/quant.h"
@@ -253,6 +255,34 @@ TEST(Bf16Matmul, ProductsAreExactAndTheSumRoundsOnceInFp32PerAddition) {
                         quant::bf16Matmul(a.slice(1, 3, 900).contiguous(), b.slice(1, 3, 900).contiguous())));
   EXPECT_TRUE(at::equal(quant::bf16Matmul(a.t().contiguous().t(), b), y));
   EXPECT_THROW(quant::bf16Matmul(a, a.slice(1, 1)), std::exception);
+}
+
+// Asks MKL for thread-invariant GEMMs, then exits 0 if it took that and shapes whose sums MKL
+// otherwise split by thread (seen on an Intel Xeon host) give one thread's bits on two, through
+// LibTorch and through bf16Matmul.
+[[noreturn]] void exitWithThreadInvariance() {
+  const bool strict = quant::threadInvariantBlas();
+  at::manual_seed(11);
+  bool same = true;
+  for (const auto& [m, k, n] : {std::tuple{37, 1031, 19}, {128, 1536, 576}, {512, 4096, 192}, {8, 576, 576}}) {
+    const at::Tensor a = at::randn({m, k}), b = at::randn({n, k});
+    at::set_num_threads(2);
+    const at::Tensor two = at::linear(a, b);
+    same = same && at::equal(onOneThread([&] { return at::linear(a, b); }), two);
+    // bf16Matmul's fp32 GEMM, one call in this mode.
+    const at::Tensor a16 = a.to(at::kBFloat16), b16 = b.to(at::kBFloat16);
+    const at::Tensor product = quant::bf16Matmul(a16, b16);
+    same = same && at::equal(onOneThread([&] { return quant::bf16Matmul(a16, b16); }), product);
+  }
+  std::exit(strict && same ? 0 : 1);
+}
+
+// MKL takes its strict mode only before its first computation, so the check runs in a fresh copy
+// of this binary (the threadsafe death-test style starts one).
+TEST(ThreadInvariantBlas, GemmBitsDoNotDependOnTheThreadCount) {
+  if (!at::hasMKL()) GTEST_SKIP() << "this LibTorch has no MKL";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(exitWithThreadInvariance(), ::testing::ExitedWithCode(0), "");
 }
 
 TEST(Bf16MatmulAdd, AddsTheProductToWhatOutHolds) {

@@ -14,6 +14,7 @@
 #include "launch.h"
 #include "qpipe/error.h"
 #include "qpipe/log.h"
+#include "qpipe/quant.h"
 
 namespace {
 
@@ -52,6 +53,11 @@ void preferProcessDefaults(int, char**, char**) {
 
 int run(int argc, char** argv) {
   using namespace qpipe;
+  // MKL's fp32 GEMM splits a long sum among its threads, so its bits depend on the thread count
+  // (seen on an Intel Xeon host for K >= 576 with M up to 512, e.g. 128 x 1536 x 576), and each
+  // rank runs cores / ranks threads: w8a8_iter_smooth and w4a8_flex_awq checkpoints of one rank
+  // differed from those of two. In strict mode its GEMMs ran as fast there (docs/multirank.md).
+  if (std::getenv("MKL_CBWR") == nullptr) quant::threadInvariantBlas();
   cli::setCommandLine(argc, argv);
   CLI::App app{"qpipe: compress large language models with pipelines of processor plugins", "qpipe"};
   app.require_subcommand(1);

@@ -301,6 +301,55 @@ GemmBf16F32 mklGemmBf16F32() {
   return gemm;
 }
 
+// The Fortran BLAS sgemm (column-major; LP64 ints) that LibTorch's MKL exports likewise.
+using Sgemm = void (*)(const char* transA, const char* transB, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+Sgemm blasSgemm() {
+  static const auto gemm = reinterpret_cast<Sgemm>(::dlsym(RTLD_DEFAULT, "sgemm_"));
+  return gemm;
+}
+
+// MKL's conditional numerical reproducibility: mkl_cbwr_set and mkl_cbwr_get, which LibTorch's
+// MKL does not export, are these service calls.
+using Cbwr = int (*)(int);
+constexpr int kCbwrAuto = 2, kCbwrStrict = 0x10000, kCbwrAll = -1, kCbwrSuccess = 0;
+
+Cbwr cbwr(const char* name) {
+  return reinterpret_cast<Cbwr>(::dlsym(RTLD_DEFAULT, name));
+}
+
+// Whether this process's MKL GEMMs give the same bits on any thread count (threadInvariantBlas).
+bool strictBlas() {
+  static const Cbwr get = cbwr("mkl_serv_cbwr_get");
+  return get != nullptr && (get(kCbwrAll) & kCbwrStrict) != 0;
+}
+
+// Holds MKL to one thread on the calling thread while it lives. Inside an OpenMP region MKL runs
+// one thread only while its dynamic adjustment is on, and LibTorch's at::set_num_threads turns
+// it off; then a call inside the region split its sums as the outer thread count did.
+class OneMklThread {
+ public:
+  OneMklThread() : set_(function()) {
+    if (set_ != nullptr) previous_ = set_(1);
+  }
+  ~OneMklThread() {
+    if (set_ != nullptr) set_(previous_);
+  }
+  OneMklThread(const OneMklThread&) = delete;
+  OneMklThread& operator=(const OneMklThread&) = delete;
+
+ private:
+  using SetLocal = int (*)(int);
+  static SetLocal function() {
+    static const auto set = reinterpret_cast<SetLocal>(::dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local"));
+    return set;
+  }
+  SetLocal set_;
+  int previous_ = 0;
+};
+
 }  // namespace
 
 namespace {
@@ -329,38 +378,66 @@ void bf16Gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, float b
   // Only with bf16 dot products: MKL's AVX2 bf16 kernel runs no faster than the fp32 GEMM, and its
   // sums depend on the thread count (seen on a Zen 3 host), which would break rank invariance.
   const GemmBf16F32 gemm = bf16MatmulKernel() == Bf16Kernel::kAmx ? mklGemmBf16F32() : nullptr;
-  if (gemm == nullptr || !onCpu || empty || std::max({m, n, k}) > INT_MAX / 2) {
+  if (!onCpu || empty || std::max({m, n, k}) > INT_MAX / 2) {
     out.addmm_(a.to(at::kFloat), b.to(at::kFloat).t(), beta);
     return;
   }
-  const at::Tensor lhs = rowMajor(a), rhs = rowMajor(b);
-  const auto i = [](int64_t v) { return static_cast<int>(v); };
-  // MKL's threaded bf16 GEMM splits its sums differently for other thread counts (seen on a Zen 4
-  // host with AVX512-BF16), but runs one thread when called inside an active OpenMP region. So
-  // the output is cut into blocks of kBlockRows rows, whatever the number of threads, and each
-  // block is one MKL call from a thread of such a region (or of a single-threaded process): every
-  // sum is made the same way. Row blocks over the full width ran as fast as one threaded call or
-  // faster on SmolLM2's shapes there; 128 × 512 tiles were 1.5–1.8× slower where N = 576 (the
-  // round-robin gave one thread every narrow tile).
+  // Threaded GEMMs split their sums differently for other thread counts: MKL's bf16 GEMM (seen on
+  // a Zen 4 host with AVX512-BF16) and, outside MKL's strict mode, its fp32 GEMM where K is long
+  // against M and N (seen on an Intel Xeon host without bf16 dot products, e.g. 128 x 1536 x 576:
+  // an FP8 static checkpoint of one rank at two threads and of two ranks at one differed). So the
+  // output is cut into blocks of kBlockRows rows, whatever the number of threads, and each block
+  // is one single-threaded call from a thread of an OpenMP region (or of a single-threaded
+  // process): every sum is made the same way. Row blocks over the full width ran as fast as one
+  // threaded call or faster on SmolLM2's shapes (MKL's bf16 GEMM, Zen 4); 128 x 512 tiles were
+  // 1.5-1.8x slower where N = 576 (the round-robin gave one thread every narrow tile).
   constexpr int64_t kBlockRows = 128;
-  const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
-  const auto* left = static_cast<const c10::BFloat16*>(lhs.const_data_ptr());
   float* result = out.mutable_data_ptr<float>();
-  const auto runBlocks = [&](int64_t first, int64_t step) {
-    for (int64_t block = first; block < blocks; block += step) {
-      const int64_t r = block * kBlockRows;
-      gemm(kCblasRowMajor, kCblasNoTrans, kCblasTrans, i(std::min(kBlockRows, m - r)), i(n), i(k), 1.0f,
-           left + r * lhs.stride(0), i(lhs.stride(0)), rhs.const_data_ptr(), i(rhs.stride(0)), beta, result + r * n,
-           i(n));
+  const auto inBlocks = [&](const auto& multiply) {
+    const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
+    const auto run = [&](int64_t first, int64_t step) {
+      const OneMklThread oneThread;
+      for (int64_t block = first; block < blocks; block += step) {
+        const int64_t r = block * kBlockRows;
+        multiply(r, std::min(kBlockRows, m - r));
+      }
+    };
+    const int threads = at::get_num_threads();
+    if (threads <= 1) {
+      run(0, 1);
+      return;
     }
+#pragma omp parallel num_threads(threads)
+    run(omp_get_thread_num(), omp_get_num_threads());
   };
-  const int threads = at::get_num_threads();
-  if (threads <= 1) {
-    runBlocks(0, 1);
+  if (gemm != nullptr) {
+    const at::Tensor lhs = rowMajor(a), rhs = rowMajor(b);
+    const auto i = [](int64_t v) { return static_cast<int>(v); };
+    const auto* left = static_cast<const c10::BFloat16*>(lhs.const_data_ptr());
+    inBlocks([&](int64_t r, int64_t rows) {
+      gemm(kCblasRowMajor, kCblasNoTrans, kCblasTrans, i(rows), i(n), i(k), 1.0f, left + r * lhs.stride(0),
+           i(lhs.stride(0)), rhs.const_data_ptr(), i(rhs.stride(0)), beta, result + r * n, i(n));
+    });
     return;
   }
-#pragma omp parallel num_threads(threads)
-  runBlocks(omp_get_thread_num(), omp_get_num_threads());
+  // The widened values' fp32 GEMM; column-major BLAS computes outᵀ = b · aᵀ.
+  const at::Tensor lhs = a.to(at::kFloat).contiguous(), rhs = b.to(at::kFloat).contiguous();
+  // In MKL's strict mode one threaded call is thread-invariant already; the blocks re-pack b for
+  // each block and leave a thread idle where M <= 128 (an Intel Xeon host: 0.85-1.3x one call's
+  // speed at M = 512 on SmolLM2's shapes, half at M = 32).
+  const Sgemm sgemm = blasSgemm();
+  if (sgemm == nullptr || strictBlas()) {
+    out.addmm_(lhs, rhs.t(), beta);
+    return;
+  }
+  const float* left = lhs.const_data_ptr<float>();
+  const int columns = static_cast<int>(n), depth = static_cast<int>(k);
+  const float one = 1.0f;
+  inBlocks([&](int64_t r, int64_t rows) {
+    const int count = static_cast<int>(rows);
+    sgemm("T", "N", &columns, &count, &depth, &one, rhs.const_data_ptr<float>(), &depth, left + r * k, &depth, &beta,
+          result + r * n, &columns);
+  });
 }
 
 }  // namespace
@@ -375,6 +452,11 @@ at::Tensor bf16Matmul(const at::Tensor& a, const at::Tensor& b) {
 
 void bf16MatmulAdd(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   bf16Gemm(a, b, out, 1.0f);
+}
+
+bool threadInvariantBlas() {
+  static const Cbwr set = cbwr("mkl_serv_cbwr_set");
+  return set != nullptr && set(kCbwrAuto | kCbwrStrict) == kCbwrSuccess && strictBlas();
 }
 
 Bf16Kernel bf16MatmulKernel() {

@@ -159,6 +159,11 @@ at::Tensor splitBf16(const at::Tensor& x, bool hiFirst);
 // kernel (about 2×), or an fp32 GEMM of the widened operands (a little slower than one).
 enum class Bf16Kernel { kAmx, kAvx512Bf16, kFp32 };
 Bf16Kernel bf16MatmulKernel();
+// Asks MKL, before its first computation in this process, for GEMMs whose bits do not depend on
+// the thread count (its strict conditional numerical reproducibility, which MKL_CBWR=AUTO,STRICT
+// would ask at process start). Returns whether MKL took it; false in LibTorch builds without MKL.
+// The CLI calls it unless the user set MKL_CBWR: ranks run cores / ranks threads each.
+bool threadInvariantBlas();
 // quantize()'s E4M3 values of a 2-D fp32 CPU x (x / scale clamped to ±448, rounded to nearest
 // even) as bf16, which holds each exactly. scale: one value, or one per row.
 at::Tensor fp8ValuesBf16(const at::Tensor& x, const at::Tensor& scale);
