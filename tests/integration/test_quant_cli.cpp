@@ -358,6 +358,36 @@ TEST(QuantCli, ProbeTokensZeroSkipsTheErrorProbeButNotTheCheckpoint) {
 // ---------------------------------------------------------------------------------------------
 // Pipelines.
 
+// A process that keeps a core busy from before qpipe starts: qpipe sees it between its start and
+// picking its thread count, and leaves that core to it (docs/cli.md). With the count given, it
+// measures nothing.
+TEST(QuantCli, ACoreBusyWithOtherWorkIsLeftToIt) {
+  const pid_t spinner = fork();
+  ASSERT_GE(spinner, 0);
+  if (spinner == 0) {
+    for (volatile unsigned long n = 0;; n = n + 1) {
+    }
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const fs::path out = qpipe::test::testDir() / "busy", given = qpipe::test::testDir() / "busy-given";
+  fs::remove_all(out);
+  fs::remove_all(given);
+  const std::string model = " --model_path " + quote(qpipe::test::tinyLlama("float")) + " --quant_type w8a8";
+  const CommandResult measured = qpipe("--log_level debug quant --save_path " + quote(out) + model);
+  const CommandResult chosen =
+      qpipe("--log_level debug quant --save_path " + quote(given) + model + " --threads_per_rank 1");
+  ::kill(spinner, SIGKILL);
+  ::waitpid(spinner, nullptr, 0);
+  ASSERT_EQ(measured.exitCode, 0) << measured.err;
+  const std::regex line(
+      R"(\] \[debug\] (\d+) of (\d+) cores busy with other work: (\d+) threads? \(--threads_per_rank sets the count\)\n)");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(measured.err, m, line)) << measured.err;
+  EXPECT_EQ(std::stoi(m[3]), std::max(1, std::stoi(m[2]) - std::stoi(m[1]))) << m[0];
+  ASSERT_EQ(chosen.exitCode, 0) << chosen.err;
+  EXPECT_EQ(chosen.err.find("cores busy"), std::string::npos) << chosen.err;
+}
+
 TEST(QuantCli, IncludePatternThatMatchesNothingWarnsAndSucceeds) {
   const fs::path config = pipelineFile("unmatched.yaml", R"(    - type: linear_quant
       qconfig:

@@ -290,11 +290,12 @@ TEST(QuantMultirank, TwoRanksWriteTheCheckpointOfOne) {
   }
 }
 
-// Each rank runs cores / ranks threads, so on this two-core machine one rank runs two threads and
-// each of two ranks one. MKL's fp32 GEMM splits long sums by thread unless asked not to (seen on
-// an Intel Xeon host, where this iterative smoothing's checkpoints differed): the CLI asks it.
-// MKL documents that strict mode for its Intel code paths only.
-TEST(QuantMultirank, RanksOfDefaultThreadCountsWriteTheCheckpointOfOne) {
+// By default each rank runs cores / ranks threads, so on a two-core machine one rank runs two
+// threads and each of two ranks one (given here, as a busy machine could change the default).
+// MKL's fp32 GEMM splits long sums by thread unless asked not to (seen on an Intel Xeon host,
+// where this iterative smoothing's checkpoints differed): the CLI asks it. MKL documents that
+// strict mode for its Intel code paths only.
+TEST(QuantMultirank, RanksOfOtherThreadCountsWriteTheCheckpointOfOne) {
   __builtin_cpu_init();
   if (__builtin_cpu_is("intel") == 0) GTEST_SKIP() << "MKL's strict mode covers Intel CPUs only";
   const fs::path model = fs::path(QPIPE_SOURCE_DIR) / ".cache/models/smollm2-135m";
@@ -306,9 +307,9 @@ TEST(QuantMultirank, RanksOfDefaultThreadCountsWriteTheCheckpointOfOne) {
   const std::string args = "quant --model_path " + quote(model) + " --config_path " +
                            quote(fs::path(QPIPE_SOURCE_DIR) / "configs/default/w8a8_iter_smooth.yaml") +
                            " --calib_samples 8 --seq_len 128 --dist_timeout 30 --save_path ";
-  const CommandResult single = qpipe::test::runQpipe(args + quote(one) + " --device cpu:0");
+  const CommandResult single = qpipe::test::runQpipe(args + quote(one) + " --device cpu:0 --threads_per_rank 2");
   ASSERT_EQ(single.exitCode, 0) << single.err;
-  const CommandResult multi = qpipe::test::runQpipe(args + quote(two) + " --device cpu:0,1");
+  const CommandResult multi = qpipe::test::runQpipe(args + quote(two) + " --device cpu:0,1 --threads_per_rank 1");
   ASSERT_EQ(multi.exitCode, 0) << multi.err;
   expectSameCheckpoint(one, two);
   fs::remove_all(one);

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "commands.h"
+#include "cpu_load.h"
 #include "launch.h"
 #include "plugin_options.h"
 #include "qpipe/device.h"
@@ -151,6 +152,17 @@ void run(const QuantOptions& options) {
     const int threads = options.threadsPerRank.value_or(std::max(1, usableCores() / role.localWorldSize));
     at::set_num_threads(threads);  // intra-op pool and OpenMP
     logger->info("device ", quant.device.str(), ", ", threads, " threads");
+  } else if (const int busy = coresBusyElsewhere(); busy > 0) {
+    // A thread whose core another process holds stalls every parallel region of the run: beside
+    // one busy process a data-free W8A8 run took 2.4-2.6x its quiet time with two threads, 1.3x
+    // with one (docs/benchmarks.md). One process alone: ranks starting together would count
+    // each other.
+    const int cores = usableCores();
+    const int threads = std::max(1, cores - busy);
+    at::set_num_threads(threads);
+    // Debug: a bad input stays a one-line error on a busy machine too.
+    logger->debug(std::min(busy, cores), " of ", cores, " cores busy with other work: ", threads,
+                  threads == 1 ? " thread" : " threads", " (--threads_per_rank sets the count)");
   }
   if (role.group) {
     // A peer that fails closes its sockets; writing to one must be an error this rank reports
@@ -194,7 +206,8 @@ Subcommand setupQuant(CLI::App& parent) {
                   "QPIPE_DIST_TIMEOUT_S, else 60")
       ->check(CLI::Range(0.001, 604800.0));
   app->add_option("--threads_per_rank", options->threadsPerRank,
-                  "Intra-op (and OpenMP) threads of each rank; default: the cores divided among this host's ranks")
+                  "Intra-op (and OpenMP) threads of each rank; default: the cores divided among this host's ranks "
+                  "(one process: the cores other processes do not keep busy)")
       ->check(CLI::Range(1, 4096));
   app->add_flag("--trust_remote_code", options->trustRemoteCode, "Accepted for msmodelslim compatibility");
   app->add_flag("--allow_non_finite", options->allowNonFinite,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "cpu_load.h"
 #include "launch.h"
 #include "qpipe/error.h"
 #include "qpipe/log.h"
@@ -41,7 +42,11 @@ std::string usageMessage(CLI::App& app, const CLI::ParseError& e) {
 // of its CPU time in page faults and took 58 s; with both thresholds raised, 49 s
 // (docs/benchmarks.md). The runner's malloc_trim after each layer still returns the layer's
 // memory. A user's GLIBC_TUNABLES or MALLOC_* settings win.
+//
+// The cores' CPU time is read here too, so that by the time a command picks its thread count the
+// interval since (loading LibTorch: 0.1-0.2 s) shows what other processes keep busy.
 void preferProcessDefaults(int, char**, char**) {
+  qpipe::cli::sampleCpuLoadAtStart();
   if (std::getenv("OMP_WAIT_POLICY") == nullptr) ::setenv("OMP_WAIT_POLICY", "passive", 1);
   if (std::getenv("GLIBC_TUNABLES") == nullptr && std::getenv("MALLOC_MMAP_THRESHOLD_") == nullptr &&
       std::getenv("MALLOC_TRIM_THRESHOLD_") == nullptr) {
