@@ -62,9 +62,7 @@ int run(int argc, char** argv) {
   // (seen on an Intel Xeon host for K >= 576 with M up to 512, e.g. 128 x 1536 x 576), and each
   // rank runs cores / ranks threads: w8a8_iter_smooth and w4a8_flex_awq checkpoints of one rank
   // differed from those of two. In strict mode its GEMMs ran as fast there (docs/multirank.md).
-  // MKL documents the mode for its Intel code paths only; elsewhere it runs as it did.
-  __builtin_cpu_init();
-  if (std::getenv("MKL_CBWR") == nullptr && __builtin_cpu_is("intel") != 0) quant::threadInvariantBlas();
+  if (std::getenv("MKL_CBWR") == nullptr) quant::threadInvariantBlas();
   cli::setCommandLine(argc, argv);
   CLI::App app{"qpipe: compress large language models with pipelines of processor plugins", "qpipe"};
   app.require_subcommand(1);

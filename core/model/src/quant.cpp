@@ -455,6 +455,9 @@ void bf16MatmulAdd(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
 }
 
 bool threadInvariantBlas() {
+  // MKL documents its strict mode for its Intel code paths only; elsewhere MKL runs as it did.
+  __builtin_cpu_init();
+  if (__builtin_cpu_is("intel") == 0) return false;
   static const Cbwr set = cbwr("mkl_serv_cbwr_set");
   return set != nullptr && set(kCbwrAuto | kCbwrStrict) == kCbwrSuccess && strictBlas();
 }

@@ -161,7 +161,8 @@ enum class Bf16Kernel { kAmx, kAvx512Bf16, kFp32 };
 Bf16Kernel bf16MatmulKernel();
 // Asks MKL, before its first computation in this process, for GEMMs whose bits do not depend on
 // the thread count (its strict conditional numerical reproducibility, which MKL_CBWR=AUTO,STRICT
-// would ask at process start). Returns whether MKL took it; false in LibTorch builds without MKL.
+// would ask at process start), on Intel CPUs, the only ones MKL documents it for. Returns whether
+// MKL took it; false elsewhere and in LibTorch builds without MKL.
 // The CLI calls it unless the user set MKL_CBWR: ranks run cores / ranks threads each.
 bool threadInvariantBlas();
 // quantize()'s E4M3 values of a 2-D fp32 CPU x (x / scale clamped to ±448, rounded to nearest
