@@ -1,4 +1,4 @@
-// Int8Linear, Int8Weight and int8Matmul, Fp8Linear, bf16Matmul, bf16MatmulAdd and fp8ValuesBf16, Bf16x3Linear
+// Int8Linear, Int8Weight and int8Matmul, Fp8Linear, bf16Matmul, bf16MatmulAdd and fp8Values, Bf16x3Linear
 // (qpipe/quant_linear.h, qpipe/quant.h) against exact arithmetic (integers, doubles), and against
 // fake quantization in fp32 within its rounding.
 #include <ATen/ATen.h>
@@ -195,7 +195,7 @@ TEST(Int8Linear, SupportsInt8PerChannelSymmetricWeightsWithInt8Activations) {
   EXPECT_FALSE(Int8Linear::supports(w8, ActivationQuant{{QDtype::kInt8, QScope::kPerTensor, false, 0}, {}}));
 }
 
-TEST(Fp8ValuesBf16, AreQuantizesE4m3ValuesExactlyAtEveryEdge) {
+TEST(Fp8Values, AreQuantizesE4m3ValuesExactlyAtEveryEdge) {
   const QScheme perTensor{QDtype::kFp8E4m3, QScope::kPerTensor, true, 0};
   // Every E4M3 value, the midpoints between neighbours (ties to even), values just off them, the
   // subnormal range, saturation past ±448, ±inf and zeros of both signs; then random rows.
@@ -209,16 +209,26 @@ TEST(Fp8ValuesBf16, AreQuantizesE4m3ValuesExactlyAtEveryEdge) {
   const int64_t random = 6000 + (7 - (edges.numel() + 6000) % 7) % 7;
   const at::Tensor x = at::cat({edges, at::randn({random}) * 100}).reshape({-1, 7});
   const QParams one{at::ones({1}), at::zeros({1}, at::kInt)};
-  const at::Tensor values = quant::fp8ValuesBf16(x, one.scale);
+  const at::Tensor values = quant::fp8Values(x, one.scale, at::kBFloat16);
+  const at::Tensor quantized = quant::quantize(x, one, perTensor);
+  EXPECT_TRUE(at::equal(values.view(at::kShort), quantized.to(at::kBFloat16).view(at::kShort)));
   EXPECT_TRUE(
-      at::equal(values.view(at::kShort), quant::quantize(x, one, perTensor).to(at::kBFloat16).view(at::kShort)));
+      at::equal(quant::fp8Values(x, one.scale, at::kFloat).view(at::kInt), quantized.to(at::kFloat).view(at::kInt)));
   // One scale per row, and NaN stays NaN.
   const at::Tensor rowScale = at::rand({x.size(0), 1}) + 0.01;
   const QScheme perToken{QDtype::kFp8E4m3, QScope::kPerToken, true, 0};
-  EXPECT_TRUE(
-      at::equal(quant::fp8ValuesBf16(x, rowScale),
-                quant::quantize(x, {rowScale, at::zeros_like(rowScale, at::kInt)}, perToken).to(at::kBFloat16)));
-  EXPECT_TRUE(quant::fp8ValuesBf16(at::full({1, 3}, std::nanf("")), one.scale).isnan().all().item<bool>());
+  const at::Tensor perTokenValues = quant::quantize(x, {rowScale, at::zeros_like(rowScale, at::kInt)}, perToken);
+  EXPECT_TRUE(at::equal(quant::fp8Values(x, rowScale, at::kBFloat16), perTokenValues.to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(quant::fp8Values(x, rowScale, at::kFloat), perTokenValues.to(at::kFloat)));
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+    EXPECT_TRUE(quant::fp8Values(at::full({1, 3}, std::nanf("")), one.scale, dtype).isnan().all().item<bool>());
+  }
+  try {
+    quant::fp8Values(x, one.scale, at::kHalf);
+    ADD_FAILURE() << "fp16 values";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("fp8Values writes bf16 or fp32, not Half"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Bf16Matmul, ProductsAreExactAndTheSumRoundsOnceInFp32PerAddition) {
@@ -255,6 +265,22 @@ TEST(Bf16Matmul, ProductsAreExactAndTheSumRoundsOnceInFp32PerAddition) {
                         quant::bf16Matmul(a.slice(1, 3, 900).contiguous(), b.slice(1, 3, 900).contiguous())));
   EXPECT_TRUE(at::equal(quant::bf16Matmul(a.t().contiguous().t(), b), y));
   EXPECT_THROW(quant::bf16Matmul(a, a.slice(1, 1)), std::exception);
+  // Widened operands take the fp32 GEMM: the widening path's bits, within the bound on any CPU.
+  const at::Tensor widened = quant::bf16Matmul(a.to(at::kFloat), b.to(at::kFloat));
+  EXPECT_LE((widened.to(at::kDouble) - exact).abs().max().item<double>(), bound);
+  EXPECT_TRUE(at::equal(onOneThread([&] { return quant::bf16Matmul(a.to(at::kFloat), b.to(at::kFloat)); }), widened));
+  if (quant::bf16MatmulKernel() == quant::Bf16Kernel::kFp32) {
+    EXPECT_TRUE(at::equal(widened, y));
+  }
+  try {
+    quant::bf16Matmul(a, b.to(at::kFloat));
+    ADD_FAILURE() << "bf16 times fp32";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("bf16Matmul takes bf16 (or fp32) [M, K] and [N, K], got [37, 1031] BFloat16 "
+                                         "and [19, 1031] Float"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // Asks MKL for thread-invariant GEMMs, then exits 0 if it took that and shapes whose sums MKL

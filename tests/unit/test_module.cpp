@@ -200,8 +200,13 @@ TEST(AllFinite, FindsEveryNonFinitePatternInBodiesAndTailsOfEachDtype) {
   at::Tensor x = at::randn({70007}) * 1e3;
   x[5] = -0.0f;
   x[6] = 3.0e38f;  // finite, near the top of fp32's and bf16's range
-  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble}) {
-    const at::Tensor finite = (dtype == at::kHalf ? x.clamp(-6e4, 6e4) : x).to(dtype);
+  for (const at::ScalarType dtype :
+       {at::kFloat, at::kBFloat16, at::kHalf, at::kFloat8_e4m3fn, at::kFloat8_e5m2, at::kDouble}) {
+    const double max = dtype == at::kHalf            ? 6e4
+                       : dtype == at::kFloat8_e4m3fn ? 448
+                       : dtype == at::kFloat8_e5m2   ? 5e4
+                                                     : std::numeric_limits<float>::max();
+    const at::Tensor finite = x.clamp(-max, max).to(dtype);
     EXPECT_TRUE(allFinite(finite)) << dtype;
     EXPECT_TRUE(allFinite(finite.slice(0, 0, 0))) << dtype;
     for (const int64_t at : {int64_t{0}, int64_t{17}, int64_t{65536}, int64_t{70006}}) {
@@ -211,6 +216,14 @@ TEST(AllFinite, FindsEveryNonFinitePatternInBodiesAndTailsOfEachDtype) {
         EXPECT_FALSE(allFinite(t)) << dtype << " " << bad << " at " << at;
         EXPECT_FALSE(allFinite(t.view({7, 10001}).t())) << dtype;  // not contiguous
       }
+    }
+  }
+  // Every fp8 pattern alone, against LibTorch's reading of it.
+  const at::Tensor bytes = at::arange(0, 256, at::kInt).to(at::kByte);
+  for (const at::ScalarType dtype : {at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
+    for (int64_t b = 0; b < 256; ++b) {
+      const at::Tensor one = bytes.slice(0, b, b + 1).view(dtype);
+      EXPECT_EQ(allFinite(one), at::isfinite(one.to(at::kFloat)).item<bool>()) << dtype << " pattern " << b;
     }
   }
 }

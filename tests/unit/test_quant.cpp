@@ -181,6 +181,18 @@ TEST(QuantFp8, PerTensorHandComputed) {
   EXPECT_EQ(computeQParams(at::zeros({2}), s).scale.item<float>(), 1e-12f / 448.0f);
 }
 
+TEST(QuantFp8, FromFp8E4m3IsLibTorchsCastOfEveryCode) {
+  // Every code in a 2-D layout, then a view that is not contiguous.
+  const at::Tensor codes = at::arange(0, 256, at::kInt).to(at::kByte).view(at::kFloat8_e4m3fn).reshape({16, 16});
+  const at::Tensor ours = fromFp8E4m3(codes);
+  ASSERT_EQ(ours.sizes(), codes.sizes());
+  EXPECT_TRUE(at::equal(ours.view(at::kInt), codes.to(at::kFloat).view(at::kInt)));
+  EXPECT_TRUE(at::equal(fromFp8E4m3(codes.t()).view(at::kInt), codes.t().to(at::kFloat).contiguous().view(at::kInt)));
+  EXPECT_EQ(test::errorOf([&] { fromFp8E4m3(at::zeros({2})); }, ErrorCode::kInternal)
+                .rfind("fromFp8E4m3 takes E4M3FN codes, got Float [check", 0),
+            0u);
+}
+
 // Every bf16 bit pattern through toFp8E4m3 against LibTorch's cast of the clamped value.
 TEST(QuantFp8, AllBf16PatternsMatchLibTorchCast) {
   std::vector<uint16_t> patterns(65536);

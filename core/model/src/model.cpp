@@ -372,7 +372,8 @@ std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, 
 
 namespace {
 
-// Whether any of n IEEE patterns has all exponent bits set (±inf or NaN). The loop vectorizes at
+// Whether any of n IEEE patterns has all exponent bits set (±inf or NaN; E4M3FN, which has no
+// inf, passes its exponent and mantissa bits: NaN alone sets all of them). The loop vectorizes at
 // -O3 (core/CMakeLists.txt).
 template <typename Bits>
 [[gnu::always_inline]] inline bool anyNonFinite(const Bits* p, int64_t n, Bits exponent) {
@@ -381,6 +382,10 @@ template <typename Bits>
   return found != 0;
 }
 
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] bool anyNonFinite8(const uint8_t* p, int64_t n,
+                                                                               uint8_t exponent) {
+  return anyNonFinite(p, n, exponent);
+}
 [[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] bool anyNonFinite16(const uint16_t* p, int64_t n,
                                                                                 uint16_t exponent) {
   return anyNonFinite(p, n, exponent);
@@ -394,19 +399,26 @@ template <typename Bits>
 
 bool allFinite(const at::Tensor& tensor) {
   const at::ScalarType dtype = tensor.scalar_type();
-  // fp32, bf16 and fp16 on the CPU: one read of the bits, a block at a time (a NaN early in a
-  // large tensor ends the scan).
+  // fp32, bf16, fp16 and fp8 on the CPU: one read of the bits, a block at a time (a NaN early in
+  // a large tensor ends the scan).
   if (tensor.device().is_cpu() && tensor.is_contiguous() &&
-      (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf)) {
+      (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat8_e4m3fn ||
+       dtype == at::kFloat8_e5m2)) {
     constexpr int64_t kBlock = 1 << 16;
     const int64_t n = tensor.numel();
+    const void* data = tensor.const_data_ptr();
     for (int64_t begin = 0; begin < n; begin += kBlock) {
       const int64_t count = std::min(kBlock, n - begin);
-      const bool bad =
-          dtype == at::kFloat
-              ? anyNonFinite32(static_cast<const uint32_t*>(tensor.const_data_ptr()) + begin, count, 0x7F800000u)
-              : anyNonFinite16(static_cast<const uint16_t*>(tensor.const_data_ptr()) + begin, count,
-                               dtype == at::kBFloat16 ? uint16_t{0x7F80} : uint16_t{0x7C00});
+      bool bad = false;
+      if (dtype == at::kFloat) {
+        bad = anyNonFinite32(static_cast<const uint32_t*>(data) + begin, count, 0x7F800000u);
+      } else if (dtype == at::kBFloat16 || dtype == at::kHalf) {
+        bad = anyNonFinite16(static_cast<const uint16_t*>(data) + begin, count,
+                             dtype == at::kBFloat16 ? uint16_t{0x7F80} : uint16_t{0x7C00});
+      } else {
+        bad = anyNonFinite8(static_cast<const uint8_t*>(data) + begin, count,
+                            dtype == at::kFloat8_e4m3fn ? uint8_t{0x7F} : uint8_t{0x7C});
+      }
       if (bad) return false;
     }
     return true;

@@ -354,11 +354,13 @@ class OneMklThread {
 
 namespace {
 
-// out = a · bᵀ + beta · out, for bf16 a [M, K], b [N, K] and fp32 out [M, N].
+// out = a · bᵀ + beta · out, for a [M, K], b [N, K], both bf16 or both fp32, and fp32 out [M, N].
 void bf16Gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, float beta) {
-  QPIPE_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 && a.dim() == 2 && b.dim() == 2 &&
-                  a.size(1) == b.size(1),
-              "bf16Matmul takes bf16 [M, K] and [N, K], got ", a.sizes(), " and ", b.sizes());
+  const bool fp32 = a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat;
+  QPIPE_CHECK((fp32 || (a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16)) && a.dim() == 2 &&
+                  b.dim() == 2 && a.size(1) == b.size(1),
+              "bf16Matmul takes bf16 (or fp32) [M, K] and [N, K], got ", a.sizes(), " ", a.scalar_type(), " and ",
+              b.sizes(), " ", b.scalar_type());
   const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
   QPIPE_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == at::IntArrayRef({m, n}),
               "bf16MatmulAdd adds into a contiguous fp32 [", m, ", ", n, "], got ", out.sizes());
@@ -368,7 +370,7 @@ void bf16Gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, float b
   const auto rowMajor = [](const at::Tensor& t) {
     return t.stride(1) == 1 && t.stride(0) >= t.size(1) && t.stride(0) <= INT_MAX ? t : t.contiguous();
   };
-  if (onCpu && !empty && detail::avx512Bf16Gemm()) {
+  if (onCpu && !empty && !fp32 && detail::avx512Bf16Gemm()) {
     const at::Tensor lhs = rowMajor(a), rhs = rowMajor(b);
     detail::avx512Bf16Gemm(static_cast<const c10::BFloat16*>(lhs.const_data_ptr()), lhs.stride(0),
                            static_cast<const c10::BFloat16*>(rhs.const_data_ptr()), rhs.stride(0), m, n, k, beta != 0,
@@ -377,7 +379,7 @@ void bf16Gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, float b
   }
   // Only with bf16 dot products: MKL's AVX2 bf16 kernel runs no faster than the fp32 GEMM, and its
   // sums depend on the thread count (seen on a Zen 3 host), which would break rank invariance.
-  const GemmBf16F32 gemm = bf16MatmulKernel() == Bf16Kernel::kAmx ? mklGemmBf16F32() : nullptr;
+  const GemmBf16F32 gemm = !fp32 && bf16MatmulKernel() == Bf16Kernel::kAmx ? mklGemmBf16F32() : nullptr;
   if (!onCpu || empty || std::max({m, n, k}) > INT_MAX / 2) {
     out.addmm_(a.to(at::kFloat), b.to(at::kFloat).t(), beta);
     return;
@@ -420,7 +422,7 @@ void bf16Gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, float b
     });
     return;
   }
-  // The widened values' fp32 GEMM; column-major BLAS computes outᵀ = b · aᵀ.
+  // The fp32 GEMM (of the widened values of bf16 operands); column-major BLAS computes outᵀ = b · aᵀ.
   const at::Tensor lhs = a.to(at::kFloat).contiguous(), rhs = b.to(at::kFloat).contiguous();
   // In MKL's strict mode one threaded call is thread-invariant already; the blocks re-pack b for
   // each block and leave a thread idle where M <= 128 (an Intel Xeon host: 0.85-1.3x one call's
@@ -487,6 +489,27 @@ at::Tensor toFp8E4m3(const at::Tensor& x) {
   at::Tensor code = at::where(absValue < 0.015625f, subnormal, normal);
   code = at::where(absBits > 0x7F800000, at::full_like(code, 0x7F), code);
   return at::bitwise_or(code, sign).to(at::kByte).view(at::kFloat8_e4m3fn);
+}
+
+at::Tensor fromFp8E4m3(const at::Tensor& codes) {
+  QPIPE_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn, "fromFp8E4m3 takes E4M3FN codes, got ", codes.scalar_type());
+  if (!codes.device().is_cpu()) return codes.to(at::kFloat);
+  // LibTorch widens E4M3 one element at a time through c10's bit arithmetic; 256 values are a table.
+  static const std::array<float, 256> values = [] {
+    std::array<float, 256> table{};
+    for (int code = 0; code < 256; ++code) {
+      table[code] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(code), c10::Float8_e4m3fn::from_bits()));
+    }
+    return table;
+  }();
+  const at::Tensor in = codes.contiguous();
+  at::Tensor out = at::empty(in.sizes(), in.options().dtype(at::kFloat));
+  const auto* c = static_cast<const uint8_t*>(in.const_data_ptr());
+  float* o = out.mutable_data_ptr<float>();
+  at::parallel_for(0, in.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) o[i] = values[c[i]];
+  });
+  return out;
 }
 
 namespace {
@@ -596,6 +619,13 @@ template <typename Out, typename Emit>
                                                                               const float* scale, bool perRow) {
   fp8Rows(x, out, begin, end, cols, scale, perRow, [](float v, float) { return fp8ValueBf16Bits(v); });
 }
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void fp8FloatValueRows(const float* x, float* out,
+                                                                                   int64_t begin, int64_t end,
+                                                                                   int64_t cols, const float* scale,
+                                                                                   bool perRow) {
+  fp8Rows(x, out, begin, end, cols, scale, perRow,
+          [](float v, float) { return std::bit_cast<float>(uint32_t{fp8ValueBf16Bits(v)} << 16); });
+}
 
 // (q - z) · s over rows of `cols` codes, each row with its own s and z or all with the first: the
 // tensor ops' one rounding per element (the difference of two small integers is exact).
@@ -704,19 +734,25 @@ at::Tensor quantize(const at::Tensor& x, const QParams& params, const QScheme& s
   return at::round(scaled + zeroPoint).clamp(qmin(scheme.dtype), qmax(scheme.dtype)).to(at::kChar).reshape(x.sizes());
 }
 
-at::Tensor fp8ValuesBf16(const at::Tensor& x, const at::Tensor& scale) {
+at::Tensor fp8Values(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype) {
   QPIPE_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "fp8ValuesBf16 takes a 2-D fp32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+              "fp8Values takes a 2-D fp32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+  QPIPE_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "fp8Values writes bf16 or fp32, not ", dtype);
   const at::Tensor input = x.contiguous();
   const at::Tensor s = scale.to(at::kFloat).contiguous();
   const int64_t rows = input.size(0), cols = input.size(1);
   const bool perRow = s.numel() != 1;
-  QPIPE_CHECK(!perRow || s.numel() == rows, "fp8ValuesBf16: ", s.numel(), " scales for ", rows, " rows");
-  at::Tensor out = at::empty({rows, cols}, input.options().dtype(at::kBFloat16));
+  QPIPE_CHECK(!perRow || s.numel() == rows, "fp8Values: ", s.numel(), " scales for ", rows, " rows");
+  at::Tensor out = at::empty({rows, cols}, input.options().dtype(dtype));
   if (out.numel() == 0) return out;
-  auto* o = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
+  const float* in = input.const_data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t begin, int64_t end) {
-    fp8ValueRows(input.const_data_ptr<float>(), o, begin, end, cols, s.const_data_ptr<float>(), perRow);
+    if (dtype == at::kFloat) {
+      fp8FloatValueRows(in, out.mutable_data_ptr<float>(), begin, end, cols, s.const_data_ptr<float>(), perRow);
+    } else {
+      fp8ValueRows(in, reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>()), begin, end, cols,
+                   s.const_data_ptr<float>(), perRow);
+    }
   });
   return out;
 }
@@ -853,7 +889,9 @@ at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme&
         .reshape(q.sizes());
   }
   if (at::Tensor out; dequantizeKernel(q, params, scheme, out)) return out;
-  const at::Tensor values = grouped(q.to(at::kFloat), scheme);
+  const at::Tensor values = grouped(
+      scheme.dtype == QDtype::kFp8E4m3 && q.scalar_type() == at::kFloat8_e4m3fn ? fromFp8E4m3(q) : q.to(at::kFloat),
+      scheme);
   const at::Tensor scale = groupedParam(params.scale, scheme);
   if (scheme.dtype == QDtype::kFp8E4m3) return (values * scale).reshape(q.sizes());
   return ((values - groupedParam(params.zeroPoint, scheme).to(at::kFloat)) * scale).reshape(q.sizes());

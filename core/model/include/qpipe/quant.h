@@ -146,7 +146,8 @@ at::Tensor int8Matmul(const at::Tensor& a, const at::Tensor& b);
 // accumulation rounds, as in an fp32 GEMM. On CPUs with AVX512-BF16 and no AMX, qpipe's own
 // vdpbf16ps kernel (about 2× an fp32 GEMM; a row's bits do not depend on the other rows of the
 // call); with AMX, MKL's bf16 GEMM where LibTorch links it in (5–10× an fp32 GEMM); elsewhere an
-// fp32 GEMM of the widened operands.
+// fp32 GEMM of the widened operands. fp32 a and b (both) take that fp32 GEMM on any CPU: where
+// bf16MatmulKernel() is kFp32, an operand kept across calls is best kept widened.
 // The same bits for any thread count.
 at::Tensor bf16Matmul(const at::Tensor& a, const at::Tensor& b);
 // out (fp32 [M, N], contiguous) += a · bᵀ, under bf16Matmul's contract.
@@ -166,12 +167,14 @@ Bf16Kernel bf16MatmulKernel();
 // The CLI calls it unless the user set MKL_CBWR: ranks run cores / ranks threads each.
 bool threadInvariantBlas();
 // quantize()'s E4M3 values of a 2-D fp32 CPU x (x / scale clamped to ±448, rounded to nearest
-// even) as bf16, which holds each exactly. scale: one value, or one per row.
-at::Tensor fp8ValuesBf16(const at::Tensor& x, const at::Tensor& scale);
+// even) as `dtype`, bf16 or fp32, which hold each exactly. scale: one value, or one per row.
+at::Tensor fp8Values(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype);
 
 // Clamps to ±448 and rounds to nearest even into E4M3FN. ±inf saturate to ±448 (as the clamp
 // does); NaN stays NaN (0x7F, or 0xFF with the sign bit), as LibTorch's cast.
 at::Tensor toFp8E4m3(const at::Tensor& x);
+// The fp32 values of E4M3FN codes: LibTorch's cast, from a table on the CPU.
+at::Tensor fromFp8E4m3(const at::Tensor& codes);
 
 // E2M1 codes (kByte, one per element: sign << 3 | magnitude index into {0, 0.5, 1, 1.5, 2, 3, 4,
 // 6}) of x rounded to nearest, ties to even (compressed-tensors cast_to_fp4's thresholds),
