@@ -13,7 +13,10 @@
 //   flex_awq_ssz  msmodelslim's FlexAWQSSZ: s = mean|X|^α, α searched through the step's own
 //                 quantizer (SSZ int4 in its practices)
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
+#include <array>
+#include <cmath>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -104,6 +107,62 @@ class IterSmooth final : public SmoothingProcessor {
   bool symmetric_;
 };
 
+// Σ (a − b)² over n values (Σ a² without b), the differences rounded to fp32 as the tensor ops
+// would, their squares summed in double in eight fixed lanes: the same bits on every CPU and
+// thread count.
+template <bool kDifference>
+[[gnu::always_inline]] inline double sumOfSquares(const float* a, const float* b, int64_t n) {
+  constexpr int64_t kLanes = 8;
+  std::array<double, kLanes> lanes{};
+  const auto value = [&](int64_t i) -> double {
+    if constexpr (kDifference) {
+      return a[i] - b[i];
+    } else {
+      return a[i];
+    }
+  };
+  const int64_t body = n - n % kLanes;
+  for (int64_t i = 0; i < body; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += value(i + l) * value(i + l);
+  }
+  for (int64_t i = body; i < n; ++i) lanes[i - body] += value(i) * value(i);
+  double sum = 0;
+  for (const double lane : lanes) sum += lane;
+  return sum;
+}
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] double squaredDifference(const float* a, const float* b,
+                                                                                     int64_t n) {
+  return sumOfSquares<true>(a, b, n);
+}
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] double squares(const float* a, int64_t n) {
+  return sumOfSquares<false>(a, nullptr, n);
+}
+
+// rms(a − b) (b undefined: rms(a)) of fp32 CPU tensors of one shape in one pass, a row of the last
+// dimension at a time (rows in parallel, summed in order). The tensor ops' difference, square
+// and mean were three passes and two temporaries of a candidate's output, about a fifth of a
+// smoothing search's time (docs/benchmarks.md).
+double rmsDifference(const at::Tensor& a, const at::Tensor& b = at::Tensor()) {
+  QPIPE_CHECK(a.scalar_type() == at::kFloat && a.device().is_cpu() && a.dim() > 0 &&
+                  (!b.defined() || (b.scalar_type() == at::kFloat && b.device().is_cpu() && b.sizes() == a.sizes())),
+              "rmsDifference takes fp32 CPU tensors of one shape, got ", a.sizes(), " and ",
+              b.defined() ? b.sizes() : at::IntArrayRef());
+  if (a.numel() == 0) return 0;
+  const at::Tensor x = a.contiguous(), y = b.defined() ? b.contiguous() : at::Tensor();
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  std::vector<double> sums(rows);
+  const float* px = x.const_data_ptr<float>();
+  const float* py = y.defined() ? y.const_data_ptr<float>() : nullptr;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      sums[r] = py != nullptr ? squaredDifference(px + r * cols, py + r * cols, cols) : squares(px + r * cols, cols);
+    }
+  });
+  double total = 0;
+  for (const double sum : sums) total += sum;
+  return std::sqrt(total / static_cast<double>(x.numel()));
+}
+
 // The searches' loss: rms(y_q − y) / rms(y) against the float product y = X·Wᵀ: given by the
 // processor (Search::setProduct), else computed at the first call, so that a rank that evaluates
 // none of a subgraph's candidates never computes it.
@@ -112,16 +171,15 @@ class RelativeError {
   RelativeError(at::Tensor tokens, at::Tensor weight) : tokens_(std::move(tokens)), weight_(std::move(weight)) {}
   void setReference(const at::Tensor& reference) const {
     reference_ = reference;
-    norm_ = rms(reference_);
+    norm_ = rmsDifference(reference_);
   }
   double operator()(const at::Tensor& quantized) const {
     if (!reference_.defined()) setReference(floatProduct(tokens_, weight_));
-    const double error = rms(quantized - reference_);
+    const double error = rmsDifference(quantized, reference_);
     return norm_ > 0 ? error / norm_ : error;
   }
 
  private:
-  static double rms(const at::Tensor& t) { return t.square().mean().sqrt().item<double>(); }
   at::Tensor tokens_, weight_;
   mutable at::Tensor reference_;
   mutable double norm_ = 0;
