@@ -108,11 +108,11 @@ class IterSmooth final : public SmoothingProcessor {
 };
 
 // Σ (a − b)² over n values (Σ a² without b), the differences rounded to fp32 as the tensor ops
-// would, their squares summed in double in eight fixed lanes: the same bits on every CPU and
+// would, their squares summed in double in 16 fixed lanes: the same bits on every CPU and
 // thread count.
 template <bool kDifference>
 [[gnu::always_inline]] inline double sumOfSquares(const float* a, const float* b, int64_t n) {
-  constexpr int64_t kLanes = 8;
+  constexpr int64_t kLanes = 16;  // four vectors of four doubles: four addition chains
   std::array<double, kLanes> lanes{};
   const auto value = [&](int64_t i) -> double {
     if constexpr (kDifference) {
@@ -203,7 +203,7 @@ class SmoothedInt8Loss {
     using quant::QDtype, quant::QScope;
     const quant::QScheme perChannel{QDtype::kInt8, QScope::kPerChannel, true, 0};
     const ActivationQuant perToken{{QDtype::kInt8, QScope::kPerToken, true, 0}, {}};
-    auto [params, qweight] = quant::quantizeWeight(weight_ * consumerScale.unsqueeze(0), perChannel);
+    auto [params, qweight] = quant::quantizeScaledWeight(weight_, consumerScale, perChannel);
     const Int8Linear linear(qweight, params.scale);
     return error_(*linear.forward(tokens_ / consumerScale.unsqueeze(0), perToken, at::Tensor()));
   }

@@ -353,6 +353,71 @@ TEST(QuantWeight, OnePassPerGroupIsComputeQParamsThenQuantizeBitForBit) {
   EXPECT_FALSE(std::isnan(scales[4][0].item<float>()));
 }
 
+TEST(QuantParams, PerTokenOnePassIsTheTensorOpsBitForBit) {
+  // Random tokens, an all-zero one, all-positive and all-negative ones, signed zeros, infinities
+  // and a tail shorter than the vector lanes; int8 and int4, symmetric and not, and E4M3; the
+  // tensor ops (minMax, then the range's formula) are the reference.
+  at::manual_seed(15);
+  for (const int64_t cols : {int64_t{1}, int64_t{77}, int64_t{1536}}) {
+    at::Tensor x = at::randn({2, 7, cols}) * 3;
+    x[0][1].zero_();
+    x[0][2] = x[0][2].abs() + 0.5;
+    x[0][3] = -x[0][3].abs() - 0.5;
+    x[0][4].fill_(-0.0);
+    x[1][5][0] = std::numeric_limits<float>::infinity();
+    x[1][6][cols - 1] = -std::numeric_limits<float>::infinity();
+    for (const QScheme& s :
+         {scheme(QDtype::kInt8, QScope::kPerToken), scheme(QDtype::kInt8, QScope::kPerToken, false),
+          scheme(QDtype::kInt4, QScope::kPerToken, false), scheme(QDtype::kFp8E4m3, QScope::kPerToken)}) {
+      const QParams ours = computeQParams(x, s);
+      const auto [min, max] = minMax(x, s);
+      const QParams reference = computeQParams(min, max, s);
+      ASSERT_EQ(ours.scale.sizes(), reference.scale.sizes()) << s.name();
+      EXPECT_TRUE(at::equal(ours.scale.view(at::kInt), reference.scale.view(at::kInt))) << s.name() << " " << cols;
+      EXPECT_TRUE(at::equal(ours.zeroPoint, reference.zeroPoint)) << s.name() << " " << cols;
+    }
+  }
+  // A NaN takes the tensor ops, whose scale carries it.
+  at::Tensor x = at::randn({3, 40});
+  x[1][33] = std::numeric_limits<float>::quiet_NaN();
+  const at::Tensor scale = computeQParams(x, scheme(QDtype::kInt8, QScope::kPerToken)).scale;
+  EXPECT_TRUE(std::isnan(scale[1].item<float>()));
+  EXPECT_FALSE(std::isnan(scale[0].item<float>()));
+}
+
+TEST(QuantWeight, ScaledIsTheQuantizedProductBitForBit) {
+  // Rows long enough for one scaled block each, and short ones many to a block; per channel and
+  // per group; the tensor-op path for a bf16 scale, a scheme without the one-pass path and a NaN.
+  at::manual_seed(14);
+  for (const auto& [rows, cols] : {std::pair{9, 1536}, std::pair{300, 96}}) {
+    at::Tensor w = at::randn({rows, cols}) * 0.05;
+    w[1].zero_();
+    w[3][10] = 25;
+    const at::Tensor by = at::rand({cols}) * 4 + 1e-5;
+    for (const QScheme& s :
+         {scheme(QDtype::kInt8, QScope::kPerChannel), scheme(QDtype::kInt4, QScope::kPerGroup, true, 32),
+          scheme(QDtype::kInt8, QScope::kPerChannel, false)}) {
+      const auto [params, codes] = quantizeScaledWeight(w, by, s);
+      const auto [expected, expectedCodes] = quantizeWeight(w * by.unsqueeze(0), s);
+      EXPECT_TRUE(at::equal(params.scale.view(at::kInt), expected.scale.view(at::kInt))) << s.name() << " " << rows;
+      EXPECT_TRUE(at::equal(params.zeroPoint, expected.zeroPoint)) << s.name();
+      EXPECT_TRUE(at::equal(codes, expectedCodes)) << s.name() << " " << rows;
+    }
+    const QScheme perChannel = scheme(QDtype::kInt8, QScope::kPerChannel);
+    EXPECT_TRUE(at::equal(quantizeScaledWeight(w, by.to(at::kBFloat16), perChannel).second,
+                          quantizeWeight(w * by.to(at::kBFloat16).unsqueeze(0), perChannel).second));
+    w[2][5] = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_TRUE(std::isnan(quantizeScaledWeight(w, by, perChannel).first.scale[2].item<float>()));
+  }
+  EXPECT_EQ(test::errorOf(
+                [] {
+                  quantizeScaledWeight(at::ones({2, 3}), at::ones({2}), scheme(QDtype::kInt8, QScope::kPerChannel));
+                },
+                ErrorCode::kInternal)
+                .rfind("quantizeScaledWeight takes w [N, K] and K column scales, got [2, 3] and [2] [check", 0),
+            0u);
+}
+
 TEST(QuantPack, Int4HandComputed) {
   // u = q + 8 = 0, 1, 8, 15, 9, 10, 11, 12 | 13. Word 0, element k in bits 4k..4k+3 (element 0
   // least significant): nibbles from the top C B A 9 F 8 1 0 → 0xCBA9F810; word 1 = 0xD, the

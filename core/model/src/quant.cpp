@@ -252,7 +252,40 @@ QParams computeQParams(const at::Tensor& min, const at::Tensor& max, const QSche
   return {scale, zeroPoint.to(at::kInt)};
 }
 
+namespace {
+
+// minMax of an fp32 CPU x per token, with 0 in each range, in one pass over x (ATen's amin and
+// amax make two): what computeQParams needs of it for int and E4M3 schemes, whose scales take
+// the range with 0 in it (int) or the largest magnitude (E4M3). Empty for other schemes and
+// inputs, and where x holds a NaN (whose payload bits ATen's reductions carry).
+std::optional<std::pair<at::Tensor, at::Tensor>> tokenRanges(const at::Tensor& x, const QScheme& scheme) {
+  if (scheme.scope != QScope::kPerToken || !(isInt(scheme.dtype) || scheme.dtype == QDtype::kFp8E4m3) ||
+      x.scalar_type() != at::kFloat || !x.device().is_cpu() || x.dim() == 0 || x.numel() == 0) {
+    return std::nullopt;
+  }
+  const at::Tensor input = x.contiguous();
+  const int64_t cols = input.size(-1), rows = input.numel() / cols;
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape.back() = 1;
+  at::Tensor min = at::empty(shape, input.options()), max = at::empty(shape, input.options());
+  const float* in = input.const_data_ptr<float>();
+  float* lo = min.mutable_data_ptr<float>();
+  float* hi = max.mutable_data_ptr<float>();
+  std::atomic<bool> nan = false;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      lo[r] = hi[r] = 0.0f;
+      if (detail::rowMinMax(in + r * cols, cols, lo[r], hi[r])) nan.store(true);
+    }
+  });
+  if (nan.load()) return std::nullopt;
+  return std::pair{min, max};
+}
+
+}  // namespace
+
 QParams computeQParams(const at::Tensor& x, const QScheme& scheme) {
+  if (const auto ranges = tokenRanges(x, scheme)) return computeQParams(ranges->first, ranges->second, scheme);
   const auto [min, max] = minMax(x, scheme);
   return computeQParams(min, max, scheme);
 }
@@ -842,44 +875,80 @@ constexpr int64_t kAccumulators = 4;
 
 }  // namespace detail
 
-std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme& scheme) {
+namespace {
+
+// quantizeWeight's one pass for fp32 CPU weights under int per_channel / per_group symmetric
+// schemes, of w · diag(columnScale) where columnScale is given (each product formed in a block
+// that stays in cache, as LibTorch's mul forms it); empty where it does not apply or w holds NaN.
+std::optional<std::pair<QParams, at::Tensor>> symmetricWeightRows(const at::Tensor& w, const float* columnScale,
+                                                                  const QScheme& scheme) {
   const bool perGroup = scheme.scope == QScope::kPerGroup;
   const bool fast = isInt(scheme.dtype) && (scheme.scope == QScope::kPerChannel || perGroup) && scheme.symmetric &&
                     w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu() && w.size(0) > 0 &&
                     w.size(1) > 0 && (!perGroup || w.size(1) % scheme.groupSize == 0);
-  if (fast) {
-    const at::Tensor input = w.contiguous();
-    const int64_t rows = input.size(0), cols = input.size(1);
-    // A channel is one group of the whole row.
-    const int64_t group = perGroup ? scheme.groupSize : cols, groups = cols / group;
-    at::Tensor scale = at::empty({rows, groups}, input.options());
-    at::Tensor codes = at::empty({rows, cols}, input.options().dtype(at::kChar));
-    const float qmaxF = static_cast<float>(qmax(scheme.dtype)), qminF = static_cast<float>(qmin(scheme.dtype));
-    const float* in = input.const_data_ptr<float>();
-    float* scales = scale.mutable_data_ptr<float>();
-    int8_t* out = codes.mutable_data_ptr<int8_t>();
-    std::atomic<bool> nan = false;
-    // Groups are reduced, then quantized, in blocks of up to kBlock: one quantizeRows call a
-    // block rather than one a group (whose call and vector tails cost as much as a short group).
-    constexpr int64_t kBlock = 256;
-    static constexpr std::array<float, kBlock> kZeros{};
-    at::parallel_for(0, rows * groups, std::max<int64_t>(1, 16384 / group), [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; b += kBlock) {
-        const int64_t n = std::min(kBlock, end - b);
-        for (int64_t g = b; g < b + n; ++g) {
-          float lo = 0.0f, hi = 0.0f;
-          if (detail::rowMinMax(in + g * group, group, lo, hi)) nan.store(true);
-          scales[g] = detail::symmetricScale(lo, hi, qmaxF);
+  if (!fast) return std::nullopt;
+  const at::Tensor input = w.contiguous();
+  const int64_t rows = input.size(0), cols = input.size(1);
+  // A channel is one group of the whole row.
+  const int64_t group = perGroup ? scheme.groupSize : cols, groups = cols / group;
+  at::Tensor scale = at::empty({rows, groups}, input.options());
+  at::Tensor codes = at::empty({rows, cols}, input.options().dtype(at::kChar));
+  const float qmaxF = static_cast<float>(qmax(scheme.dtype)), qminF = static_cast<float>(qmin(scheme.dtype));
+  const float* in = input.const_data_ptr<float>();
+  float* scales = scale.mutable_data_ptr<float>();
+  int8_t* out = codes.mutable_data_ptr<int8_t>();
+  std::atomic<bool> nan = false;
+  // Groups are reduced, then quantized, in blocks of up to kBlock: one quantizeRows call a block
+  // rather than one a group (whose call and vector tails cost as much as a short group). Scaled
+  // blocks hold at most about 64 KiB of products.
+  constexpr int64_t kBlock = 256;
+  static constexpr std::array<float, kBlock> kZeros{};
+  const int64_t block = columnScale == nullptr ? kBlock : std::clamp<int64_t>(16384 / group, 1, kBlock);
+  at::parallel_for(0, rows * groups, std::max<int64_t>(1, 16384 / group), [&](int64_t begin, int64_t end) {
+    std::vector<float> products(columnScale == nullptr ? 0 : block * group);
+    for (int64_t b = begin; b < end; b += block) {
+      const int64_t n = std::min(block, end - b);
+      const float* source = in + b * group;
+      if (columnScale != nullptr) {
+        for (int64_t g = 0; g < n; ++g) {
+          const float* from = in + (b + g) * group;
+          const float* by = columnScale + (b + g) % groups * group;
+          float* to = products.data() + g * group;
+          for (int64_t c = 0; c < group; ++c) to[c] = from[c] * by[c];
         }
-        quantizeRows(in + b * group, out + b * group, 0, n, group, scales + b, kZeros.data(), true, qminF, qmaxF);
+        source = products.data();
       }
-    });
-    // NaN: ATen's reductions carry payload bits this loop does not reproduce.
-    if (!nan.load()) return {QParams{scale, at::zeros_like(scale, scale.options().dtype(at::kInt))}, codes};
-  }
+      for (int64_t g = 0; g < n; ++g) {
+        float lo = 0.0f, hi = 0.0f;
+        if (detail::rowMinMax(source + g * group, group, lo, hi)) nan.store(true);
+        scales[b + g] = detail::symmetricScale(lo, hi, qmaxF);
+      }
+      quantizeRows(source, out + b * group, 0, n, group, scales + b, kZeros.data(), true, qminF, qmaxF);
+    }
+  });
+  // NaN: ATen's reductions carry payload bits this loop does not reproduce.
+  if (nan.load()) return std::nullopt;
+  return std::pair{QParams{scale, at::zeros_like(scale, scale.options().dtype(at::kInt))}, codes};
+}
+
+}  // namespace
+
+std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme& scheme) {
+  if (auto rows = symmetricWeightRows(w, nullptr, scheme)) return *std::move(rows);
   QParams params = computeQParams(w, scheme);
   at::Tensor codes = quantize(w, params, scheme);
   return {std::move(params), std::move(codes)};
+}
+
+std::pair<QParams, at::Tensor> quantizeScaledWeight(const at::Tensor& w, const at::Tensor& columnScale,
+                                                    const QScheme& scheme) {
+  QPIPE_CHECK(w.dim() == 2 && columnScale.dim() == 1 && columnScale.size(0) == w.size(1),
+              "quantizeScaledWeight takes w [N, K] and K column scales, got ", w.sizes(), " and ", columnScale.sizes());
+  if (columnScale.scalar_type() == at::kFloat && columnScale.device().is_cpu()) {
+    const at::Tensor by = columnScale.contiguous();
+    if (auto rows = symmetricWeightRows(w, by.const_data_ptr<float>(), scheme)) return *std::move(rows);
+  }
+  return quantizeWeight(w * columnScale.unsqueeze(0), scheme);
 }
 
 at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme& scheme) {

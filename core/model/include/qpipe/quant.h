@@ -116,6 +116,10 @@ at::Tensor fakeQuantizeFp4Dynamic(const at::Tensor& x, const QScheme& scheme, co
 // with int8/int4 per_channel or per_group symmetric schemes each row (group) is reduced and
 // quantized while it is in cache, one pass over memory instead of two, with the same bits.
 std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme& scheme);
+// quantizeWeight(w · diag(columnScale)) (w [N, K], columnScale [K]) with the same bits; on the
+// one-pass path the scaled weight is formed a cache-sized block at a time, never as a whole.
+std::pair<QParams, at::Tensor> quantizeScaledWeight(const at::Tensor& w, const at::Tensor& columnScale,
+                                                    const QScheme& scheme);
 // How Int8Weight multiplies. Every kernel gives the same int32 results (int8_gemm.cpp):
 // kBest picks at::_int_mm off the CPU and on CPUs with VNNI (exact and fast there), else kPacked where the
 // CPU has AVX2, else kReference. kPacked: an AVX2 kernel on a weight packed once (vpmaddwd, int32
