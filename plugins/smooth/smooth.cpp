@@ -202,10 +202,11 @@ class SmoothedInt8Loss {
   double operator()(const at::Tensor& consumerScale) const {
     using quant::QDtype, quant::QScope;
     const quant::QScheme perChannel{QDtype::kInt8, QScope::kPerChannel, true, 0};
-    const ActivationQuant perToken{{QDtype::kInt8, QScope::kPerToken, true, 0}, {}};
+    const quant::QScheme perToken{QDtype::kInt8, QScope::kPerToken, true, 0};
     auto [params, qweight] = quant::quantizeScaledWeight(weight_, consumerScale, perChannel);
     const Int8Linear linear(qweight, params.scale);
-    return error_(*linear.forward(tokens_ / consumerScale.unsqueeze(0), perToken, at::Tensor()));
+    const auto [tokenParams, tokenCodes] = quant::quantizeDividedTokens(tokens_, consumerScale, perToken);
+    return error_(linear.forwardCodes(tokenCodes, tokenParams, at::Tensor()));
   }
 
  private:

@@ -162,6 +162,40 @@ TEST(Int8Linear, IsTheExactIntegerSumTimesTheScalesBitForBit) {
       Int8Linear(at::ones({1, wide}, at::kChar), at::ones({1})).forward(at::ones({1, wide}), cases[0], {}).has_value());
 }
 
+TEST(Int8Linear, ForwardCodesIsForwardsProductOfTheCodes) {
+  // Codes and params quantized by the caller, as forward() quantizes them; per token and per
+  // tensor with a zero point; and codes of tokens divided by column scales
+  // (quant::quantizeDividedTokens, the smoothing searches' input).
+  at::manual_seed(9);
+  const at::Tensor w = at::randn({24, 40});
+  const QScheme weightScheme{QDtype::kInt8, QScope::kPerChannel, true, 0};
+  const auto [wp, qw] = quant::quantizeWeight(w, weightScheme);
+  const Int8Linear linear(qw, wp.scale);
+  const at::Tensor x = at::randn({7, 40}) * 2;
+  const QScheme dynamic{QDtype::kInt8, QScope::kPerToken, true, 0};
+  const QScheme staticAsym{QDtype::kInt8, QScope::kPerTensor, false, 0};
+  for (const ActivationQuant& act :
+       {ActivationQuant{dynamic, {}}, ActivationQuant{staticAsym, quant::computeQParams(x * 0.25, staticAsym)}}) {
+    const QParams params = act.isDynamic() ? quant::computeQParams(x, act.scheme) : act.params;
+    const at::Tensor bias = at::randn({24});
+    EXPECT_TRUE(at::equal(linear.forwardCodes(quant::quantize(x, params, act.scheme), params, bias),
+                          *linear.forward(x, act, bias)))
+        << act.scheme.name();
+  }
+  const at::Tensor divisor = at::rand({40}) * 3 + 0.01;
+  const auto [params, codes] = quant::quantizeDividedTokens(x, divisor, dynamic);
+  EXPECT_TRUE(at::equal(linear.forwardCodes(codes, params, {}),
+                        *linear.forward(x / divisor, ActivationQuant{dynamic, {}}, {})));
+  try {
+    linear.forwardCodes(codes.slice(1, 1), params, {});
+    ADD_FAILURE() << "39 columns of codes for K = 40";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("Int8Linear::forwardCodes takes int8 CPU codes [M, 40], got [7, 39] Char"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Int8Linear, IsExactAtTheExtremesOfTheSumsOverWideRows) {
   // qx − z is 255, its largest, in row 0, 0 in row 1 and both in row 2; every qw is −128 or 127:
   // the extreme terms of the sums, over 70 outputs (vector bodies and tails), with and without

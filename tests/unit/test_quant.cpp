@@ -418,6 +418,43 @@ TEST(QuantWeight, ScaledIsTheQuantizedProductBitForBit) {
             0u);
 }
 
+TEST(QuantParams, DividedTokensAreTheQuantizedQuotientBitForBit) {
+  // Tokens long enough for one block each and short ones many to a block; int8 and int4
+  // symmetric on the one-pass path, asymmetric and FP8 through the tensor ops; zero tokens, a
+  // NaN, and the error for another scope.
+  at::manual_seed(16);
+  for (const auto& [rows, cols] : {std::pair{9, 1536}, std::pair{300, 96}}) {
+    at::Tensor x = at::randn({rows, cols}) * 3;
+    x[1].zero_();
+    x[4][7] = 80;
+    const at::Tensor divisor = at::rand({cols}) * 4 + 1e-5;
+    for (const QScheme& s :
+         {scheme(QDtype::kInt8, QScope::kPerToken), scheme(QDtype::kInt4, QScope::kPerToken),
+          scheme(QDtype::kInt8, QScope::kPerToken, false), scheme(QDtype::kFp8E4m3, QScope::kPerToken)}) {
+      const auto [params, codes] = quantizeDividedTokens(x, divisor, s);
+      const at::Tensor quotient = x / divisor;
+      const QParams expected = computeQParams(quotient, s);
+      ASSERT_EQ(params.scale.sizes(), expected.scale.sizes()) << s.name();
+      EXPECT_TRUE(at::equal(params.scale.view(at::kInt), expected.scale.view(at::kInt))) << s.name() << " " << rows;
+      EXPECT_TRUE(at::equal(params.zeroPoint, expected.zeroPoint)) << s.name();
+      EXPECT_TRUE(at::equal(codes.view(at::kByte), quantize(quotient, expected, s).view(at::kByte))) << s.name();
+    }
+    x[2][5] = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_TRUE(std::isnan(
+        quantizeDividedTokens(x, divisor, scheme(QDtype::kInt8, QScope::kPerToken)).first.scale[2].item<float>()));
+  }
+  EXPECT_EQ(
+      test::errorOf(
+          [] {
+            quantizeDividedTokens(at::ones({2, 3}), at::ones({3}), scheme(QDtype::kInt8, QScope::kPerTensor));
+          },
+          ErrorCode::kInternal)
+          .rfind("quantizeDividedTokens takes x [M, K], K column divisors and a per_token scheme, got [2, 3], [3] "
+                 "and int8_per_tensor_sym [check",
+                 0),
+      0u);
+}
+
 TEST(QuantPack, Int4HandComputed) {
   // u = q + 8 = 0, 1, 8, 15, 9, 10, 11, 12 | 13. Word 0, element k in bits 4k..4k+3 (element 0
   // least significant): nibbles from the top C B A 9 F 8 1 0 → 0xCBA9F810; word 1 = 0xD, the

@@ -877,10 +877,23 @@ constexpr int64_t kAccumulators = 4;
 
 namespace {
 
+// How symmetricWeightRows applies its column factors: w · diag(c) or w · diag(1 / c), each
+// element as LibTorch's mul or div rounds it.
+enum class ColumnOp { kMultiply, kDivide };
+
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void applyColumns(const float* from, const float* by,
+                                                                              float* to, int64_t n, ColumnOp op) {
+  if (op == ColumnOp::kMultiply) {
+    for (int64_t c = 0; c < n; ++c) to[c] = from[c] * by[c];
+  } else {
+    for (int64_t c = 0; c < n; ++c) to[c] = from[c] / by[c];
+  }
+}
+
 // quantizeWeight's one pass for fp32 CPU weights under int per_channel / per_group symmetric
-// schemes, of w · diag(columnScale) where columnScale is given (each product formed in a block
-// that stays in cache, as LibTorch's mul forms it); empty where it does not apply or w holds NaN.
-std::optional<std::pair<QParams, at::Tensor>> symmetricWeightRows(const at::Tensor& w, const float* columnScale,
+// schemes, of w with a column factor applied where `column` is given (each value formed in a
+// block that stays in cache); empty where it does not apply or w holds NaN.
+std::optional<std::pair<QParams, at::Tensor>> symmetricWeightRows(const at::Tensor& w, const float* column, ColumnOp op,
                                                                   const QScheme& scheme) {
   const bool perGroup = scheme.scope == QScope::kPerGroup;
   const bool fast = isInt(scheme.dtype) && (scheme.scope == QScope::kPerChannel || perGroup) && scheme.symmetric &&
@@ -903,20 +916,17 @@ std::optional<std::pair<QParams, at::Tensor>> symmetricWeightRows(const at::Tens
   // blocks hold at most about 64 KiB of products.
   constexpr int64_t kBlock = 256;
   static constexpr std::array<float, kBlock> kZeros{};
-  const int64_t block = columnScale == nullptr ? kBlock : std::clamp<int64_t>(16384 / group, 1, kBlock);
+  const int64_t block = column == nullptr ? kBlock : std::clamp<int64_t>(16384 / group, 1, kBlock);
   at::parallel_for(0, rows * groups, std::max<int64_t>(1, 16384 / group), [&](int64_t begin, int64_t end) {
-    std::vector<float> products(columnScale == nullptr ? 0 : block * group);
+    std::vector<float> values(column == nullptr ? 0 : block * group);
     for (int64_t b = begin; b < end; b += block) {
       const int64_t n = std::min(block, end - b);
       const float* source = in + b * group;
-      if (columnScale != nullptr) {
+      if (column != nullptr) {
         for (int64_t g = 0; g < n; ++g) {
-          const float* from = in + (b + g) * group;
-          const float* by = columnScale + (b + g) % groups * group;
-          float* to = products.data() + g * group;
-          for (int64_t c = 0; c < group; ++c) to[c] = from[c] * by[c];
+          applyColumns(in + (b + g) * group, column + (b + g) % groups * group, values.data() + g * group, group, op);
         }
-        source = products.data();
+        source = values.data();
       }
       for (int64_t g = 0; g < n; ++g) {
         float lo = 0.0f, hi = 0.0f;
@@ -934,7 +944,7 @@ std::optional<std::pair<QParams, at::Tensor>> symmetricWeightRows(const at::Tens
 }  // namespace
 
 std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme& scheme) {
-  if (auto rows = symmetricWeightRows(w, nullptr, scheme)) return *std::move(rows);
+  if (auto rows = symmetricWeightRows(w, nullptr, ColumnOp::kMultiply, scheme)) return *std::move(rows);
   QParams params = computeQParams(w, scheme);
   at::Tensor codes = quantize(w, params, scheme);
   return {std::move(params), std::move(codes)};
@@ -946,9 +956,32 @@ std::pair<QParams, at::Tensor> quantizeScaledWeight(const at::Tensor& w, const a
               "quantizeScaledWeight takes w [N, K] and K column scales, got ", w.sizes(), " and ", columnScale.sizes());
   if (columnScale.scalar_type() == at::kFloat && columnScale.device().is_cpu()) {
     const at::Tensor by = columnScale.contiguous();
-    if (auto rows = symmetricWeightRows(w, by.const_data_ptr<float>(), scheme)) return *std::move(rows);
+    if (auto rows = symmetricWeightRows(w, by.const_data_ptr<float>(), ColumnOp::kMultiply, scheme)) {
+      return *std::move(rows);
+    }
   }
   return quantizeWeight(w * columnScale.unsqueeze(0), scheme);
+}
+
+std::pair<QParams, at::Tensor> quantizeDividedTokens(const at::Tensor& x, const at::Tensor& columnDivisor,
+                                                     const QScheme& scheme) {
+  QPIPE_CHECK(x.dim() == 2 && columnDivisor.dim() == 1 && columnDivisor.size(0) == x.size(1) &&
+                  scheme.scope == QScope::kPerToken,
+              "quantizeDividedTokens takes x [M, K], K column divisors and a per_token scheme, got ", x.sizes(), ", ",
+              columnDivisor.sizes(), " and ", scheme.name());
+  // Per token over x's rows is per channel over a weight's: the same reduction and formula.
+  if (columnDivisor.scalar_type() == at::kFloat && columnDivisor.device().is_cpu()) {
+    QScheme rows = scheme;
+    rows.scope = QScope::kPerChannel;
+    const at::Tensor by = columnDivisor.contiguous();
+    if (auto quantized = symmetricWeightRows(x, by.const_data_ptr<float>(), ColumnOp::kDivide, rows)) {
+      return *std::move(quantized);
+    }
+  }
+  const at::Tensor divided = x / columnDivisor.unsqueeze(0);
+  QParams params = computeQParams(divided, scheme);
+  at::Tensor codes = quantize(divided, params, scheme);
+  return {std::move(params), std::move(codes)};
 }
 
 at::Tensor dequantize(const at::Tensor& q, const QParams& params, const QScheme& scheme) {

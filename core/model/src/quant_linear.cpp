@@ -74,14 +74,13 @@ at::Tensor int8RowSums(const at::Tensor& qweight) {
   return sums;
 }
 
-// The GEMMs' shared end over [rows, n]: row(m, sx[m], b, y) writes output row m, shaped as x with
-// n outputs. sx holds one scale or one per row.
+// The GEMMs' shared end, fp32 [rows, n] on the CPU: row(m, sx[m], b, y) writes output row m. sx
+// holds one scale or one per row.
 template <typename Row>
-at::Tensor scaledOutput(const at::Tensor& x, int64_t rows, int64_t n, const at::Tensor& inputScale,
-                        const at::Tensor& bias, const Row& row) {
+at::Tensor scaledOutput(int64_t rows, int64_t n, const at::Tensor& inputScale, const at::Tensor& bias, const Row& row) {
   const at::Tensor sx = inputScale.to(at::kFloat).reshape({-1}).contiguous();
   const bool perRow = sx.numel() != 1;
-  at::Tensor out = at::empty({rows, n}, x.options());
+  at::Tensor out = at::empty({rows, n}, at::kFloat);
   const at::Tensor b = bias.defined() ? bias.to(at::kFloat).contiguous() : at::Tensor();
   const float* pb = b.defined() ? b.const_data_ptr<float>() : nullptr;
   const float* s = sx.const_data_ptr<float>();
@@ -89,7 +88,7 @@ at::Tensor scaledOutput(const at::Tensor& x, int64_t rows, int64_t n, const at::
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) row(m, s[perRow ? m : 0], pb, o + m * n);
   });
-  return shapedAs(x, out, n);
+  return out;
 }
 
 // Static per_tensor with its parameters, or dynamic per_token, in `dtype`.
@@ -121,14 +120,24 @@ std::optional<at::Tensor> Int8Linear::forward(const at::Tensor& x, const Activat
   }
   const at::Tensor flat = x.reshape({-1, k});
   const quant::QParams params = input.isDynamic() ? quant::computeQParams(flat, input.scheme) : input.params;
-  const at::Tensor acc = weight_.matmul(quant::quantize(flat, params, input.scheme)).contiguous();
+  return shapedAs(x, forwardCodes(quant::quantize(flat, params, input.scheme), params, bias), n);
+}
+
+at::Tensor Int8Linear::forwardCodes(const at::Tensor& codes, const quant::QParams& params,
+                                    const at::Tensor& bias) const {
+  const int64_t k = weight_.k(), n = weight_.n();
+  QPIPE_CHECK(codes.dim() == 2 && codes.size(1) == k && codes.scalar_type() == at::kChar && codes.device().is_cpu() &&
+                  rowSums_.device().is_cpu() && k <= kMaxInt8K,
+              "Int8Linear::forwardCodes takes int8 CPU codes [M, ", k, "], got ", codes.sizes(), " ",
+              codes.scalar_type());
+  const at::Tensor acc = weight_.matmul(codes).contiguous();
   const at::Tensor zx = params.zeroPoint.to(at::kInt).reshape({-1}).contiguous();
   const bool perRowZero = zx.numel() != 1;
   const int32_t* a = acc.const_data_ptr<int32_t>();
   const int32_t* rs = rowSums_.const_data_ptr<int32_t>();
   const int32_t* z = zx.const_data_ptr<int32_t>();
   const float* sw = scale_.const_data_ptr<float>();
-  return scaledOutput(x, acc.size(0), n, params.scale, bias, [&](int64_t m, float s, const float* b, float* y) {
+  return scaledOutput(acc.size(0), n, params.scale, bias, [&](int64_t m, float s, const float* b, float* y) {
     int8OutputRow(a + m * n, z[perRowZero ? m : 0], rs, s, sw, b, y, n);
   });
 }
@@ -145,8 +154,8 @@ Fp8Linear::Fp8Linear(const at::Tensor& qweight, const at::Tensor& scale) {
                   (scale.numel() == 1 || scale.numel() == qweight.size(0)),
               "Fp8Linear takes an E4M3 [N, K] weight and 1 or N scales, got ", qweight.sizes(), " ",
               qweight.scalar_type(), " and ", scale.sizes());
-  // Where bf16Matmul widens its operands (no bf16 dot products) the weight is widened once here:
-  // per call, widening it took about 10 % of an FP8 static calibration (docs/benchmarks.md).
+  // Where bf16Matmul widens its operands (no bf16 dot products) the weight is widened once here,
+  // not on every call (docs/benchmarks.md, "Fewer passes over memory").
   const at::Tensor values = quant::fromFp8E4m3(qweight);
   values_ = quant::bf16MatmulKernel() == quant::Bf16Kernel::kFp32 ? values : values.to(at::kBFloat16);
   scale_ = scale.to(at::kFloat).reshape({-1}).expand({qweight.size(0)}).contiguous();
@@ -161,8 +170,11 @@ std::optional<at::Tensor> Fp8Linear::forward(const at::Tensor& x, const Activati
   const at::Tensor acc = quant::bf16Matmul(quant::fp8Values(flat, sx.reshape({-1}), values_.scalar_type()), values_);
   const float* a = acc.const_data_ptr<float>();
   const float* sw = scale_.const_data_ptr<float>();
-  return scaledOutput(x, acc.size(0), n, sx, bias,
-                      [&](int64_t m, float s, const float* b, float* y) { fp32OutputRow(a + m * n, s, sw, b, y, n); });
+  return shapedAs(
+      x,
+      scaledOutput(acc.size(0), n, sx, bias,
+                   [&](int64_t m, float s, const float* b, float* y) { fp32OutputRow(a + m * n, s, sw, b, y, n); }),
+      n);
 }
 
 Bf16x3Linear::Bf16x3Linear(const at::Tensor& weight) {

@@ -120,6 +120,11 @@ std::pair<QParams, at::Tensor> quantizeWeight(const at::Tensor& w, const QScheme
 // one-pass path the scaled weight is formed a cache-sized block at a time, never as a whole.
 std::pair<QParams, at::Tensor> quantizeScaledWeight(const at::Tensor& w, const at::Tensor& columnScale,
                                                     const QScheme& scheme);
+// computeQParams and quantize of x / columnDivisor (x [M, K], columnDivisor [K]) under a per_token
+// scheme, {params, codes}, with the same bits; for fp32 CPU x and int symmetric schemes each
+// token is divided, reduced and quantized while it is in cache.
+std::pair<QParams, at::Tensor> quantizeDividedTokens(const at::Tensor& x, const at::Tensor& columnDivisor,
+                                                     const QScheme& scheme);
 // How Int8Weight multiplies. Every kernel gives the same int32 results (int8_gemm.cpp):
 // kBest picks at::_int_mm off the CPU and on CPUs with VNNI (exact and fast there), else kPacked where the
 // CPU has AVX2, else kReference. kPacked: an AVX2 kernel on a weight packed once (vpmaddwd, int32

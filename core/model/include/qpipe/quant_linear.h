@@ -41,6 +41,9 @@ class Int8Linear {
   Int8Linear(const at::Tensor& qweight, const at::Tensor& scale);
   // Empty when x is not an fp32 CPU tensor or K exceeds kMaxInt8K (the caller fake-quantizes then).
   std::optional<at::Tensor> forward(const at::Tensor& x, const ActivationQuant& input, const at::Tensor& bias) const;
+  // forward's product for an input already quantized: int8 codes [M, K] on the CPU with their
+  // params (one scale and zero point, or one per row) → fp32 [M, N]. K at most kMaxInt8K.
+  at::Tensor forwardCodes(const at::Tensor& codes, const quant::QParams& params, const at::Tensor& bias) const;
 
  private:
   quant::Int8Weight weight_;
