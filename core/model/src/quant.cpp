@@ -607,6 +607,10 @@ template <typename Out>
   const uint32_t bits = std::bit_cast<uint32_t>(v);
   return static_cast<uint16_t>((fp8RoundedMagnitude(bits & 0x7FFFFFFFu) | (bits & 0x80000000u)) >> 16);
 }
+// The same value as fp32.
+[[gnu::always_inline]] inline float fp8Value(float v) {
+  return std::bit_cast<float>(uint32_t{fp8ValueBf16Bits(v)} << 16);
+}
 
 // The E4M3 code of v (clamped to ±448, or NaN): toFp8E4m3's byte.
 [[gnu::always_inline]] inline uint8_t fp8Code(float v) {
@@ -639,8 +643,7 @@ template <typename Out, typename Emit>
                                                                                      int64_t begin, int64_t end,
                                                                                      int64_t cols, const float* scale,
                                                                                      bool perRow) {
-  fp8Rows(x, out, begin, end, cols, scale, perRow,
-          [](float v, float s) { return std::bit_cast<float>(uint32_t{fp8ValueBf16Bits(v)} << 16) * s; });
+  fp8Rows(x, out, begin, end, cols, scale, perRow, [](float v, float s) { return fp8Value(v) * s; });
 }
 [[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void fp8CodeRows(const float* x, uint8_t* out,
                                                                              int64_t begin, int64_t end, int64_t cols,
@@ -656,8 +659,7 @@ template <typename Out, typename Emit>
                                                                                    int64_t begin, int64_t end,
                                                                                    int64_t cols, const float* scale,
                                                                                    bool perRow) {
-  fp8Rows(x, out, begin, end, cols, scale, perRow,
-          [](float v, float) { return std::bit_cast<float>(uint32_t{fp8ValueBf16Bits(v)} << 16); });
+  fp8Rows(x, out, begin, end, cols, scale, perRow, [](float v, float) { return fp8Value(v); });
 }
 
 // (q - z) · s over rows of `cols` codes, each row with its own s and z or all with the first: the
