@@ -13,6 +13,7 @@
 #include "commands.h"
 #include "cpu_load.h"
 #include "launch.h"
+#include "qpipe/cpu_blocks.h"
 #include "qpipe/error.h"
 #include "qpipe/log.h"
 #include "qpipe/quant.h"
@@ -63,6 +64,9 @@ int run(int argc, char** argv) {
   // rank runs cores / ranks threads: w8a8_iter_smooth and w4a8_flex_awq checkpoints of one rank
   // differed from those of two. In strict mode its GEMMs ran as fast there (docs/multirank.md).
   if (std::getenv("MKL_CBWR") == nullptr) quant::threadInvariantBlas();
+  // A layer's activation-sized tensors are reused by the next layer instead of faulted in afresh
+  // (qpipe/cpu_blocks.h).
+  reuseLargeCpuBlocks();
   cli::setCommandLine(argc, argv);
   CLI::App app{"qpipe: compress large language models with pipelines of processor plugins", "qpipe"};
   app.require_subcommand(1);
