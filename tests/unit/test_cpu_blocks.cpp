@@ -96,6 +96,23 @@ TEST(CpuBlocks, HeldBytesStayWithinAThirdAboveThePeakOfLiveBytes) {
   expectWithinBound(allocator.stats());
 }
 
+TEST(CpuBlocks, ARequestThatSetsANewPeakPastTheBoundEvictsEveryCachedBlock) {
+  CpuBlockAllocator& allocator = cpuBlockAllocator();
+  {
+    std::vector<c10::DataPtr> blocks;
+    for (int i = 0; i < 4; ++i) blocks.push_back(allocator.allocate(kMiB + 7 * 4096));
+  }
+  const CpuBlockStats before = allocator.stats();
+  ASSERT_GT(before.cachedBytes, 0u);
+  // Live bytes past 4/3 of the peak so far: the cache gives way, nothing is held beside them.
+  const size_t bytes = (before.peakLiveBytes + before.peakLiveBytes / 3 - before.liveBytes) + 64 * 4096;
+  c10::DataPtr head = allocator.allocate(bytes);
+  const CpuBlockStats after = allocator.stats();
+  EXPECT_EQ(after.cachedBytes, 0u);
+  EXPECT_EQ(after.peakLiveBytes, after.liveBytes);
+  EXPECT_GT(after.evicted, before.evicted);
+}
+
 TEST(CpuBlocks, LibTorchAllocatesThroughItOnceInstalledAndReusesBlocks) {
   reuseLargeCpuBlocks();
   reuseLargeCpuBlocks();  // idempotent

@@ -54,13 +54,13 @@ struct Blocks {
   }
 
   // Under the lock: evicts the longest-cached blocks until live + cached + `incoming` fits within
-  // the bound (counting `incoming` as live). The bound is a third above the peak of live bytes:
-  // replaying a static calibration's allocations, a bound of the peak itself still faulted
-  // 1.2 million pages (blocks of one size evicted for another's), a third above it 80 thousand,
-  // no bound 79 thousand.
+  // the bound: a third above the peak of live bytes so far, or, for a request that sets a new
+  // peak past that, the new live bytes themselves (the cache gives way to a larger working set,
+  // such as a model's head after its layers). Replaying a static calibration's allocations, a
+  // bound of the peak itself still faulted 1.2 million pages (blocks of one size evicted for
+  // another's), a third above it 80 thousand, no bound 79 thousand.
   void makeRoom(size_t incoming) {
-    const uint64_t peak = std::max(stats.peakLiveBytes, stats.liveBytes + incoming);
-    const uint64_t bound = peak + peak / 3;
+    const uint64_t bound = std::max(stats.peakLiveBytes + stats.peakLiveBytes / 3, stats.liveBytes + incoming);
     while (!cached.empty() && stats.liveBytes + stats.cachedBytes + incoming > bound) {
       const auto oldest = cached.begin();
       const auto [from, to] = bySize.equal_range(oldest->second.bytes);

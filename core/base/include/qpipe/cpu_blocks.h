@@ -8,9 +8,10 @@
 //
 // The allocator below maps each such block on its own and, when the block is freed, keeps it for
 // the next request of the same size (up to 1/8 larger). Its bound: the bytes it holds, live and
-// cached, stay within a third above the most it ever had live at once; a request that would pass
-// it evicts the longest-cached blocks first. So a process's large blocks stay within a third of
-// its largest working set, and a layer that repeats the previous one's allocations faults nothing.
+// cached, stay within a third above the most it ever had live at once, and a request that sets a
+// new peak past that first evicts every cached block; eviction takes the longest-cached first.
+// So a layer that repeats the previous one's allocations faults nothing, and a larger working
+// set later in the run (the model's head) finds the cache out of its way.
 #pragma once
 
 #include <c10/core/Allocator.h>
