@@ -31,24 +31,18 @@ std::string usageMessage(CLI::App& app, const CLI::ParseError& e) {
   return e.what();
 }
 
-// OpenMP threads that spin between parallel regions stall every op while another process holds
-// a core: a data-free W8A8 run took 56 s instead of 3 s beside one busy process
-// (docs/benchmarks.md). libgomp reads OMP_WAIT_POLICY once, in its initializer, so unless the
-// user chose a policy it is set here, from the executable's .preinit_array, which the dynamic
-// loader runs before the initializer of any shared library.
-//
 // glibc serves an allocation above its mmap threshold (128 KiB, raised dynamically up to 32 MiB)
 // with fresh pages, and trims the top of the heap on free: each activation-sized tensor then costs
 // page faults and zeroing on every use. A flex_smooth_quant + static W8A8 run of SmolLM2 spent 12 %
 // of its CPU time in page faults and took 58 s; with both thresholds raised, 49 s
-// (docs/benchmarks.md). The runner's malloc_trim after each layer still returns the layer's
-// memory. A user's GLIBC_TUNABLES or MALLOC_* settings win.
+// (docs/benchmarks.md). LibTorch's own tensors of that size now bypass glibc (qpipe/cpu_blocks.h);
+// the thresholds still serve the buffers qpipe allocates itself. A user's GLIBC_TUNABLES or
+// MALLOC_* settings win.
 //
 // The cores' CPU time is read here too, so that by the time a command picks its thread count the
 // interval since (loading LibTorch: 0.1-0.2 s) shows what other processes keep busy.
 void preferProcessDefaults(int, char**, char**) {
   qpipe::cli::sampleCpuLoadAtStart();
-  if (std::getenv("OMP_WAIT_POLICY") == nullptr) ::setenv("OMP_WAIT_POLICY", "passive", 1);
   if (std::getenv("GLIBC_TUNABLES") == nullptr && std::getenv("MALLOC_MMAP_THRESHOLD_") == nullptr &&
       std::getenv("MALLOC_TRIM_THRESHOLD_") == nullptr) {
     ::mallopt(M_MMAP_THRESHOLD, 512 << 20);
