@@ -3,7 +3,9 @@
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -94,6 +96,23 @@ TEST(CpuBlocks, HeldBytesStayWithinAThirdAboveThePeakOfLiveBytes) {
   EXPECT_EQ(s.peakLiveBytes, std::max<uint64_t>(peak, s.liveBytes));
   blocks.clear();
   expectWithinBound(allocator.stats());
+}
+
+TEST(CpuBlocks, ARequestTheSystemCannotMapIsAnOutOfMemoryErrorNamingItsSize) {
+  CpuBlockAllocator& allocator = cpuBlockAllocator();
+  const CpuBlockStats before = allocator.stats();
+  for (const size_t bytes : {size_t{1} << 60, SIZE_MAX}) {
+    try {
+      allocator.allocate(bytes);
+      ADD_FAILURE() << bytes << " bytes were allocated";
+    } catch (const c10::OutOfMemoryError& e) {
+      const std::string message = e.what_without_backtrace();
+      EXPECT_EQ(message.rfind("CPU out of memory: cannot allocate " + std::to_string(bytes) + " bytes", 0), 0u)
+          << message;
+    }
+  }
+  EXPECT_EQ(allocator.stats().mapped, before.mapped);
+  EXPECT_EQ(allocator.stats().liveBytes, before.liveBytes);
 }
 
 TEST(CpuBlocks, ARequestThatSetsANewPeakPastTheBoundEvictsEveryCachedBlock) {

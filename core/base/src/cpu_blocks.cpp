@@ -5,9 +5,11 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
 #include <map>
 #include <mutex>
-#include <new>
 #include <unordered_map>
 
 namespace qpipe {
@@ -80,13 +82,16 @@ Blocks& blocks() {
 
 void* allocateBlock(size_t n) {
   if (n < CpuBlockAllocator::kMinBytes) return c10::alloc_cpu(n);
+  // c10's out-of-memory error type, naming the size: the CLI prints its first line.
+  TORCH_CHECK_WITH(OutOfMemoryError, n <= SIZE_MAX - kPage, "CPU out of memory: cannot allocate ", n, " bytes");
   const size_t bytes = (n + kPage - 1) / kPage * kPage;
   Blocks& b = blocks();
   std::lock_guard<std::mutex> lock(b.mutex);
   if (void* data = b.takeCached(bytes)) return data;
   b.makeRoom(bytes);
   void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (data == MAP_FAILED) throw std::bad_alloc();
+  TORCH_CHECK_WITH(OutOfMemoryError, data != MAP_FAILED, "CPU out of memory: cannot allocate ", n,
+                   " bytes (mmap: ", std::strerror(errno), ")");
   b.adopt(data, bytes);
   ++b.stats.mapped;
   return data;
