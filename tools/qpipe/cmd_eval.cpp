@@ -53,8 +53,9 @@ void evaluate(const EvalOptions& options) {
   PerplexityOptions ppl{.seqLen = options.seqLen, .batchSize = options.batchSize};
   ppl.progress = [&](int64_t done, int64_t, double perplexity) {
     bar.update(done, "ppl " + std::to_string(perplexity));
-    // Hand the window's freed activations back to the system: glibc otherwise keeps the heap
-    // grown, and the peak creeps up over many windows.
+    // Hand glibc's freed heap back to the system, or the peak creeps up over many windows. The
+    // window's large activations are not in it: they are kept for the next window
+    // (qpipe/cpu_blocks.h).
     ::malloc_trim(0);
   };
   const auto start = std::chrono::steady_clock::now();

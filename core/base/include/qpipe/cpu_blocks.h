@@ -40,6 +40,10 @@ class CpuBlockAllocator final : public c10::Allocator {
   void copy_data(void* dest, const void* src, size_t count) const override;
 
   CpuBlockStats stats() const;
+  // Returns every cached block to the system and starts the peak afresh from the live bytes:
+  // what a phase that will not see its working set again can call (the unit tests start from
+  // an empty cache with it).
+  void releaseCached();
 };
 
 CpuBlockAllocator& cpuBlockAllocator();
