@@ -5,13 +5,16 @@
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "qpipe/quant.h"
@@ -191,6 +194,40 @@ TEST(Int8Linear, ForwardCodesIsForwardsProductOfTheCodes) {
     ADD_FAILURE() << "39 columns of codes for K = 40";
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("Int8Linear::forwardCodes takes int8 CPU codes [M, 40], got [7, 39] Char"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Int8Linear, ForwardCodesRowsVisitsForwardCodesRowsOnceEach) {
+  // Enough rows to spread over the threads (the grain is 16384 / N rows), per tensor with a zero
+  // point and a bias, and per token: every row seen once, with forwardCodes' bits.
+  at::manual_seed(12);
+  const at::Tensor w = at::randn({96, 56});
+  const auto [wp, qw] = quant::quantizeWeight(w, QScheme{QDtype::kInt8, QScope::kPerChannel, true, 0});
+  const Int8Linear linear(qw, wp.scale);
+  const at::Tensor x = at::randn({1000, 56});
+  const QScheme dynamic{QDtype::kInt8, QScope::kPerToken, true, 0};
+  const QScheme staticAsym{QDtype::kInt8, QScope::kPerTensor, false, 0};
+  for (const auto& [scheme, bias] : {std::pair{dynamic, at::Tensor()}, std::pair{staticAsym, at::randn({96})}}) {
+    const QParams params = quant::computeQParams(x, scheme);
+    const at::Tensor codes = quant::quantize(x, params, scheme);
+    const at::Tensor expected = linear.forwardCodes(codes, params, bias);
+    at::Tensor seen = at::full({1000, 96}, std::numeric_limits<float>::quiet_NaN());
+    std::vector<std::atomic<int>> visits(1000);
+    linear.forwardCodesRows(codes, params, bias, [&](int64_t m, const float* y) {
+      ++visits[static_cast<size_t>(m)];
+      std::copy(y, y + 96, seen[m].data_ptr<float>());
+    });
+    EXPECT_TRUE(std::all_of(visits.begin(), visits.end(), [](const std::atomic<int>& v) { return v == 1; }))
+        << scheme.name();
+    EXPECT_TRUE(at::equal(seen, expected)) << scheme.name();
+  }
+  try {
+    linear.forwardCodesRows(at::zeros({3, 56}), quant::computeQParams(x, dynamic), {}, [](int64_t, const float*) {});
+    ADD_FAILURE() << "fp32 codes";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("Int8Linear::forwardCodes takes int8 CPU codes [M, 56], got [3, 56] Float"),
               std::string::npos)
         << e.what();
   }

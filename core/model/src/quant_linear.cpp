@@ -74,20 +74,32 @@ at::Tensor int8RowSums(const at::Tensor& qweight) {
   return sums;
 }
 
-// The GEMMs' shared end, fp32 [rows, n] on the CPU: row(m, sx[m], b, y) writes output row m. sx
-// holds one scale or one per row.
+// The GEMMs' shared end: row(m, sx[m], b, y) writes output row m (n values) into y, for every m
+// over the threads; sx holds one scale or one per row. y is row m of `out` where out is given,
+// else a thread's scratch row, which visit(m, y) then reads.
 template <typename Row>
-at::Tensor scaledOutput(int64_t rows, int64_t n, const at::Tensor& inputScale, const at::Tensor& bias, const Row& row) {
+void outputRows(int64_t rows, int64_t n, const at::Tensor& inputScale, const at::Tensor& bias, const Row& row,
+                float* out, const std::function<void(int64_t, const float*)>* visit) {
   const at::Tensor sx = inputScale.to(at::kFloat).reshape({-1}).contiguous();
   const bool perRow = sx.numel() != 1;
-  at::Tensor out = at::empty({rows, n}, at::kFloat);
   const at::Tensor b = bias.defined() ? bias.to(at::kFloat).contiguous() : at::Tensor();
   const float* pb = b.defined() ? b.const_data_ptr<float>() : nullptr;
   const float* s = sx.const_data_ptr<float>();
-  float* o = out.mutable_data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) row(m, s[perRow ? m : 0], pb, o + m * n);
+    std::vector<float> scratch(out == nullptr ? static_cast<size_t>(n) : 0);
+    for (int64_t m = begin; m < end; ++m) {
+      float* y = out == nullptr ? scratch.data() : out + m * n;
+      row(m, s[perRow ? m : 0], pb, y);
+      if (visit != nullptr) (*visit)(m, y);
+    }
   });
+}
+
+// outputRows into a new fp32 [rows, n] tensor.
+template <typename Row>
+at::Tensor scaledOutput(int64_t rows, int64_t n, const at::Tensor& inputScale, const at::Tensor& bias, const Row& row) {
+  at::Tensor out = at::empty({rows, n}, at::kFloat);
+  outputRows(rows, n, inputScale, bias, row, out.mutable_data_ptr<float>(), nullptr);
   return out;
 }
 
@@ -123,23 +135,44 @@ std::optional<at::Tensor> Int8Linear::forward(const at::Tensor& x, const Activat
   return shapedAs(x, forwardCodes(quant::quantize(flat, params, input.scheme), params, bias), n);
 }
 
+namespace {
+
+// Int8Linear's exact int32 sums and, per output row m, the function that turns row m of them
+// into fp32 for scaledOutput / outputRows.
+struct Int8Sums {
+  at::Tensor acc, zx;
+
+  Int8Sums(const quant::Int8Weight& weight, const at::Tensor& rowSums, const at::Tensor& codes,
+           const quant::QParams& params) {
+    const int64_t k = weight.k();
+    QPIPE_CHECK(codes.dim() == 2 && codes.size(1) == k && codes.scalar_type() == at::kChar && codes.device().is_cpu() &&
+                    rowSums.device().is_cpu() && k <= Int8Linear::kMaxInt8K,
+                "Int8Linear::forwardCodes takes int8 CPU codes [M, ", k, "], got ", codes.sizes(), " ",
+                codes.scalar_type());
+    acc = weight.matmul(codes).contiguous();
+    zx = params.zeroPoint.to(at::kInt).reshape({-1}).contiguous();
+  }
+  auto row(const at::Tensor& rowSums, const at::Tensor& weightScale) const {
+    return [a = acc.const_data_ptr<int32_t>(), n = acc.size(1), z = zx.const_data_ptr<int32_t>(),
+            perRowZero = zx.numel() != 1, rs = rowSums.const_data_ptr<int32_t>(),
+            sw = weightScale.const_data_ptr<float>()](int64_t m, float s, const float* b, float* y) {
+      int8OutputRow(a + m * n, z[perRowZero ? m : 0], rs, s, sw, b, y, n);
+    };
+  }
+};
+
+}  // namespace
+
 at::Tensor Int8Linear::forwardCodes(const at::Tensor& codes, const quant::QParams& params,
                                     const at::Tensor& bias) const {
-  const int64_t k = weight_.k(), n = weight_.n();
-  QPIPE_CHECK(codes.dim() == 2 && codes.size(1) == k && codes.scalar_type() == at::kChar && codes.device().is_cpu() &&
-                  rowSums_.device().is_cpu() && k <= kMaxInt8K,
-              "Int8Linear::forwardCodes takes int8 CPU codes [M, ", k, "], got ", codes.sizes(), " ",
-              codes.scalar_type());
-  const at::Tensor acc = weight_.matmul(codes).contiguous();
-  const at::Tensor zx = params.zeroPoint.to(at::kInt).reshape({-1}).contiguous();
-  const bool perRowZero = zx.numel() != 1;
-  const int32_t* a = acc.const_data_ptr<int32_t>();
-  const int32_t* rs = rowSums_.const_data_ptr<int32_t>();
-  const int32_t* z = zx.const_data_ptr<int32_t>();
-  const float* sw = scale_.const_data_ptr<float>();
-  return scaledOutput(acc.size(0), n, params.scale, bias, [&](int64_t m, float s, const float* b, float* y) {
-    int8OutputRow(a + m * n, z[perRowZero ? m : 0], rs, s, sw, b, y, n);
-  });
+  const Int8Sums sums(weight_, rowSums_, codes, params);
+  return scaledOutput(sums.acc.size(0), weight_.n(), params.scale, bias, sums.row(rowSums_, scale_));
+}
+
+void Int8Linear::forwardCodesRows(const at::Tensor& codes, const quant::QParams& params, const at::Tensor& bias,
+                                  const std::function<void(int64_t, const float*)>& visit) const {
+  const Int8Sums sums(weight_, rowSums_, codes, params);
+  outputRows(sums.acc.size(0), weight_.n(), params.scale, bias, sums.row(rowSums_, scale_), nullptr, &visit);
 }
 
 bool Fp8Linear::supports(const quant::QScheme& weight, const std::optional<ActivationQuant>& input) {

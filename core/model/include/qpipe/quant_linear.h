@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <variant>
@@ -44,6 +45,12 @@ class Int8Linear {
   // forward's product for an input already quantized: int8 codes [M, K] on the CPU with their
   // params (one scale and zero point, or one per row) → fp32 [M, N]. K at most kMaxInt8K.
   at::Tensor forwardCodes(const at::Tensor& codes, const quant::QParams& params, const at::Tensor& bias) const;
+  // forwardCodes without its [M, N] output: visit(m, y) receives output row m (N values, the same
+  // bits as forwardCodes' row m, valid during the call) once for each m, rows spread over the
+  // threads. For a reduction over the output, which then reads each row from cache instead of
+  // writing and re-reading M × N floats.
+  void forwardCodesRows(const at::Tensor& codes, const quant::QParams& params, const at::Tensor& bias,
+                        const std::function<void(int64_t m, const float* y)>& visit) const;
 
  private:
   quant::Int8Weight weight_;
