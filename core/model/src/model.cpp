@@ -3,8 +3,10 @@
 #include "qpipe/model.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -407,21 +409,26 @@ bool allFinite(const at::Tensor& tensor) {
     constexpr int64_t kBlock = 1 << 16;
     const int64_t n = tensor.numel();
     const void* data = tensor.const_data_ptr();
-    for (int64_t begin = 0; begin < n; begin += kBlock) {
-      const int64_t count = std::min(kBlock, n - begin);
-      bool bad = false;
-      if (dtype == at::kFloat) {
-        bad = anyNonFinite32(static_cast<const uint32_t*>(data) + begin, count, 0x7F800000u);
-      } else if (dtype == at::kBFloat16 || dtype == at::kHalf) {
-        bad = anyNonFinite16(static_cast<const uint16_t*>(data) + begin, count,
-                             dtype == at::kBFloat16 ? uint16_t{0x7F80} : uint16_t{0x7C00});
-      } else {
-        bad = anyNonFinite8(static_cast<const uint8_t*>(data) + begin, count,
-                            dtype == at::kFloat8_e4m3fn ? uint8_t{0x7F} : uint8_t{0x7C});
+    // Blocks over the threads: a model's open reads every weight here first, page faults of the
+    // mapped checkpoint included (5 % of a data-free W8A8 run's samples on one thread).
+    std::atomic<bool> bad{false};
+    at::parallel_for(0, (n + kBlock - 1) / kBlock, 1, [&](int64_t first, int64_t last) {
+      for (int64_t block = first; block < last && !bad.load(std::memory_order_relaxed); ++block) {
+        const int64_t begin = block * kBlock, count = std::min(kBlock, n - begin);
+        bool found = false;
+        if (dtype == at::kFloat) {
+          found = anyNonFinite32(static_cast<const uint32_t*>(data) + begin, count, 0x7F800000u);
+        } else if (dtype == at::kBFloat16 || dtype == at::kHalf) {
+          found = anyNonFinite16(static_cast<const uint16_t*>(data) + begin, count,
+                                 dtype == at::kBFloat16 ? uint16_t{0x7F80} : uint16_t{0x7C00});
+        } else {
+          found = anyNonFinite8(static_cast<const uint8_t*>(data) + begin, count,
+                                dtype == at::kFloat8_e4m3fn ? uint8_t{0x7F} : uint8_t{0x7C});
+        }
+        if (found) bad = true;
       }
-      if (bad) return false;
-    }
-    return true;
+    });
+    return !bad;
   }
   // Otherwise a block at a time too: at::isfinite's temporaries (|x| and a mask) of a whole
   // embedding were 730 MB of heap at the open of a 4.4 GB model.
