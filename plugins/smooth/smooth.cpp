@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <limits>
@@ -47,13 +48,18 @@ namespace {
 // (a search's setup on every rank: cat, abs and amax were three passes and two copies, 7 of the
 // 10 ms gate/up's search took to set up on SmolLM2).
 at::Tensor columnAbsMax(const std::vector<at::Tensor>& weights) {
-  QPIPE_CHECK(!weights.empty(), "columnAbsMax of no weights");
+  // Off the CPU the tensor ops stay where the weights are, and only the maxima come over.
+  if (std::any_of(weights.begin(), weights.end(), [](const at::Tensor& w) { return !w.device().is_cpu(); })) {
+    return at::cat(weights, 0).abs().amax(0).to(at::kCPU, at::kFloat);
+  }
+  QPIPE_CHECK(!weights.empty() && weights.front().dim() == 2, "columnAbsMax takes [out, in] weights");
   const int64_t cols = weights.front().size(1);
   at::Tensor out = at::zeros({cols}, at::kFloat);
   float* m = out.mutable_data_ptr<float>();
   for (const at::Tensor& weight : weights) {
     const at::Tensor w = weight.to(at::kCPU, at::kFloat).contiguous();
-    QPIPE_CHECK(w.dim() == 2 && w.size(1) == cols, "columnAbsMax takes [out, ", cols, "] weights, got ", w.sizes());
+    QPIPE_CHECK(w.dim() == 2 && w.size(0) > 0 && w.size(1) == cols, "columnAbsMax takes [out, ", cols,
+                "] weights, got ", w.sizes());
     const float* p = w.const_data_ptr<float>();
     // Columns split over the threads, each row's part of them in turn: no sum, so any split gives
     // the same bits.
@@ -206,7 +212,8 @@ class RelativeError {
   double operator()(const Int8Linear& linear, const at::Tensor& codes, const quant::QParams& params) const {
     prepare();
     const int64_t rows = reference_.size(0), cols = reference_.size(1);
-    QPIPE_CHECK(codes.size(0) == rows, "the loss compares ", rows, " rows, got ", codes.size(0));
+    QPIPE_CHECK(reference_.dim() == 2 && codes.size(0) == rows && linear.outFeatures() == cols, "the loss compares a [",
+                rows, ", ", cols, "] product, got ", codes.size(0), " rows of ", linear.outFeatures(), " outputs");
     std::vector<double> sums(rows);
     const float* reference = reference_.const_data_ptr<float>();
     linear.forwardCodesRows(codes, params, at::Tensor(), [&](int64_t m, const float* y) {

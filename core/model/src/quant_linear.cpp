@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "qpipe/error.h"
@@ -140,10 +141,11 @@ namespace {
 // Int8Linear's exact int32 sums and, per output row m, the function that turns row m of them
 // into fp32 for scaledOutput / outputRows.
 struct Int8Sums {
-  at::Tensor acc, zx;
+  at::Tensor acc, zx, rowSums, weightScale;
 
-  Int8Sums(const quant::Int8Weight& weight, const at::Tensor& rowSums, const at::Tensor& codes,
-           const quant::QParams& params) {
+  Int8Sums(const quant::Int8Weight& weight, at::Tensor sums, at::Tensor scale, const at::Tensor& codes,
+           const quant::QParams& params)
+      : rowSums(std::move(sums)), weightScale(std::move(scale)) {
     const int64_t k = weight.k();
     QPIPE_CHECK(codes.dim() == 2 && codes.size(1) == k && codes.scalar_type() == at::kChar && codes.device().is_cpu() &&
                     rowSums.device().is_cpu() && k <= Int8Linear::kMaxInt8K,
@@ -152,7 +154,7 @@ struct Int8Sums {
     acc = weight.matmul(codes).contiguous();
     zx = params.zeroPoint.to(at::kInt).reshape({-1}).contiguous();
   }
-  auto row(const at::Tensor& rowSums, const at::Tensor& weightScale) const {
+  auto row() const {
     return [a = acc.const_data_ptr<int32_t>(), n = acc.size(1), z = zx.const_data_ptr<int32_t>(),
             perRowZero = zx.numel() != 1, rs = rowSums.const_data_ptr<int32_t>(),
             sw = weightScale.const_data_ptr<float>()](int64_t m, float s, const float* b, float* y) {
@@ -165,14 +167,14 @@ struct Int8Sums {
 
 at::Tensor Int8Linear::forwardCodes(const at::Tensor& codes, const quant::QParams& params,
                                     const at::Tensor& bias) const {
-  const Int8Sums sums(weight_, rowSums_, codes, params);
-  return scaledOutput(sums.acc.size(0), weight_.n(), params.scale, bias, sums.row(rowSums_, scale_));
+  const Int8Sums sums(weight_, rowSums_, scale_, codes, params);
+  return scaledOutput(sums.acc.size(0), weight_.n(), params.scale, bias, sums.row());
 }
 
 void Int8Linear::forwardCodesRows(const at::Tensor& codes, const quant::QParams& params, const at::Tensor& bias,
                                   const std::function<void(int64_t, const float*)>& visit) const {
-  const Int8Sums sums(weight_, rowSums_, codes, params);
-  outputRows(sums.acc.size(0), weight_.n(), params.scale, bias, sums.row(rowSums_, scale_), nullptr, &visit);
+  const Int8Sums sums(weight_, rowSums_, scale_, codes, params);
+  outputRows(sums.acc.size(0), weight_.n(), params.scale, bias, sums.row(), nullptr, &visit);
 }
 
 bool Fp8Linear::supports(const quant::QScheme& weight, const std::optional<ActivationQuant>& input) {

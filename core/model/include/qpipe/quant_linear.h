@@ -40,6 +40,7 @@ class Int8Linear {
   static bool supports(const quant::QScheme& weight, const std::optional<ActivationQuant>& input);
   // qweight int8 [N, K], scale fp32 with N elements.
   Int8Linear(const at::Tensor& qweight, const at::Tensor& scale);
+  int64_t outFeatures() const { return weight_.n(); }
   // Empty when x is not an fp32 CPU tensor or K exceeds kMaxInt8K (the caller fake-quantizes then).
   std::optional<at::Tensor> forward(const at::Tensor& x, const ActivationQuant& input, const at::Tensor& bias) const;
   // forward's product for an input already quantized: int8 codes [M, K] on the CPU with their
