@@ -168,70 +168,82 @@ template <bool kDifference>
   return sumOfSquares<false>(a, nullptr, n);
 }
 
-// rms(a − b) (b undefined: rms(a)) of fp32 CPU tensors of one shape in one pass, a row of the last
-// dimension at a time (rows in parallel, summed in order). The tensor ops' difference, square
-// and mean were three passes and two temporaries of a candidate's output, about a fifth of a
-// smoothing search's time (docs/benchmarks.md).
-double rmsDifference(const at::Tensor& a, const at::Tensor& b = at::Tensor()) {
-  QPIPE_CHECK(a.scalar_type() == at::kFloat && a.device().is_cpu() && a.dim() > 0 &&
-                  (!b.defined() || (b.scalar_type() == at::kFloat && b.device().is_cpu() && b.sizes() == a.sizes())),
-              "rmsDifference takes fp32 CPU tensors of one shape, got ", a.sizes(), " and ",
-              b.defined() ? b.sizes() : at::IntArrayRef());
-  if (a.numel() == 0) return 0;
-  const at::Tensor x = a.contiguous(), y = b.defined() ? b.contiguous() : at::Tensor();
-  const int64_t cols = x.size(-1), rows = x.numel() / cols;
-  std::vector<double> sums(rows);
-  const float* px = x.const_data_ptr<float>();
-  const float* py = y.defined() ? y.const_data_ptr<float>() : nullptr;
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      sums[r] = py != nullptr ? squaredDifference(px + r * cols, py + r * cols, cols) : squares(px + r * cols, cols);
-    }
-  });
-  double total = 0;
-  for (const double sum : sums) total += sum;
-  return std::sqrt(total / static_cast<double>(x.numel()));
-}
-
 // The searches' loss: rms(y_q − y) / rms(y) against the float product y = X·Wᵀ: given by the
 // processor (Search::setProduct), else computed at the first call, so that a rank that evaluates
-// none of a subgraph's candidates never computes it.
+// none of a subgraph's candidates never computes it. y is held as its chunks of kProductChunk
+// rows (productChunk), never joined: a row of the last dimension at a time, the squares summed in
+// double per row (rows in parallel) and the rows in order, so the bits do not depend on the
+// thread count. The tensor ops' difference, square and mean were three passes and two
+// temporaries of a candidate's output, about a fifth of a search's time (docs/benchmarks.md).
 class RelativeError {
  public:
   RelativeError(at::Tensor tokens, at::Tensor weight) : tokens_(std::move(tokens)), weight_(std::move(weight)) {}
-  void setReference(const at::Tensor& reference) const {
-    reference_ = reference.contiguous();
-    norm_ = rmsDifference(reference_);
+  void setReference(std::vector<at::Tensor> chunks) const {
+    cols_ = weight_.size(0);
+    rows_ = 0;
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      at::Tensor& chunk = chunks[c];
+      QPIPE_CHECK(chunk.scalar_type() == at::kFloat && chunk.device().is_cpu() && chunk.dim() == 2 &&
+                      chunk.size(1) == cols_ && (chunk.size(0) == kProductChunk || c + 1 == chunks.size()),
+                  "the float product's chunks are fp32 CPU [", kProductChunk, ", ", cols_, "] (the last shorter), got ",
+                  chunk.sizes(), " ", chunk.scalar_type(), " at ", c);
+      chunk = chunk.contiguous();
+      rows_ += chunk.size(0);
+    }
+    chunks_ = std::move(chunks);
+    ready_ = true;
+    norm_ = rms(rowSums([&](int64_t m) { return squares(row(m), cols_); }));
   }
   double operator()(const at::Tensor& quantized) const {
     prepare();
-    return relative(rmsDifference(quantized, reference_));
+    QPIPE_CHECK(quantized.scalar_type() == at::kFloat && quantized.device().is_cpu() &&
+                    quantized.sizes() == at::IntArrayRef({rows_, cols_}),
+                "the loss compares a [", rows_, ", ", cols_, "] fp32 CPU product, got ", quantized.sizes(), " ",
+                quantized.scalar_type());
+    const at::Tensor q = quantized.contiguous();
+    const float* p = q.const_data_ptr<float>();
+    return relative(rms(rowSums([&](int64_t m) { return squaredDifference(p + m * cols_, row(m), cols_); })));
   }
-  // The same loss of an Int8Linear's product, each output row compared as it is made: the same
-  // sums in the same order as rmsDifference, without the product's [tokens, out] tensor.
+  // The same loss of an Int8Linear's product, each output row compared as it is made, without
+  // the product's [tokens, out] tensor.
   double operator()(const Int8Linear& linear, const at::Tensor& codes, const quant::QParams& params) const {
     prepare();
-    const int64_t rows = reference_.size(0), cols = reference_.size(1);
-    QPIPE_CHECK(reference_.dim() == 2 && codes.size(0) == rows && linear.outFeatures() == cols, "the loss compares a [",
-                rows, ", ", cols, "] product, got ", codes.size(0), " rows of ", linear.outFeatures(), " outputs");
-    std::vector<double> sums(rows);
-    const float* reference = reference_.const_data_ptr<float>();
-    linear.forwardCodesRows(codes, params, at::Tensor(), [&](int64_t m, const float* y) {
-      sums[m] = squaredDifference(y, reference + m * cols, cols);
-    });
-    double total = 0;
-    for (const double sum : sums) total += sum;
-    return relative(rows * cols == 0 ? 0 : std::sqrt(total / static_cast<double>(rows * cols)));
+    QPIPE_CHECK(codes.size(0) == rows_ && linear.outFeatures() == cols_, "the loss compares a [", rows_, ", ", cols_,
+                "] product, got ", codes.size(0), " rows of ", linear.outFeatures(), " outputs");
+    std::vector<double> sums(rows_);
+    linear.forwardCodesRows(codes, params, at::Tensor(),
+                            [&](int64_t m, const float* y) { sums[m] = squaredDifference(y, row(m), cols_); });
+    return relative(rms(sums));
   }
 
  private:
   void prepare() const {
-    if (!reference_.defined()) setReference(floatProduct(tokens_, weight_));
+    if (!ready_) setReference(productChunks(tokens_, weight_));
+  }
+  const float* row(int64_t m) const {
+    return chunks_[static_cast<size_t>(m / kProductChunk)].const_data_ptr<float>() + (m % kProductChunk) * cols_;
+  }
+  template <typename RowSum>
+  std::vector<double> rowSums(const RowSum& sum) const {
+    std::vector<double> sums(rows_);
+    if (cols_ == 0) return sums;
+    at::parallel_for(0, rows_, std::max<int64_t>(1, 16384 / cols_), [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) sums[m] = sum(m);
+    });
+    return sums;
+  }
+  double rms(const std::vector<double>& sums) const {
+    if (rows_ * cols_ == 0) return 0;
+    double total = 0;
+    for (const double sum : sums) total += sum;
+    return std::sqrt(total / static_cast<double>(rows_ * cols_));
   }
   double relative(double error) const { return norm_ > 0 ? error / norm_ : error; }
 
   at::Tensor tokens_, weight_;
-  mutable at::Tensor reference_;
+  mutable std::vector<at::Tensor> chunks_;
+  mutable int64_t rows_ = 0, cols_ = 0;
+  mutable bool ready_ = false;
   mutable double norm_ = 0;
 };
 
@@ -247,7 +259,7 @@ class SmoothedInt8Loss {
   SmoothedInt8Loss(at::Tensor tokens, at::Tensor weight)
       : tokens_(std::move(tokens)), weight_(std::move(weight)), error_(tokens_, weight_) {}
   const at::Tensor& weight() const { return weight_; }
-  void setReference(const at::Tensor& product) { error_.setReference(product); }
+  void setReference(std::vector<at::Tensor> product) { error_.setReference(std::move(product)); }
 
   double operator()(const at::Tensor& consumerScale) const {
     using quant::QDtype, quant::QScope;
@@ -314,7 +326,7 @@ class FlexSmoothQuant final : public SmoothingProcessor {
     }
 
     at::Tensor productWeight() const override { return loss_ ? loss_->weight() : at::Tensor(); }
-    void setProduct(const at::Tensor& product) override { loss_->setReference(product); }
+    void setProduct(std::vector<at::Tensor> product) override { loss_->setReference(std::move(product)); }
 
     void choose(int round, const std::vector<double>& losses) override {
       for (size_t c = 0; c < losses.size(); ++c) {
@@ -393,7 +405,7 @@ class FlexAwqSsz final : public SmoothingProcessor {
           error_(tokens_, weight_) {}
 
     at::Tensor productWeight() const override { return weight_; }
-    void setProduct(const at::Tensor& product) override { error_.setReference(product); }
+    void setProduct(std::vector<at::Tensor> product) override { error_.setReference(std::move(product)); }
 
     double loss(int, int candidate) const override {
       const at::Tensor s = scalesFor(candidate * kSearchStep).consumer.unsqueeze(0);

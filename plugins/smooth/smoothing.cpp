@@ -99,10 +99,10 @@ at::Tensor productChunk(const at::Tensor& tokens, const at::Tensor& weight, int6
   return at::matmul(tokens.narrow(0, chunk * kProductChunk, productChunkRows(tokens.size(0), chunk)), weight.t());
 }
 
-at::Tensor floatProduct(const at::Tensor& tokens, const at::Tensor& weight) {
+std::vector<at::Tensor> productChunks(const at::Tensor& tokens, const at::Tensor& weight) {
   std::vector<at::Tensor> chunks;
   for (int64_t c = 0; c * kProductChunk < tokens.size(0); ++c) chunks.push_back(productChunk(tokens, weight, c));
-  return chunks.empty() ? at::matmul(tokens, weight.t()) : at::cat(chunks);
+  return chunks;
 }
 
 std::unique_ptr<Search> chosen(Scales scales, std::vector<std::pair<std::string, double>> report) {
@@ -287,7 +287,7 @@ void SmoothingProcessor::submitProducts(LayerRequest& request, const std::vector
     tasks.submit({.name = type_ + ".product_whole",
                   .fn =
                       [this, &request, w](const ConfigNode&) {
-                        if (!w->product.empty()) searchOf(request, *w).setProduct(at::cat(w->product));
+                        if (!w->product.empty()) searchOf(request, *w).setProduct(std::move(w->product));
                         w->product.clear();
                         return ConfigNode();
                       },

@@ -63,13 +63,13 @@ class Search {
   virtual ~Search() = default;
   virtual double loss(int round, int candidate) const = 0;
   virtual void choose(int round, const std::vector<double>& losses) = 0;
-  // A search with rounds compares its candidates against the float product X·Wᵀ (floatProduct)
+  // A search with rounds compares its candidates against the float product X·Wᵀ (productChunks)
   // of its input's tokens X [tokens, channels] and this W [out, channels] (fp32, CPU), which costs
   // 3-4 candidates. Where the channels are many (kSharedProductChannels), the processor computes
-  // it once, chunk by chunk in parallel tasks, and gives every rank's search the whole before
-  // the first round; otherwise the search computes it at its first loss on a rank.
+  // it once, chunk by chunk in parallel tasks, and gives every rank's search all the chunks, in
+  // order, before the first round; otherwise the search computes it at its first loss on a rank.
   virtual at::Tensor productWeight() const { return {}; }
-  virtual void setProduct(const at::Tensor& /*product*/) {}
+  virtual void setProduct(std::vector<at::Tensor> /*chunks*/) {}
   // The chosen scales; `report` collects what the quant report records besides the range.
   virtual Scales scales(std::vector<std::pair<std::string, double>>& report) const = 0;
 };
@@ -79,7 +79,7 @@ class Search {
 constexpr int64_t kProductChunk = 64;
 int64_t productChunkRows(int64_t tokens, int64_t chunk);
 at::Tensor productChunk(const at::Tensor& tokens, const at::Tensor& weight, int64_t chunk);
-at::Tensor floatProduct(const at::Tensor& tokens, const at::Tensor& weight);
+std::vector<at::Tensor> productChunks(const at::Tensor& tokens, const at::Tensor& weight);
 // Inputs at least this wide share their product across the ranks. X·Wᵀ costs 2·channels flops
 // per output value, receiving it 4 bytes: at this host's 80 GFLOP/s a core and 0.81 GB/s
 // all-gather the two break even at about 200 channels, before the product's wave adds two
