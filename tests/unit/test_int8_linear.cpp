@@ -129,10 +129,13 @@ at::Tensor exactReference(const at::Tensor& x, const ActivationQuant& act, const
                          bias);
 }
 
-TEST(Int8Linear, IsTheExactIntegerSumTimesTheScalesBitForBit) {
+class Int8LinearWeights : public ::testing::TestWithParam<QDtype> {};
+
+// int8 weights (W8A8) and int4 ones held in int8 (W4A8).
+TEST_P(Int8LinearWeights, AreTheExactIntegerSumTimesTheScalesBitForBit) {
   at::manual_seed(6);
   const at::Tensor w = at::randn({24, 40});
-  const QScheme weightScheme{QDtype::kInt8, QScope::kPerChannel, true, 0};
+  const QScheme weightScheme{GetParam(), QScope::kPerChannel, true, 0};
   const QParams wp = quant::computeQParams(w, weightScheme);
   const at::Tensor qw = quant::quantize(w, wp, weightScheme);
   const at::Tensor sw = wp.scale.reshape({-1});
@@ -163,7 +166,15 @@ TEST(Int8Linear, IsTheExactIntegerSumTimesTheScalesBitForBit) {
   const int64_t wide = Int8Linear::kMaxInt8K + 1;
   EXPECT_FALSE(
       Int8Linear(at::ones({1, wide}, at::kChar), at::ones({1})).forward(at::ones({1, wide}), cases[0], {}).has_value());
+  if (GetParam() == QDtype::kInt4) {
+    EXPECT_TRUE(qw.le(7).logical_and(qw.ge(-8)).all().item<bool>()) << "int4 codes in [-8, 7]";
+  }
 }
+
+INSTANTIATE_TEST_SUITE_P(Int8AndInt4, Int8LinearWeights, ::testing::Values(QDtype::kInt8, QDtype::kInt4),
+                         [](const ::testing::TestParamInfo<QDtype>& info) {
+                           return info.param == QDtype::kInt8 ? std::string("int8") : std::string("int4");
+                         });
 
 TEST(Int8Linear, ForwardCodesIsForwardsProductOfTheCodes) {
   // Codes and params quantized by the caller, as forward() quantizes them; per token and per
@@ -253,12 +264,14 @@ TEST(Int8Linear, IsExactAtTheExtremesOfTheSumsOverWideRows) {
   }
 }
 
-TEST(Int8Linear, SupportsInt8PerChannelSymmetricWeightsWithInt8Activations) {
+TEST(Int8Linear, SupportsInt8AndInt4PerChannelSymmetricWeightsWithInt8Activations) {
   const QScheme w8{QDtype::kInt8, QScope::kPerChannel, true, 0};
   const ActivationQuant dynamic{{QDtype::kInt8, QScope::kPerToken, true, 0}, {}};
   EXPECT_TRUE(Int8Linear::supports(w8, dynamic));
+  EXPECT_TRUE(Int8Linear::supports({QDtype::kInt4, QScope::kPerChannel, true, 0}, dynamic));  // W4A8
   EXPECT_FALSE(Int8Linear::supports(w8, std::nullopt));  // weight-only
-  EXPECT_FALSE(Int8Linear::supports({QDtype::kInt4, QScope::kPerChannel, true, 0}, dynamic));
+  EXPECT_FALSE(Int8Linear::supports({QDtype::kInt4, QScope::kPerChannel, true, 0}, std::nullopt));  // W4A16
+  EXPECT_FALSE(Int8Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 64}, dynamic));
   EXPECT_FALSE(Int8Linear::supports({QDtype::kInt8, QScope::kPerChannel, false, 0}, dynamic));
   EXPECT_FALSE(Int8Linear::supports({QDtype::kInt8, QScope::kPerGroup, true, 64}, dynamic));
   EXPECT_FALSE(Int8Linear::supports(w8, ActivationQuant{{QDtype::kFp8E4m3, QScope::kPerToken, true, 0}, {}}));

@@ -115,8 +115,9 @@ bool quantizedInput(const std::optional<ActivationQuant>& input, quant::QDtype d
 
 bool Int8Linear::supports(const quant::QScheme& weight, const std::optional<ActivationQuant>& input) {
   using quant::QDtype, quant::QScope;
-  return weight.dtype == QDtype::kInt8 && weight.scope == QScope::kPerChannel && weight.symmetric &&
-         quantizedInput(input, QDtype::kInt8);
+  // int4 codes are held in int8 ([-8, 7]), so W4A8 per channel is the same integer GEMM.
+  return (weight.dtype == QDtype::kInt8 || weight.dtype == QDtype::kInt4) && weight.scope == QScope::kPerChannel &&
+         weight.symmetric && quantizedInput(input, QDtype::kInt8);
 }
 
 Int8Linear::Int8Linear(const at::Tensor& qweight, const at::Tensor& scale)
