@@ -26,8 +26,9 @@ struct ActivationQuant {
   at::Tensor apply(const at::Tensor& x) const;
 };
 
-// The int8 GEMM of a Linear whose weight is int8 per_channel symmetric and whose input is
-// quantized to int8 (per_tensor static or per_token dynamic), for fp32 inputs on the CPU:
+// The int8 GEMM of a Linear whose weight is int8 or int4 (codes held in int8) per_channel
+// symmetric and whose input is quantized to int8 (per_tensor static or per_token dynamic), for
+// fp32 inputs on the CPU:
 //   y[m, n] = float(Σ_k qx[m, k]·qw[n, k] − zx[m]·Σ_k qw[n, k]) · (sx[m]·sw[n]) + b[n]
 // with the integer sums exact (quant::Int8Weight). Fake quantization computes the same real
 // number through an fp32 GEMM of dequantized values; the two differ only by that GEMM's rounding
@@ -38,7 +39,7 @@ class Int8Linear {
   // so do Σ_k qx·qw and z·Σ_k qw); beyond it forward() declines.
   static constexpr int64_t kMaxInt8K = 65536;
   static bool supports(const quant::QScheme& weight, const std::optional<ActivationQuant>& input);
-  // qweight int8 [N, K], scale fp32 with N elements.
+  // qweight int8 [N, K] (int8 or int4 codes), scale fp32 with N elements.
   Int8Linear(const at::Tensor& qweight, const at::Tensor& scale);
   int64_t outFeatures() const { return weight_.n(); }
   // Empty when x is not an fp32 CPU tensor or K exceeds kMaxInt8K (the caller fake-quantizes then).
