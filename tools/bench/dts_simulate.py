@@ -6,9 +6,15 @@
 REPORT is the quant_report.json of a 2-rank run (tools/bench/dts.sh writes them): every task's
 time on its executor (`dts:<task>:seconds`), its wave, whether the wave was parallel and the bytes
 its sync sent (`:sync_bytes`), per module. The schedulers' tensor exchanges give the cost of one
-collective unless --latency_ms is given: `dts:<scheduler>:settled_collective_seconds` per settled
-collective (the ranks enter them together), less the time of the synced bytes they carried at
---bandwidth_gbs. A report without one (no wave synced tensors) needs --latency_ms.
+collective and the bandwidth unless --latency_ms and --bandwidth_gbs are given: the parallel waves
+that synced tensors end in an exchange the ranks enter together, and each of their tasks records
+its share of it (`:sync_seconds`); a least-squares line through those waves' (bytes, seconds)
+gives the latency (its intercept; 0 where the bytes explain the whole time, when --latency_ms from
+collective_latency.py is the better figure) and the bandwidth (its slope) where the waves carried
+at least two clearly different amounts. Otherwise, or given --bandwidth_gbs (default 1 GB/s then), the
+latency is `dts:<scheduler>:settled_collective_seconds` per settled collective less the synced
+bytes' time at that bandwidth. Reports written before `:sync_seconds` existed take the second
+way. A report without a settled exchange (no wave synced tensors) needs --latency_ms.
 tools/bench/collective_latency.py measures both figures on this host.
 
 A local wave (every rank runs its tasks, no collective) costs the sum of its tasks on any N.
@@ -101,6 +107,38 @@ def measured_latency(report, groups, bandwidth):
     return max(0.0, totals["settled_collective_seconds"] - sent / bandwidth) / totals["settled_collectives"]
 
 
+def fitted_link(report, groups):
+    """(seconds per collective, bytes per second) fitted over the parallel waves that synced
+    tensors: a wave's exchange (the sum of its tasks' :sync_seconds shares) against its bytes, by
+    least squares. Where the line's intercept is negative (the bytes explain the whole time, and
+    the exchanges cannot resolve a latency that small), the latency is 0 and the bandwidth a fit
+    through the origin. None when fewer than two waves synced tensors or their byte counts differ
+    by less than a fifth."""
+    synced = defaultdict(float)
+    for layer in report["layers"]:
+        for values in layer.get("values", {}).values():
+            for key, value in values.items():
+                if key.startswith("dts:") and key.endswith(":sync_seconds") and key.count(":") == 2:
+                    task = key[len("dts:") : -len(":sync_seconds")]
+                    wave = values.get(f"dts:{task}:wave")
+                    if wave is not None:
+                        synced[(layer["name"], task.split("#")[0].split(".")[0], int(wave))] += value
+    points = [(sum(b for _, b, _ in tasks), synced[wave]) for wave, (parallel, tasks) in groups.items()
+              if parallel and wave in synced and sum(b for _, b, _ in tasks) > 0]
+    if len(points) < 2 or min(b for b, _ in points) > 0.8 * max(b for b, _ in points):
+        return None
+    n = len(points)
+    mean_b = sum(b for b, _ in points) / n
+    mean_t = sum(t for _, t in points) / n
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / sum((b - mean_b) ** 2 for b, _ in points)
+    if slope <= 0:
+        return None
+    latency = mean_t - slope * mean_b
+    if latency < 0:
+        latency, slope = 0.0, sum(b * t for b, t in points) / sum(b * b for b, _ in points)
+    return latency, 1.0 / slope
+
+
 def rebased(seconds, group, setup, median):
     """A task's time without its search's setup: the median for a task that carried it."""
     return median[group] if group in setup and seconds > 2 * median[group] else seconds
@@ -138,13 +176,17 @@ def main():
     parser.add_argument("report")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8, 64, 512])
     parser.add_argument("--latency_ms", type=float, default=None)
-    parser.add_argument("--bandwidth_gbs", type=float, default=1.0)
+    parser.add_argument("--bandwidth_gbs", type=float, default=None)
     parser.add_argument("--no_setup", action="store_true", help="replay the recorded task times as they are")
     args = parser.parse_args()
     report = json.load(open(args.report))
     groups = waves(report)
-    bandwidth = args.bandwidth_gbs * 1e9
-    latency = args.latency_ms / 1000 if args.latency_ms is not None else measured_latency(report, groups, bandwidth)
+    fit = fitted_link(report, groups) if args.bandwidth_gbs is None else None
+    bandwidth = fit[1] if fit else (args.bandwidth_gbs or 1.0) * 1e9
+    if args.latency_ms is not None:
+        latency = args.latency_ms / 1000
+    else:
+        latency = fit[0] if fit else measured_latency(report, groups, bandwidth)
     if latency is None:
         parser.error(f"{args.report} holds no settled collective (no parallel wave synced tensors): give "
                      "--latency_ms (tools/bench/collective_latency.py measures it)")
@@ -156,7 +198,8 @@ def main():
     count = sum(len(tasks) for _, tasks in groups.values())
     print(f"{args.report}: {count} tasks in {len(groups)} waves, {total:.2f} s of tasks "
           f"({len(setup)} searches with a setup of {sum(setup.values()):.2f} s in all); "
-          f"{latency * 1000:.3f} ms per collective, {args.bandwidth_gbs} GB/s")
+          f"{latency * 1000:.3f} ms per collective, {bandwidth / 1e9:.2f} GB/s"
+          f"{' (fitted to the exchanges)' if fit else ''}")
     print()
     print("| ranks | assignment | projected s | speed-up | of N |")
     print("| ---: | --- | ---: | ---: | ---: |")

@@ -141,9 +141,9 @@ class DistributedTaskScheduler {
 
 // A task's cost for the quant report and tools/bench/dts_simulate.py, as
 // request.report(module, key, value) calls with keys "dts:<task name>:seconds" (on its
-// executor), ":wave", ":parallel" (1: ran once, 0: in a local wave, on every rank) and
-// ":sync_bytes"; "dts:<task name>#<instance>:…" where one module has several tasks of a name (a
-// search's candidates).
+// executor), ":wave", ":parallel" (1: ran once, 0: in a local wave, on every rank),
+// ":sync_bytes" and ":sync_seconds" (this rank's); "dts:<task name>#<instance>:…" where one module
+// has several tasks of a name (a search's candidates).
 template <typename Request>
 void reportTask(Request& request, const std::string& module, const TaskRecord& record,
                 const std::string& instance = "") {
@@ -152,6 +152,7 @@ void reportTask(Request& request, const std::string& module, const TaskRecord& r
   request.report(module, key + "wave", static_cast<double>(record.wave));
   request.report(module, key + "parallel", record.parallel ? 1.0 : 0.0);
   request.report(module, key + "sync_bytes", static_cast<double>(record.syncBytes));
+  request.report(module, key + "sync_seconds", record.syncSeconds);
 }
 
 // A tensor as a task argument: {shape, dtype, device} (no values).
