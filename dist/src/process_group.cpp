@@ -233,6 +233,45 @@ class C10dGroup final : public ProcessGroup {
     return result;
   }
 
+  // One gather of every rank's view (each part's bytes, and whether all its tensors are on the
+  // CPU), then Gloo send/recv between every pair: a part's tensors of kOwnMessage bytes or more
+  // travel as their own messages, straight from and into the tensors; the smaller ones packed in
+  // one message. Both sides derive that plan from the sizes alone. The all-gather this replaces
+  // staged every byte three times on each side and padded every part to the largest.
+  bool exchangeInPlace(const std::vector<std::vector<at::Tensor>>& parts) override {
+    ParallelTaskScope::check("exchangeInPlace");
+    const int world = worldSize();
+    QPIPE_CHECK(static_cast<int>(parts.size()) == world, "exchangeInPlace: ", parts.size(), " parts for ", world,
+                " ranks");
+    at::Tensor view = at::empty({world + 1}, at::kLong);
+    auto* mine = view.data_ptr<int64_t>();
+    bool cpu = true;
+    for (int r = 0; r < world; ++r) {
+      mine[r] = 0;
+      for (const at::Tensor& t : parts[static_cast<size_t>(r)]) {
+        mine[r] += static_cast<int64_t>(t.nbytes());
+        cpu = cpu && t.is_cpu();
+      }
+    }
+    mine[world] = cpu ? 1 : 0;
+    bool everyCpu = true;
+    timed(0, [&] {
+      const std::vector<at::Tensor> views = gatherEqual(view, "exchangeInPlace");
+      for (int r = 0; r < world; ++r) {
+        const int64_t sent = views[static_cast<size_t>(r)].const_data_ptr<int64_t>()[r];
+        for (int q = 0; q < world; ++q) {
+          const int64_t expected = views[static_cast<size_t>(q)].const_data_ptr<int64_t>()[r];
+          QPIPE_CHECK(expected == sent, "rank ", r, " sends ", sent, " bytes of tensors, rank ", q, " expects ",
+                      expected);
+        }
+      }
+      for (const at::Tensor& v : views) everyCpu = everyCpu && v.const_data_ptr<int64_t>()[world] == 1;
+    });
+    if (!everyCpu) return false;
+    timed(mine[rank()], [&] { sendAndReceive(parts); });
+    return true;
+  }
+
   void reportFailure(const std::string& message) noexcept override {
     try {
       // A rank that failed because a peer did is not a cause: its report would hide the peer's.
@@ -251,6 +290,98 @@ class C10dGroup final : public ProcessGroup {
   }
 
  private:
+  // Smaller tensors of a part share one message: a message costs a rendezvous between the pair.
+  static constexpr int64_t kOwnMessage = int64_t{64} << 10;
+
+  // A part's messages, alike on its sender and its receivers: the small tensors packed (message
+  // 0, where they hold any byte), then each large one (the next messages, in part order).
+  struct Plan {
+    std::vector<size_t> packed, own;
+    int64_t packedBytes = 0;
+    int ownTag(size_t i) const { return static_cast<int>(i) + (packedBytes > 0 ? 1 : 0); }
+  };
+  static Plan planOf(const std::vector<at::Tensor>& part) {
+    Plan plan;
+    for (size_t i = 0; i < part.size(); ++i) {
+      const auto n = static_cast<int64_t>(part[i].nbytes());
+      if (n >= kOwnMessage) {
+        plan.own.push_back(i);
+      } else {
+        plan.packed.push_back(i);
+        plan.packedBytes += n;
+      }
+    }
+    return plan;
+  }
+  static at::Tensor bytesOf(const at::Tensor& contiguous) { return contiguous.reshape({-1}).view(at::kByte); }
+
+  void sendAndReceive(const std::vector<std::vector<at::Tensor>>& parts) {
+    const int world = worldSize(), me = rank();
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    const auto post = [&](at::Tensor message, int peer, int tag, bool send) {
+      std::vector<at::Tensor> one{std::move(message)};
+      backendCall("exchangeInPlace",
+                  [&] { works.push_back(send ? gloo().send(one, peer, tag) : gloo().recv(one, peer, tag)); });
+    };
+    const std::vector<at::Tensor>& mine = parts[static_cast<size_t>(me)];
+    const Plan sending = planOf(mine);
+    std::vector<at::Tensor> outgoing;
+    if (sending.packedBytes > 0) {
+      at::Tensor packed = at::empty({sending.packedBytes}, at::kByte);
+      int64_t offset = 0;
+      for (const size_t i : sending.packed) {
+        const at::Tensor t = mine[i].contiguous();
+        std::memcpy(packed.data_ptr<uint8_t>() + offset, t.const_data_ptr(), t.nbytes());
+        offset += static_cast<int64_t>(t.nbytes());
+      }
+      outgoing.push_back(packed);
+    }
+    for (const size_t i : sending.own) outgoing.push_back(bytesOf(mine[i].contiguous()));
+    // Received into: a peer's packed message, and the large slots that are not contiguous.
+    std::vector<std::pair<at::Tensor, int>> packedFrom;
+    std::vector<std::pair<at::Tensor, const at::Tensor*>> staged;
+    for (int p = 0; p < world; ++p) {
+      if (p == me) continue;
+      for (size_t m = 0; m < outgoing.size(); ++m) post(outgoing[m], p, static_cast<int>(m), true);
+      const std::vector<at::Tensor>& theirs = parts[static_cast<size_t>(p)];
+      const Plan receiving = planOf(theirs);
+      if (receiving.packedBytes > 0) {
+        packedFrom.emplace_back(at::empty({receiving.packedBytes}, at::kByte), p);
+        post(packedFrom.back().first, p, 0, false);
+      }
+      for (size_t k = 0; k < receiving.own.size(); ++k) {
+        const at::Tensor& slot = theirs[receiving.own[k]];
+        if (slot.is_contiguous()) {
+          post(bytesOf(slot), p, receiving.ownTag(k), false);
+        } else {
+          staged.emplace_back(at::empty(slot.sizes(), slot.options()), &slot);
+          post(bytesOf(staged.back().first), p, receiving.ownTag(k), false);
+        }
+      }
+    }
+    backendCall("exchangeInPlace", [&] {
+      for (const auto& work : works) work->wait(options_.timeout);
+    });
+    for (const auto& [buffer, p] : packedFrom) {
+      const std::vector<at::Tensor>& theirs = parts[static_cast<size_t>(p)];
+      int64_t offset = 0;
+      for (const size_t i : planOf(theirs).packed) {
+        const at::Tensor& slot = theirs[i];
+        const size_t n = slot.nbytes();
+        const uint8_t* from = buffer.const_data_ptr<uint8_t>() + offset;
+        if (slot.is_contiguous()) {
+          std::memcpy(slot.data_ptr(), from, n);
+        } else {
+          at::Tensor received = at::empty(slot.sizes(), slot.options());
+          std::memcpy(received.data_ptr(), from, n);
+          slot.copy_(received);
+        }
+        offset += static_cast<int64_t>(n);
+      }
+    }
+    for (const auto& [buffer, slot] : staged) slot->copy_(buffer);
+  }
+
   // Every rank but the failed ones reads one report and counts itself in kFailureSeenKey.
   void waitForReaders() {
     const auto deadline = Clock::now() + std::min(kReportGrace, options_.timeout);
@@ -287,8 +418,12 @@ class C10dGroup final : public ProcessGroup {
   // stuck, failed): it becomes one line that names the failed rank when it reported itself. Errors
   // of this rank's own tensor work happen outside and pass through as they are.
   void run(const char* collective, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
+    backendCall(collective, [&] { start()->wait(options_.timeout); });
+  }
+  // The same for backend calls that start or wait on operations of their own.
+  void backendCall(const char* collective, const std::function<void()>& call) {
     try {
-      start()->wait(options_.timeout);
+      call();
     } catch (const Error&) {
       throw;
     } catch (const std::exception& error) {

@@ -210,16 +210,17 @@ at::Tensor slotFor(Module& module, bool parameter, const std::string& name, at::
   return fresh;
 }
 
-// Every executor's tensors to every rank in one all-gather: fromRank[r] holds, on every rank, the
+// Every executor's tensors to every rank in one exchange: fromRank[r] holds, on every rank, the
 // tensors rank r executed (the same dtypes and shapes everywhere; on r itself the values to send,
-// elsewhere the slots to fill). `slot` is a size every rank computed alike: a part within it
-// costs one collective, a larger one a second for the rest, so that a rank whose view of a part
-// differs (a DistributedSync returning other shapes on another rank) ends in the error below, not
-// in mismatched collectives. Their bytes travel packed, so backends without a dtype (fp8) are no
-// obstacle. One broadcast per executor cost W collectives a wave instead: 66 a wave at 64 ranks,
-// most of a wave's time in the projection (docs/benchmarks.md). False where no rank had a tensor
-// to send.
-bool exchangeTogether(ProcessGroup& group, const std::vector<std::vector<at::Tensor>>& fromRank, int64_t slot) {
+// elsewhere the slots to fill). In place where the group can (ProcessGroup::exchangeInPlace: a
+// gather of sizes, then the tensors point to point); else in one all-gather of their bytes
+// packed, so backends without a dtype (fp8) are no obstacle: `slot` is a size every rank computed
+// alike, a part within it costs one collective, a larger one a second for the rest, so that a
+// rank whose view of a part differs (a DistributedSync returning other shapes on another rank)
+// ends in the error below, not in mismatched collectives. One broadcast per executor cost W
+// collectives a wave instead: 66 a wave at 64 ranks, most of a wave's time in the projection
+// (docs/benchmarks.md). Returns the collectives it took: 0 where no rank had a tensor to send.
+int exchangeTogether(ProcessGroup& group, const std::vector<std::vector<at::Tensor>>& fromRank, int64_t slot) {
   const auto bytesOf = [](const std::vector<at::Tensor>& tensors) {
     int64_t total = 0;
     for (const at::Tensor& t : tensors) total += static_cast<int64_t>(t.nbytes());
@@ -227,7 +228,8 @@ bool exchangeTogether(ProcessGroup& group, const std::vector<std::vector<at::Ten
   };
   int64_t largest = 0;
   for (const auto& tensors : fromRank) largest = std::max(largest, bytesOf(tensors));
-  if (largest == 0) return false;
+  if (largest == 0) return 0;
+  if (group.exchangeInPlace(fromRank)) return 2;
   const auto me = static_cast<size_t>(group.rank());
   std::string flat(static_cast<size_t>(bytesOf(fromRank[me])), '\0');
   size_t offset = 0;
@@ -254,7 +256,7 @@ bool exchangeTogether(ProcessGroup& group, const std::vector<std::vector<at::Ten
       offset += n;
     }
   }
-  return true;
+  return largest > slot ? 2 : 1;
 }
 
 }  // namespace
@@ -570,11 +572,10 @@ struct DistributedTaskScheduler::Impl {
     }
     const auto start = Clock::now();
     const int64_t slot = *std::max_element(agreed.begin(), agreed.end()) + ownTensorsSlot;
-    if (exchangeTogether(group, fromRank, slot)) {
+    if (const int collectives = exchangeTogether(group, fromRank, slot)) {
       // Each rank's part as it sent it: exchangeTogether checked that every rank's view agrees.
       summary.settledCollectiveSeconds += since(start);
-      // A part beyond the slot cost the exchange a second collective.
-      summary.settledCollectives += *std::max_element(sending.begin(), sending.end()) > slot ? 2 : 1;
+      summary.settledCollectives += collectives;
       int64_t own = 0;
       for (size_t r = 0; r < sending.size(); ++r) own = std::max(own, sending[r] - agreed[r]);
       ownTensorsSlot = slotAfter(own);

@@ -127,6 +127,46 @@ void collectives() {
   std::cout << "done" << std::endl;
 }
 
+// Rank r's part of an exchange, as its sender holds it (`values`) or as a receiver's slots: small
+// tensors (one message), an empty one, a large one whose size depends on r and a large and a
+// small one whose slots are not contiguous.
+std::vector<at::Tensor> exchangePart(int r, bool values) {
+  const auto filled = [&](at::Tensor slot, const at::Tensor& value) { return values ? value : slot; };
+  const at::Tensor wide = at::arange(20000, at::kFloat).reshape({100, 200}).add(r);
+  const at::Tensor narrow = at::arange(8, at::kFloat).reshape({2, 4}).add(100 * r);
+  return {
+      filled(at::empty({3}), at::full({3}, r + 0.5)),
+      filled(at::empty({2}, at::kDouble), at::full({2}, 10.0 * r, at::kDouble)),
+      at::empty({0}),
+      filled(at::empty({r + 1, 20000}), at::arange((r + 1) * 20000, at::kFloat).reshape({r + 1, 20000}).add(1000 * r)),
+      filled(at::empty({200, 100}).t(), wide),
+      filled(at::empty({4, 2}).t(), narrow)};
+}
+
+void exchange() {
+  ProcessGroup& group = world();
+  std::vector<std::vector<at::Tensor>> parts;
+  for (int r = 0; r < group.worldSize(); ++r) parts.push_back(exchangePart(r, r == group.rank()));
+  std::cout << "in place: " << group.exchangeInPlace(parts) << "\n";
+  for (int r = 0; r < group.worldSize(); ++r) {
+    const std::vector<at::Tensor> expected = exchangePart(r, true);
+    std::cout << "part " << r << ": " << values(parts[r][0]) << " | " << values(parts[r][1]) << " | "
+              << shape(parts[r][3]) << " " << parts[r][3][r][19999].item<float>() << " | "
+              << parts[r][4][99][199].item<float>() << " | " << values(parts[r][5]) << " |";
+    for (size_t i = 0; i < expected.size(); ++i) std::cout << " " << at::equal(parts[r][i], expected[i]);
+    std::cout << "\n";
+  }
+  group.barrier();
+  std::cout << "done" << std::endl;
+}
+
+// Rank 1 takes rank 0's part for two floats, rank 0 sends three.
+void exchangeMismatch() {
+  ProcessGroup& group = world();
+  std::vector<std::vector<at::Tensor>> parts{{at::zeros({group.rank() == 1 ? 2 : 3})}, {}};
+  group.exchangeInPlace(parts);
+}
+
 // Every rank holds model.layers.0.{self_attn,mlp.experts.0}; the last rank also holds
 // mlp.experts.1 (an expert-parallel expert).
 void distHelper() {
@@ -472,6 +512,10 @@ int main(int argc, char** argv) {
       world().barrier();
     } else if (scenario == "collectives") {
       collectives();
+    } else if (scenario == "exchange") {
+      exchange();
+    } else if (scenario == "exchange_mismatch") {
+      exchangeMismatch();
     } else if (scenario == "dist_helper") {
       distHelper();
     } else if (scenario == "peer_reports") {

@@ -90,6 +90,26 @@ TEST_P(Multirank, CollectivesAndDistOps) {
   }
 }
 
+// Each part's small tensors in one message, the large ones each in their own, received in place
+// or, where a slot is not contiguous, through a copy: every rank gets every part exactly.
+TEST_P(Multirank, ExchangeInPlace) {
+  const int w = GetParam();
+  const auto results = run(world("exchange", w));
+  std::string parts;
+  for (int r = 0; r < w; ++r) {
+    std::ostringstream os;
+    os << "part " << r << ": " << r + 0.5 << " " << r + 0.5 << " " << r + 0.5 << " | " << 10 * r << " " << 10 * r
+       << " | " << r + 1 << "x20000 " << (r + 1) * 20000 - 1 + 1000 * r << " | " << 19999 + r << " | ";
+    for (int k = 0; k < 8; ++k) os << (k ? " " : "") << 100 * r + k;
+    os << " | 1 1 1 1 1 1\n";
+    parts += os.str();
+  }
+  for (int r = 0; r < w; ++r) {
+    EXPECT_EQ(results[r].exitCode, 0) << "rank " << r << ":\n" << results[r].out;
+    EXPECT_EQ(results[r].out, connected(r, w) + "in place: 1\n" + parts + "done\n") << "rank " << r;
+  }
+}
+
 TEST_P(Multirank, DistHelperSharedAndLocalOnly) {
   const int w = GetParam();
   const auto results = run(world("dist_helper", w));
@@ -193,6 +213,19 @@ TEST(MultirankErrors, PeerThatReportsIsNamed) {
   }
   EXPECT_EQ(results[2].exitCode, 5);
   EXPECT_EQ(results[2].out, connected(2, 3) + "error: layer 3: calibration sample 7 is empty\n");
+}
+
+// Two ranks' views of a part's size differ: both fail with the same line, before any tensor
+// moves (a point-to-point receive of the wrong size would fail on one rank only, or hang).
+TEST(MultirankErrors, ExchangeViewsThatDifferFailEveryRank) {
+  const auto results = run(world("exchange_mismatch", 2));
+  const std::string message = "rank 0 sends 12 bytes of tensors, rank 1 expects 8 [check";
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].exitCode, 1) << "rank " << r;  // ErrorCode::kInternal
+    const std::string expected = connected(r, 2) + "error: " + message;
+    EXPECT_EQ(results[r].out.substr(0, expected.size()), expected) << "rank " << r;
+    EXPECT_LT(results[r].seconds, 10.0) << "rank " << r;
+  }
 }
 
 TEST(MultirankErrors, MasterThatReportsIsNamed) {

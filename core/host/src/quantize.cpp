@@ -47,6 +47,9 @@ class JoinedLater final : public ProcessGroup {
   std::vector<std::string> allGatherBytesWithin(const std::string& bytes, int64_t slot) override {
     return joined().allGatherBytesWithin(bytes, slot);
   }
+  bool exchangeInPlace(const std::vector<std::vector<at::Tensor>>& parts) override {
+    return joined().exchangeInPlace(parts);
+  }
   void reportFailure(const std::string& message) noexcept override {
     if (group_) group_->reportFailure(message);
   }

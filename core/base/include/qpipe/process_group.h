@@ -42,6 +42,15 @@ class ProcessGroup {
   virtual std::vector<std::string> allGatherBytesWithin(const std::string& bytes, int64_t /*slot*/) {
     return allGatherBytes(bytes);
   }
+  // Every rank's tensors to every other rank, received in place: parts[r] holds rank r's
+  // tensors, on rank r the values to send, on the others tensors of the same dtypes and sizes to
+  // fill. Point to point where the group can (Gloo, CPU tensors): no padding, no staging copy of
+  // a large tensor, about twice an all-gather's bandwidth on one host (docs/scheduler.md). Every
+  // rank first sees every rank's view of each part's size: where two views differ, every rank
+  // fails with the same message. Returns false, on every rank alike and before any tensor moved,
+  // where the group cannot (another backend, a CUDA tensor): the caller then packs the tensors
+  // into allGatherBytesWithin.
+  virtual bool exchangeInPlace(const std::vector<std::vector<at::Tensor>>& /*parts*/) { return false; }
 
   // Tells the peers this rank failed and why, so their errors name it; never throws. For the
   // top-level error handler: it closes this rank's connections (the peers' pending collectives
