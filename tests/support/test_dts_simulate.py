@@ -60,8 +60,10 @@ check(link is not None and link[0] == 0.0 and abs(link[1] - expected) < 1.0, f"f
 # One size only: nothing to separate latency from bandwidth.
 check(fit([(4e6, 9e-3), (4.1e6, 9.2e-3)]) is None, "fitted exchanges of one size")
 
-# The script end to end: the fitted figures in its first line, and the fallback (settled
-# collectives less the bytes at the given bandwidth) when --bandwidth_gbs is given.
+# The script end to end: the fitted figures in its first line, the exchange's fixed cost shared by
+# its two collectives (2 settled collectives a layer, one exchange each: point to point), and the
+# fallback (settled collectives less the bytes at the given bandwidth) when --bandwidth_gbs is
+# given.
 with tempfile.TemporaryDirectory() as work:
     path = os.path.join(work, "quant_report.json")
     with open(path, "w") as f:
@@ -69,10 +71,11 @@ with tempfile.TemporaryDirectory() as work:
     script = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench", "dts_simulate.py")
     out = subprocess.run([sys.executable, script, path, "--ranks", "2"], capture_output=True, text=True, check=True)
     first = out.stdout.splitlines()[0]
-    check("1.000 ms per collective, 0.50 GB/s (fitted to the exchanges)" in first, f"first line: {first}")
+    check("0.500 ms per collective, 0.50 GB/s (fitted to the exchanges); collectives an exchange: 2" in first,
+          f"first line: {first}")
     out = subprocess.run([sys.executable, script, path, "--ranks", "2", "--bandwidth_gbs", "1"], capture_output=True,
                          text=True, check=True)
     first = out.stdout.splitlines()[0]
     # (2 layers × 0.05 s − 10 MB at 1 GB/s) / 4 collectives.
-    check("22.500 ms per collective, 1.00 GB/s" in first and "fitted" not in first, f"first line: {first}")
+    check("22.500 ms per collective, 1.00 GB/s;" in first and "fitted" not in first, f"first line: {first}")
 print("dts_simulate fits the link")

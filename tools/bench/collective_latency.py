@@ -7,8 +7,10 @@ settled tensor exchanges) is missing or disturbed by other work.
 
 Two ranks all-reduce one int64 (the scheduler's agreement) `iterations` times, first back to back,
 then with `work_ms` of CPU work on each rank between collectives, as between a scheduler's waves.
-Prints the median, 90th percentile and mean on rank 0. Then the bandwidth (--bandwidth_gbs):
-all-gathers of 8 MiB a rank, as a wave's synced tensors travel, in bytes received a second.
+Prints the median, 90th percentile and mean on rank 0. Then the bandwidth (--bandwidth_gbs), in
+bytes received a second: 8 MiB a rank in an all-gather (how a wave's synced tensors travel where
+the group cannot exchange them in place), and sent and received point to point at once (how they
+travel over Gloo, ProcessGroup::exchangeInPlace).
 PyTorch's Gloo is the library qpipe's process group links.
 """
 
@@ -51,15 +53,24 @@ def rank_main(rank, port, iterations, work_ms):
             print(f"{label:>22}: median {median * 1e3:.3f} ms, p90 {p90 * 1e3:.3f} ms, mean {mean * 1e3:.3f} ms")
     part = torch.zeros(8 << 20, dtype=torch.uint8)
     parts = [torch.empty_like(part) for _ in range(2)]
-    times = []
-    for _ in range(20):
-        start = time.perf_counter()
-        dist.all_gather(parts, part)
-        times.append(time.perf_counter() - start)
-    times.sort()
-    if rank == 0:
-        median = times[len(times) // 2]
-        print(f"{'8 MiB all-gather':>22}: median {median * 1e3:.3f} ms, {part.numel() / median / 1e9:.2f} GB/s")
+
+    def point_to_point():
+        sent, received = dist.isend(part, 1 - rank), dist.irecv(parts[1 - rank], 1 - rank)
+        sent.wait()
+        received.wait()
+
+    for label, exchange in (("8 MiB all-gather", lambda: dist.all_gather(parts, part)),
+                            ("8 MiB point to point", point_to_point)):
+        times = []
+        for _ in range(20):
+            dist.barrier()
+            start = time.perf_counter()
+            exchange()
+            times.append(time.perf_counter() - start)
+        times.sort()
+        if rank == 0:
+            median = times[len(times) // 2]
+            print(f"{label:>22}: median {median * 1e3:.3f} ms, {part.numel() / median / 1e9:.2f} GB/s")
     dist.destroy_process_group()
 
 

@@ -24,8 +24,9 @@ Each parallel wave of each scheduler run is replayed on N ranks:
                collective) per claim;
   round-robin  task i runs on rank i mod N;
 then the wave's collectives, as the scheduler makes them: the outcomes (one all-gather of a slot
-every rank knows) and, when its tasks sync tensors, those tensors (another); 1 or 2 collectives
-whatever N, plus one agreement (an all-reduce) per scheduler run, i.e. per layer and scheduler,
+every rank knows) and, when its tasks sync tensors, their exchange (two over Gloo: the sizes, then
+point to point; one packed all-gather elsewhere; the report's settled collectives tell which);
+1 to 3 collectives whatever N, plus one agreement (an all-reduce) per scheduler run, i.e. per layer and scheduler,
 each costing latency · log2(N) (recursive doubling's depth, as NCCL's trees and MPI; Gloo's ring
 all-gather takes N - 1 steps; the measured latency is at N = 2), plus the wave's synced bytes at
 the bandwidth. The outcomes' second collective, when they outgrow the last wave's slot, is not
@@ -91,6 +92,17 @@ def setups(groups):
     return setup, medians
 
 
+def exchange_collectives(report, groups):
+    """Collectives a tensor exchange took in this run: 2 over Gloo (every rank's view of the sizes,
+    then the pairs' messages: ProcessGroup::exchangeInPlace), 1 for a packed all-gather within its
+    slot (NCCL, and reports from before the exchange went point to point)."""
+    settled = sum(value for layer in report["layers"] for values in layer.get("values", {}).values()
+                  for key, value in values.items()
+                  if key.startswith("dts:") and key.count(":") == 2 and key.endswith(":settled_collectives"))
+    exchanges = sum(1 for parallel, tasks in groups.values() if parallel and sum(b for _, b, _ in tasks) > 0)
+    return max(1, round(settled / exchanges)) if exchanges and settled else 1
+
+
 def measured_latency(report, groups, bandwidth):
     """Seconds per collective: the tensor exchanges, which the ranks enter together from the
     outcomes' gather (the other collectives also wait for the slowest rank), less their bytes at
@@ -110,7 +122,9 @@ def measured_latency(report, groups, bandwidth):
 def fitted_link(report, groups):
     """(seconds per collective, bytes per second) fitted over the parallel waves that synced
     tensors: a wave's exchange (the sum of its tasks' :sync_seconds shares) against its bytes, by
-    least squares. Where the line's intercept is negative (the bytes explain the whole time, and
+    least squares; the intercept is the exchange's fixed cost, shared by its collectives
+    (exchange_collectives), which also holds the setup of its point-to-point messages: more than a
+    small collective's latency, the figure --latency_ms takes from collective_latency.py. Where the line's intercept is negative (the bytes explain the whole time, and
     the exchanges cannot resolve a latency that small), the latency is 0 and the bandwidth a fit
     through the origin. None when fewer than two waves synced tensors or their byte counts differ
     by less than a fifth."""
@@ -136,7 +150,7 @@ def fitted_link(report, groups):
     latency = mean_t - slope * mean_b
     if latency < 0:
         latency, slope = 0.0, sum(b * t for b, t in points) / sum(b * b for b, _ in points)
-    return latency, 1.0 / slope
+    return latency / exchange_collectives(report, groups), 1.0 / slope
 
 
 def rebased(seconds, group, setup, median):
@@ -190,6 +204,7 @@ def main():
     if latency is None:
         parser.error(f"{args.report} holds no settled collective (no parallel wave synced tensors): give "
                      "--latency_ms (tools/bench/collective_latency.py measures it)")
+    exchanging = exchange_collectives(report, groups)
     runs = {(layer, scheduler) for (layer, scheduler, _), (parallel, _) in groups.items() if parallel}
     setup, median = ({}, {}) if args.no_setup else setups(groups)
     # The one-rank time: every task without a setup, every setup once.
@@ -199,7 +214,7 @@ def main():
     print(f"{args.report}: {count} tasks in {len(groups)} waves, {total:.2f} s of tasks "
           f"({len(setup)} searches with a setup of {sum(setup.values()):.2f} s in all); "
           f"{latency * 1000:.3f} ms per collective, {bandwidth / 1e9:.2f} GB/s"
-          f"{' (fitted to the exchanges)' if fit else ''}")
+          f"{' (fitted to the exchanges)' if fit else ''}; collectives an exchange: {exchanging}")
     print()
     print("| ranks | assignment | projected s | speed-up | of N |")
     print("| ---: | --- | ---: | ---: | ---: |")
@@ -216,7 +231,7 @@ def main():
                     projected += sum(c for c, _ in costs)
                     continue
                 sent = sum(b for _, b, _ in tasks)
-                collectives = 2 if sent > 0 else 1
+                collectives = 1 + exchanging if sent > 0 else 1
                 sync = collectives * latency * depth + sent / bandwidth
                 projected += makespan(costs, n, dynamic, latency / 10, setup, seen) + sync
             speedup = total / projected if projected else 1.0
