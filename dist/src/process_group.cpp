@@ -337,8 +337,9 @@ class C10dGroup final : public ProcessGroup {
       outgoing.push_back(packed);
     }
     for (const size_t i : sending.own) outgoing.push_back(bytesOf(mine[i].contiguous()));
-    // Received into: a peer's packed message, and the large slots that are not contiguous.
-    std::vector<std::pair<at::Tensor, int>> packedFrom;
+    // Received into: a peer's packed message (with the part's small tensors), and the large slots
+    // that are not contiguous.
+    std::vector<std::pair<at::Tensor, std::vector<const at::Tensor*>>> packedFrom;
     std::vector<std::pair<at::Tensor, const at::Tensor*>> staged;
     for (int p = 0; p < world; ++p) {
       if (p == me) continue;
@@ -346,7 +347,9 @@ class C10dGroup final : public ProcessGroup {
       const std::vector<at::Tensor>& theirs = parts[static_cast<size_t>(p)];
       const Plan receiving = planOf(theirs);
       if (receiving.packedBytes > 0) {
-        packedFrom.emplace_back(at::empty({receiving.packedBytes}, at::kByte), p);
+        std::vector<const at::Tensor*> slots;
+        for (const size_t i : receiving.packed) slots.push_back(&theirs[i]);
+        packedFrom.emplace_back(at::empty({receiving.packedBytes}, at::kByte), std::move(slots));
         post(packedFrom.back().first, p, 0, false);
       }
       for (size_t k = 0; k < receiving.own.size(); ++k) {
@@ -362,11 +365,10 @@ class C10dGroup final : public ProcessGroup {
     backendCall("exchangeInPlace", [&] {
       for (const auto& work : works) work->wait(options_.timeout);
     });
-    for (const auto& [buffer, p] : packedFrom) {
-      const std::vector<at::Tensor>& theirs = parts[static_cast<size_t>(p)];
+    for (const auto& [buffer, slots] : packedFrom) {
       int64_t offset = 0;
-      for (const size_t i : planOf(theirs).packed) {
-        const at::Tensor& slot = theirs[i];
+      for (const at::Tensor* packed : slots) {
+        const at::Tensor& slot = *packed;
         const size_t n = slot.nbytes();
         const uint8_t* from = buffer.const_data_ptr<uint8_t>() + offset;
         if (slot.is_contiguous()) {

@@ -120,14 +120,14 @@ def measured_latency(report, groups, bandwidth):
 
 
 def fitted_link(report, groups):
-    """(seconds per collective, bytes per second) fitted over the parallel waves that synced
+    """(seconds per exchange, bytes per second) fitted over the parallel waves that synced
     tensors: a wave's exchange (the sum of its tasks' :sync_seconds shares) against its bytes, by
-    least squares; the intercept is the exchange's fixed cost, shared by its collectives
-    (exchange_collectives), which also holds the setup of its point-to-point messages: more than a
-    small collective's latency, the figure --latency_ms takes from collective_latency.py. Where the line's intercept is negative (the bytes explain the whole time, and
-    the exchanges cannot resolve a latency that small), the latency is 0 and the bandwidth a fit
-    through the origin. None when fewer than two waves synced tensors or their byte counts differ
-    by less than a fifth."""
+    least squares. The intercept is the exchange's fixed cost, which its collectives share
+    (exchange_collectives) and which also holds the setup of its point-to-point messages: more
+    than a small collective's latency, the figure --latency_ms takes from collective_latency.py.
+    Where the intercept is negative (the bytes explain the whole time, and the exchanges cannot
+    resolve a latency that small), it is 0 and the bandwidth a fit through the origin. None when
+    fewer than two waves synced tensors or their byte counts differ by less than a fifth."""
     synced = defaultdict(float)
     for layer in report["layers"]:
         for values in layer.get("values", {}).values():
@@ -150,7 +150,7 @@ def fitted_link(report, groups):
     latency = mean_t - slope * mean_b
     if latency < 0:
         latency, slope = 0.0, sum(b * t for b, t in points) / sum(b * b for b, _ in points)
-    return latency / exchange_collectives(report, groups), 1.0 / slope
+    return latency, 1.0 / slope
 
 
 def rebased(seconds, group, setup, median):
@@ -195,16 +195,16 @@ def main():
     args = parser.parse_args()
     report = json.load(open(args.report))
     groups = waves(report)
+    exchanging = exchange_collectives(report, groups)
     fit = fitted_link(report, groups) if args.bandwidth_gbs is None else None
     bandwidth = fit[1] if fit else (args.bandwidth_gbs or 1.0) * 1e9
     if args.latency_ms is not None:
         latency = args.latency_ms / 1000
     else:
-        latency = fit[0] if fit else measured_latency(report, groups, bandwidth)
+        latency = fit[0] / exchanging if fit else measured_latency(report, groups, bandwidth)
     if latency is None:
         parser.error(f"{args.report} holds no settled collective (no parallel wave synced tensors): give "
                      "--latency_ms (tools/bench/collective_latency.py measures it)")
-    exchanging = exchange_collectives(report, groups)
     runs = {(layer, scheduler) for (layer, scheduler, _), (parallel, _) in groups.items() if parallel}
     setup, median = ({}, {}) if args.no_setup else setups(groups)
     # The one-rank time: every task without a setup, every setup once.
