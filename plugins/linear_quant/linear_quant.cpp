@@ -64,17 +64,18 @@ class LinearQuant final : public Processor {
       solveWeights(request);
     }
     for (Pending& p : pending_) request.module->replace(p.path, p.quantizer->deploy(p.name));
-    quantized_ += static_cast<int64_t>(pending_.size());
+    // A split run's decoder layers each run on one rank, its non-layer unit (named "") on all.
+    (request.splitLayers && !request.name.empty() ? splitQuantized_ : quantized_) +=
+        static_cast<int64_t>(pending_.size());
     pending_.clear();
     splitLayers_ = request.splitLayers;
   }
 
   void postRun() override {
     if (splitLayers_) {
-      // Each rank quantized the layers it executed.
-      at::Tensor count = at::tensor({quantized_}, at::kLong);
+      at::Tensor count = at::tensor({splitQuantized_}, at::kLong);
       context_.group->allReduce(count, ReduceOp::kSum);
-      quantized_ = count.item<int64_t>();
+      quantized_ += count.item<int64_t>();
     }
     context_.logger->info("linear_quant: ", quantized_, " Linear modules quantized (", qconfig_.describe(), ")");
     if (scheduled_.parallelWaves > 0) context_.logger->info("linear_quant: weight solves [DTS] ", scheduled_.line());
@@ -137,6 +138,7 @@ class LinearQuant final : public Processor {
   std::shared_ptr<ModuleFilter> filter_;
   std::vector<Pending> pending_;
   int64_t quantized_ = 0;
+  int64_t splitQuantized_ = 0;       // in the decoder layers this rank executed in a split run
   bool splitLayers_ = false;         // of the last unit: every rank's last is the non-layer unit
   scheduler::RunSummary scheduled_;  // the weight solves of every unit
 };

@@ -290,6 +290,32 @@ TEST(QuantMultirank, TwoRanksWriteTheCheckpointOfOne) {
   }
 }
 
+// A split run with lm_head quantized: every rank runs the non-layer unit, so its modules count
+// once, not once per rank, in the summary line that adds up the ranks' layers.
+TEST(QuantMultirank, ASplitRunCountsTheNonLayerModulesOnce) {
+  const fs::path model = qpipe::test::tinyLlama("llama");
+  const fs::path dir = qpipe::test::testDir();
+  const fs::path pipeline = pipelineFile("w8a8_head.yaml", kW8A8);
+  const fs::path one = dir / "head-one", two = dir / "head-two";
+  fs::remove_all(one);
+  fs::remove_all(two);
+  const CommandResult single =
+      qpipe::test::runQpipe(quantArgs(model, one, "--config_path " + quote(pipeline) + " --device cpu:0"));
+  ASSERT_EQ(single.exitCode, 0) << single.err;
+  const CommandResult multi =
+      qpipe::test::runQpipe(quantArgs(model, two, "--config_path " + quote(pipeline) + " --device cpu:0,1"));
+  ASSERT_EQ(multi.exitCode, 0) << multi.err;
+  EXPECT_NE(multi.err.find("[rank 0/2] [info] runner: 2 decoder layers split over 2 ranks"), std::string::npos)
+      << multi.err;
+  // 2 layers × 7 Linears and lm_head.
+  const std::string count = "linear_quant: 15 Linear modules";
+  EXPECT_NE(single.err.find("[info] " + count), std::string::npos) << single.err;
+  for (const char* rank : {"[rank 0/2] [info] ", "[rank 1/2] [info] "}) {
+    EXPECT_NE(multi.err.find(rank + count), std::string::npos) << multi.err;
+  }
+  expectSameCheckpoint(one, two);
+}
+
 // By default each rank runs cores / ranks threads, so on a two-core machine one rank runs two
 // threads and each of two ranks one (given here, as a busy machine could change the default).
 // MKL's fp32 GEMM splits long sums by thread unless asked not to (seen on an Intel Xeon host,

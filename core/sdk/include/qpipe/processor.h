@@ -96,7 +96,8 @@ struct LayerRequest {
   std::vector<ReportValue> reportValues;
   // True on every unit of a run whose decoder layers the runner split over the ranks (a data-free
   // run whose processors are all layersIndependent()): this rank sees only the layers it executes,
-  // inside a parallel task of the runner's scheduler, and every rank sees the non-layer unit.
+  // inside a parallel task of the runner's scheduler, and every rank sees the non-layer unit (a
+  // figure summed over the ranks, such as a count of modules, counts that unit once).
   bool splitLayers = false;
   // True on the whole-model unit (its name is "", as the non-layer unit's).
   bool wholeModel = false;
