@@ -142,6 +142,8 @@ class Fa3Quant final : public Processor {
     return true;
   }
   bool supportDistributed() const override { return true; }
+  // Attention modules lie in decoder layers only.
+  bool actsOn(const LayerRequest& unit) const override { return !isNonLayerUnit(unit); }
 
  private:
   struct Observed {

@@ -85,6 +85,14 @@ class LinearQuant final : public Processor {
     }
   }
 
+  // The Linears of the unit that the include/exclude patterns select (forEach offers the same).
+  bool actsOn(const LayerRequest& unit) const override {
+    for (auto& [path, module] : unit.module->namedModules()) {
+      if (dynamic_cast<Linear*>(module) != nullptr && filter_->matches(moduleName(unit, path))) return true;
+    }
+    return false;
+  }
+
   bool isDataFree() const override { return qconfig_.isDataFree(); }
   // Weights are data-free, dynamic activations have nothing to merge and static observers are
   // synchronised (every rank calls synchronizeAll on the same quantizers in the same order).

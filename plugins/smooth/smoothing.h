@@ -107,6 +107,8 @@ class SmoothingProcessor : public Processor {
   void postRun() override;
   // Maxima and minima merge exactly in any order, so W ranks smooth with the 1-rank statistics.
   bool supportDistributed() const override { return true; }
+  // Subgraphs lie in decoder layers only.
+  bool actsOn(const LayerRequest& unit) const override { return !isNonLayerUnit(unit); }
 
   // The enable_subgraph_type (default `defaults`) and include/exclude fields every smoothing
   // processor accepts.

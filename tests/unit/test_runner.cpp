@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "qpipe/host/runner.h"
+#include "qpipe/host/report.h"
 #include "qpipe/log.h"
 #include "test_helpers.h"
 #include "tiny_model.h"
@@ -251,6 +252,37 @@ TEST(Runner, NonLayerReplacementsRunInTheUnitsForwardAndReplaceTheModelsModules)
   EXPECT_EQ(&model->root().getSubmodule("lm_head"), replacer.replacement.get());
   EXPECT_EQ(&model->root().getSubmodule("model.norm"), replacer.norm.get());
   EXPECT_EQ(model->root().getSubmodule("model.embed_tokens").typeName(), "Embedding");
+}
+
+// Data-free, changes nothing; `idle` says so of the non-layer unit (Processor::actsOn).
+class Bystander final : public Processor {
+ public:
+  explicit Bystander(bool idle) : idle_(idle) {}
+  bool isDataFree() const override { return true; }
+  bool actsOn(const LayerRequest& unit) const override { return !idle_ || !isNonLayerUnit(unit); }
+
+ private:
+  bool idle_;
+};
+
+TEST(Runner, ANonLayerUnitNoProcessorActsOnIsNotProbed) {
+  for (const bool idle : {false, true}) {
+    auto model = CausalLM::open(test::tinyLlama("unit-idle"));
+    int headCalls = 0;
+    model->root().getSubmodule("lm_head").addForwardHook([&](Module&, const at::Tensor&, const at::Tensor&) {
+      ++headCalls;
+      return at::Tensor();
+    });
+    std::vector<std::unique_ptr<Processor>> processors;
+    processors.push_back(std::make_unique<Bystander>(idle));
+    QuantReport report;
+    LayerWiseRunner(*model, processors, {.report = &report}).run(samples(2), nullptr);
+    // The probe records the float lm_head's output unless no processor may change it.
+    EXPECT_EQ(headCalls, idle ? 0 : 1) << idle;
+    // Either way nothing was replaced, so the report lists the decoder layers alone.
+    ASSERT_EQ(report.layers.size(), 2u) << idle;
+    EXPECT_EQ(report.layers[1].name, "model.layers.1");
+  }
 }
 
 TEST(Runner, DataFreeProcessorsSeeTheNonLayerUnitWithoutInputs) {

@@ -505,7 +505,6 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
   {
     const auto unitStart = Clock::now();
     const ProcessGroup::Traffic trafficBefore = group.traffic();
-    model_.prepareHead();
     NonLayerUnit unit(model_.root());
     Module& module = unit.module();
     LayerRequest request{.name = "", .module = &module};
@@ -513,6 +512,12 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     request.splitLayers = split;
     for (TensorList& input : inputs) request.inputs.push_back({std::move(input[0])});
     inputs.clear();
+    // Where no processor acts on the unit (lm_head excluded, as every practice does), its float
+    // lm_head is never computed: neither converted (a vocabulary × hidden copy) nor probed.
+    const bool acted = std::any_of(processors_.begin(), processors_.end(), [&](const auto& processor) {
+      return onUnits(processor) && processor->actsOn(request);
+    });
+    if (acted) model_.prepareHead();
     Module* const floatHead = &module.getSubmodule("lm_head");
     request.forward = [&module, floatHead](LayerRequest& r) {
       r.outputs.clear();
@@ -527,12 +532,12 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       return module.getSubmodule("lm_head")(module.getSubmodule("model.norm")(input[0]));
     };
     LayerReport report{.name = std::string(kNonLayerReportName)};
-    runUnit({request, probeForward, false}, report, probe ? &*probe : nullptr);
+    runUnit({request, probeForward, false}, report, acted && probe ? &*probe : nullptr);
     if (splitSummary) {
       for (const auto& [key, value] : splitSummary->reportValues()) report.values.push_back({"", key, value});
     }
     unit.writeBack(model_.root());
-    model_.restoreHead();
+    if (acted) model_.restoreHead();
     report.seconds = secondsSince(unitStart);
     countTraffic(trafficBefore, report);
     // Listed only when a processor replaced or reported on one of its modules (default practices

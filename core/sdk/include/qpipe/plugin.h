@@ -79,7 +79,11 @@ class PluginRegistrar {
 // 8.0: split layers: Processor::layersIndependent, LayerRequest::splitLayers, ProcessGroup's
 // storeSet/storeGet, savers that write layer segments.
 // 9.0: Processor::trains (runs with autograd available), ProcessorContext::savePath.
-#define QPIPE_PLUGIN_ABI_MAJOR 11
+// 10.0: Processor::wholeModel (the whole-model unit).
+// 11.0: QuantLinear and LinearQuantizer hold FP8 GEMM state.
+// 12.0: Processor::actsOn (the runner skips converting and probing a non-layer unit no processor
+// acts on).
+#define QPIPE_PLUGIN_ABI_MAJOR 12
 #define QPIPE_PLUGIN_ABI_MINOR 0
 
 #define QPIPE_STRINGIFY_IMPL(x) #x

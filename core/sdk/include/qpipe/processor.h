@@ -216,6 +216,15 @@ class Processor {
   // gives it the whole-model unit alone, after every unit of the other processors, and keeps every
   // decoder layer resident for the run (the whole model's memory; docs/architecture.md).
   virtual bool wholeModel() const { return false; }
+  // Whether the processor may replace or change a module of `unit` (asked of the non-layer unit,
+  // before its preprocess). When no processor does, the runner leaves that unit's lm_head in its
+  // checkpoint dtype instead of converting it to the compute dtype (a vocabulary × hidden copy:
+  // 0.4 GB in fp32 at 49,152 × 2,048) and does not probe the unit. The default, true, is always
+  // correct.
+  virtual bool actsOn(const LayerRequest& unit) const {
+    (void)unit;
+    return true;
+  }
 };
 
 // True when any processor of the pipeline works on the whole model (Processor::wholeModel).
