@@ -339,6 +339,37 @@ TEST_F(LinearQuantPlugin, UnmatchedPatternsWarnAtTheEnd) {
 
 // ---- lm_head, offered in the non-layer unit
 
+// The runner probes the non-layer unit (the float lm_head's output on the probe) only when a step
+// may act on it (Processor::actsOn, through the host's wrappers and groups).
+TEST_F(LinearQuantPlugin, TheNonLayerUnitIsProbedOnlyWhereAStepSelectsLmHead) {
+  const std::string w8a8 = "{type: linear_quant, qconfig: {act: {dtype: int8, scope: per_token}, weight: {}}";
+  const std::vector<std::pair<std::string, int>> cases = {
+      {"    - " + w8a8 + ", exclude: ['lm_head']}\n", 0},
+      {"    - " + w8a8 + "}\n", 1},
+      {"    - type: group\n      configs:\n        - " + w8a8 + ", exclude: ['lm_head', '*mlp*']}\n        - " + w8a8 +
+           ", include: ['*mlp*']}\n",
+       0},
+      {"    - type: group\n      configs:\n        - " + w8a8 + ", exclude: ['lm_head', '*mlp*']}\n        - " + w8a8 +
+           ", include: ['*mlp*', 'lm_head']}\n",
+       1},
+  };
+  for (const auto& [process, probes] : cases) {
+    const Pipeline pipeline = loadPipeline(
+        test::writeTempFile("p.yaml", "apiversion: modelslim_v1\nspec:\n  process:\n" + process), registry_);
+    auto processors = buildProcessors(pipeline, registry_, {.logger = logger_});
+    auto model = CausalLM::open(test::tinyLlama("linear_quant-probe"));
+    int floatHeadCalls = 0;
+    model->root().getSubmodule("lm_head").addForwardHook([&](Module&, const at::Tensor&, const at::Tensor&) {
+      ++floatHeadCalls;
+      return at::Tensor();
+    });
+    QuantReport report;
+    LayerWiseRunner(*model, processors, {.report = &report}).run({at::arange(6, at::kLong).unsqueeze(0)}, nullptr);
+    EXPECT_EQ(floatHeadCalls, probes) << process;
+    EXPECT_EQ(report.layers.size(), test::kTinyLayers + static_cast<size_t>(probes)) << process;
+  }
+}
+
 TEST_F(LinearQuantPlugin, IncludeLmHeadQuantizesOnlyLmHeadWithCalibratedStaticActivations) {
   QuantReport report;
   const auto types =

@@ -54,6 +54,9 @@ class GuardedProcessor final : public Processor {
   bool wholeModel() const override {
     return guard("wholeModel", "", [&] { return inner_->wholeModel(); });
   }
+  bool actsOn(const LayerRequest& unit) const override {
+    return guard("actsOn", unitName(unit), [&] { return inner_->actsOn(unit); });
+  }
 
  private:
   // What error messages call the unit: its HF name, or what the report calls the non-layer one.
