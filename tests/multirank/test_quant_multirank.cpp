@@ -316,6 +316,36 @@ TEST(QuantMultirank, ASplitRunCountsTheNonLayerModulesOnce) {
   expectSameCheckpoint(one, two);
 }
 
+// A `group` of data-free steps (a scheme per kind of module) splits its layers like one step.
+TEST(QuantMultirank, AGroupOfDataFreeStepsSplitsItsLayers) {
+  const fs::path model = qpipe::test::tinyLlama("llama");
+  const fs::path dir = qpipe::test::testDir();
+  const fs::path pipeline = pipelineFile("group.yaml", R"(    - type: group
+      configs:
+        - type: linear_quant
+          qconfig:
+            act: {dtype: int8, scope: per_token, symmetric: True, method: minmax}
+            weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}
+          include: ["*self_attn*"]
+        - type: linear_quant
+          qconfig:
+            weight: {dtype: int4, scope: per_group, symmetric: True, method: minmax, ext: {group_size: 8}}
+          include: ["*mlp*"]
+)");
+  const fs::path one = dir / "group-one", two = dir / "group-two";
+  fs::remove_all(one);
+  fs::remove_all(two);
+  const CommandResult single =
+      qpipe::test::runQpipe(quantArgs(model, one, "--config_path " + quote(pipeline) + " --device cpu:0"));
+  ASSERT_EQ(single.exitCode, 0) << single.err;
+  const CommandResult multi =
+      qpipe::test::runQpipe(quantArgs(model, two, "--config_path " + quote(pipeline) + " --device cpu:0,1"));
+  ASSERT_EQ(multi.exitCode, 0) << multi.err;
+  EXPECT_NE(multi.err.find("[rank 0/2] [info] runner: 2 decoder layers split over 2 ranks"), std::string::npos)
+      << multi.err;
+  expectSameCheckpoint(one, two);
+}
+
 // By default each rank runs cores / ranks threads, so on a two-core machine one rank runs two
 // threads and each of two ranks one (given here, as a busy machine could change the default).
 // MKL's fp32 GEMM splits long sums by thread unless asked not to (seen on an Intel Xeon host,

@@ -217,6 +217,9 @@ class GroupProcessor final : public Processor {
   bool isDataFree() const override {
     return std::all_of(children_.begin(), children_.end(), [](const auto& c) { return c->isDataFree(); });
   }
+  bool layersIndependent() const override {
+    return std::all_of(children_.begin(), children_.end(), [](const auto& c) { return c->layersIndependent(); });
+  }
   bool actsOn(const LayerRequest& unit) const override {
     return std::any_of(children_.begin(), children_.end(), [&](const auto& c) { return c->actsOn(unit); });
   }
