@@ -224,6 +224,30 @@ TEST(Validation, DeepNestingIsAnErrorNotAStackOverflow) {
   EXPECT_EQ(deep.err, "qpipe: configuration error: " + pipeline.string() + ":1:101: nested deeper than 100 levels\n");
 }
 
+// A group's steps share one calibration forward: a training step there would do nothing, so it is
+// refused, before the model is opened.
+TEST(Validation, AGroupRefusesAStepThatTrains) {
+  const fs::path pipeline = qpipe::test::writeTempFile("qat_group.yaml", R"(apiversion: modelslim_v1
+spec:
+  process:
+    - type: group
+      configs:
+        - type: linear_quant
+          qconfig: {weight: {}}
+          exclude: ["lm_head"]
+        - type: learnable_scale_qat
+          qconfig: {weight: {dtype: int4, scope: per_group, ext: {group_size: 8}}}
+)");
+  const fs::path out = qpipe::test::testDir() / "qat_group_out";
+  const CommandResult r = qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("qat_group").string() +
+                                                " --config_path " + pipeline.string() + " --save_path " + out.string());
+  EXPECT_EQ(r.exitCode, 3) << r.err;
+  EXPECT_EQ(r.err, "qpipe: configuration error: " + pipeline.string() +
+                       ":9:11: spec.process[0].configs[1]: 'learnable_scale_qat' trains, which a group cannot run (its "
+                       "steps share one calibration forward); make it a step of its own\n");
+  EXPECT_FALSE(fs::exists(out));
+}
+
 TEST(Validation, AFifoIsRefusedNotReadForever) {
   const fs::path fifo = qpipe::test::testDir() / "fifo.jsonl";
   fs::remove(fifo);

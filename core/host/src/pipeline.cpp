@@ -232,7 +232,19 @@ std::unique_ptr<Processor> buildStep(const ProcessStep& step, const Registry& re
                                      const ProcessorContext& context) {
   if (step.type == kGroupType) {
     std::vector<std::unique_ptr<Processor>> children;
-    for (const auto& child : step.children) children.push_back(buildStep(child, registry, context));
+    for (const auto& child : step.children) {
+      children.push_back(buildStep(child, registry, context));
+      // A group only observes: its children share one calibration forward per unit, so a step
+      // that trains there would silently do nothing.
+      const Processor& built = *children.back();
+      if (built.trains() || built.wholeModel()) {
+        throw Error(ErrorCode::kConfig,
+                    concat(child.location.str(), ": ", child.path, ": '", child.type, "' ",
+                           built.trains() ? "trains" : "works on the whole model",
+                           ", which a group cannot run (its steps share one calibration forward); make it a step "
+                           "of its own"));
+      }
+    }
     return std::make_unique<GroupProcessor>(std::move(children));
   }
   return registry.createProcessor(step.type, step.config, step.path, context);
