@@ -64,8 +64,8 @@ class LinearQuant final : public Processor {
       solveWeights(request);
     }
     for (Pending& p : pending_) request.module->replace(p.path, p.quantizer->deploy(p.name));
-    // A split run's decoder layers each run on one rank, its non-layer unit (named "") on all.
-    (request.splitLayers && !request.name.empty() ? splitQuantized_ : quantized_) +=
+    // A split run's decoder layers each run on one rank, its non-layer unit on all.
+    (request.splitLayers && !isNonLayerUnit(request) ? splitQuantized_ : quantized_) +=
         static_cast<int64_t>(pending_.size());
     pending_.clear();
     splitLayers_ = request.splitLayers;

@@ -25,6 +25,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "free_port.h"
@@ -290,37 +291,39 @@ TEST(QuantMultirank, TwoRanksWriteTheCheckpointOfOne) {
   }
 }
 
+// `pipeline` over the tiny Llama on one rank and on two, whose layers it must split; both runs
+// succeed and write the same checkpoint. Returns the two runs.
+std::pair<CommandResult, CommandResult> oneAndTwoSplitRanks(const std::string& tag, const fs::path& pipeline) {
+  const fs::path model = qpipe::test::tinyLlama("llama");
+  const fs::path one = qpipe::test::testDir() / (tag + "-one"), two = qpipe::test::testDir() / (tag + "-two");
+  fs::remove_all(one);
+  fs::remove_all(two);
+  const std::string config = "--config_path " + quote(pipeline);
+  CommandResult single = qpipe::test::runQpipe(quantArgs(model, one, config + " --device cpu:0"));
+  CommandResult multi = qpipe::test::runQpipe(quantArgs(model, two, config + " --device cpu:0,1"));
+  EXPECT_EQ(single.exitCode, 0) << single.err;
+  EXPECT_EQ(multi.exitCode, 0) << multi.err;
+  EXPECT_NE(multi.err.find("[rank 0/2] [info] runner: 2 decoder layers split over 2 ranks"), std::string::npos)
+      << multi.err;
+  if (single.exitCode == 0 && multi.exitCode == 0) expectSameCheckpoint(one, two);
+  return {std::move(single), std::move(multi)};
+}
+
 // A split run with lm_head quantized: every rank runs the non-layer unit, so its modules count
 // once, not once per rank, in the summary line that adds up the ranks' layers.
 TEST(QuantMultirank, ASplitRunCountsTheNonLayerModulesOnce) {
-  const fs::path model = qpipe::test::tinyLlama("llama");
-  const fs::path dir = qpipe::test::testDir();
-  const fs::path pipeline = pipelineFile("w8a8_head.yaml", kW8A8);
-  const fs::path one = dir / "head-one", two = dir / "head-two";
-  fs::remove_all(one);
-  fs::remove_all(two);
-  const CommandResult single =
-      qpipe::test::runQpipe(quantArgs(model, one, "--config_path " + quote(pipeline) + " --device cpu:0"));
-  ASSERT_EQ(single.exitCode, 0) << single.err;
-  const CommandResult multi =
-      qpipe::test::runQpipe(quantArgs(model, two, "--config_path " + quote(pipeline) + " --device cpu:0,1"));
-  ASSERT_EQ(multi.exitCode, 0) << multi.err;
-  EXPECT_NE(multi.err.find("[rank 0/2] [info] runner: 2 decoder layers split over 2 ranks"), std::string::npos)
-      << multi.err;
+  const auto [single, multi] = oneAndTwoSplitRanks("head", pipelineFile("w8a8_head.yaml", kW8A8));
   // 2 layers × 7 Linears and lm_head.
   const std::string count = "linear_quant: 15 Linear modules";
   EXPECT_NE(single.err.find("[info] " + count), std::string::npos) << single.err;
   for (const char* rank : {"[rank 0/2] [info] ", "[rank 1/2] [info] "}) {
     EXPECT_NE(multi.err.find(rank + count), std::string::npos) << multi.err;
   }
-  expectSameCheckpoint(one, two);
 }
 
 // A `group` of data-free steps (a scheme per kind of module) splits its layers like one step.
 TEST(QuantMultirank, AGroupOfDataFreeStepsSplitsItsLayers) {
-  const fs::path model = qpipe::test::tinyLlama("llama");
-  const fs::path dir = qpipe::test::testDir();
-  const fs::path pipeline = pipelineFile("group.yaml", R"(    - type: group
+  oneAndTwoSplitRanks("group", pipelineFile("group.yaml", R"(    - type: group
       configs:
         - type: linear_quant
           qconfig:
@@ -331,19 +334,7 @@ TEST(QuantMultirank, AGroupOfDataFreeStepsSplitsItsLayers) {
           qconfig:
             weight: {dtype: int4, scope: per_group, symmetric: True, method: minmax, ext: {group_size: 8}}
           include: ["*mlp*"]
-)");
-  const fs::path one = dir / "group-one", two = dir / "group-two";
-  fs::remove_all(one);
-  fs::remove_all(two);
-  const CommandResult single =
-      qpipe::test::runQpipe(quantArgs(model, one, "--config_path " + quote(pipeline) + " --device cpu:0"));
-  ASSERT_EQ(single.exitCode, 0) << single.err;
-  const CommandResult multi =
-      qpipe::test::runQpipe(quantArgs(model, two, "--config_path " + quote(pipeline) + " --device cpu:0,1"));
-  ASSERT_EQ(multi.exitCode, 0) << multi.err;
-  EXPECT_NE(multi.err.find("[rank 0/2] [info] runner: 2 decoder layers split over 2 ranks"), std::string::npos)
-      << multi.err;
-  expectSameCheckpoint(one, two);
+)"));
 }
 
 // By default each rank runs cores / ranks threads, so on a two-core machine one rank runs two
