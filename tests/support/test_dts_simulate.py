@@ -2,7 +2,8 @@
 """tools/bench/dts_simulate.py's fit of the link to a run's exchanges, on synthetic reports whose
 exchanges cost a known latency and bandwidth: the fit recovers them, falls back to a line through
 the origin when the intercept would be negative, and declines when every wave carried the same
-bytes. Exits non-zero with the first failed check."""
+bytes. And the searches' setups it finds, with and without the executors in the report. Exits
+non-zero with the first failed check."""
 
 import json
 import os
@@ -59,6 +60,33 @@ check(link is not None and link[0] == 0.0 and abs(link[1] - expected) < 1.0, f"f
 
 # One size only: nothing to separate latency from bandwidth.
 check(fit([(4e6, 9e-3), (4.1e6, 9.2e-3)]) is None, "fitted exchanges of one size")
+
+# Setups: each executor's first task of a search carries the search's shared state. A task slowed
+# in mid-search (a busy host) is no setup where the report names the executors; older reports
+# take every task above twice the median for one.
+def search(executors):
+    """One parallel wave of 8 candidates of one module, 0.01 s each, on ranks 0 and 1 alternately:
+    each rank's first carries 0.05 s of setup, and candidate 5 ran 0.04 s slow."""
+    values = {}
+    for index in range(8):
+        key = f"dts:sched.candidate#c{index}:"
+        seconds = 0.01 + (0.05 if index < 2 else 0.0) + (0.04 if index == 5 else 0.0)
+        values[key + "seconds"], values[key + "wave"], values[key + "parallel"] = seconds, 0, 1
+        if executors:
+            values[key + "executor_rank"], values[key + "submit_index"] = index % 2, index
+    return {"layers": [{"name": "model.layers.0", "values": {"m": values}}]}
+
+
+group = ("model.layers.0", "sched", "m", "sched.candidate")
+groups = dts_simulate.waves(search(True))
+setup, bases, carriers = dts_simulate.setups(groups)
+tasks = groups[("model.layers.0", "sched", 0)][1]
+check(abs(setup[group] - 0.05) < 1e-9 and abs(bases[group] - 0.01) < 1e-9, f"setup {setup}, bases {bases}")
+check(carriers == {id(tasks[0]), id(tasks[1])}, "the carriers are not each rank's first task")
+check(abs(dts_simulate.rebased(tasks[5], bases, carriers) - 0.05) < 1e-9, "the slow task was rebased")
+groups = dts_simulate.waves(search(False))
+setup, bases, carriers = dts_simulate.setups(groups)
+check(len(carriers) == 3 and abs(setup[group] - (0.05 + 0.05 + 0.04) / 3) < 1e-9, f"older report: setup {setup}")
 
 # The script end to end: the fitted figures in its first line, the exchange's fixed cost shared by
 # its two collectives (2 settled collectives a layer, one exchange each: point to point), and the

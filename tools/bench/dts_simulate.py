@@ -35,10 +35,13 @@ The rest of a run (loading, the calibration forward, saving) is not part of it.
 
 A search's candidates (the parallel tasks of one module in one scheduler run) can share state that
 the first of them a rank runs computes and the rest reuse, such as the float product a smoothing
-search's losses compare against: the report shows it as tasks above twice their group's median,
-one per rank that took part. Such a group's setup (their mean excess) is paid once per rank that
-runs any of its tasks, in every wave of the run, and once in the one-rank time the speed-up divides
-(--no_setup replays the recorded times as they are).
+search's losses compare against: the report shows it in each executor's first task of the search
+(its :executor_rank and :submit_index), when those took more than twice the median of the other
+tasks. Such a group's setup (their mean excess over that median) is paid once per rank that runs
+any of its tasks in the run, and once in the one-rank time the speed-up divides. Reports from
+before executors were recorded take every task above twice its group's median as a carrier,
+which also counts a task slowed by a busy host as a setup. --no_setup replays the recorded times
+as they are.
 """
 
 import argparse
@@ -46,15 +49,20 @@ import heapq
 import json
 import math
 import statistics
-from collections import defaultdict
+from collections import defaultdict, namedtuple
+
+# A task as the report recorded it (executor and index None where it did not).
+Task = namedtuple("Task", "seconds bytes group executor index")
 
 
 def waves(report):
-    """{(layer, scheduler, wave): (parallel, [(seconds, bytes, group), ...])} in the report's module
-    order; group is (layer, scheduler, module, task name), the tasks of one search.
+    """{(layer, scheduler, wave): (parallel, [Task, ...])} in the report's module order; a Task's
+    group is (layer, scheduler, module, task name), the tasks of one search, and its executor and
+    submit index are None in reports from before they were recorded.
 
     A task's keys are dts:<scheduler>.<task>[#<instance>]:seconds (and :wave, :parallel,
-    :sync_bytes); its scheduler run is one per layer, so (layer, scheduler, wave) names a wave."""
+    :sync_bytes, :executor_rank, :submit_index); its scheduler run is one per layer, so (layer,
+    scheduler, wave) names a wave."""
     out = {}
     for layer in report["layers"]:
         for module, values in layer.get("values", {}).items():
@@ -69,27 +77,49 @@ def waves(report):
                 wave = (layer["name"], scheduler, int(values[f"dts:{task}:wave"]))
                 parallel = values.get(f"dts:{task}:parallel", 1.0) > 0
                 group = (layer["name"], scheduler, module, name)
+                rank = values.get(f"dts:{task}:executor_rank")
+                index = values.get(f"dts:{task}:submit_index")
                 out.setdefault(wave, (parallel, []))[1].append(
-                    (seconds, values.get(f"dts:{task}:sync_bytes", 0.0), group))
+                    Task(seconds, values.get(f"dts:{task}:sync_bytes", 0.0), group,
+                         None if rank is None else int(rank), None if index is None else int(index)))
     return dict(sorted(out.items(), key=lambda item: (item[0][0], item[0][1], item[0][2])))
 
 
 def setups(groups):
-    """({group: setup seconds}, {group: median task seconds}) of the parallel groups whose tasks
-    above twice their median carry a setup (see rebased)."""
-    costs = defaultdict(list)
+    """({group: setup seconds}, {group: base task seconds}, carriers) of the parallel groups whose
+    tasks carry a setup; carriers holds the id() of each Task that carried one (see rebased).
+
+    Where the report names each task's executor and submit index, a setup's carriers are each
+    executor's first task of the group (the search's shared state is computed by the first task a
+    rank runs in the run), and the group has a setup when they took on average more than twice
+    the median of its other tasks, the base. Older reports: every task above twice the group's
+    median is a carrier, which also counts a slow task in mid-search (a busy host) as a setup."""
+    members = defaultdict(list)
     for parallel, tasks in groups.values():
         if parallel:
-            for seconds, _, group in tasks:
-                costs[group].append(seconds)
-    setup, medians = {}, {}
-    for group, values in costs.items():
-        median = statistics.median(values)
-        excess = [c - median for c in values if c > 2 * median]
-        if len(values) > 2 and excess:
-            setup[group] = sum(excess) / len(excess)
-            medians[group] = median
-    return setup, medians
+            for task in tasks:
+                members[task.group].append(task)
+    setup, bases, carriers = {}, {}, set()
+    for group, tasks in members.items():
+        if len(tasks) <= 2:
+            continue
+        if all(task.executor is not None for task in tasks):
+            first = {}
+            for task in sorted(tasks, key=lambda t: t.index):
+                first.setdefault(task.executor, task)
+            chosen = list(first.values())
+            others = [task.seconds for task in tasks if all(task is not c for c in chosen)]
+            if not others:
+                continue
+            base = statistics.median(others)
+        else:
+            base = statistics.median(task.seconds for task in tasks)
+            chosen = [task for task in tasks if task.seconds > 2 * base]
+        excess = sum(task.seconds - base for task in chosen) / len(chosen) if chosen else 0.0
+        if excess > base:
+            setup[group], bases[group] = excess, base
+            carriers.update(id(task) for task in chosen)
+    return setup, bases, carriers
 
 
 def exchange_collectives(report, groups):
@@ -99,7 +129,7 @@ def exchange_collectives(report, groups):
     settled = sum(value for layer in report["layers"] for values in layer.get("values", {}).values()
                   for key, value in values.items()
                   if key.startswith("dts:") and key.count(":") == 2 and key.endswith(":settled_collectives"))
-    exchanges = sum(1 for parallel, tasks in groups.values() if parallel and sum(b for _, b, _ in tasks) > 0)
+    exchanges = sum(1 for parallel, tasks in groups.values() if parallel and sum(t.bytes for t in tasks) > 0)
     return max(1, round(settled / exchanges)) if exchanges and settled else 1
 
 
@@ -115,7 +145,7 @@ def measured_latency(report, groups, bandwidth):
                     totals[key.split(":")[2]] += value
     if not totals["settled_collectives"]:
         return None
-    sent = sum(b for parallel, tasks in groups.values() if parallel for _, b, _ in tasks)
+    sent = sum(t.bytes for parallel, tasks in groups.values() if parallel for t in tasks)
     return max(0.0, totals["settled_collective_seconds"] - sent / bandwidth) / totals["settled_collectives"]
 
 
@@ -137,8 +167,8 @@ def fitted_link(report, groups):
                     wave = values.get(f"dts:{task}:wave")
                     if wave is not None:
                         synced[(layer["name"], task.split("#")[0].split(".")[0], int(wave))] += value
-    points = [(sum(b for _, b, _ in tasks), synced[wave]) for wave, (parallel, tasks) in groups.items()
-              if parallel and wave in synced and sum(b for _, b, _ in tasks) > 0]
+    points = [(sum(t.bytes for t in tasks), synced[wave]) for wave, (parallel, tasks) in groups.items()
+              if parallel and wave in synced and sum(t.bytes for t in tasks) > 0]
     if len(points) < 2 or min(b for b, _ in points) > 0.8 * max(b for b, _ in points):
         return None
     n = len(points)
@@ -153,9 +183,9 @@ def fitted_link(report, groups):
     return latency, 1.0 / slope
 
 
-def rebased(seconds, group, setup, median):
-    """A task's time without its search's setup: the median for a task that carried it."""
-    return median[group] if group in setup and seconds > 2 * median[group] else seconds
+def rebased(task, bases, carriers):
+    """A task's time without its search's setup: the group's base for a task that carried it."""
+    return bases[task.group] if id(task) in carriers else task.seconds
 
 
 def makespan(tasks, ranks, dynamic, take, setup, seen):
@@ -206,10 +236,9 @@ def main():
         parser.error(f"{args.report} holds no settled collective (no parallel wave synced tensors): give "
                      "--latency_ms (tools/bench/collective_latency.py measures it)")
     runs = {(layer, scheduler) for (layer, scheduler, _), (parallel, _) in groups.items() if parallel}
-    setup, median = ({}, {}) if args.no_setup else setups(groups)
+    setup, bases, carriers = ({}, {}, set()) if args.no_setup else setups(groups)
     # The one-rank time: every task without a setup, every setup once.
-    total = sum(rebased(c, g, setup, median) for _, tasks in groups.values() for c, _, g in tasks) + sum(
-        setup.values())
+    total = sum(rebased(t, bases, carriers) for _, tasks in groups.values() for t in tasks) + sum(setup.values())
     count = sum(len(tasks) for _, tasks in groups.values())
     print(f"{args.report}: {count} tasks in {len(groups)} waves, {total:.2f} s of tasks "
           f"({len(setup)} searches with a setup of {sum(setup.values()):.2f} s in all); "
@@ -226,11 +255,11 @@ def main():
             for (layer, scheduler, _), (parallel, tasks) in groups.items():
                 if (layer, scheduler) != run:
                     run, seen = (layer, scheduler), [set() for _ in range(n)]
-                costs = [(rebased(c, g, setup, median), g) for c, _, g in tasks]
+                costs = [(rebased(t, bases, carriers), t.group) for t in tasks]
                 if not parallel:
                     projected += sum(c for c, _ in costs)
                     continue
-                sent = sum(b for _, b, _ in tasks)
+                sent = sum(t.bytes for t in tasks)
                 collectives = 1 + exchanging if sent > 0 else 1
                 sync = collectives * latency * depth + sent / bandwidth
                 projected += makespan(costs, n, dynamic, latency / 10, setup, seen) + sync

@@ -141,15 +141,19 @@ class DistributedTaskScheduler {
 
 // A task's cost for the quant report and tools/bench/dts_simulate.py, as
 // request.report(module, key, value) calls with keys "dts:<task name>:seconds" (on its
-// executor), ":wave", ":parallel" (1: ran once, 0: in a local wave, on every rank),
-// ":sync_bytes" and ":sync_seconds" (this rank's); "dts:<task name>#<instance>:…" where one module
-// has several tasks of a name (a search's candidates).
+// executor), ":wave", ":submit_index" (in its scheduler run), ":executor_rank", ":parallel" (1:
+// ran once, 0: in a local wave, on every rank), ":sync_bytes" and ":sync_seconds" (this rank's);
+// "dts:<task name>#<instance>:…" where one module has several tasks of a name (a search's
+// candidates).
 template <typename Request>
 void reportTask(Request& request, const std::string& module, const TaskRecord& record,
                 const std::string& instance = "") {
   const std::string key = "dts:" + record.name + (instance.empty() ? "" : "#" + instance) + ":";
   request.report(module, key + "seconds", record.execSeconds);
   request.report(module, key + "wave", static_cast<double>(record.wave));
+  // taskId is "w<wave>_t<submit index>".
+  request.report(module, key + "submit_index", std::stod(record.taskId.substr(record.taskId.find("_t") + 2)));
+  request.report(module, key + "executor_rank", static_cast<double>(record.executorRank));
   request.report(module, key + "parallel", record.parallel ? 1.0 : 0.0);
   request.report(module, key + "sync_bytes", static_cast<double>(record.syncBytes));
   request.report(module, key + "sync_seconds", record.syncSeconds);
