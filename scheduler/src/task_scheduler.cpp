@@ -11,6 +11,7 @@
 #include <iomanip>
 #include <map>
 #include <sstream>
+#include <string_view>
 #include <utility>
 
 #include "qpipe/error.h"
@@ -22,6 +23,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using Json = nlohmann::json;
+
+// A task's id is "w<wave>" kIndexMark "<submit index>" (TaskRecord::taskId).
+constexpr std::string_view kIndexMark = "_t";
 
 std::atomic<bool> globalDisabled{false};
 // Parallel waves this process has run: every rank runs the same parallel waves in the same order
@@ -316,7 +320,7 @@ struct DistributedTaskScheduler::Impl {
   }
 
   std::string taskId(size_t wave, size_t index) const {
-    return "w" + std::to_string(wave) + "_t" + std::to_string(index);
+    return "w" + std::to_string(wave) + std::string(kIndexMark) + std::to_string(index);
   }
 
   void runLocal(const Wave& wave, size_t w, std::vector<TaskRecord>& records) {
@@ -700,6 +704,12 @@ bool pathsOverlap(const std::string& a, const std::string& b) {
                                 path[ancestor.size()] == '.');
   };
   return a == b || below(a, b) || below(b, a);
+}
+
+int64_t submitIndex(const TaskRecord& record) {
+  const size_t mark = record.taskId.find(kIndexMark);
+  QPIPE_CHECK(mark != std::string::npos, "task id '", record.taskId, "' names no submit index");
+  return std::stoll(record.taskId.substr(mark + kIndexMark.size()));
 }
 
 ConfigNode tensorMeta(const at::Tensor& tensor) {

@@ -65,6 +65,7 @@ TEST(Scheduler, AWaveEndsWhereADependencyOverlapsOrTheParallelFlagChanges) {
   const std::vector<std::string> ids{"w0_t0", "w0_t1", "w0_t2", "w0_t3", "w1_t4", "w1_t5", "w1_t6", "w2_t7"};
   for (size_t i = 0; i < records.size(); ++i) {
     EXPECT_EQ(records[i].taskId, ids[i]);
+    EXPECT_EQ(scheduler::submitIndex(records[i]), static_cast<int64_t>(i));
     EXPECT_EQ(records[i].result.asString(), ran[i]);
     EXPECT_EQ(records[i].executorRank, 0);
     EXPECT_FALSE(records[i].parallel);

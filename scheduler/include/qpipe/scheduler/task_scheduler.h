@@ -139,6 +139,9 @@ class DistributedTaskScheduler {
   std::unique_ptr<Impl> impl_;
 };
 
+// Where a task was submitted in its scheduler run (from its taskId).
+int64_t submitIndex(const TaskRecord& record);
+
 // A task's cost for the quant report and tools/bench/dts_simulate.py, as
 // request.report(module, key, value) calls with keys "dts:<task name>:seconds" (on its
 // executor), ":wave", ":submit_index" (in its scheduler run), ":executor_rank", ":parallel" (1:
@@ -151,8 +154,7 @@ void reportTask(Request& request, const std::string& module, const TaskRecord& r
   const std::string key = "dts:" + record.name + (instance.empty() ? "" : "#" + instance) + ":";
   request.report(module, key + "seconds", record.execSeconds);
   request.report(module, key + "wave", static_cast<double>(record.wave));
-  // taskId is "w<wave>_t<submit index>".
-  request.report(module, key + "submit_index", std::stod(record.taskId.substr(record.taskId.find("_t") + 2)));
+  request.report(module, key + "submit_index", static_cast<double>(submitIndex(record)));
   request.report(module, key + "executor_rank", static_cast<double>(record.executorRank));
   request.report(module, key + "parallel", record.parallel ? 1.0 : 0.0);
   request.report(module, key + "sync_bytes", static_cast<double>(record.syncBytes));
