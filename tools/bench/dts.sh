@@ -7,13 +7,17 @@
 # is the 1-rank one byte for byte (qpipe compare).
 #   tools/bench/dts.sh
 # Environment: QPIPE (build/bin/qpipe), MODEL (.cache/models/smollm2-135m), SAMPLES (32),
-#   SEQ_LEN (512), CONFIGS (the practices below).
+#   SEQ_LEN (512), CONFIGS (the practices below), IDLE (0: seconds the machine idles before each
+#   timed run, after the last output is removed; on a VM with a balloon a run straight after
+#   another writes its checkpoint much faster than one after a few seconds' idle,
+#   docs/benchmarks.md).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 qpipe=${QPIPE:-$root/build/bin/qpipe}
 model=${MODEL:-$root/.cache/models/smollm2-135m}
 samples=${SAMPLES:-32}
 seq=${SEQ_LEN:-512}
+idle=${IDLE:-0}
 configs=${CONFIGS:-"$root/configs/default/w4a8_flex_awq.yaml $root/configs/default/w8a8_static_flex_smooth.yaml $root/configs/default/w4a8.yaml $root/configs/default/w8a8.yaml $root/tools/bench/w4a16_g64.yaml"}
 work=$root/.cache/bench/dts
 [[ -x $qpipe ]] || { echo "no $qpipe; build qpipe first (tools/setup.sh) or set QPIPE" >&2; exit 1; }
@@ -38,7 +42,7 @@ print(f"{runner if runner is not None else tasks:.2f} {runner if runner is not N
 PY
 }
 
-echo "qpipe quant, $(basename "$model"), $samples x $seq tokens, $(nproc) cores, 1x1 against 2x1 (ranks x threads), $(date -u +%F)"
+echo "qpipe quant, $(basename "$model"), $samples x $seq tokens, $(nproc) cores, 1x1 against 2x1 (ranks x threads), $idle s idle before each run, $(date -u +%F)"
 echo
 echo "| practice | wall 1x1 s | wall 2x1 s | whole | sub-tasks 1x1 s | sub-tasks 2x1 s | sub-tasks | layers 1x1 s | layers 2x1 s | layers | checkpoint |"
 echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
@@ -50,6 +54,7 @@ for config in $configs; do
     [[ $run == 2x1 ]] && devices=cpu:0,1
     out=$work/$name-$run
     rm -rf "$out"
+    sleep "$idle"
     start=$(date +%s%N)
     "$qpipe" quant --model_path "$model" --config_path "$config" --device "$devices" --threads_per_rank 1 \
       --calib_samples "$samples" --seq_len "$seq" --save_path "$out" >"$work/$name-$run.log" 2>&1 \
