@@ -108,7 +108,8 @@ def setups(groups):
             for task in sorted(tasks, key=lambda t: t.index):
                 first.setdefault(task.executor, task)
             chosen = list(first.values())
-            others = [task.seconds for task in tasks if all(task is not c for c in chosen)]
+            chosen_ids = {id(task) for task in chosen}
+            others = [task.seconds for task in tasks if id(task) not in chosen_ids]
             if not others:
                 continue
             base = statistics.median(others)
