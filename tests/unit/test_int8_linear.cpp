@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_gemm.h"
 #include "qpipe/quant.h"
 #include "qpipe/quant_linear.h"
 
@@ -332,15 +333,6 @@ TEST(Bf16Matmul, ProductsAreExactAndTheSumRoundsOnceInFp32PerAddition) {
   const at::Tensor tall = (at::randn({300, 96}) * 50).to(at::kFloat8_e4m3fn).to(at::kBFloat16);
   const at::Tensor tallY = quant::bf16Matmul(tall, b.slice(1, 0, 96));
   EXPECT_TRUE(at::equal(onOneThread([&] { return quant::bf16Matmul(tall, b.slice(1, 0, 96)); }), tallY));
-  if (quant::bf16MatmulKernel() == quant::Bf16Kernel::kAvx512Bf16) {
-    // qpipe's vdpbf16ps kernel: a row's bits do not depend on the rows around it (its position in
-    // a block of the micro-kernel, or M), and odd K and a partial last panel take the same path.
-    EXPECT_TRUE(at::equal(quant::bf16Matmul(tall.slice(0, 5, 298), b.slice(1, 0, 96)), tallY.slice(0, 5, 298)));
-    EXPECT_TRUE(at::equal(quant::bf16Matmul(a.slice(0, 3, 4), b), y.slice(0, 3, 4)));
-    // Nor on N: b's rows in a wider panel layout give the same columns.
-    const at::Tensor more = (at::randn({26, 1031}) * 50).to(at::kFloat8_e4m3fn).to(at::kBFloat16);
-    EXPECT_TRUE(at::equal(quant::bf16Matmul(a, at::cat({b, more})).slice(1, 0, 19), y));
-  }
   // Empty operands, and shapes that do not match.
   EXPECT_EQ(quant::bf16Matmul(a.slice(0, 0, 0), b).sizes(), (std::vector<int64_t>{0, 19}));
   EXPECT_TRUE(at::equal(quant::bf16Matmul(a.slice(1, 0, 0), b.slice(1, 0, 0)), at::zeros({37, 19})));
@@ -365,6 +357,42 @@ TEST(Bf16Matmul, ProductsAreExactAndTheSumRoundsOnceInFp32PerAddition) {
               std::string::npos)
         << e.what();
   }
+}
+
+// qpipe's vdpbf16ps kernel, called directly on every CPU that can run it (bf16Matmul uses it on
+// AMD only): the products exact, one fp32 rounding per addition, a row's bits independent of the
+// rows around it (its position in a block of the micro-kernel, or M), of N (a wider panel
+// layout) and of the thread count; odd K and a partial last panel take the same path.
+TEST(Bf16Matmul, Avx512Bf16KernelRowsAndColumnsDoNotDependOnTheirNeighbours) {
+  if (!quant::detail::canRunAvx512Bf16Gemm()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  EXPECT_EQ(quant::bf16MatmulKernel() == quant::Bf16Kernel::kAvx512Bf16,
+            __builtin_cpu_is("amd") != 0 && __builtin_cpu_supports("amx-bf16") == 0);
+  at::manual_seed(7);
+  const auto e4m3 = [](int64_t rows, int64_t cols) {
+    return (at::randn({rows, cols}) * 50).to(at::kFloat8_e4m3fn).to(at::kBFloat16);
+  };
+  const auto kernel = [](const at::Tensor& a, const at::Tensor& b) {
+    at::Tensor out = at::empty({a.size(0), b.size(0)});
+    quant::detail::avx512Bf16Gemm(a.const_data_ptr<c10::BFloat16>(), a.stride(0), b.const_data_ptr<c10::BFloat16>(),
+                                  b.stride(0), a.size(0), b.size(0), a.size(1), false, out.mutable_data_ptr<float>());
+    return out;
+  };
+  const at::Tensor a = e4m3(300, 1031), b = e4m3(19, 1031), more = e4m3(26, 1031);
+  const at::Tensor y = kernel(a, b);
+  const at::Tensor exact = at::matmul(a.to(at::kDouble), b.to(at::kDouble).t());
+  const double bound = 1031 * std::ldexp(1.0, -24) *
+                       at::matmul(a.to(at::kDouble).abs(), b.to(at::kDouble).abs().t()).max().item<double>();
+  EXPECT_LE((y.to(at::kDouble) - exact).abs().max().item<double>(), bound);
+  EXPECT_TRUE(at::equal(onOneThread([&] { return kernel(a, b); }), y));
+  EXPECT_TRUE(at::equal(kernel(a.slice(0, 5, 298).contiguous(), b), y.slice(0, 5, 298)));
+  EXPECT_TRUE(at::equal(kernel(a.slice(0, 3, 4).contiguous(), b), y.slice(0, 3, 4)));
+  EXPECT_TRUE(at::equal(kernel(a, at::cat({b, more})).slice(1, 0, 19), y));
+  // Accumulating adds the product to what the output held.
+  at::Tensor sum = at::ones({300, 19});
+  quant::detail::avx512Bf16Gemm(a.const_data_ptr<c10::BFloat16>(), a.stride(0), b.const_data_ptr<c10::BFloat16>(),
+                                b.stride(0), 300, 19, 1031, true, sum.mutable_data_ptr<float>());
+  EXPECT_LE((sum.to(at::kDouble) - 1 - exact).abs().max().item<double>(),
+            bound + 1e-6 * exact.abs().max().item<double>());
 }
 
 // Asks MKL for thread-invariant GEMMs, then exits 0 if it took that and shapes whose sums MKL

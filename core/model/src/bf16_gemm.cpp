@@ -106,13 +106,9 @@ template <int R>
 
 }  // namespace
 
-bool avx512Bf16Gemm() {
-  static const bool applies = [] {
-    __builtin_cpu_init();
-    // With AMX, MKL's bf16 GEMM runs on the tile units, several times faster than vdpbf16ps.
-    return __builtin_cpu_supports("avx512bf16") != 0 && __builtin_cpu_supports("amx-bf16") == 0;
-  }();
-  return applies;
+bool canRunAvx512Bf16Gemm() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") != 0;
 }
 
 void avx512Bf16Gemm(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, int64_t ldb, int64_t m, int64_t n,

@@ -1,5 +1,5 @@
-// The AVX512-BF16 GEMM behind quant::bf16Matmul on CPUs with bf16 dot products and no AMX.
-// Private to core/model.
+// The AVX512-BF16 GEMM behind quant::bf16Matmul where bf16MatmulKernel() is kAvx512Bf16.
+// Private to core/model (and its unit test).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -8,8 +8,9 @@
 
 namespace qpipe::quant::detail {
 
-// Whether this CPU runs avx512Bf16Gemm: AVX512-BF16 without AMX (where MKL's kernel is faster).
-bool avx512Bf16Gemm();
+// Whether this CPU can run avx512Bf16Gemm (AVX512-BF16); quant::bf16MatmulKernel() says where
+// bf16Matmul uses it.
+bool canRunAvx512Bf16Gemm();
 
 // c [M, N] (row stride N) = a · bᵀ, or += when accumulate, for bf16 a [M, K] (row stride lda) and
 // b [N, K] (row stride ldb), every product exact in fp32 and the sums made in one fixed order per

@@ -403,7 +403,7 @@ void bf16Gemm(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, float b
   const auto rowMajor = [](const at::Tensor& t) {
     return t.stride(1) == 1 && t.stride(0) >= t.size(1) && t.stride(0) <= INT_MAX ? t : t.contiguous();
   };
-  if (onCpu && !empty && !fp32 && detail::avx512Bf16Gemm()) {
+  if (onCpu && !empty && !fp32 && bf16MatmulKernel() == Bf16Kernel::kAvx512Bf16) {
     const at::Tensor lhs = rowMajor(a), rhs = rowMajor(b);
     detail::avx512Bf16Gemm(static_cast<const c10::BFloat16*>(lhs.const_data_ptr()), lhs.stride(0),
                            static_cast<const c10::BFloat16*>(rhs.const_data_ptr()), rhs.stride(0), m, n, k, beta != 0,
@@ -500,9 +500,14 @@ bool threadInvariantBlas() {
 Bf16Kernel bf16MatmulKernel() {
   static const Bf16Kernel kernel = [] {
     __builtin_cpu_init();
-    if (detail::avx512Bf16Gemm()) return Bf16Kernel::kAvx512Bf16;
-    return mklGemmBf16F32() != nullptr && __builtin_cpu_supports("amx-bf16") != 0 ? Bf16Kernel::kAmx
-                                                                                  : Bf16Kernel::kFp32;
+    // With AMX, MKL's bf16 GEMM runs on the tile units, several times faster than vdpbf16ps.
+    const bool amx = __builtin_cpu_supports("amx-bf16") != 0;
+    if (amx) return mklGemmBf16F32() != nullptr ? Bf16Kernel::kAmx : Bf16Kernel::kFp32;
+    // vdpbf16ps outruns fp32 FMAs on AMD Zen 4 (qpipe's kernel: 2x MKL's fp32 GEMM), not on
+    // Intel: an Emerald Rapids VM that exposes AVX512-BF16 but not AMX ran it (and oneDNN's bf16
+    // GEMM) at half MKL's fp32 speed (docs/benchmarks.md).
+    if (detail::canRunAvx512Bf16Gemm() && __builtin_cpu_is("amd") != 0) return Bf16Kernel::kAvx512Bf16;
+    return Bf16Kernel::kFp32;
   }();
   return kernel;
 }

@@ -152,8 +152,8 @@ at::Tensor int8Matmul(const at::Tensor& a, const at::Tensor& b);
 
 // a [M, K] bf16 · bᵀ (b [N, K] bf16) → fp32 [M, N]; views whose rows are contiguous but spaced
 // apart are read in place. Each product of two bf16 values is exact in fp32; only the fp32
-// accumulation rounds, as in an fp32 GEMM. On CPUs with AVX512-BF16 and no AMX, qpipe's own
-// vdpbf16ps kernel (about 2× an fp32 GEMM; a row's bits do not depend on the other rows of the
+// accumulation rounds, as in an fp32 GEMM. On AMD CPUs with AVX512-BF16, qpipe's own vdpbf16ps
+// kernel (about 2× an fp32 GEMM on Zen 4; a row's bits do not depend on the other rows of the
 // call); with AMX, MKL's bf16 GEMM where LibTorch links it in (5–10× an fp32 GEMM); elsewhere an
 // fp32 GEMM of the widened operands. fp32 a and b (both) take that fp32 GEMM on any CPU: where
 // bf16MatmulKernel() is kFp32, an operand kept across calls is best kept widened.
@@ -166,7 +166,8 @@ void bf16MatmulAdd(const at::Tensor& a, const at::Tensor& b, at::Tensor& out);
 // [hi | lo] when hiFirst, else [lo | hi]. |x − hi − lo| ≤ 2⁻¹⁶·|x|.
 at::Tensor splitBf16(const at::Tensor& x, bool hiFirst);
 // What bf16Matmul runs on this CPU: AMX through MKL (5–10× an fp32 GEMM), qpipe's AVX512-BF16
-// kernel (about 2×), or an fp32 GEMM of the widened operands (a little slower than one).
+// kernel (AMD only: about 2× on Zen 4, half on an Intel host without AMX), or an fp32 GEMM of
+// the widened operands (a little slower than one).
 enum class Bf16Kernel { kAmx, kAvx512Bf16, kFp32 };
 Bf16Kernel bf16MatmulKernel();
 // Asks MKL, before its first computation in this process, for GEMMs whose bits do not depend on

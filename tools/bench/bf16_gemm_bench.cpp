@@ -1,0 +1,71 @@
+// bf16 GEMMs on this CPU, SmolLM2's shapes: what quant::bf16Matmul chose (bf16MatmulKernel), qpipe's
+// AVX512-BF16 kernel called directly where the CPU can run it, MKL's fp32 GEMM (at::matmul of the
+// widened operands) and oneDNN's bf16 GEMM (at::matmul of bf16 tensors), best of 7 calls each, in
+// milliseconds and GFLOP/s. It decides which kernel bf16Matmul should pick on a new kind of host.
+//   qpipe_bench_bf16_gemm [THREADS]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+
+#include "bf16_gemm.h"
+#include "qpipe/quant.h"
+
+namespace {
+
+template <typename F>
+double bestMs(const F& f) {
+  double best = 1e30;
+  for (int i = 0; i < 7; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    f();
+    best = std::min(best, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  return best;
+}
+
+const char* kernelName(qpipe::quant::Bf16Kernel kernel) {
+  switch (kernel) {
+    case qpipe::quant::Bf16Kernel::kAmx: return "AMX (MKL)";
+    case qpipe::quant::Bf16Kernel::kAvx512Bf16: return "qpipe AVX512-BF16";
+    case qpipe::quant::Bf16Kernel::kFp32: return "fp32 GEMM (MKL)";
+  }
+  return "?";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  at::set_num_threads(argc > 1 ? std::atoi(argv[1]) : 1);
+  namespace quant = qpipe::quant;
+  const bool direct = quant::detail::canRunAvx512Bf16Gemm();
+  std::printf("threads %d; bf16Matmul runs: %s\n\n", at::get_num_threads(), kernelName(quant::bf16MatmulKernel()));
+  std::printf("| M x K x N | bf16Matmul ms | GFLOP/s | AVX512-BF16 kernel ms | GFLOP/s | MKL fp32 ms | GFLOP/s | "
+              "oneDNN bf16 ms |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+  for (const auto& [m, k, n] : {std::array<int64_t, 3>{512, 576, 576}, {512, 576, 1536}, {512, 1536, 576},
+                                {4096, 576, 1536}, {128, 1536, 576}}) {
+    const at::Tensor a = at::randn({m, k}).to(at::kBFloat16), b = at::randn({n, k}).to(at::kBFloat16);
+    const at::Tensor a32 = a.to(at::kFloat), b32 = b.to(at::kFloat);
+    const double gflop = 2.0 * static_cast<double>(m * k * n) / 1e9;
+    const double chosen = bestMs([&] { quant::bf16Matmul(a, b); });
+    const double fp32 = bestMs([&] { at::matmul(a32, b32.t()); });
+    const double onednn = bestMs([&] { at::matmul(a, b.t()); });
+    char kernel[64] = "| n/a | n/a";
+    if (direct) {
+      at::Tensor out = at::empty({m, n});
+      const double ms = bestMs([&] {
+        quant::detail::avx512Bf16Gemm(a.const_data_ptr<c10::BFloat16>(), k, b.const_data_ptr<c10::BFloat16>(), k, m,
+                                      n, k, false, out.mutable_data_ptr<float>());
+      });
+      std::snprintf(kernel, sizeof kernel, "| %.2f | %.0f", ms, gflop / ms * 1e3);
+    }
+    std::printf("| %lld x %lld x %lld | %.2f | %.0f %s | %.2f | %.0f | %.2f |\n", static_cast<long long>(m),
+                static_cast<long long>(k), static_cast<long long>(n), chosen, gflop / chosen * 1e3, kernel, fp32,
+                gflop / fp32 * 1e3, onednn);
+  }
+  return 0;
+}
