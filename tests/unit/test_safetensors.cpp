@@ -36,6 +36,8 @@ TEST(Safetensors, EveryDtypeRoundTripsByteForByte) {
   tensors.emplace_back("scalar", at::scalar_tensor(7.5));
   tensors.emplace_back("empty", at::empty({0, 4}));
   tensors.emplace_back("strided", at::arange(24, at::kFloat).view({4, 6}).t());  // not contiguous
+  // Written in several pwrite calls (2 MiB each), the last one short.
+  tensors.emplace_back("large", at::randint(-128, 128, {(5 << 20) + 3}, at::kChar));
   Writer writer(dir, {.metadata = {{"producer", "qpipe-test"}}});
   for (const auto& [name, tensor] : tensors) writer.add(name, tensor);
   EXPECT_EQ(writer.finish(), std::vector<fs::path>{dir / "model.safetensors"});

@@ -376,6 +376,13 @@ namespace {
 // way the file's bytes are the same.
 constexpr uint64_t kDataAlignment = 4096;
 
+// The most bytes one pwrite of tensor data hands the kernel. On a KVM guest with a virtio balloon
+// (Linux 6.18, ext4) a 200 MB pwrite from pages the process had already touched ran at 300 MB/s,
+// the kernel's copy into the page cache stalling page by page, where 2 MiB pwrites of the same
+// bytes ran at 2–3 GB/s; on other hosts the cap costs one system call per 2 MiB
+// (docs/benchmarks.md).
+constexpr uint64_t kWriteChunk = uint64_t{2} << 20;
+
 fs::path dataPath(const fs::path& dir, const WriterOptions& options, int64_t shard) {
   return dir / concat(".", options.filePrefix, "-", shard, ".data.tmp");
 }
@@ -411,8 +418,8 @@ class DataFiles {
     const auto* bytes = static_cast<const char*>(tensor.data_ptr());
     const uint64_t offset = options_.headerReserve + at.bytes;
     for (uint64_t done = 0; done < tensor.nbytes();) {
-      const ssize_t written =
-          ::pwrite(fd_->get(), bytes + done, tensor.nbytes() - done, static_cast<off_t>(offset + done));
+      const ssize_t written = ::pwrite(fd_->get(), bytes + done, std::min(tensor.nbytes() - done, kWriteChunk),
+                                       static_cast<off_t>(offset + done));
       QPIPE_REQUIRE(written > 0, ErrorCode::kIo, "writing '", path.string(),
                     "' failed (disk full?): ", std::strerror(errno));
       done += static_cast<uint64_t>(written);
