@@ -377,9 +377,9 @@ namespace {
 constexpr uint64_t kDataAlignment = 4096;
 
 // The most bytes one pwrite of tensor data hands the kernel. On a KVM guest with a virtio balloon
-// (Linux 6.18, ext4) a 200 MB pwrite from pages the process had already touched ran at 300 MB/s,
-// the kernel's copy into the page cache stalling page by page, where 2 MiB pwrites of the same
-// bytes ran at 2–3 GB/s; on other hosts the cap costs one system call per 2 MiB
+// (Linux 6.18, ext4) one 400 MB pwrite from pages the process had already touched ran at about
+// 300 MB/s, nearly all of it the kernel's copy into the page cache, where pwrites of 2 MiB of the
+// same bytes ran at 2–3 GB/s; elsewhere the cap costs one system call per 2 MiB
 // (docs/benchmarks.md).
 constexpr uint64_t kWriteChunk = uint64_t{2} << 20;
 
