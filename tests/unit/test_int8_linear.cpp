@@ -371,10 +371,12 @@ TEST(Bf16Matmul, Avx512Bf16KernelRowsAndColumnsDoNotDependOnTheirNeighbours) {
   const auto e4m3 = [](int64_t rows, int64_t cols) {
     return (at::randn({rows, cols}) * 50).to(at::kFloat8_e4m3fn).to(at::kBFloat16);
   };
-  const auto kernel = [](const at::Tensor& a, const at::Tensor& b) {
-    at::Tensor out = at::empty({a.size(0), b.size(0)});
+  // a · bᵀ into `out`, or added to it when accumulating.
+  const auto kernel = [](const at::Tensor& a, const at::Tensor& b, at::Tensor out = {}, bool accumulate = false) {
+    if (!out.defined()) out = at::empty({a.size(0), b.size(0)});
     quant::detail::avx512Bf16Gemm(a.const_data_ptr<c10::BFloat16>(), a.stride(0), b.const_data_ptr<c10::BFloat16>(),
-                                  b.stride(0), a.size(0), b.size(0), a.size(1), false, out.mutable_data_ptr<float>());
+                                  b.stride(0), a.size(0), b.size(0), a.size(1), accumulate,
+                                  out.mutable_data_ptr<float>());
     return out;
   };
   const at::Tensor a = e4m3(300, 1031), b = e4m3(19, 1031), more = e4m3(26, 1031);
@@ -388,9 +390,7 @@ TEST(Bf16Matmul, Avx512Bf16KernelRowsAndColumnsDoNotDependOnTheirNeighbours) {
   EXPECT_TRUE(at::equal(kernel(a.slice(0, 3, 4).contiguous(), b), y.slice(0, 3, 4)));
   EXPECT_TRUE(at::equal(kernel(a, at::cat({b, more})).slice(1, 0, 19), y));
   // Accumulating adds the product to what the output held.
-  at::Tensor sum = at::ones({300, 19});
-  quant::detail::avx512Bf16Gemm(a.const_data_ptr<c10::BFloat16>(), a.stride(0), b.const_data_ptr<c10::BFloat16>(),
-                                b.stride(0), 300, 19, 1031, true, sum.mutable_data_ptr<float>());
+  const at::Tensor sum = kernel(a, b, at::ones({300, 19}), true);
   EXPECT_LE((sum.to(at::kDouble) - 1 - exact).abs().max().item<double>(),
             bound + 1e-6 * exact.abs().max().item<double>());
 }
