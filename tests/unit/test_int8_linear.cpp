@@ -412,7 +412,19 @@ TEST(Bf16Matmul, Avx512Bf16KernelRowsAndColumnsDoNotDependOnTheirNeighbours) {
     const at::Tensor product = quant::bf16Matmul(a16, b16);
     same = same && at::equal(onOneThread([&] { return quant::bf16Matmul(a16, b16); }), product);
   }
-  std::exit(strict && same ? 0 : 1);
+  // A weight packed once (on two threads) gives bf16Matmul's bits for any M, on two threads and
+  // on one, widened from bf16 or given in fp32.
+  const at::Tensor b = at::randn({576, 1536}).to(at::kBFloat16).to(at::kFloat);
+  const quant::Bf16MatmulWeight weight(b);
+  bool packed = !at::hasMKL() || weight.packed() || quant::bf16MatmulKernel() != quant::Bf16Kernel::kFp32;
+  for (const int64_t m : {1, 7, 100, 512, 2000}) {
+    const at::Tensor a = at::randn({m, 1536}).to(at::kBFloat16);
+    const at::Tensor reference = quant::bf16Matmul(a.to(at::kFloat), b);
+    same = same && at::equal(weight.matmul(a.to(weight.inputDtype())), reference) &&
+           at::equal(onOneThread([&] { return weight.matmul(a.to(weight.inputDtype())); }), reference) &&
+           at::equal(weight.matmul(a), reference);
+  }
+  std::exit(strict && same && packed ? 0 : 1);
 }
 
 // MKL takes its strict mode only before its first computation, so the check runs in a fresh copy
@@ -424,6 +436,29 @@ TEST(ThreadInvariantBlas, GemmBitsDoNotDependOnTheThreadCount) {
   if (__builtin_cpu_is("intel") == 0) GTEST_SKIP() << "MKL's strict mode covers Intel CPUs only";
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(exitWithThreadInvariance(), ::testing::ExitedWithCode(0), "");
+}
+
+// Outside MKL's strict mode (this test process) the weight is kept as bf16Matmul reads it;
+// exitWithThreadInvariance checks the packed form.
+TEST(Bf16MatmulWeight, GivesBf16MatmulsBitsAndNamesABadInput) {
+  at::manual_seed(9);
+  const at::Tensor b = (at::randn({19, 1031}) * 50).to(at::kFloat8_e4m3fn).to(at::kFloat);
+  const quant::Bf16MatmulWeight weight(b);
+  EXPECT_EQ(weight.n(), 19);
+  EXPECT_EQ(weight.k(), 1031);
+  EXPECT_EQ(weight.inputDtype(), quant::bf16MatmulKernel() == quant::Bf16Kernel::kFp32 ? at::kFloat : at::kBFloat16);
+  const at::Tensor a = (at::randn({37, 1031}) * 50).to(at::kFloat8_e4m3fn).to(weight.inputDtype());
+  EXPECT_TRUE(at::equal(weight.matmul(a), quant::bf16Matmul(a, b.to(weight.inputDtype()))));
+  EXPECT_EQ(weight.matmul(a.slice(0, 0, 0)).sizes(), (std::vector<int64_t>{0, 19}));
+  EXPECT_THROW(weight.matmul(a.slice(1, 1)), std::exception);
+  try {
+    quant::Bf16MatmulWeight(at::zeros({4}));
+    ADD_FAILURE() << "a 1-D weight";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("Bf16MatmulWeight takes a bf16 or fp32 [N, K], got [4] Float"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(Bf16MatmulAdd, AddsTheProductToWhatOutHolds) {

@@ -344,6 +344,27 @@ Sgemm blasSgemm() {
   return gemm;
 }
 
+// MKL's fp32 GEMM on a pre-packed operand (CBLAS, LP64 ints), exported likewise.
+struct PackedSgemm {
+  using Size = size_t (*)(int identifier, int m, int n, int k);
+  using Pack = void (*)(int layout, int identifier, int trans, int m, int n, int k, float alpha, const float* src,
+                        int ld, float* dest);
+  using Compute = void (*)(int layout, int transA, int transB, int m, int n, int k, const float* a, int lda,
+                           const float* b, int ldb, float beta, float* c, int ldc);
+  Size size;
+  Pack pack;
+  Compute compute;
+};
+constexpr int kCblasPacked = 151, kCblasBMatrix = 162;
+
+const PackedSgemm* mklPackedSgemm() {
+  static const PackedSgemm functions{
+      reinterpret_cast<PackedSgemm::Size>(::dlsym(RTLD_DEFAULT, "cblas_sgemm_pack_get_size")),
+      reinterpret_cast<PackedSgemm::Pack>(::dlsym(RTLD_DEFAULT, "cblas_sgemm_pack")),
+      reinterpret_cast<PackedSgemm::Compute>(::dlsym(RTLD_DEFAULT, "cblas_sgemm_compute"))};
+  return functions.size != nullptr && functions.pack != nullptr && functions.compute != nullptr ? &functions : nullptr;
+}
+
 // MKL's conditional numerical reproducibility: mkl_cbwr_set and mkl_cbwr_get, which LibTorch's
 // MKL does not export, are these service calls.
 using Cbwr = int (*)(int);
@@ -487,6 +508,49 @@ at::Tensor bf16Matmul(const at::Tensor& a, const at::Tensor& b) {
 
 void bf16MatmulAdd(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   bf16Gemm(a, b, out, 1.0f);
+}
+
+Bf16MatmulWeight::Bf16MatmulWeight(const at::Tensor& b) {
+  QPIPE_CHECK(b.dim() == 2 && (b.scalar_type() == at::kBFloat16 || b.scalar_type() == at::kFloat),
+              "Bf16MatmulWeight takes a bf16 or fp32 [N, K], got ", b.sizes(), " ", b.scalar_type());
+  n_ = b.size(0);
+  k_ = b.size(1);
+  inputDtype_ = bf16MatmulKernel() == Bf16Kernel::kFp32 ? at::kFloat : at::kBFloat16;
+  b_ = b.to(inputDtype_).contiguous();
+  device_ = b.device();
+  const PackedSgemm* mkl = mklPackedSgemm();
+  // Outside MKL's strict mode its packed GEMM's bits may differ from sgemm's for a few rows
+  // (seen at M < 100 on an Intel host), which would make a row depend on the call's M.
+  if (inputDtype_ != at::kFloat || mkl == nullptr || !b_.device().is_cpu() || n_ == 0 || k_ == 0 ||
+      std::max(n_, k_) > INT_MAX / 2 || !strictBlas()) {
+    return;
+  }
+  // The row count MKL is told to expect; the packed form serves any M.
+  constexpr int kExpectedRows = 512;
+  const int n = static_cast<int>(n_), k = static_cast<int>(k_);
+  // MKL reserves more than it writes (about 10 MB beyond the weight for SmolLM2's shapes); the
+  // pages it never touches take no memory.
+  packed_ = at::empty({static_cast<int64_t>(mkl->size(kCblasBMatrix, kExpectedRows, n, k))}, at::kByte);
+  mkl->pack(kCblasRowMajor, kCblasBMatrix, kCblasTrans, kExpectedRows, n, k, 1.0f, b_.const_data_ptr<float>(), k,
+            static_cast<float*>(packed_.mutable_data_ptr()));
+  b_ = at::Tensor();
+}
+
+at::Tensor Bf16MatmulWeight::matmul(const at::Tensor& a) const {
+  if (!packed_.defined()) return bf16Matmul(a.to(inputDtype_), b_);
+  QPIPE_CHECK(a.dim() == 2 && a.size(1) == k_ && a.device().is_cpu() &&
+                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
+              "Bf16MatmulWeight::matmul takes a bf16 or fp32 CPU [M, ", k_, "], got ", a.sizes(), " ", a.scalar_type());
+  const int64_t m = a.size(0);
+  QPIPE_CHECK(m <= INT_MAX / 2, "Bf16MatmulWeight::matmul: ", m, " rows are more than one MKL call takes");
+  at::Tensor out = at::empty({m, n_}, a.options().dtype(at::kFloat));
+  if (m == 0) return out;
+  const at::Tensor lhs = a.to(at::kFloat).contiguous();
+  const int n = static_cast<int>(n_), k = static_cast<int>(k_);
+  mklPackedSgemm()->compute(kCblasRowMajor, kCblasNoTrans, kCblasPacked, static_cast<int>(m), n, k,
+                            lhs.const_data_ptr<float>(), k, static_cast<const float*>(packed_.const_data_ptr()), k,
+                            0.0f, out.mutable_data_ptr<float>(), n);
+  return out;
 }
 
 bool threadInvariantBlas() {

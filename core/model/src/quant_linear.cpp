@@ -185,25 +185,31 @@ bool Fp8Linear::supports(const quant::QScheme& weight, const std::optional<Activ
          input->scheme.symmetric && quantizedInput(input, QDtype::kFp8E4m3);
 }
 
-Fp8Linear::Fp8Linear(const at::Tensor& qweight, const at::Tensor& scale) {
+namespace {
+
+const at::Tensor& checkedFp8Weight(const at::Tensor& qweight, const at::Tensor& scale) {
   QPIPE_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kFloat8_e4m3fn &&
                   (scale.numel() == 1 || scale.numel() == qweight.size(0)),
               "Fp8Linear takes an E4M3 [N, K] weight and 1 or N scales, got ", qweight.sizes(), " ",
               qweight.scalar_type(), " and ", scale.sizes());
-  // Where bf16Matmul widens its operands (no bf16 dot products) the weight is widened once here,
-  // not on every call (docs/benchmarks.md, "Fewer passes over memory").
-  const at::Tensor values = quant::fromFp8E4m3(qweight);
-  values_ = quant::bf16MatmulKernel() == quant::Bf16Kernel::kFp32 ? values : values.to(at::kBFloat16);
-  scale_ = scale.to(at::kFloat).reshape({-1}).expand({qweight.size(0)}).contiguous();
+  return qweight;
 }
+
+}  // namespace
+
+// The weight is widened (and, with MKL, packed) once here, not on every call (docs/benchmarks.md,
+// "Fewer passes over memory").
+Fp8Linear::Fp8Linear(const at::Tensor& qweight, const at::Tensor& scale)
+    : values_(quant::fromFp8E4m3(checkedFp8Weight(qweight, scale))),
+      scale_(scale.to(at::kFloat).reshape({-1}).expand({qweight.size(0)}).contiguous()) {}
 
 std::optional<at::Tensor> Fp8Linear::forward(const at::Tensor& x, const ActivationQuant& input,
                                              const at::Tensor& bias) const {
   if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || !values_.device().is_cpu()) return std::nullopt;
-  const int64_t k = values_.size(1), n = values_.size(0);
+  const int64_t k = values_.k(), n = values_.n();
   const at::Tensor flat = x.reshape({-1, k});
   const at::Tensor sx = input.isDynamic() ? quant::computeQParams(flat, input.scheme).scale : input.params.scale;
-  const at::Tensor acc = quant::bf16Matmul(quant::fp8Values(flat, sx.reshape({-1}), values_.scalar_type()), values_);
+  const at::Tensor acc = values_.matmul(quant::fp8Values(flat, sx.reshape({-1}), values_.inputDtype()));
   const float* a = acc.const_data_ptr<float>();
   const float* sw = scale_.const_data_ptr<float>();
   return shapedAs(

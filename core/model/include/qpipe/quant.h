@@ -161,6 +161,31 @@ at::Tensor int8Matmul(const at::Tensor& a, const at::Tensor& b);
 at::Tensor bf16Matmul(const at::Tensor& a, const at::Tensor& b);
 // out (fp32 [M, N], contiguous) += a · bᵀ, under bf16Matmul's contract.
 void bf16MatmulAdd(const at::Tensor& a, const at::Tensor& b, at::Tensor& out);
+// b [N, K] (bf16, or fp32 holding bf16 values) kept for many bf16Matmul(a, b) calls, in the form
+// this CPU's kernel reads: bf16 where bf16Matmul has bf16 dot products, else widened to fp32 and,
+// where MKL's strict mode holds (threadInvariantBlas), packed once by MKL for its GEMM, which
+// otherwise packs b on every call (5–8 % of an fp32 GEMM at M = 512 on SmolLM2's shapes).
+// matmul(a) gives bf16Matmul(a, b)'s bits for any M and thread count.
+class Bf16MatmulWeight {
+ public:
+  explicit Bf16MatmulWeight(const at::Tensor& b);
+  // a [M, K], bf16 or fp32 holding bf16 values as b does → fp32 [M, N].
+  at::Tensor matmul(const at::Tensor& a) const;
+  // The dtype a is best given in (bf16 or fp32), saving matmul a conversion.
+  at::ScalarType inputDtype() const { return inputDtype_; }
+  int64_t n() const { return n_; }
+  int64_t k() const { return k_; }
+  at::Device device() const { return device_; }
+  // Whether MKL holds b packed.
+  bool packed() const { return packed_.defined(); }
+
+ private:
+  at::Tensor b_;       // b in inputDtype_; undefined once packed
+  at::Tensor packed_;  // MKL's packed b (bytes), or undefined
+  int64_t n_ = 0, k_ = 0;
+  at::ScalarType inputDtype_ = at::kFloat;
+  at::Device device_ = at::kCPU;
+};
 // A 2-D fp32 CPU x [R, C] as two bf16 parts side by side, [R, 2C]: hi = bf16(x) and
 // lo = bf16(x − hi), each rounded to nearest even as LibTorch's cast (NaN → NaN), in one pass;
 // [hi | lo] when hiFirst, else [lo | hi]. |x − hi − lo| ≤ 2⁻¹⁶·|x|.

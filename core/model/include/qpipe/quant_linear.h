@@ -75,7 +75,7 @@ class Fp8Linear {
   std::optional<at::Tensor> forward(const at::Tensor& x, const ActivationQuant& input, const at::Tensor& bias) const;
 
  private:
-  at::Tensor values_;  // bf16 [N, K], or fp32 where bf16Matmul widens bf16: the weight's E4M3 values
+  quant::Bf16MatmulWeight values_;  // the weight's E4M3 values
   at::Tensor scale_;   // fp32 [N]
 };
 
