@@ -164,6 +164,13 @@ TEST(Validation, NonFiniteWeightsAreRefusedUnlessAllowedAndThenTheLossAndTheScal
   EXPECT_EQ(refused.exitCode, 5) << refused.err;
   EXPECT_EQ(lastLine(refused.err), inputError("checkpoint " + dir.string() + ": tensor '" + q +
                                               "' holds NaN or Inf (1 NaN, 1 Inf); --allow_non_finite loads it anyway"));
+  // A bf16 weight, widened to fp32 and checked in the same pass, is refused alike.
+  const fs::path bf16Dir = withTensor("nan_weight_bf16", q, weight.to(at::kBFloat16));
+  const CommandResult refusedBf16 = eval(bf16Dir);
+  EXPECT_EQ(refusedBf16.exitCode, 5) << refusedBf16.err;
+  EXPECT_EQ(lastLine(refusedBf16.err), inputError("checkpoint " + bf16Dir.string() + ": tensor '" + q +
+                                                  "' holds NaN or Inf (1 NaN, 1 Inf); --allow_non_finite loads it "
+                                                  "anyway"));
   const CommandResult allowed = eval(dir, "--allow_non_finite");
   EXPECT_EQ(allowed.exitCode, 5) << allowed.err;
   EXPECT_EQ(

@@ -148,6 +148,7 @@ class CausalLM {
  private:
   CausalLM() = default;
   at::Tensor stored(const std::string& name);  // as in the checkpoint: mapped, its own dtype, CPU
+  at::Tensor mapped(const std::string& name) const;  // stored(name) without the finiteness check
   at::Tensor weight(const std::string& name);  // on the device, floating point in the compute dtype
   // Module `name`: a QuantLinear where the checkpoint quantized it, else a Linear.
   std::shared_ptr<Module> linear(const std::string& name, bool bias);
