@@ -171,6 +171,11 @@ TEST(Validation, NonFiniteWeightsAreRefusedUnlessAllowedAndThenTheLossAndTheScal
   EXPECT_EQ(lastLine(refusedBf16.err), inputError("checkpoint " + bf16Dir.string() + ": tensor '" + q +
                                                   "' holds NaN or Inf (1 NaN, 1 Inf); --allow_non_finite loads it "
                                                   "anyway"));
+  const CommandResult allowedBf16 = eval(bf16Dir, "--allow_non_finite");
+  EXPECT_EQ(allowedBf16.exitCode, 5) << allowedBf16.err;
+  EXPECT_EQ(
+      lastLine(allowedBf16.err),
+      inputError("perplexity: window 0 (tokens 0 to 16) has a non-finite loss (nan): the model computes NaN or Inf"));
   const CommandResult allowed = eval(dir, "--allow_non_finite");
   EXPECT_EQ(allowed.exitCode, 5) << allowed.err;
   EXPECT_EQ(

@@ -377,6 +377,9 @@ namespace {
 // Whether any of n IEEE patterns has all exponent bits set (±inf or NaN; E4M3FN, which has no
 // inf, passes its exponent and mantissa bits: NaN alone sets all of them). The loop vectorizes at
 // -O3 (core/CMakeLists.txt).
+// A bf16 pattern is NaN or Inf when all these bits are set.
+constexpr uint16_t kBf16Exponent = 0x7F80;
+
 template <typename Bits>
 [[gnu::always_inline]] inline bool anyNonFinite(const Bits* p, int64_t n, Bits exponent) {
   Bits found = 0;
@@ -404,7 +407,7 @@ template <typename Bits>
   uint16_t found = 0;
   for (int64_t i = 0; i < n; ++i) {
     out[i] = static_cast<uint32_t>(p[i]) << 16;
-    found |= (p[i] & 0x7F80) == 0x7F80;
+    found |= (p[i] & kBf16Exponent) == kBf16Exponent;
   }
   return found != 0;
 }
@@ -451,7 +454,7 @@ bool allFinite(const at::Tensor& tensor) {
           found = anyNonFinite32(static_cast<const uint32_t*>(data) + begin, count, 0x7F800000u);
         } else if (dtype == at::kBFloat16 || dtype == at::kHalf) {
           found = anyNonFinite16(static_cast<const uint16_t*>(data) + begin, count,
-                                 dtype == at::kBFloat16 ? uint16_t{0x7F80} : uint16_t{0x7C00});
+                                 dtype == at::kBFloat16 ? kBf16Exponent : uint16_t{0x7C00});
         } else {
           found = anyNonFinite8(static_cast<const uint8_t*>(data) + begin, count,
                                 dtype == at::kFloat8_e4m3fn ? uint8_t{0x7F} : uint8_t{0x7C});
@@ -472,40 +475,34 @@ bool allFinite(const at::Tensor& tensor) {
   return true;
 }
 
-namespace {
-
-const at::Tensor& requireFinite(const std::filesystem::path& dir, const std::string& name, const at::Tensor& t,
-                                bool finite) {
-  QPIPE_REQUIRE(finite, ErrorCode::kInput, "checkpoint ", dir.string(), ": tensor '", name, "' holds NaN or Inf (",
-                at::isnan(t.to(at::kFloat)).sum().item<int64_t>(), " NaN, ",
-                at::isinf(t.to(at::kFloat)).sum().item<int64_t>(), " Inf); --allow_non_finite loads it anyway");
-  return t;
-}
-
-}  // namespace
-
 at::Tensor CausalLM::mapped(const std::string& name) const {
   QPIPE_REQUIRE(checkpoint_.contains(name), ErrorCode::kInput, "checkpoint ", dir_.string(), ": missing tensor '", name,
                 "'");
   return checkpoint_.tensor(name);
 }
 
+void CausalLM::requireFinite(const std::string& name, const at::Tensor& t, std::optional<bool> finite) const {
+  if (!options_.checkFinite || !at::isFloatingType(t.scalar_type())) return;
+  QPIPE_REQUIRE(finite.has_value() ? *finite : allFinite(t), ErrorCode::kInput, "checkpoint ", dir_.string(),
+                ": tensor '", name, "' holds NaN or Inf (", at::isnan(t.to(at::kFloat)).sum().item<int64_t>(), " NaN, ",
+                at::isinf(t.to(at::kFloat)).sum().item<int64_t>(), " Inf); --allow_non_finite loads it anyway");
+}
+
 at::Tensor CausalLM::stored(const std::string& name) {
   const at::Tensor t = mapped(name);
-  if (options_.checkFinite && at::isFloatingType(t.scalar_type())) return requireFinite(dir_, name, t, allFinite(t));
+  requireFinite(name, t);
   return t;
 }
 
 at::Tensor CausalLM::weight(const std::string& name) {
-  if (options_.dtype == at::kFloat && options_.device.is_cpu()) {
-    if (const at::Tensor t = mapped(name);
-        t.scalar_type() == at::kBFloat16 && t.device().is_cpu() && t.is_contiguous()) {
-      auto [wide, finite] = widenedBf16(t);
-      if (options_.checkFinite) requireFinite(dir_, name, t, finite);
-      return wide;
-    }
+  const at::Tensor t = mapped(name);
+  if (options_.dtype == at::kFloat && options_.device.is_cpu() && t.scalar_type() == at::kBFloat16 &&
+      t.device().is_cpu() && t.is_contiguous()) {
+    auto [wide, finite] = widenedBf16(t);
+    requireFinite(name, t, finite);
+    return wide;
   }
-  at::Tensor t = stored(name);
+  requireFinite(name, t);
   if (t.scalar_type() != options_.dtype && at::isFloatingType(t.scalar_type()))
     return t.to(options_.device, options_.dtype);
   return t.to(options_.device);

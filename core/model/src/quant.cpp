@@ -520,7 +520,9 @@ Bf16MatmulWeight::Bf16MatmulWeight(const at::Tensor& b) {
   device_ = b.device();
   const PackedSgemm* mkl = mklPackedSgemm();
   // Outside MKL's strict mode its packed GEMM's bits may differ from sgemm's for a few rows
-  // (seen at M < 100 on an Intel host), which would make a row depend on the call's M.
+  // (seen at M < 100 on an Intel host), which would make a row depend on the call's M. MKL
+  // documents strict mode for ?gemm, not ?gemm_compute: that the two agree there was observed,
+  // and ThreadInvariantBlas checks it.
   if (inputDtype_ != at::kFloat || mkl == nullptr || !b_.device().is_cpu() || n_ == 0 || k_ == 0 ||
       std::max(n_, k_) > INT_MAX / 2 || !strictBlas()) {
     return;
@@ -530,17 +532,20 @@ Bf16MatmulWeight::Bf16MatmulWeight(const at::Tensor& b) {
   const int n = static_cast<int>(n_), k = static_cast<int>(k_);
   // MKL reserves more than it writes (about 10 MB beyond the weight for SmolLM2's shapes); the
   // pages it never touches take no memory.
-  packed_ = at::empty({static_cast<int64_t>(mkl->size(kCblasBMatrix, kExpectedRows, n, k))}, at::kByte);
+  const size_t bytes = mkl->size(kCblasBMatrix, kExpectedRows, n, k);
+  if (bytes == 0) return;
+  packed_ = at::empty({static_cast<int64_t>(bytes)}, at::kByte);
   mkl->pack(kCblasRowMajor, kCblasBMatrix, kCblasTrans, kExpectedRows, n, k, 1.0f, b_.const_data_ptr<float>(), k,
             static_cast<float*>(packed_.mutable_data_ptr()));
   b_ = at::Tensor();
 }
 
 at::Tensor Bf16MatmulWeight::matmul(const at::Tensor& a) const {
+  QPIPE_CHECK(a.dim() == 2 && a.size(1) == k_ && (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
+              "Bf16MatmulWeight::matmul takes a bf16 or fp32 [M, ", k_, "], got ", a.sizes(), " ", a.scalar_type());
   if (!packed_.defined()) return bf16Matmul(a.to(inputDtype_), b_);
-  QPIPE_CHECK(a.dim() == 2 && a.size(1) == k_ && a.device().is_cpu() &&
-                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
-              "Bf16MatmulWeight::matmul takes a bf16 or fp32 CPU [M, ", k_, "], got ", a.sizes(), " ", a.scalar_type());
+  QPIPE_CHECK(a.device().is_cpu(), "Bf16MatmulWeight::matmul: a weight packed by MKL takes CPU inputs, got ",
+              a.device());
   const int64_t m = a.size(0);
   QPIPE_CHECK(m <= INT_MAX / 2, "Bf16MatmulWeight::matmul: ", m, " rows are more than one MKL call takes");
   at::Tensor out = at::empty({m, n_}, a.options().dtype(at::kFloat));

@@ -149,6 +149,9 @@ class CausalLM {
   CausalLM() = default;
   at::Tensor stored(const std::string& name);  // as in the checkpoint: mapped, its own dtype, CPU
   at::Tensor mapped(const std::string& name) const;  // stored(name) without the finiteness check
+  // The error for a non-finite tensor `name` of the checkpoint, unless the options allow one;
+  // `finite` where the caller checked already.
+  void requireFinite(const std::string& name, const at::Tensor& t, std::optional<bool> finite = std::nullopt) const;
   at::Tensor weight(const std::string& name);  // on the device, floating point in the compute dtype
   // Module `name`: a QuantLinear where the checkpoint quantized it, else a Linear.
   std::shared_ptr<Module> linear(const std::string& name, bool bias);

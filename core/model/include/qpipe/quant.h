@@ -163,9 +163,10 @@ at::Tensor bf16Matmul(const at::Tensor& a, const at::Tensor& b);
 void bf16MatmulAdd(const at::Tensor& a, const at::Tensor& b, at::Tensor& out);
 // b [N, K] (bf16, or fp32 holding bf16 values) kept for many bf16Matmul(a, b) calls, in the form
 // this CPU's kernel reads: bf16 where bf16Matmul has bf16 dot products, else widened to fp32 and,
-// where MKL's strict mode holds (threadInvariantBlas), packed once by MKL for its GEMM, which
-// otherwise packs b on every call (5–8 % of an fp32 GEMM at M = 512 on SmolLM2's shapes).
-// matmul(a) gives bf16Matmul(a, b)'s bits for any M and thread count.
+// where MKL runs in its strict mode (threadInvariantBlas, or MKL_CBWR set so), packed once by MKL
+// for its GEMM, which otherwise packs b on every call (5–8 % of an fp32 GEMM at M = 512 on
+// SmolLM2's shapes). matmul(a) gives the bits of bf16Matmul with both operands in inputDtype(),
+// for any M and thread count.
 class Bf16MatmulWeight {
  public:
   explicit Bf16MatmulWeight(const at::Tensor& b);
