@@ -1,7 +1,10 @@
-// bf16 GEMMs on this CPU, SmolLM2's shapes: what quant::bf16Matmul chose (bf16MatmulKernel), qpipe's
-// AVX512-BF16 kernel called directly where the CPU can run it, MKL's fp32 GEMM (at::matmul of the
-// widened operands) and oneDNN's bf16 GEMM (at::matmul of bf16 tensors), best of 7 calls each, in
-// milliseconds and GFLOP/s. It decides which kernel bf16Matmul should pick on a new kind of host.
+// bf16 GEMMs on this CPU, SmolLM2's shapes: what quant::bf16Matmul chose (bf16MatmulKernel), the
+// same product on a weight held as quant::Bf16MatmulWeight (packed once by MKL where it runs in
+// strict mode, as Fp8Linear holds its weight), qpipe's AVX512-BF16 kernel called directly where
+// the CPU can run it, MKL's fp32 GEMM (at::matmul of the widened operands) and oneDNN's bf16 GEMM
+// (at::matmul of bf16 tensors), best of 7 calls each, in milliseconds and GFLOP/s. MKL's strict
+// mode is asked for first, as `qpipe` does. It decides which kernel bf16Matmul should pick on a
+// new kind of host.
 //   qpipe_bench_bf16_gemm [THREADS]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,18 +43,25 @@ const char* kernelName(qpipe::quant::Bf16Kernel kernel) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  at::set_num_threads(argc > 1 ? std::atoi(argv[1]) : 1);
   namespace quant = qpipe::quant;
+  const bool strict = quant::threadInvariantBlas();
+  at::set_num_threads(argc > 1 ? std::atoi(argv[1]) : 1);
   const bool direct = quant::detail::canRunAvx512Bf16Gemm();
-  std::printf("threads %d; bf16Matmul runs: %s\n\n", at::get_num_threads(), kernelName(quant::bf16MatmulKernel()));
-  std::printf("| M x K x N | bf16Matmul ms | GFLOP/s | AVX512-BF16 kernel ms | GFLOP/s | MKL fp32 ms | GFLOP/s | "
-              "oneDNN bf16 ms |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+  std::printf("threads %d; MKL strict mode: %s; bf16Matmul runs: %s\n\n", at::get_num_threads(), strict ? "yes" : "no",
+              kernelName(quant::bf16MatmulKernel()));
+  std::printf(
+      "| M x K x N | bf16Matmul ms | GFLOP/s | Bf16MatmulWeight ms | GFLOP/s | AVX512-BF16 kernel ms | GFLOP/s | "
+      "MKL fp32 ms | GFLOP/s | oneDNN bf16 ms |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+      "---: |\n");
   for (const auto& [m, k, n] : {std::array<int64_t, 3>{512, 576, 576}, {512, 576, 1536}, {512, 1536, 576},
                                 {4096, 576, 1536}, {128, 1536, 576}}) {
     const at::Tensor a = at::randn({m, k}).to(at::kBFloat16), b = at::randn({n, k}).to(at::kBFloat16);
     const at::Tensor a32 = a.to(at::kFloat), b32 = b.to(at::kFloat);
     const double gflop = 2.0 * static_cast<double>(m * k * n) / 1e9;
     const double chosen = bestMs([&] { quant::bf16Matmul(a, b); });
+    const quant::Bf16MatmulWeight weight(b);
+    const at::Tensor input = a.to(weight.inputDtype());
+    const double held = bestMs([&] { weight.matmul(input); });
     const double fp32 = bestMs([&] { at::matmul(a32, b32.t()); });
     const double onednn = bestMs([&] { at::matmul(a, b.t()); });
     char kernel[64] = "| n/a | n/a";
@@ -63,8 +73,9 @@ int main(int argc, char** argv) {
       });
       std::snprintf(kernel, sizeof kernel, "| %.2f | %.0f", ms, gflop / ms * 1e3);
     }
-    std::printf("| %lld x %lld x %lld | %.2f | %.0f %s | %.2f | %.0f | %.2f |\n", static_cast<long long>(m),
-                static_cast<long long>(k), static_cast<long long>(n), chosen, gflop / chosen * 1e3, kernel, fp32,
+    std::printf("| %lld x %lld x %lld | %.2f | %.0f | %.2f%s | %.0f %s | %.2f | %.0f | %.2f |\n",
+                static_cast<long long>(m), static_cast<long long>(k), static_cast<long long>(n), chosen,
+                gflop / chosen * 1e3, held, weight.packed() ? " (packed)" : "", gflop / held * 1e3, kernel, fp32,
                 gflop / fp32 * 1e3, onednn);
   }
   return 0;
