@@ -374,12 +374,12 @@ std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, 
 
 namespace {
 
-// Whether any of n IEEE patterns has all exponent bits set (±inf or NaN; E4M3FN, which has no
-// inf, passes its exponent and mantissa bits: NaN alone sets all of them). The loop vectorizes at
-// -O3 (core/CMakeLists.txt).
 // A bf16 pattern is NaN or Inf when all these bits are set.
 constexpr uint16_t kBf16Exponent = 0x7F80;
 
+// Whether any of n IEEE patterns has all exponent bits set (±inf or NaN; E4M3FN, which has no
+// inf, passes its exponent and mantissa bits: NaN alone sets all of them). The loop vectorizes at
+// -O3 (core/CMakeLists.txt).
 template <typename Bits>
 [[gnu::always_inline]] inline bool anyNonFinite(const Bits* p, int64_t n, Bits exponent) {
   Bits found = 0;

@@ -517,7 +517,6 @@ Bf16MatmulWeight::Bf16MatmulWeight(const at::Tensor& b) {
   k_ = b.size(1);
   inputDtype_ = bf16MatmulKernel() == Bf16Kernel::kFp32 ? at::kFloat : at::kBFloat16;
   b_ = b.to(inputDtype_).contiguous();
-  device_ = b.device();
   const PackedSgemm* mkl = mklPackedSgemm();
   // Outside MKL's strict mode its packed GEMM's bits may differ from sgemm's for a few rows
   // (seen at M < 100 on an Intel host), which would make a row depend on the call's M. MKL

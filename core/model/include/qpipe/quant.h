@@ -176,7 +176,7 @@ class Bf16MatmulWeight {
   at::ScalarType inputDtype() const { return inputDtype_; }
   int64_t n() const { return n_; }
   int64_t k() const { return k_; }
-  at::Device device() const { return device_; }
+  at::Device device() const { return packed_.defined() ? packed_.device() : b_.device(); }
   // Whether MKL holds b packed.
   bool packed() const { return packed_.defined(); }
 
@@ -185,7 +185,6 @@ class Bf16MatmulWeight {
   at::Tensor packed_;  // MKL's packed b (bytes), or undefined
   int64_t n_ = 0, k_ = 0;
   at::ScalarType inputDtype_ = at::kFloat;
-  at::Device device_ = at::kCPU;
 };
 // A 2-D fp32 CPU x [R, C] as two bf16 parts side by side, [R, 2C]: hi = bf16(x) and
 // lo = bf16(x − hi), each rounded to nearest even as LibTorch's cast (NaN → NaN), in one pass;
