@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -427,6 +428,18 @@ TEST(Bf16Matmul, Avx512Bf16KernelRowsAndColumnsDoNotDependOnTheirNeighbours) {
            at::equal(weight.matmul(a), reference) && at::equal(weight.matmul(a.contiguous()), reference);
   }
   same = same && weight.matmul(at::empty({0, 1536})).sizes() == at::IntArrayRef({0, 576});
+  // Weights stacked along N (q/k/v in one StackedQuantGemm) give each weight's own bits.
+  const std::vector<at::Tensor> shards{at::randn({576, 576}), at::randn({192, 576}), at::randn({192, 576})};
+  const quant::Bf16MatmulWeight stacked(at::cat(shards));
+  for (const int64_t m : {1, 7, 512, 2000}) {
+    const at::Tensor a = at::randn({m, 576}).to(dtype);
+    const at::Tensor y = stacked.matmul(a);
+    int64_t offset = 0;
+    for (const at::Tensor& shard : shards) {
+      same = same && at::equal(y.narrow(1, offset, shard.size(0)), quant::Bf16MatmulWeight(shard).matmul(a));
+      offset += shard.size(0);
+    }
+  }
   std::exit(strict && same && packed ? 0 : 1);
 }
 
@@ -631,6 +644,76 @@ TEST(Fp8Linear, IsTheE4m3ProductSumTimesTheScalesWithinFp32Accumulation) {
     EXPECT_TRUE(at::equal(linear.forward(x, cases[0], {})->select(0, 0).select(0, 3), at::zeros({24})));
     EXPECT_FALSE(linear.forward(x.to(at::kDouble), cases[0], {}).has_value());
   }
+}
+
+// Linears stacked along N, as q/k/v and gate/up run: each output is what the Linear's own
+// QuantGemm gives. The int8 sums are exact, so bit for bit; the fp32 sums of the FP8 GEMM are the
+// same where each output column is its own dot product (MKL's strict mode: checked in
+// exitWithThreadInvariance), and within fp32 rounding elsewhere.
+TEST(StackedQuantGemm, GivesEachLinearsOwnQuantGemmOutput) {
+  at::manual_seed(12);
+  const at::Tensor x = at::randn({2, 19, 96}) * 3;
+  const std::vector<int64_t> outputs{40, 8, 8};
+  const auto check = [&](const QScheme& weightScheme, const ActivationQuant& act, bool bias) {
+    std::vector<StackedQuantGemm::Member> members;
+    std::vector<at::Tensor> own;
+    for (const int64_t n : outputs) {
+      const at::Tensor w = at::randn({n, 96});
+      const QParams wp = quant::computeQParams(w, weightScheme);
+      const at::Tensor qw = quant::quantize(w, wp, weightScheme);
+      const at::Tensor b = bias ? at::randn({n}) : at::Tensor();
+      members.push_back({nullptr, qw, wp.scale, b});
+      own.push_back(*QuantGemm(qw, wp.scale, weightScheme, act).forward(x, act, b));
+    }
+    const std::optional<std::vector<at::Tensor>> y = StackedQuantGemm(members, weightScheme, act).forward(x, act);
+    ASSERT_TRUE(y.has_value());
+    const bool exact = weightScheme.dtype != QDtype::kFp8E4m3;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      const std::string what =
+          weightScheme.name() + " · " + act.scheme.name() + (bias ? " + bias" : "") + ", Linear " + std::to_string(i);
+      ASSERT_EQ((*y)[i].sizes(), own[i].sizes()) << what;
+      if (exact) {
+        EXPECT_TRUE(at::equal((*y)[i], own[i])) << what;
+      } else {
+        EXPECT_LE(((*y)[i] - own[i]).abs().max().item<float>(), 1e-5f * own[i].abs().max().item<float>()) << what;
+      }
+    }
+    EXPECT_FALSE(StackedQuantGemm(members, weightScheme, act).forward(x.to(at::kDouble), act).has_value());
+  };
+  const QScheme int8Channel{QDtype::kInt8, QScope::kPerChannel, true, 0};
+  const QScheme int4Channel{QDtype::kInt4, QScope::kPerChannel, true, 0};
+  const QScheme fp8Tensor{QDtype::kFp8E4m3, QScope::kPerTensor, true, 0};
+  const QScheme fp8Channel{QDtype::kFp8E4m3, QScope::kPerChannel, true, 0};
+  const QScheme int8Static{QDtype::kInt8, QScope::kPerTensor, false, 0};
+  const ActivationQuant int8Dynamic{{QDtype::kInt8, QScope::kPerToken, true, 0}, {}};
+  const ActivationQuant fp8Dynamic{{QDtype::kFp8E4m3, QScope::kPerToken, true, 0}, {}};
+  for (const bool bias : {false, true}) {
+    check(int8Channel, int8Dynamic, bias);
+    check(int4Channel, {int8Static, quant::computeQParams(x, int8Static)}, bias);
+    check(fp8Tensor, {fp8Tensor, quant::computeQParams(x * 0.25, fp8Tensor)}, bias);
+    check(fp8Channel, fp8Dynamic, bias);
+  }
+  // Through QuantLinear: siblings sharing an input run as one stack.
+  std::vector<std::shared_ptr<QuantLinear>> linears;
+  std::vector<Module*> siblings;
+  for (const int64_t n : outputs) {
+    Linear linear(at::randn({n, 96}));
+    linears.push_back(
+        QuantLinear::fromLinear(linear, quant::computeQParams(linear.weight(), int8Channel), int8Channel, int8Dynamic));
+    siblings.push_back(linears.back().get());
+  }
+  const std::vector<at::Tensor> y = forwardSharingInput(x, siblings);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    EXPECT_FALSE(y[i].is_contiguous());
+    EXPECT_TRUE(at::equal(y[i], linears[i]->forward(x))) << "Linear " << i;
+  }
+  // Another input quantization among them: each runs alone.
+  Linear other(at::randn({8, 96}));
+  const ActivationQuant otherStatic{int8Static, quant::computeQParams(x, int8Static)};
+  const auto otherLinear =
+      QuantLinear::fromLinear(other, quant::computeQParams(other.weight(), int8Channel), int8Channel, otherStatic);
+  siblings.back() = otherLinear.get();
+  EXPECT_TRUE(forwardSharingInput(x, siblings)[0].is_contiguous());
 }
 
 TEST(Fp8Linear, SupportsE4m3TensorOrChannelWeightsWithE4m3Activations) {

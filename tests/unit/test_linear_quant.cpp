@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -26,6 +27,7 @@
 #include "qpipe/quant_linear.h"
 #include "qpipe/safetensors.h"
 #include "qpipe/schema.h"
+#include "qpipe/staged.h"
 #include "test_helpers.h"
 #include "tiny_model.h"
 
@@ -133,6 +135,104 @@ TEST(LinearQuantizer, StaticActivationsWithoutDataAreAnError) {
   EXPECT_EQ(test::errorOf([&] { quantizer.deploy("model.layers.0.mlp.experts.7.up_proj"); }, ErrorCode::kInput),
             "model.layers.0.mlp.experts.7.up_proj: no calibration data reached this module, so its static "
             "activation scale is unknown; add calibration samples or exclude it");
+}
+
+// q/k/v-shaped siblings: three Linears reading one input, quantized as a group and one by one.
+struct Siblings {
+  std::vector<std::shared_ptr<LinearQuantizer>> quantizers;
+  std::vector<Module*> modules;
+  int settles = 0;
+
+  Siblings(const quant::LinearQConfig& config, bool staged, const std::vector<bool>& bias) {
+    at::manual_seed(5);
+    for (size_t i = 0; i < bias.size(); ++i) {
+      const int64_t n = i == 0 ? 48 : 16;
+      Linear linear(at::randn({n, 64}), bias[i] ? at::randn({n}) : at::Tensor());
+      quantizers.push_back(std::make_shared<LinearQuantizer>(linear, config));
+      if (staged) {
+        quantizers.back()->settleInForward([this](LinearQuantizer& q) {
+          ++settles;
+          q.freeze();
+        });
+      }
+      modules.push_back(quantizers.back().get());
+    }
+  }
+};
+
+// Each sample's outputs, one forward of every sample at a time through `forward`, staged.
+std::vector<std::vector<at::Tensor>> stagedOutputs(
+    const std::vector<at::Tensor>& samples, const std::function<std::vector<at::Tensor>(const at::Tensor&)>& forward) {
+  std::vector<std::vector<at::Tensor>> outputs(samples.size());
+  runStaged(static_cast<int64_t>(samples.size()),
+            [&](int64_t s) { outputs[static_cast<size_t>(s)] = forward(samples[static_cast<size_t>(s)]); });
+  return outputs;
+}
+
+// The group runs as one StackedQuantGemm (its outputs are views of one tensor) and gives each
+// sibling's own outputs, observers and checkpoint tensors; the int8 sums are exact, so bit for
+// bit. Where the group cannot share (a hook, other schemes, a bias on some), each runs alone.
+TEST(LinearQuantizer, SiblingsReadingOneInputGiveTheirOwnForwardsOutputsInOneGemm) {
+  const quant::LinearQConfig staticInt8 =
+      qconfig("act: {dtype: int8, scope: per_tensor, symmetric: False}\nweight: {dtype: int8, scope: per_channel}\n");
+  const quant::LinearQConfig dynamicInt8 =
+      qconfig("act: {dtype: int8, scope: per_token}\nweight: {dtype: int8, scope: per_channel}\n");
+  std::vector<at::Tensor> samples;
+  for (int s = 0; s < 3; ++s) samples.push_back(at::randn({1, 5 + s, 64}) * (s + 1));
+  const auto expectSame = [&](const quant::LinearQConfig& config, bool staged, const std::vector<bool>& bias,
+                              bool stacked, const std::function<void(Siblings&)>& prepare = nullptr) {
+    Siblings group(config, staged, bias), alone(config, staged, bias);
+    if (prepare) prepare(group);
+    const auto grouped =
+        stagedOutputs(samples, [&](const at::Tensor& x) { return forwardSharingInput(x, group.modules); });
+    const auto single = stagedOutputs(samples, [&](const at::Tensor& x) {
+      std::vector<at::Tensor> y;
+      for (Module* module : alone.modules) y.push_back((*module)(x));
+      return y;
+    });
+    EXPECT_EQ(group.settles, alone.settles);
+    for (size_t s = 0; s < samples.size(); ++s) {
+      for (size_t i = 0; i < bias.size(); ++i) {
+        EXPECT_TRUE(at::equal(grouped[s][i], single[s][i])) << "sample " << s << " sibling " << i;
+        EXPECT_EQ(grouped[s][i].is_contiguous(), !stacked) << "sample " << s << " sibling " << i;
+      }
+    }
+    for (size_t i = 0; i < bias.size(); ++i) {
+      if (!staged) {
+        group.quantizers[i]->freeze();
+        alone.quantizers[i]->freeze();
+      }
+      const auto deployed = group.quantizers[i]->deploy("g"), reference = alone.quantizers[i]->deploy("a");
+      for (const auto& [name, value] : reference->ownParameters()) {
+        EXPECT_TRUE(at::equal(deployed->parameter(name), value)) << name << " of sibling " << i;
+      }
+    }
+  };
+  expectSame(staticInt8, true, {false, false, false}, true);
+  expectSame(staticInt8, true, {true, true, true}, true);
+  expectSame(dynamicInt8, false, {true, true, true}, true);
+  // A bias on some: observed and settled together, then each GEMM alone.
+  expectSame(staticInt8, true, {true, false, true}, false);
+  // A hook on one: its hook sees its own input and output, so every sibling runs alone.
+  int hooked = 0;
+  expectSame(staticInt8, true, {false, false, false}, false, [&](Siblings& group) {
+    group.modules[1]->addForwardHook([&](Module&, const at::Tensor&, const at::Tensor&) {
+      ++hooked;
+      return at::Tensor();
+    });
+  });
+  EXPECT_EQ(hooked, 3);
+  // Static activations outside a staged run observe in two phases: each sibling alone.
+  expectSame(staticInt8, false, {false, false, false}, false);
+  // Other schemes among them: each alone.
+  Siblings mixed(staticInt8, true, {false, false});
+  Linear other(at::randn({16, 64}));
+  auto dynamic = std::make_shared<LinearQuantizer>(other, dynamicInt8);
+  mixed.modules.push_back(dynamic.get());
+  const auto outputs =
+      stagedOutputs(samples, [&](const at::Tensor& x) { return forwardSharingInput(x, mixed.modules); });
+  EXPECT_EQ(mixed.settles, 2);
+  EXPECT_TRUE(at::equal(outputs[0][2], (*dynamic)(samples[0])));
 }
 
 class LinearQuantPlugin : public ::testing::Test {

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <tuple>
 
 #include "qpipe/error.h"
@@ -95,8 +96,7 @@ at::Tensor LinearQuantizer::forward(const at::Tensor& input) {
   at::Tensor x = input;
   if (observes()) {
     if (!frozen_) {
-      if (minMax_) minMax_->update(x);
-      if (histogram_) histogram_->update(x);
+      observe(x);
       if (settle_) {
         settlePoint(this, [this] {
           settle_(*this);
@@ -118,6 +118,52 @@ at::Tensor LinearQuantizer::forward(const at::Tensor& input) {
     fakeWeight_ = quant::dequantize(qweight_, weightParams_, config_.weight.scheme).to(dtype_);
   }
   return at::linear(x, fakeWeight_, bias_);
+}
+
+void LinearQuantizer::observe(const at::Tensor& x) {
+  if (minMax_) minMax_->update(x);
+  if (histogram_) histogram_->update(x);
+}
+
+std::optional<std::vector<at::Tensor>> LinearQuantizer::forwardSiblings(const at::Tensor& input,
+                                                                        const std::vector<Module*>& siblings) {
+  std::vector<LinearQuantizer*> group;
+  for (Module* module : siblings) {
+    auto* sibling = dynamic_cast<LinearQuantizer*>(module);
+    if (sibling == nullptr || !sibling->weightsSolved() || sibling->config_.weight.scheme != config_.weight.scheme ||
+        sibling->config_.act.scheme != config_.act.scheme || sibling->observing() != observing() ||
+        (sibling->observing() && !sibling->settle_)) {
+      return std::nullopt;
+    }
+    group.push_back(sibling);
+  }
+  if (observing()) {
+    for (LinearQuantizer* sibling : group) sibling->observe(input);
+    settlePoint(this, [&group] {
+      for (LinearQuantizer* sibling : group) {
+        sibling->settle_(*sibling);
+        QPIPE_CHECK(sibling->frozen_, "a LinearQuantizer's settle step did not freeze it");
+      }
+    });
+  }
+  // From here on each sibling's own forward gives the same outputs, so declining is still right.
+  const std::optional<ActivationQuant> act = activationQuant();
+  if (!calibrated() || !act || !QuantGemm::supports(config_.weight.scheme, act)) return std::nullopt;
+  for (LinearQuantizer* sibling : group) {
+    if (!sibling->calibrated() || !sameActivationQuant(sibling->activationQuant(), act) ||
+        sibling->bias_.defined() != bias_.defined()) {
+      return std::nullopt;
+    }
+  }
+  if (!stacked_ ||
+      !std::equal(siblings.begin(), siblings.end(), stacked_->members().begin(), stacked_->members().end())) {
+    std::vector<StackedQuantGemm::Member> members;
+    for (LinearQuantizer* sibling : group) {
+      members.push_back({sibling, sibling->qweight_, sibling->weightParams_.scale, sibling->bias_});
+    }
+    stacked_.emplace(members, config_.weight.scheme, act);
+  }
+  return stacked_->forward(input, *act);
 }
 
 std::optional<at::Tensor> LinearQuantizer::gemmForward(const at::Tensor& x) {

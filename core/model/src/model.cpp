@@ -48,10 +48,13 @@ class Mlp : public Module {
     down_ = addChild("down_proj", std::make_shared<Linear>(std::move(down)));
   }
   at::Tensor forward(const at::Tensor& x) override {
-    // In place and statement by statement: a staged calibration forward holds every sample's
-    // activations at down_proj's settle point, one intermediate-wide tensor each rather than four.
-    at::Tensor h = at::silu(child(gate_)(x));
-    h.mul_(child(up_)(x));
+    // In place, and gate/up's outputs dropped before down_proj: a staged calibration forward
+    // holds every sample's activations at down_proj's settle point, one intermediate-wide tensor
+    // each rather than four.
+    std::vector<at::Tensor> gateUp = forwardSharingInput(x, {&child(gate_), &child(up_)});
+    at::Tensor h = at::silu(gateUp[0]);
+    h.mul_(gateUp[1]);
+    gateUp.clear();
     return child(down_)(h);
   }
 
@@ -128,27 +131,36 @@ class Attention : public Module {
   }
 
   at::Tensor forward(const at::Tensor& x, const Rotary& rotary, const at::Tensor& mask) {
+    // Q, K and V are gone before o_proj runs: a staged calibration forward holds every sample's
+    // state at o_proj's settle point.
+    const at::Tensor attended = attend(x, rotary, mask);
+    return child(o_)(attended);
+  }
+
+ private:
+  // The heads' outputs side by side: o_proj's input.
+  at::Tensor attend(const at::Tensor& x, const Rotary& rotary, const at::Tensor& mask) {
     const int64_t batch = x.size(0), seq = x.size(1);
-    const auto heads = [&](size_t proj, int64_t n, std::optional<size_t> norm) {
-      at::Tensor t = child(proj)(x).view({batch, seq, n, headDim_});
+    const std::vector<at::Tensor> qkv = forwardSharingInput(x, {&child(q_), &child(k_), &child(v_)});
+    const auto heads = [&](const at::Tensor& projected, int64_t n, std::optional<size_t> norm) {
+      at::Tensor t = projected.view({batch, seq, n, headDim_});
       if (norm) t = child(*norm)(t);
       return t.transpose(1, 2);
     };
-    at::Tensor q = heads(q_, heads_, qNorm_);
-    at::Tensor k = heads(k_, kvHeads_, kNorm_);
-    at::Tensor v = heads(v_, kvHeads_, std::nullopt);
+    at::Tensor q = heads(qkv[0], heads_, qNorm_);
+    at::Tensor k = heads(qkv[1], kvHeads_, kNorm_);
+    at::Tensor v = heads(qkv[2], kvHeads_, std::nullopt);
     const at::Tensor cos = rotary.cos.unsqueeze(1), sin = rotary.sin.unsqueeze(1);
     q = child(qHook_)(q * cos + rotateHalf(q) * sin);
     k = child(kHook_)(k * cos + rotateHalf(k) * sin);
     v = child(vHook_)(v);
-    const at::Tensor attended =
-        at::scaled_dot_product_attention(q, k, v, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
-                                         /*dropout_p=*/0.0, /*is_causal=*/!mask.defined(), /*scale=*/std::nullopt,
-                                         /*enable_gqa=*/kvHeads_ != heads_);
-    return child(o_)(attended.transpose(1, 2).reshape({batch, seq, heads_ * headDim_}));
+    return at::scaled_dot_product_attention(q, k, v, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
+                                            /*dropout_p=*/0.0, /*is_causal=*/!mask.defined(), /*scale=*/std::nullopt,
+                                            /*enable_gqa=*/kvHeads_ != heads_)
+        .transpose(1, 2)
+        .reshape({batch, seq, heads_ * headDim_});
   }
 
- private:
   int64_t heads_, kvHeads_, headDim_;
   size_t q_, k_, v_, o_, qHook_, kHook_, vHook_;
   std::optional<size_t> qNorm_, kNorm_;

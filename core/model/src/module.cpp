@@ -16,16 +16,39 @@ Module::~Module() {
   }
 }
 
+namespace {
+
+// The innermost module names the operation; the modules around it pass its Error on.
+Error forwardError(const Module& module, std::string_view siblings, const at::Tensor& input, const c10::Error& e) {
+  const std::string where = module.path();
+  return Error(ErrorCode::kInternal,
+               concat(where.empty() ? "" : where + " (", module.typeName(), where.empty() ? "" : ")", siblings,
+                      " forward of ", input.sizes(), " ", input.scalar_type(), ": ", oneLine(e)));
+}
+
+}  // namespace
+
 at::Tensor Module::operator()(const at::Tensor& input) {
   try {
     return call(input);
   } catch (const c10::Error& e) {
-    // The innermost module names the operation; the modules around it pass its Error on.
-    const std::string where = path();
-    throw Error(ErrorCode::kInternal,
-                concat(where.empty() ? "" : where + " (", typeName_, where.empty() ? "" : ")", " forward of ",
-                       input.sizes(), " ", input.scalar_type(), ": ", oneLine(e)));
+    throw forwardError(*this, "", input, e);
   }
+}
+
+std::vector<at::Tensor> forwardSharingInput(const at::Tensor& input, const std::vector<Module*>& modules) {
+  const bool hooked = std::any_of(modules.begin(), modules.end(), [](const Module* m) { return m->hasHooks(); });
+  if (auto* first = modules.empty() || hooked ? nullptr : dynamic_cast<InputSharing*>(modules.front())) {
+    try {
+      if (std::optional<std::vector<at::Tensor>> outputs = first->forwardSiblings(input, modules)) return *outputs;
+    } catch (const c10::Error& e) {
+      throw forwardError(*modules.front(), " with its siblings", input, e);
+    }
+  }
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(modules.size());
+  for (Module* module : modules) outputs.push_back((*module)(input));
+  return outputs;
 }
 
 at::Tensor Module::call(const at::Tensor& input) {

@@ -276,6 +276,57 @@ std::optional<at::Tensor> QuantGemm::forward(const at::Tensor& x, const Activati
   return std::visit([&](const auto& gemm) { return gemm.forward(x, input, bias); }, gemm_);
 }
 
+namespace {
+
+QuantGemm stackedGemm(const std::vector<StackedQuantGemm::Member>& members, const quant::QScheme& weight,
+                      const std::optional<ActivationQuant>& input) {
+  QPIPE_CHECK(!members.empty(), "a StackedQuantGemm of no Linears");
+  std::vector<at::Tensor> qweights, scales;
+  for (const StackedQuantGemm::Member& member : members) {
+    qweights.push_back(member.qweight);
+    // A per-tensor scale becomes one per output, as each QuantGemm holds it.
+    scales.push_back(member.scale.to(at::kFloat).reshape({-1}).expand({member.qweight.size(0)}));
+  }
+  return QuantGemm(at::cat(qweights), at::cat(scales), weight, input);
+}
+
+}  // namespace
+
+StackedQuantGemm::StackedQuantGemm(const std::vector<Member>& members, const quant::QScheme& weight,
+                                   const std::optional<ActivationQuant>& input)
+    : gemm_(stackedGemm(members, weight, input)) {
+  std::vector<at::Tensor> biases;
+  for (const Member& member : members) {
+    modules_.push_back(member.module);
+    outFeatures_.push_back(member.qweight.size(0));
+    if (member.bias.defined()) biases.push_back(member.bias);
+  }
+  QPIPE_CHECK(biases.empty() || biases.size() == members.size(), "a StackedQuantGemm of Linears with and without bias");
+  if (!biases.empty()) bias_ = at::cat(biases);
+}
+
+std::optional<std::vector<at::Tensor>> StackedQuantGemm::forward(const at::Tensor& x,
+                                                                 const ActivationQuant& input) const {
+  const std::optional<at::Tensor> y = gemm_.forward(x, input, bias_);
+  if (!y) return std::nullopt;
+  std::vector<at::Tensor> outputs;
+  int64_t offset = 0;
+  for (const int64_t n : outFeatures_) {
+    outputs.push_back(y->narrow(-1, offset, n));
+    offset += n;
+  }
+  return outputs;
+}
+
+bool sameActivationQuant(const std::optional<ActivationQuant>& a, const std::optional<ActivationQuant>& b) {
+  if (!a || !b) return !a && !b;
+  const auto same = [](const at::Tensor& s, const at::Tensor& t) {
+    return s.defined() == t.defined() && (!s.defined() || at::equal(s, t));
+  };
+  return a->scheme == b->scheme && same(a->params.scale, b->params.scale) &&
+         same(a->params.zeroPoint, b->params.zeroPoint) && same(a->params.globalScale, b->params.globalScale);
+}
+
 at::Tensor ActivationQuant::apply(const at::Tensor& x) const {
   if (scheme.dtype == quant::QDtype::kFloat) return x;
   if (quant::isFp4(scheme.dtype)) return quant::fakeQuantizeFp4Dynamic(x, scheme, params.globalScale);
@@ -346,6 +397,26 @@ at::Tensor QuantLinear::forward(const at::Tensor& input) {
   const at::Tensor x = input_ ? input_->apply(input) : input;
   if (std::optional<at::Tensor> y = detail::smallLinear(x, dequantizedWeight(), bias())) return *y;
   return at::linear(x, dequantizedWeight(), bias());
+}
+
+std::optional<std::vector<at::Tensor>> QuantLinear::forwardSiblings(const at::Tensor& input,
+                                                                    const std::vector<Module*>& siblings) {
+  if (!QuantGemm::supports(weightScheme_, input_) || !parameter("weight").device().is_cpu()) return std::nullopt;
+  if (!stacked_ ||
+      !std::equal(siblings.begin(), siblings.end(), stacked_->members().begin(), stacked_->members().end())) {
+    std::vector<StackedQuantGemm::Member> members;
+    for (Module* module : siblings) {
+      auto* sibling = dynamic_cast<QuantLinear*>(module);
+      if (sibling == nullptr || sibling->weightScheme_ != weightScheme_ ||
+          !sameActivationQuant(sibling->input_, input_) || sibling->computeDtype_ != computeDtype_ ||
+          sibling->bias().defined() != bias().defined() || !sibling->parameter("weight").device().is_cpu()) {
+        return std::nullopt;
+      }
+      members.push_back({sibling, sibling->parameter("weight"), sibling->parameter("weight_scale"), sibling->bias()});
+    }
+    stacked_.emplace(members, weightScheme_, input_);
+  }
+  return stacked_->forward(input, *input_);
 }
 
 }  // namespace qpipe

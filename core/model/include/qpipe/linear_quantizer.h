@@ -35,7 +35,7 @@
 
 namespace qpipe {
 
-class LinearQuantizer : public Module, public DistributedSync {
+class LinearQuantizer : public Module, public DistributedSync, public InputSharing {
  public:
   enum class Weights { kSolve, kDeferred };
   LinearQuantizer(Linear& linear, const quant::LinearQConfig& config, Weights weights = Weights::kSolve);
@@ -57,6 +57,12 @@ class LinearQuantizer : public Module, public DistributedSync {
   void syncDone(const TaskRecord& record, SyncContext& context) override;
 
   at::Tensor forward(const at::Tensor& input) override;
+  // Siblings that are LinearQuantizers of this one's schemes, all observing in a staged run or
+  // none: observed together and settled at one point (in sibling order); then, where QuantGemm
+  // applies and their input parameters agree, one StackedQuantGemm. The same outputs, observers
+  // and parameters as each sibling's forward in turn.
+  std::optional<std::vector<at::Tensor>> forwardSiblings(const at::Tensor& input,
+                                                         const std::vector<Module*>& siblings) override;
 
   // True when the activations are static: calibration needs an observing forward and freeze().
   bool observes() const { return minMax_.has_value() || histogram_.has_value(); }
@@ -81,6 +87,8 @@ class LinearQuantizer : public Module, public DistributedSync {
 
  private:
   std::optional<ActivationQuant> activationQuant() const;
+  void observe(const at::Tensor& x);
+  bool observing() const { return observes() && !frozen_; }
   // The forward by QuantGemm, where it applies (the activations' parameters known).
   std::optional<at::Tensor> gemmForward(const at::Tensor& x);
 
@@ -99,6 +107,7 @@ class LinearQuantizer : public Module, public DistributedSync {
   std::function<void(LinearQuantizer&)> settle_;
   std::optional<quant::QParams> actParams_;  // static activations, set by freeze() from data
   std::optional<QuantGemm> gemm_;
+  std::optional<StackedQuantGemm> stacked_;  // made by forwardSiblings, for the siblings it names
 };
 
 // NVFP4 weights: vLLM fuses q/k/v and gate/up into one GEMM each (its packed_modules_mapping) and

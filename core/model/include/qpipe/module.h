@@ -56,6 +56,7 @@ class Module {
   HookHandle addForwardPreHook(PreHook hook);
   HookHandle addForwardHook(PostHook hook);
   void removeHook(HookHandle handle);
+  bool hasHooks() const { return !hooks_.empty(); }
 
   // Children, in registration order.
   size_t addChild(std::string name, std::shared_ptr<Module> child);
@@ -109,6 +110,24 @@ class Module {
   std::vector<Hook> hooks_;
   HookHandle nextHook_ = 1;
 };
+
+// A module that can compute itself and its siblings, modules reading the same input side by side
+// (q/k/v, gate/up), in one go: one quantization of the input and one GEMM where they could
+// share them. vLLM fuses the same groups (QKVParallelLinear, MergedColumnParallelLinear).
+class InputSharing {
+ public:
+  virtual ~InputSharing() = default;
+  // The outputs of `siblings` (this module first; none with hooks), each what its forward(input)
+  // gives, or nothing when they cannot share the work (other module types or schemes): the caller
+  // then runs each. Declining must come before any side effect.
+  virtual std::optional<std::vector<at::Tensor>> forwardSiblings(const at::Tensor& input,
+                                                                 const std::vector<Module*>& siblings) = 0;
+};
+
+// Each module's operator()(input), in order; by the first one's InputSharing where it has one
+// and no module has hooks (a hook sees its own module's input and output, so hooked modules run
+// one by one). A LibTorch error inside becomes one Error(kInternal) line, as operator() makes.
+std::vector<at::Tensor> forwardSharingInput(const at::Tensor& input, const std::vector<Module*>& modules);
 
 // y = x Wᵀ + b, W of shape [out, in] as in torch.nn.Linear.
 class Linear : public Module {

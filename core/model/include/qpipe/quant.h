@@ -57,6 +57,7 @@ struct QScheme {
   void validate(std::string_view where) const;
   // msmodelslim's constant naming, e.g. "int8_per_channel_sym".
   std::string name() const;
+  bool operator==(const QScheme&) const = default;
 };
 
 struct QParams {

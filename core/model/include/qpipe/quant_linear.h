@@ -113,6 +113,34 @@ class QuantGemm {
   std::variant<Int8Linear, Fp8Linear> gemm_;
 };
 
+// The QuantGemm of Linears that read one input (q/k/v, gate/up) with one weight scheme and one
+// input quantization: their weights, scales and biases stacked along the output dimension, so the
+// input is quantized once and the GEMM runs once. Each output has the bits its own QuantGemm
+// would give: an int8 sum is exact, and each fp32 output is one dot product over K whatever N
+// is (MKL's strict mode).
+class StackedQuantGemm {
+ public:
+  struct Member {
+    const Module* module;  // what the stack was made for (members())
+    at::Tensor qweight, scale, bias;
+  };
+  // Requires QuantGemm::supports(weight, input); the members' biases all defined or none.
+  StackedQuantGemm(const std::vector<Member>& members, const quant::QScheme& weight,
+                   const std::optional<ActivationQuant>& input);
+  const std::vector<const Module*>& members() const { return modules_; }
+  // Each member's output for x (views into one tensor), or empty where QuantGemm::forward is.
+  std::optional<std::vector<at::Tensor>> forward(const at::Tensor& x, const ActivationQuant& input) const;
+
+ private:
+  std::vector<const Module*> modules_;
+  std::vector<int64_t> outFeatures_;
+  at::Tensor bias_;
+  QuantGemm gemm_;
+};
+
+// True when both quantize an input the same way (scheme and static parameters), or both are absent.
+bool sameActivationQuant(const std::optional<ActivationQuant>& a, const std::optional<ActivationQuant>& b);
+
 // typeName "QuantLinear". Its parameters carry compressed-tensors' names:
 //   weight             kChar (int8, or int4 values in [-8, 7], unpacked), kFloat8_e4m3fn, or kByte
 //                      E2M1 codes for nvfp4 (unpacked)
@@ -127,7 +155,7 @@ class QuantGemm {
 // applies, and for weight-only fp32 Linears by Bf16x3Linear where the CPU has bf16 dot products
 // (unless QPIPE_WEIGHT_ONLY_FP32=1). The dequantized weight is cached on first use (it is not a
 // parameter, so savers never see it).
-class QuantLinear : public Module {
+class QuantLinear : public Module, public InputSharing {
  public:
   QuantLinear(at::Tensor qweight, quant::QParams weightParams, quant::QScheme weightScheme,
               std::optional<ActivationQuant> input, at::Tensor bias, at::ScalarType computeDtype);
@@ -137,6 +165,10 @@ class QuantLinear : public Module {
                                                  std::optional<ActivationQuant> input);
 
   at::Tensor forward(const at::Tensor& input) override;
+  // QuantLinear siblings of this one's weight scheme, input quantization and compute dtype, where
+  // QuantGemm applies: one StackedQuantGemm, made on the first call.
+  std::optional<std::vector<at::Tensor>> forwardSiblings(const at::Tensor& input,
+                                                         const std::vector<Module*>& siblings) override;
 
   const quant::QScheme& weightScheme() const { return weightScheme_; }
   const std::optional<ActivationQuant>& inputQuant() const { return input_; }
@@ -154,6 +186,7 @@ class QuantLinear : public Module {
   at::Tensor dequantized_;
   std::optional<QuantGemm> gemm_;               // made on the first forward where QuantGemm::supports
   std::optional<Bf16x3Linear> weightOnlyGemm_;  // made on the first forward where it applies
+  std::optional<StackedQuantGemm> stacked_;     // made by forwardSiblings, for the siblings it names
 };
 
 }  // namespace qpipe
