@@ -147,8 +147,12 @@ std::optional<std::vector<at::Tensor>> LinearQuantizer::forwardSiblings(const at
     });
   }
   // From here on each sibling's own forward gives the same outputs, so declining is still right.
+  // QuantGemm runs fp32 inputs on the CPU; elsewhere no stack is made that could not run.
   const std::optional<ActivationQuant> act = activationQuant();
-  if (!calibrated() || !act || !QuantGemm::supports(config_.weight.scheme, act)) return std::nullopt;
+  if (!calibrated() || !act || !QuantGemm::supports(config_.weight.scheme, act) || input.scalar_type() != at::kFloat ||
+      !input.device().is_cpu() || !qweight_.device().is_cpu()) {
+    return std::nullopt;
+  }
   for (LinearQuantizer* sibling : group) {
     if (!sibling->calibrated() || !sameActivationQuant(sibling->activationQuant(), act) ||
         sibling->bias_.defined() != bias_.defined()) {

@@ -401,7 +401,10 @@ at::Tensor QuantLinear::forward(const at::Tensor& input) {
 
 std::optional<std::vector<at::Tensor>> QuantLinear::forwardSiblings(const at::Tensor& input,
                                                                     const std::vector<Module*>& siblings) {
-  if (!QuantGemm::supports(weightScheme_, input_) || !parameter("weight").device().is_cpu()) return std::nullopt;
+  if (!QuantGemm::supports(weightScheme_, input_) || input.scalar_type() != at::kFloat || !input.device().is_cpu() ||
+      !parameter("weight").device().is_cpu()) {
+    return std::nullopt;
+  }
   if (!stacked_ ||
       !std::equal(siblings.begin(), siblings.end(), stacked_->members().begin(), stacked_->members().end())) {
     std::vector<StackedQuantGemm::Member> members;
