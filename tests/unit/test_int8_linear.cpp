@@ -21,6 +21,7 @@
 #include "bf16_gemm.h"
 #include "qpipe/quant.h"
 #include "qpipe/quant_linear.h"
+#include "test_helpers.h"
 
 namespace qpipe {
 namespace {
@@ -707,6 +708,14 @@ TEST(StackedQuantGemm, GivesEachLinearsOwnQuantGemmOutput) {
     EXPECT_FALSE(y[i].is_contiguous());
     EXPECT_TRUE(at::equal(y[i], linears[i]->forward(x))) << "Linear " << i;
   }
+  // A LibTorch error inside the group is one line naming the first module and its input.
+  const std::string error = test::errorOf(
+      [&] {
+        forwardSharingInput(at::randn({1, 5, 95}), siblings);
+      },
+      ErrorCode::kInternal);
+  EXPECT_EQ(error.find("QuantLinear with its siblings forward of [1, 5, 95] Float: "), 0u) << error;
+  EXPECT_EQ(error.find('\n'), std::string::npos) << error;
   // Another input quantization among them: each runs alone.
   Linear other(at::randn({8, 96}));
   const ActivationQuant otherStatic{int8Static, quant::computeQParams(x, int8Static)};

@@ -38,7 +38,7 @@ at::Tensor Module::operator()(const at::Tensor& input) {
 
 std::vector<at::Tensor> forwardSharingInput(const at::Tensor& input, const std::vector<Module*>& modules) {
   const bool hooked = std::any_of(modules.begin(), modules.end(), [](const Module* m) { return m->hasHooks(); });
-  if (auto* first = modules.empty() || hooked ? nullptr : dynamic_cast<InputSharing*>(modules.front())) {
+  if (auto* first = (modules.empty() || hooked) ? nullptr : dynamic_cast<InputSharing*>(modules.front())) {
     try {
       if (std::optional<std::vector<at::Tensor>> outputs = first->forwardSiblings(input, modules)) return *outputs;
     } catch (const c10::Error& e) {
