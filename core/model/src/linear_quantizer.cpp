@@ -139,7 +139,8 @@ std::optional<std::vector<at::Tensor>> LinearQuantizer::forwardSiblings(const at
   }
   if (observing()) {
     for (LinearQuantizer* sibling : group) sibling->observe(input);
-    settlePoint(this, [&group] {
+    // A point of its own: a task that reached q_proj's lone settle point instead would be an error.
+    settlePoint(&shared_, [&group] {
       for (LinearQuantizer* sibling : group) {
         sibling->settle_(*sibling);
         QPIPE_CHECK(sibling->frozen_, "a LinearQuantizer's settle step did not freeze it");
@@ -159,15 +160,14 @@ std::optional<std::vector<at::Tensor>> LinearQuantizer::forwardSiblings(const at
       return std::nullopt;
     }
   }
-  if (!stacked_ ||
-      !std::equal(siblings.begin(), siblings.end(), stacked_->members().begin(), stacked_->members().end())) {
-    std::vector<StackedQuantGemm::Member> members;
+  if (!shared_ || !std::equal(siblings.begin(), siblings.end(), shared_->members().begin(), shared_->members().end())) {
+    std::vector<SharedInputGemm::Member> members;
     for (LinearQuantizer* sibling : group) {
       members.push_back({sibling, sibling->qweight_, sibling->weightParams_.scale, sibling->bias_});
     }
-    stacked_.emplace(members, config_.weight.scheme, act);
+    shared_.emplace(members, config_.weight.scheme, act);
   }
-  return stacked_->forward(input, *act);
+  return shared_->forward(input, *act);
 }
 
 std::optional<at::Tensor> LinearQuantizer::gemmForward(const at::Tensor& x) {

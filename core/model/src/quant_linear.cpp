@@ -126,15 +126,21 @@ Int8Linear::Int8Linear(const at::Tensor& qweight, const at::Tensor& scale)
               "Int8Linear takes an int8 [N, K] weight and N scales, got ", qweight.sizes(), " and ", scale.sizes());
 }
 
-std::optional<at::Tensor> Int8Linear::forward(const at::Tensor& x, const ActivationQuant& input,
-                                              const at::Tensor& bias) const {
-  const int64_t k = weight_.k(), n = weight_.n();
+std::optional<Int8Linear::InputCodes> Int8Linear::inputCodes(const at::Tensor& x, const ActivationQuant& input) const {
+  const int64_t k = weight_.k();
   if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || !rowSums_.device().is_cpu() || k > kMaxInt8K) {
     return std::nullopt;
   }
   const at::Tensor flat = x.reshape({-1, k});
   const quant::QParams params = input.isDynamic() ? quant::computeQParams(flat, input.scheme) : input.params;
-  return shapedAs(x, forwardCodes(quant::quantize(flat, params, input.scheme), params, bias), n);
+  return InputCodes{quant::quantize(flat, params, input.scheme), params};
+}
+
+std::optional<at::Tensor> Int8Linear::forward(const at::Tensor& x, const ActivationQuant& input,
+                                              const at::Tensor& bias) const {
+  const std::optional<InputCodes> in = inputCodes(x, input);
+  if (!in) return std::nullopt;
+  return shapedAs(x, forwardCodes(in->codes, in->params, bias), weight_.n());
 }
 
 namespace {
@@ -276,44 +282,49 @@ std::optional<at::Tensor> QuantGemm::forward(const at::Tensor& x, const Activati
   return std::visit([&](const auto& gemm) { return gemm.forward(x, input, bias); }, gemm_);
 }
 
-namespace {
-
-QuantGemm stackedGemm(const std::vector<StackedQuantGemm::Member>& members, const quant::QScheme& weight,
-                      const std::optional<ActivationQuant>& input) {
-  QPIPE_CHECK(!members.empty(), "a StackedQuantGemm of no Linears");
-  std::vector<at::Tensor> qweights, scales;
-  for (const StackedQuantGemm::Member& member : members) {
-    qweights.push_back(member.qweight);
-    // A per-tensor scale becomes one per output, as each QuantGemm holds it.
-    scales.push_back(member.scale.to(at::kFloat).reshape({-1}).expand({member.qweight.size(0)}));
-  }
-  return QuantGemm(at::cat(qweights), at::cat(scales), weight, input);
-}
-
-}  // namespace
-
-StackedQuantGemm::StackedQuantGemm(const std::vector<Member>& members, const quant::QScheme& weight,
-                                   const std::optional<ActivationQuant>& input)
-    : gemm_(stackedGemm(members, weight, input)) {
-  std::vector<at::Tensor> biases;
+SharedInputGemm::SharedInputGemm(const std::vector<Member>& members, const quant::QScheme& weight,
+                                 const std::optional<ActivationQuant>& input) {
+  QPIPE_CHECK(!members.empty() && QuantGemm::supports(weight, input),
+              "a SharedInputGemm needs Linears of a scheme QuantGemm runs, got ", members.size(), " of w ",
+              weight.name());
+  const bool int8 = Int8Linear::supports(weight, input);
+  std::vector<at::Tensor> qweights, scales, biases;
   for (const Member& member : members) {
     modules_.push_back(member.module);
     outFeatures_.push_back(member.qweight.size(0));
+    if (int8) {
+      int8_.emplace_back(member.qweight, member.scale);
+      biases_.push_back(member.bias);
+      continue;
+    }
+    qweights.push_back(member.qweight);
+    // A per-tensor scale becomes one per output, as each Fp8Linear holds it.
+    scales.push_back(member.scale.to(at::kFloat).reshape({-1}).expand({member.qweight.size(0)}));
     if (member.bias.defined()) biases.push_back(member.bias);
   }
-  QPIPE_CHECK(biases.empty() || biases.size() == members.size(), "a StackedQuantGemm of Linears with and without bias");
-  if (!biases.empty()) bias_ = at::cat(biases);
+  if (int8) return;
+  QPIPE_CHECK(biases.empty() || biases.size() == members.size(), "a stacked FP8 GEMM of Linears with and without bias");
+  fp8_.emplace(at::cat(qweights), at::cat(scales));
+  if (!biases.empty()) fp8Bias_ = at::cat(biases);
 }
 
-std::optional<std::vector<at::Tensor>> StackedQuantGemm::forward(const at::Tensor& x,
-                                                                 const ActivationQuant& input) const {
-  const std::optional<at::Tensor> y = gemm_.forward(x, input, bias_);
-  if (!y) return std::nullopt;
+std::optional<std::vector<at::Tensor>> SharedInputGemm::forward(const at::Tensor& x,
+                                                                const ActivationQuant& input) const {
   std::vector<at::Tensor> outputs;
-  int64_t offset = 0;
-  for (const int64_t n : outFeatures_) {
-    outputs.push_back(y->narrow(-1, offset, n));
-    offset += n;
+  if (fp8_) {
+    const std::optional<at::Tensor> y = fp8_->forward(x, input, fp8Bias_);
+    if (!y) return std::nullopt;
+    int64_t offset = 0;
+    for (const int64_t n : outFeatures_) {
+      outputs.push_back(y->narrow(-1, offset, n));
+      offset += n;
+    }
+    return outputs;
+  }
+  const std::optional<Int8Linear::InputCodes> in = int8_.front().inputCodes(x, input);
+  if (!in) return std::nullopt;
+  for (size_t i = 0; i < int8_.size(); ++i) {
+    outputs.push_back(shapedAs(x, int8_[i].forwardCodes(in->codes, in->params, biases_[i]), outFeatures_[i]));
   }
   return outputs;
 }
@@ -405,9 +416,8 @@ std::optional<std::vector<at::Tensor>> QuantLinear::forwardSiblings(const at::Te
       !parameter("weight").device().is_cpu()) {
     return std::nullopt;
   }
-  if (!stacked_ ||
-      !std::equal(siblings.begin(), siblings.end(), stacked_->members().begin(), stacked_->members().end())) {
-    std::vector<StackedQuantGemm::Member> members;
+  if (!shared_ || !std::equal(siblings.begin(), siblings.end(), shared_->members().begin(), shared_->members().end())) {
+    std::vector<SharedInputGemm::Member> members;
     for (Module* module : siblings) {
       auto* sibling = dynamic_cast<QuantLinear*>(module);
       if (sibling == nullptr || sibling->weightScheme_ != weightScheme_ ||
@@ -417,9 +427,9 @@ std::optional<std::vector<at::Tensor>> QuantLinear::forwardSiblings(const at::Te
       }
       members.push_back({sibling, sibling->parameter("weight"), sibling->parameter("weight_scale"), sibling->bias()});
     }
-    stacked_.emplace(members, weightScheme_, input_);
+    shared_.emplace(members, weightScheme_, input_);
   }
-  return stacked_->forward(input, *input_);
+  return shared_->forward(input, *input_);
 }
 
 }  // namespace qpipe

@@ -59,8 +59,10 @@ class LinearQuantizer : public Module, public DistributedSync, public InputShari
   at::Tensor forward(const at::Tensor& input) override;
   // Siblings that are LinearQuantizers of this one's schemes, all observing in a staged run or
   // none: observed together and settled at one point (in sibling order); then, where QuantGemm
-  // applies and their input parameters agree, one StackedQuantGemm. The same outputs, observers
-  // and parameters as each sibling's forward in turn.
+  // applies and their input parameters agree, one SharedInputGemm. The same observers and
+  // parameters as each sibling's forward in turn, and its outputs (FP8: see SharedInputGemm).
+  // It may decline after settling: the siblings are frozen then, and each one's own forward
+  // gives its output without observing again.
   std::optional<std::vector<at::Tensor>> forwardSiblings(const at::Tensor& input,
                                                          const std::vector<Module*>& siblings) override;
 
@@ -107,7 +109,7 @@ class LinearQuantizer : public Module, public DistributedSync, public InputShari
   std::function<void(LinearQuantizer&)> settle_;
   std::optional<quant::QParams> actParams_;  // static activations, set by freeze() from data
   std::optional<QuantGemm> gemm_;
-  std::optional<StackedQuantGemm> stacked_;  // made by forwardSiblings, for the siblings it names
+  std::optional<SharedInputGemm> shared_;  // made by forwardSiblings, for the siblings it names
 };
 
 // NVFP4 weights: vLLM fuses q/k/v and gate/up into one GEMM each (its packed_modules_mapping) and

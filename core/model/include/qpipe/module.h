@@ -118,8 +118,9 @@ class InputSharing {
  public:
   virtual ~InputSharing() = default;
   // The outputs of `siblings` (this module first; none with hooks), each what its forward(input)
-  // gives, or nothing when they cannot share the work (other module types or schemes): the caller
-  // then runs each. Declining must come before any side effect.
+  // gives (bit for bit where the arithmetic allows; SharedInputGemm says where), or nothing when they cannot share the
+  // work (other module types or schemes): the caller then runs each. Declining after a side effect is allowed only
+  // where each module's own forward then repeats none of it and gives the same output.
   virtual std::optional<std::vector<at::Tensor>> forwardSiblings(const at::Tensor& input,
                                                                  const std::vector<Module*>& siblings) = 0;
 };

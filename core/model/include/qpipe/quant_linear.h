@@ -44,6 +44,13 @@ class Int8Linear {
   int64_t outFeatures() const { return weight_.n(); }
   // Empty when x is not an fp32 CPU tensor or K exceeds kMaxInt8K (the caller fake-quantizes then).
   std::optional<at::Tensor> forward(const at::Tensor& x, const ActivationQuant& input, const at::Tensor& bias) const;
+  struct InputCodes {
+    at::Tensor codes;  // int8 [M, K]
+    quant::QParams params;
+  };
+  // forward's quantized input: x's codes under `input` (dynamic parameters computed from x), or
+  // empty where forward declines.
+  std::optional<InputCodes> inputCodes(const at::Tensor& x, const ActivationQuant& input) const;
   // forward's product for an input already quantized: int8 codes [M, K] on the CPU with their
   // params (one scale and zero point, or one per row) → fp32 [M, N]. K at most kMaxInt8K.
   at::Tensor forwardCodes(const at::Tensor& codes, const quant::QParams& params, const at::Tensor& bias) const;
@@ -113,29 +120,34 @@ class QuantGemm {
   std::variant<Int8Linear, Fp8Linear> gemm_;
 };
 
-// The QuantGemm of Linears that read one input (q/k/v, gate/up) with one weight scheme and one
-// input quantization: their weights, scales and biases stacked along the output dimension, so the
-// input is quantized once and the GEMM runs once. Each output has the bits its own QuantGemm
-// would give: an int8 sum is exact, and each fp32 output is one dot product over K whatever N
-// is (MKL's strict mode).
-class StackedQuantGemm {
+// The QuantGemm work of Linears that read one input (q/k/v, gate/up) with one weight scheme and
+// one input quantization, shared: the input is quantized once. FP8 weights are stacked along the
+// output dimension into one GEMM (Fp8Linear keeps an fp32 copy of the values anyway, so the stack
+// costs no memory); int8 GEMMs run one per Linear on the shared codes, each reading its weight where
+// it is (a stack would be a second copy: the int8 kernels read the weight in place). Each output has
+// the bits of the Linear's own QuantGemm: the int8 sums are exact; an FP8 output is one fp32 dot
+// product over K, whose bits did not depend on the columns beside it with MKL in strict mode
+// (tested), and may differ by fp32 rounding outside it.
+class SharedInputGemm {
  public:
   struct Member {
-    const Module* module;  // what the stack was made for (members())
+    const Module* module;  // what it was made for (members())
     at::Tensor qweight, scale, bias;
   };
-  // Requires QuantGemm::supports(weight, input); the members' biases all defined or none.
-  StackedQuantGemm(const std::vector<Member>& members, const quant::QScheme& weight,
-                   const std::optional<ActivationQuant>& input);
+  // Requires QuantGemm::supports(weight, input) and, for FP8, the members' biases all defined or none.
+  SharedInputGemm(const std::vector<Member>& members, const quant::QScheme& weight,
+                  const std::optional<ActivationQuant>& input);
   const std::vector<const Module*>& members() const { return modules_; }
-  // Each member's output for x (views into one tensor), or empty where QuantGemm::forward is.
+  // Each member's output for x (FP8: views into one tensor), or empty where QuantGemm::forward is.
   std::optional<std::vector<at::Tensor>> forward(const at::Tensor& x, const ActivationQuant& input) const;
 
  private:
   std::vector<const Module*> modules_;
   std::vector<int64_t> outFeatures_;
-  at::Tensor bias_;
-  QuantGemm gemm_;
+  std::vector<Int8Linear> int8_;    // int8: one per member
+  std::vector<at::Tensor> biases_;  // int8: one per member
+  std::optional<Fp8Linear> fp8_;    // FP8: the stack
+  at::Tensor fp8Bias_;
 };
 
 // True when both quantize an input the same way (scheme and static parameters), or both are absent.
@@ -166,7 +178,7 @@ class QuantLinear : public Module, public InputSharing {
 
   at::Tensor forward(const at::Tensor& input) override;
   // QuantLinear siblings of this one's weight scheme, input quantization and compute dtype, where
-  // QuantGemm applies: one StackedQuantGemm, made on the first call.
+  // QuantGemm applies: one SharedInputGemm, made on the first call.
   std::optional<std::vector<at::Tensor>> forwardSiblings(const at::Tensor& input,
                                                          const std::vector<Module*>& siblings) override;
 
@@ -186,7 +198,7 @@ class QuantLinear : public Module, public InputSharing {
   at::Tensor dequantized_;
   std::optional<QuantGemm> gemm_;               // made on the first forward where QuantGemm::supports
   std::optional<Bf16x3Linear> weightOnlyGemm_;  // made on the first forward where it applies
-  std::optional<StackedQuantGemm> stacked_;     // made by forwardSiblings, for the siblings it names
+  std::optional<SharedInputGemm> shared_;       // made by forwardSiblings, for the siblings it names
 };
 
 }  // namespace qpipe

@@ -83,7 +83,9 @@ class PluginRegistrar {
 // 11.0: QuantLinear and LinearQuantizer hold FP8 GEMM state.
 // 12.0: Processor::actsOn (the runner skips converting and probing a non-layer unit no processor
 // acts on).
-#define QPIPE_PLUGIN_ABI_MAJOR 12
+// 13.0: QuantLinear and LinearQuantizer implement InputSharing (q/k/v and gate/up share one input
+// quantization, FP8 one GEMM) and hold its state.
+#define QPIPE_PLUGIN_ABI_MAJOR 13
 #define QPIPE_PLUGIN_ABI_MINOR 0
 
 #define QPIPE_STRINGIFY_IMPL(x) #x
