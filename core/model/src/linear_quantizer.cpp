@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 
-#include <algorithm>
 #include <tuple>
 
 #include "qpipe/error.h"
@@ -148,10 +147,9 @@ std::optional<std::vector<at::Tensor>> LinearQuantizer::forwardSiblings(const at
     });
   }
   // From here on each sibling's own forward gives the same outputs, so declining is still right.
-  // QuantGemm runs fp32 inputs on the CPU; elsewhere no stack is made that could not run.
   const std::optional<ActivationQuant> act = activationQuant();
-  if (!calibrated() || !act || !QuantGemm::supports(config_.weight.scheme, act) || input.scalar_type() != at::kFloat ||
-      !input.device().is_cpu() || !qweight_.device().is_cpu()) {
+  if (!calibrated() || !act || !QuantGemm::supports(config_.weight.scheme, act) ||
+      !SharedInputGemm::runs(input, qweight_)) {
     return std::nullopt;
   }
   for (LinearQuantizer* sibling : group) {
@@ -160,7 +158,7 @@ std::optional<std::vector<at::Tensor>> LinearQuantizer::forwardSiblings(const at
       return std::nullopt;
     }
   }
-  if (!shared_ || !std::equal(siblings.begin(), siblings.end(), shared_->members().begin(), shared_->members().end())) {
+  if (!shared_ || !shared_->madeFor(siblings)) {
     std::vector<SharedInputGemm::Member> members;
     for (LinearQuantizer* sibling : group) {
       members.push_back({sibling, sibling->qweight_, sibling->weightParams_.scale, sibling->bias_});

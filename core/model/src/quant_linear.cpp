@@ -412,11 +412,10 @@ at::Tensor QuantLinear::forward(const at::Tensor& input) {
 
 std::optional<std::vector<at::Tensor>> QuantLinear::forwardSiblings(const at::Tensor& input,
                                                                     const std::vector<Module*>& siblings) {
-  if (!QuantGemm::supports(weightScheme_, input_) || input.scalar_type() != at::kFloat || !input.device().is_cpu() ||
-      !parameter("weight").device().is_cpu()) {
+  if (!QuantGemm::supports(weightScheme_, input_) || !SharedInputGemm::runs(input, parameter("weight"))) {
     return std::nullopt;
   }
-  if (!shared_ || !std::equal(siblings.begin(), siblings.end(), shared_->members().begin(), shared_->members().end())) {
+  if (!shared_ || !shared_->madeFor(siblings)) {
     std::vector<SharedInputGemm::Member> members;
     for (Module* module : siblings) {
       auto* sibling = dynamic_cast<QuantLinear*>(module);

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -131,13 +132,21 @@ class QuantGemm {
 class SharedInputGemm {
  public:
   struct Member {
-    const Module* module;  // what it was made for (members())
+    const Module* module;  // what it was made for (madeFor)
     at::Tensor qweight, scale, bias;
   };
   // Requires QuantGemm::supports(weight, input) and, for FP8, the members' biases all defined or none.
   SharedInputGemm(const std::vector<Member>& members, const quant::QScheme& weight,
                   const std::optional<ActivationQuant>& input);
-  const std::vector<const Module*>& members() const { return modules_; }
+  // Whether x, against weights where `weight` is, is an input forward runs (fp32, on the CPU):
+  // where it is not, a caller need not make one.
+  static bool runs(const at::Tensor& x, const at::Tensor& weight) {
+    return x.scalar_type() == at::kFloat && x.device().is_cpu() && weight.device().is_cpu();
+  }
+  // Whether it was made for these modules, in this order.
+  bool madeFor(const std::vector<Module*>& siblings) const {
+    return std::equal(siblings.begin(), siblings.end(), modules_.begin(), modules_.end());
+  }
   // Each member's output for x (FP8: views into one tensor), or empty where QuantGemm::forward is.
   std::optional<std::vector<at::Tensor>> forward(const at::Tensor& x, const ActivationQuant& input) const;
 
