@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "qpipe/plugin.h"
@@ -122,6 +123,36 @@ TEST(Cli, UsageErrorsExitTwoWithOneLine) {
     expectOneLineError(r);
     EXPECT_EQ(r.err.rfind("qpipe: usage error: ", 0), 0u) << r.err;
   }
+}
+
+// Numeric options say what they take and what they got: CLI11's own checks called a word a
+// value out of range and printed an unbounded limit as the 309 digits of the largest double.
+TEST(Cli, NumericOptionsSayWhatTheyTakeAndWhatTheyGot) {
+  const std::string quant = "quant --model_path m --save_path s --quant_type w8a8 ";
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {quant + "--calib_samples abc", "--calib_samples: expected a whole number of at least 1, got 'abc'"},
+      {quant + "--calib_samples 2.5", "--calib_samples: expected a whole number of at least 1, got '2.5'"},
+      {quant + "--calib_samples 0", "--calib_samples: expected a whole number of at least 1, got '0'"},
+      {quant + "--seq_len 2000000", "--seq_len: expected a whole number from 1 to 1048576, got '2000000'"},
+      {quant + "--threads_per_rank 8x", "--threads_per_rank: expected a whole number from 1 to 4096, got '8x'"},
+      {quant + "--dist_timeout inf", "--dist_timeout: expected a number from 0.001 to 604800, got 'inf'"},
+      {"eval --model_path m --data d.jsonl --max_samples -1",
+       "--max_samples: expected a whole number of at least 0, got '-1'"},
+      {"compare a b --tolerance nan", "--tolerance: expected a number of at least 0, got 'nan'"},
+  };
+  for (const auto& [args, message] : cases) {
+    const CommandResult r = qpipe(args);
+    EXPECT_EQ(r.exitCode, 2) << args;
+    EXPECT_EQ(r.err, "qpipe: usage error: " + message + " (see 'qpipe --help')\n") << args;
+  }
+}
+
+// CLI11 lists unexpected arguments last first ("1 --bogus"); the message names the first unknown
+// option, or the first stray argument.
+TEST(Cli, UnknownOptionAndStrayArgumentAreNamed) {
+  EXPECT_EQ(qpipe("check --config_path x.yaml --bogus 1").err,
+            "qpipe: usage error: unknown option '--bogus' (see 'qpipe --help')\n");
+  EXPECT_EQ(qpipe("compare a b c").err, "qpipe: usage error: unexpected argument 'c' (see 'qpipe --help')\n");
 }
 
 TEST(Cli, UnknownSubcommandIsNamed) {

@@ -123,6 +123,8 @@ TEST(Dataset, MaxSamplesStopsReadingEarly) {
 TEST(Dataset, FileErrors) {
   const auto missing = std::filesystem::temp_directory_path() / "qpipe-test-no-such-dir" / "calib.jsonl";
   EXPECT_EQ(loadError(missing, ErrorCode::kIo), missing.string() + ": no such data file");
+  const auto noExtension = missing.parent_path() / "calib";
+  EXPECT_EQ(loadError(noExtension, ErrorCode::kIo), noExtension.string() + ": no such data file");
   const auto dir = writeTempFile("placeholder", "").parent_path() / "folder.jsonl";
   std::filesystem::create_directories(dir);
   EXPECT_EQ(loadError(dir, ErrorCode::kIo), dir.string() + ": is a directory; expected a .jsonl, .json or .txt file");

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "commands.h"
+#include "option_checks.h"
 #include "qpipe/error.h"
 #include "qpipe/input_file.h"
 #include "qpipe/safetensors.h"
@@ -175,7 +176,7 @@ Subcommand setupCompare(CLI::App& parent) {
                   "Largest difference accepted where tensors are not byte-identical: max|a-b|/max|a| for "
                   "floating point, the fraction of differing elements for integers")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(number(0));
   return {app, [options] { compare(*options); }};
 }
 

@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "commands.h"
+#include "option_checks.h"
 #include "qpipe/dataset.h"
 #include "qpipe/device.h"
 #include "qpipe/error.h"
@@ -88,13 +89,13 @@ Subcommand setupEval(CLI::App& parent) {
   app->add_option("--data", options->data, "Evaluation texts: .jsonl, .json or .txt")->required();
   app->add_option("--seq_len", options->seqLen, "Window length in tokens")
       ->capture_default_str()
-      ->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
+      ->check(wholeNumber(2, int64_t{1} << 20));
   app->add_option("--max_samples", options->maxSamples, "Use only the first N texts (0: all)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(wholeNumber(0));
   app->add_option("--batch_size", options->batchSize, "Windows per forward")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(wholeNumber(1));
   app->add_option("--output_json", options->outputJson, "Also write the results to this JSON file");
   app->add_option("--device", options->device, "cpu, cuda or cuda:N")->capture_default_str();
   app->add_flag("--allow_non_finite", options->allowNonFinite, "Load weights holding NaN or Inf (refused by default)");

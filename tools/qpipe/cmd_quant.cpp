@@ -16,6 +16,7 @@
 #include "commands.h"
 #include "cpu_load.h"
 #include "launch.h"
+#include "option_checks.h"
 #include "plugin_options.h"
 #include "qpipe/device.h"
 #include "qpipe/dist/process_group.h"
@@ -204,11 +205,11 @@ Subcommand setupQuant(CLI::App& parent) {
   app->add_option("--dist_timeout", options->distTimeoutSeconds,
                   "Seconds a multi-rank run waits for a rendezvous or a collective; default "
                   "QPIPE_DIST_TIMEOUT_S, else 60")
-      ->check(CLI::Range(0.001, 604800.0));
+      ->check(number(0.001, 604800));
   app->add_option("--threads_per_rank", options->threadsPerRank,
                   "Intra-op (and OpenMP) threads of each rank; default: the cores divided among this host's ranks "
                   "(one process: the cores other processes do not keep busy)")
-      ->check(CLI::Range(1, 4096));
+      ->check(wholeNumber(1, 4096));
   app->add_flag("--trust_remote_code", options->trustRemoteCode, "Accepted for msmodelslim compatibility");
   app->add_flag("--allow_non_finite", options->allowNonFinite,
                 "Load weights holding NaN or Inf and save what they give (checked and refused by default)");
@@ -216,15 +217,15 @@ Subcommand setupQuant(CLI::App& parent) {
                   "Calibration texts (.jsonl/.json/.txt); default: the pipeline's dataset, else data/calib.jsonl");
   app->add_option("--calib_samples", options->calibSamples, "Calibration windows")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(wholeNumber(1));
   app->add_option("--seq_len", options->seqLen, "Tokens per calibration window")
       ->capture_default_str()
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+      ->check(wholeNumber(1, int64_t{1} << 20));
   app->add_option("--probe_tokens", options->probeTokens,
                   "Tokens of the first calibration window on which the report measures each layer's and "
                   "module's error (about three forwards of them per layer); 0: no errors in the report")
       ->capture_default_str()
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+      ->check(wholeNumber(0, int64_t{1} << 20));
   addPluginOptions(*app, options->plugins);
   app->callback([app, quantType, configPath] {
     if (quantType->count() == 0 && configPath->count() == 0) {

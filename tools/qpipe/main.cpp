@@ -4,6 +4,7 @@
 #include <malloc.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -20,13 +21,19 @@
 
 namespace {
 
-// CLI11 reports an unknown subcommand as a missing one; name it instead.
+// CLI11 reports an unknown subcommand as a missing one, and lists unexpected arguments last
+// first ("1 --bogus"); name the subcommand or the first unknown option instead.
 std::string usageMessage(CLI::App& app, const CLI::ParseError& e) {
-  const std::vector<std::string> extras = app.remaining();
+  const std::vector<std::string> extras = app.remaining(/*recurse=*/true);
   if (!extras.empty() && !extras.front().starts_with("-") && app.get_subcommands().empty()) {
     std::string names;
     for (const CLI::App* sub : app.get_subcommands({})) names += (names.empty() ? "" : ", ") + sub->get_name();
     return "unknown subcommand '" + extras.front() + "'; use one of: " + names;
+  }
+  if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr && !extras.empty()) {
+    const auto option =
+        std::find_if(extras.begin(), extras.end(), [](const std::string& a) { return a.starts_with("-"); });
+    return option != extras.end() ? "unknown option '" + *option + "'" : "unexpected argument '" + extras.front() + "'";
   }
   return e.what();
 }

@@ -208,13 +208,6 @@ std::vector<DataSample> readText(const std::string& content, const std::string& 
   return samples;
 }
 
-std::string readFile(const std::filesystem::path& path) {
-  QPIPE_REQUIRE(std::filesystem::exists(path), ErrorCode::kIo, path.string(), ": no such data file");
-  QPIPE_REQUIRE(!std::filesystem::is_directory(path), ErrorCode::kIo, path.string(),
-                ": is a directory; expected a .jsonl, .json or .txt file");
-  return readInputFile(path);
-}
-
 }  // namespace
 
 std::string renderPlainChat(const std::vector<ChatTurn>& turns) {
@@ -227,13 +220,17 @@ std::vector<DataSample> loadDataset(const std::filesystem::path& path, const Dat
   const std::string name = path.string();
   QPIPE_REQUIRE(options.maxSamples >= 0, ErrorCode::kUsage,
                 "the maximum number of samples must be >= 0 (0 = all), got ", options.maxSamples);
+  // A missing path is reported as missing, whatever its extension.
+  QPIPE_REQUIRE(std::filesystem::exists(path), ErrorCode::kIo, name, ": no such data file");
+  QPIPE_REQUIRE(!std::filesystem::is_directory(path), ErrorCode::kIo, name,
+                ": is a directory; expected a .jsonl, .json or .txt file");
   std::string extension = path.extension().string();
   std::transform(extension.begin(), extension.end(), extension.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   QPIPE_REQUIRE(extension == ".jsonl" || extension == ".json" || extension == ".txt", ErrorCode::kInput, name,
                 ": unknown data file type \"", extension, "\"; expected .jsonl, .json or .txt");
 
-  const std::string content = readFile(path);
+  const std::string content = readInputFile(path);
   QPIPE_REQUIRE(!isBlank(content), ErrorCode::kInput, name, ": the file is empty");
   std::vector<DataSample> samples = extension == ".jsonl"  ? readJsonl(content, name, options)
                                     : extension == ".json" ? readJson(content, name, options)
