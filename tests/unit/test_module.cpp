@@ -6,9 +6,12 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "fused_rows.h"
 #include "qpipe/model.h"
 #include "qpipe/module.h"
 #include "qpipe/safetensors.h"
@@ -100,6 +103,104 @@ TEST(Linear, FewRowsUnderTheirScopeAreTheDocumentedFusedSumsBitForBitOnAnyThread
   const at::Tensor y = Linear(trained)(x.slice(0, 0, 4));
   EXPECT_TRUE(y.requires_grad());
   EXPECT_TRUE(at::equal(y, at::linear(x.slice(0, 0, 4), trained)));
+}
+
+// What RMSNorm computes for fp32 (core/model/src/fused_rows.h): the sum of squares in 16 lanes over
+// the elements ≡ lane (mod 16) in order, summed in pairs, then ATen's operations in ATen's order.
+at::Tensor rmsNormRows(const at::Tensor& x, const at::Tensor& w, float eps) {
+  const at::Tensor rows = x.reshape({-1, x.size(-1)}).contiguous();
+  const int64_t n = rows.size(1);
+  at::Tensor out = at::empty_like(rows);
+  for (int64_t r = 0; r < rows.size(0); ++r) {
+    const float* v = rows[r].data_ptr<float>();
+    std::array<float, 16> lanes{};
+    for (int64_t j = 0; j < n; ++j) {
+      const float square = v[j] * v[j];
+      lanes[j % 16] = lanes[j % 16] + square;
+    }
+    for (int width = 8; width >= 1; width /= 2) {
+      for (int l = 0; l < width; ++l) lanes[l] = lanes[l] + lanes[l + width];
+    }
+    const float scale = 1.0f / std::sqrt(lanes[0] / static_cast<float>(n) + eps);
+    for (int64_t j = 0; j < n; ++j) {
+      const float normed = v[j] * scale;
+      out[r][j] = w[j].item<float>() * normed;
+    }
+  }
+  return out.view(x.sizes());
+}
+
+at::Tensor atenRmsNorm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return w * (x * at::rsqrt(x.pow(2).mean(-1, true) + eps));
+}
+
+TEST(RMSNorm, Fp32IsTheDocumentedLaneSumBitForBitOnAnyThreadCountAndLayout) {
+  at::manual_seed(11);
+  const double eps = 1e-6;
+  for (const int64_t n : {1, 15, 16, 17, 64, 576}) {
+    const at::Tensor w = at::randn({n});
+    RMSNorm norm(w, eps);
+    // Rows of a wider tensor (a narrow view, as q_norm reads its heads), of a 4-d one, contiguous.
+    const at::Tensor wide = at::randn({2, 3, 5, 2 * n});
+    for (const at::Tensor& x : {wide.narrow(-1, 1, n), wide.narrow(-1, 0, n).contiguous().reshape({30, n}),
+                                wide.narrow(-1, n, n).select(0, 1)}) {
+      const at::Tensor expected = rmsNormRows(x, w, static_cast<float>(eps));
+      for (const int threads : {1, 2}) {
+        at::set_num_threads(threads);
+        const at::Tensor y = norm(x);
+        EXPECT_TRUE(y.is_contiguous());
+        EXPECT_TRUE(at::equal(y, expected)) << "n " << n << ", " << threads << " threads";
+        EXPECT_TRUE(at::allclose(y, atenRmsNorm(x, w, eps), 1e-6, 1e-6)) << n;
+      }
+      // A row's bits do not depend on the rows beside it.
+      EXPECT_TRUE(at::equal(norm(x.reshape({-1, n}).slice(0, 3, 4)), expected.reshape({-1, n}).slice(0, 3, 4)));
+    }
+  }
+  at::set_num_threads(2);
+  // Where autograd records the graph, in another dtype, with a bias: ATen's operations.
+  const at::Tensor x = at::randn({4, 32}), w = at::randn({32});
+  const at::Tensor trained = w.clone().requires_grad_();
+  const at::Tensor y = RMSNorm(trained, eps)(x);
+  EXPECT_TRUE(y.requires_grad());
+  EXPECT_TRUE(at::equal(y, atenRmsNorm(x, trained, eps)));
+  const at::Tensor half = x.to(at::kBFloat16);
+  EXPECT_TRUE(
+      at::equal(RMSNorm(w, eps)(half), w * atenRmsNorm(half.to(at::kFloat), at::ones({32}), eps).to(at::kBFloat16)));
+  const at::Tensor bias = at::randn({32});
+  EXPECT_TRUE(at::equal(RMSNorm(w, eps, bias)(x), rmsNormRows(x, w, static_cast<float>(eps)) + bias));
+}
+
+at::Tensor atenRotary(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin) {
+  const at::Tensor h = t.transpose(1, 2);
+  const int64_t half = h.size(-1) / 2;
+  const at::Tensor rotated = at::cat({-h.slice(-1, half), h.slice(-1, 0, half)}, -1);
+  return h * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
+}
+
+TEST(Rotary, Fp32IsAtensOperationsBitForBitAsContiguousHeads) {
+  at::manual_seed(12);
+  const int64_t batch = 2, seq = 7, heads = 3;
+  for (const int64_t dim : {2, 8, 64, 128}) {
+    // A projection's output narrowed to q's columns, viewed as heads, as the attention reads it.
+    const at::Tensor projected = at::randn({batch, seq, heads * dim + 5});
+    const at::Tensor t = projected.narrow(-1, 5, heads * dim).view({batch, seq, heads, dim});
+    for (const int64_t cosBatch : {int64_t{1}, batch}) {
+      const at::Tensor cos = at::randn({cosBatch, seq, dim}), sin = at::randn({cosBatch, seq, dim});
+      for (const int threads : {1, 2}) {
+        at::set_num_threads(threads);
+        const std::optional<at::Tensor> y = detail::rotary(t, cos, sin);
+        ASSERT_TRUE(y.has_value()) << dim;
+        EXPECT_TRUE(y->is_contiguous());
+        EXPECT_EQ(y->sizes(), (std::vector<int64_t>{batch, heads, seq, dim}));
+        EXPECT_TRUE(at::equal(*y, atenRotary(t, cos, sin))) << "dim " << dim << ", " << threads << " threads";
+      }
+    }
+  }
+  at::set_num_threads(2);
+  const at::Tensor t = at::randn({1, 4, 2, 6}), cos = at::randn({1, 4, 6}), sin = at::randn({1, 4, 6});
+  EXPECT_FALSE(detail::rotary(t.clone().requires_grad_(), cos, sin).has_value());
+  EXPECT_FALSE(detail::rotary(t.to(at::kBFloat16), cos, sin).has_value());
+  EXPECT_FALSE(detail::rotary(t.narrow(-1, 0, 5), cos.narrow(-1, 0, 5), sin.narrow(-1, 0, 5)).has_value());
 }
 
 TEST(ModuleTree, LayersLoadOnDemandUnderHuggingFaceNames) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "fused_rows.h"
 #include "qpipe/error.h"
 #include "qpipe/quantized_checkpoint.h"
 
@@ -142,18 +143,20 @@ class Attention : public Module {
   at::Tensor attend(const at::Tensor& x, const Rotary& rotary, const at::Tensor& mask) {
     const int64_t batch = x.size(0), seq = x.size(1);
     const std::vector<at::Tensor> qkv = forwardSharingInput(x, {&child(q_), &child(k_), &child(v_)});
+    // [batch, seq, n, head_dim], through q_norm or k_norm where the family has them.
     const auto heads = [&](const at::Tensor& projected, int64_t n, std::optional<size_t> norm) {
-      at::Tensor t = projected.view({batch, seq, n, headDim_});
-      if (norm) t = child(*norm)(t);
-      return t.transpose(1, 2);
+      const at::Tensor t = projected.view({batch, seq, n, headDim_});
+      return norm ? child(*norm)(t) : t;
     };
-    at::Tensor q = heads(qkv[0], heads_, qNorm_);
-    at::Tensor k = heads(qkv[1], kvHeads_, kNorm_);
-    at::Tensor v = heads(qkv[2], kvHeads_, std::nullopt);
-    const at::Tensor cos = rotary.cos.unsqueeze(1), sin = rotary.sin.unsqueeze(1);
-    q = child(qHook_)(q * cos + rotateHalf(q) * sin);
-    k = child(kHook_)(k * cos + rotateHalf(k) * sin);
-    v = child(vHook_)(v);
+    // The rotary embedding, as [batch, n, seq, head_dim].
+    const auto rotate = [&](const at::Tensor& t) {
+      if (std::optional<at::Tensor> rotated = detail::rotary(t, rotary.cos, rotary.sin)) return *rotated;
+      const at::Tensor h = t.transpose(1, 2), cos = rotary.cos.unsqueeze(1), sin = rotary.sin.unsqueeze(1);
+      return h * cos + rotateHalf(h) * sin;
+    };
+    const at::Tensor q = child(qHook_)(rotate(heads(qkv[0], heads_, qNorm_)));
+    const at::Tensor k = child(kHook_)(rotate(heads(qkv[1], kvHeads_, kNorm_)));
+    const at::Tensor v = child(vHook_)(heads(qkv[2], kvHeads_, std::nullopt).transpose(1, 2));
     return at::scaled_dot_product_attention(q, k, v, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
                                             /*dropout_p=*/0.0, /*is_causal=*/!mask.defined(), /*scale=*/std::nullopt,
                                             /*enable_gqa=*/kvHeads_ != heads_)

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "fused_rows.h"
 #include "qpipe/error.h"
 #include "small_gemm.h"
 
@@ -250,6 +251,9 @@ RMSNorm::RMSNorm(at::Tensor weight, double eps, at::Tensor bias) : Module("RMSNo
 }
 
 at::Tensor RMSNorm::forward(const at::Tensor& input) {
+  if (std::optional<at::Tensor> y = detail::rmsNorm(input, parameter("weight"), eps_)) {
+    return hasParameter("bias") ? *y + parameter("bias") : *y;
+  }
   const at::Tensor x = input.to(at::kFloat);
   const at::Tensor normed = x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_);
   const at::Tensor scaled = parameter("weight") * normed.to(input.scalar_type());
