@@ -78,6 +78,11 @@ class LinearQuant final : public Processor {
       quantized_ += count.item<int64_t>();
     }
     context_.logger->info("linear_quant: ", quantized_, " Linear modules quantized (", qconfig_.describe(), ")");
+    if (quantized_ == 0) {
+      context_.logger->warn(
+          "linear_quant: no float Linear matched the step's include and exclude patterns (a "
+          "quantized checkpoint has none): the step changed nothing");
+    }
     if (scheduled_.parallelWaves > 0) context_.logger->info("linear_quant: weight solves [DTS] ", scheduled_.line());
     if (scheduled_.notWorthSplitting()) {
       context_.logger->warn("linear_quant: the weight solves' sync cost more than splitting them saved (",

@@ -125,9 +125,9 @@ TEST(Cli, UsageErrorsExitTwoWithOneLine) {
   }
 }
 
-// Numeric options say what they take and what they got: CLI11's own checks called a word a
-// value out of range and printed an unbounded limit as the 309 digits of the largest double.
-TEST(Cli, NumericOptionsSayWhatTheyTakeAndWhatTheyGot) {
+// Numeric and path options say what they take and what they got: CLI11's own checks called a word
+// a value out of range and printed an unbounded limit as the 309 digits of the largest double.
+TEST(Cli, OptionsSayWhatTheyTakeAndWhatTheyGot) {
   const std::string quant = "quant --model_path m --save_path s --quant_type w8a8 ";
   const std::vector<std::pair<std::string, std::string>> cases{
       {quant + "--calib_samples abc", "--calib_samples: expected a whole number of at least 1, got 'abc'"},
@@ -139,6 +139,10 @@ TEST(Cli, NumericOptionsSayWhatTheyTakeAndWhatTheyGot) {
       {"eval --model_path m --data d.jsonl --max_samples -1",
        "--max_samples: expected a whole number of at least 0, got '-1'"},
       {"compare a b --tolerance nan", "--tolerance: expected a number of at least 0, got 'nan'"},
+      // An unset shell variable: `--save_path "$OUT"`.
+      {"quant --model_path m --save_path '' --quant_type w8a8", "--save_path: expected a path, got ''"},
+      {"quant --model_path m --save_path s --config_path ''", "--config_path: expected a path, got ''"},
+      {"eval --model_path m --data ''", "--data: expected a path, got ''"},
   };
   for (const auto& [args, message] : cases) {
     const CommandResult r = qpipe(args);

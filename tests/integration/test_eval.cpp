@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "test_helpers.h"
+#include "tiny_model.h"
 
 namespace {
 
@@ -62,6 +63,34 @@ TEST(EvalCheckpointErrors, ATensorNamedTwice) {
       R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
       8);
   expectInputError(eval(model), model, "header names 'a' twice");
+}
+
+// Too little text names the data file (the perplexity code it would reach knows no file).
+TEST(EvalInputErrors, TooLittleTextNamesTheDataFile) {
+  const fs::path model = qpipe::test::tinyLlama("eval_short_text");
+  const fs::path data = qpipe::test::writeTempFile("short.jsonl", "{\"text\": \"hi\"}\n");
+  const CommandResult r = qpipe::test::runQpipe("eval --model_path " + model.string() + " --data " + data.string() +
+                                                " --seq_len 512 --log_level error");
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(r.err.rfind("qpipe: input error: " + data.string() + ": ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find(" tokens, fewer than one window of --seq_len 512; give more text or a smaller --seq_len\n"),
+            std::string::npos)
+      << r.err;
+}
+
+// An --output_json that cannot be written fails before the evaluation, not after it.
+TEST(EvalInputErrors, AnUnwritableOutputJsonFailsFirst) {
+  const fs::path model = qpipe::test::tinyLlama("eval_output_json");
+  const fs::path folder = qpipe::test::testDir() / "eval_output_folder";
+  fs::create_directories(folder);
+  const std::string common = "eval --model_path " + model.string() + " --data /nonexistent.jsonl --output_json ";
+  CommandResult r = qpipe::test::runQpipe(common + folder.string());
+  EXPECT_EQ(r.exitCode, 6) << r.err;
+  EXPECT_EQ(r.err, "qpipe: I/O error: --output_json '" + folder.string() + "' is a folder; give a file name\n");
+  r = qpipe::test::runQpipe(common + (folder / "no" / "r.json").string());
+  EXPECT_EQ(r.exitCode, 6) << r.err;
+  EXPECT_EQ(r.err, "qpipe: I/O error: --output_json '" + (folder / "no" / "r.json").string() + "': no folder '" +
+                       (folder / "no").string() + "' to write it in\n");
 }
 
 }  // namespace

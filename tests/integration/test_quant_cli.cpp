@@ -136,6 +136,40 @@ fs::path configOnlyModel() {
   return dir;
 }
 
+// A step that quantizes nothing says so: patterns that match no Linear, or a checkpoint quantized
+// already (its modules are QuantLinear).
+TEST(QuantCli, AStepThatQuantizesNothingWarns) {
+  const fs::path model = qpipe::test::tinyLlama("float");
+  const std::string warning =
+      "[warning] linear_quant: no float Linear matched the step's include and exclude patterns (a quantized "
+      "checkpoint has none): the step changed nothing";
+  const fs::path none = pipelineFile("matches_nothing.yaml", R"(    - type: linear_quant
+      qconfig:
+        weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}
+      include: ["*.no_such_proj"]
+)");
+  const fs::path quantized = qpipe::test::testDir() / "quantizes_nothing_w8a8";
+  const fs::path again = qpipe::test::testDir() / "quantizes_nothing_again";
+  for (const char* dir :
+       {"quantizes_nothing", "quantizes_nothing_w8a8", "quantizes_nothing_again", "quantizes_something"}) {
+    fs::remove_all(qpipe::test::testDir() / dir);
+  }
+  CommandResult r = qpipe("quant --model_path " + quote(model) + " --config_path " + quote(none) + " --save_path " +
+                          quote(qpipe::test::testDir() / "quantizes_nothing") + kTinyCalib);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find(warning), std::string::npos) << r.err;
+  ASSERT_EQ(
+      qpipe("quant --model_path " + quote(model) + " --quant_type w8a8 --save_path " + quote(quantized) + kTinyCalib)
+          .exitCode,
+      0);
+  r = qpipe("quant --model_path " + quote(quantized) + " --quant_type w8a8 --save_path " + quote(again) + kTinyCalib);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find(warning), std::string::npos) << r.err;
+  r = qpipe("quant --model_path " + quote(model) + " --quant_type w8a8 --save_path " +
+            quote(qpipe::test::testDir() / "quantizes_something") + kTinyCalib);
+  EXPECT_EQ(r.err.find("linear_quant: no float Linear"), std::string::npos) << r.err;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The practice library.
 

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "qpipe/config_node.h"
 #include "test_helpers.h"
 
@@ -41,6 +43,31 @@ TEST(ConfigNode, AnchorsAliasesAndMergeKeysResolve) {
   EXPECT_EQ(doc.at("copy").at("dtype").asString(), "int8");
   EXPECT_EQ(doc.at("merged").at("dtype").asString(), "int8");
   EXPECT_EQ(doc.at("merged").at("scope").asString(), "per_channel");  // the map's own key wins
+}
+
+// Nested aliases copy their anchors' values: ten levels of ten make 10^10 values ("billion laughs").
+TEST(ConfigNode, AliasesExpandingBeyondAMillionValuesAreRejected) {
+  std::string text = "l0: &l0 [x, x, x, x, x, x, x, x, x, x]\n";
+  for (int level = 1; level <= 9; ++level) {
+    const std::string previous = "*l" + std::to_string(level - 1);
+    text += "l" + std::to_string(level) + ": &l" + std::to_string(level) + " [";
+    for (int i = 0; i < 10; ++i) text += (i ? ", " : "") + previous;
+    text += "]\n";
+  }
+  const std::string message = test::errorOf([&] { ConfigNode::parseYaml(text, "laughs.yaml"); }, ErrorCode::kConfig);
+  EXPECT_EQ(message.rfind("laughs.yaml:", 0), 0u) << message;
+  EXPECT_NE(message.find(": aliases expand to more than 1000000 values"), std::string::npos) << message;
+  // Five levels (111,110 values) are fine.
+  const size_t fifth = text.find("l5:");
+  EXPECT_EQ(ConfigNode::parseYaml(text.substr(0, fifth), "laughs.yaml").at("l4").items().size(), 10u);
+}
+
+TEST(ConfigNode, AnEmptyDocumentIsNullAtTheFile) {
+  for (const char* text : {"", "# comments only\n"}) {
+    const ConfigNode doc = ConfigNode::parseYaml(text, "empty.yaml");
+    EXPECT_TRUE(doc.isNull());
+    EXPECT_EQ(doc.location().str(), "empty.yaml");
+  }
 }
 
 TEST(ConfigNode, DuplicateKeysAreErrorsWithTheirLocation) {

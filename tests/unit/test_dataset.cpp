@@ -128,6 +128,9 @@ TEST(Dataset, FileErrors) {
   const auto dir = writeTempFile("placeholder", "").parent_path() / "folder.jsonl";
   std::filesystem::create_directories(dir);
   EXPECT_EQ(loadError(dir, ErrorCode::kIo), dir.string() + ": is a directory; expected a .jsonl, .json or .txt file");
+  // Found by the data loader, which names the data file (the tokenizer could only name its own).
+  const auto latin1 = writeTempFile("latin1.txt", "first line\ncaf\xe9 au lait\n");
+  EXPECT_EQ(loadError(latin1), latin1.string() + ":2:4: byte 0xE9 is not valid UTF-8; save the file as UTF-8");
   const auto csv = writeTempFile("calib.csv", "text\na\n");
   EXPECT_EQ(loadError(csv), csv.string() + ": unknown data file type \".csv\"; expected .jsonl, .json or .txt");
   for (const char* name : {"empty.jsonl", "empty.json", "empty.txt"}) {

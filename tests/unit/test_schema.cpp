@@ -67,6 +67,18 @@ TEST(Schema, WrongTypeSaysWhatWasExpected) {
   EXPECT_EQ(floatForInt, "s.yaml:2:13: p.group_size: expected an integer, got a number");
 }
 
+// YAML's .nan passes every range comparison; no option means anything at .inf.
+TEST(Schema, NonFiniteNumbersAreRejected) {
+  Schema schema;
+  schema.add(
+      {.name = "size", .type = ValueType::kFloat, .help = "GB", .defaultValue = ConfigNode::number(4), .minimum = 0});
+  for (const char* value : {".nan", ".inf", "-.inf"}) {
+    EXPECT_EQ(test::errorOf([&] { schema.validate(parse(std::string("size: ") + value + "\n"), "save"); },
+                            ErrorCode::kConfig),
+              std::string("s.yaml:1:7: save.size: expected a finite number, got ") + value);
+  }
+}
+
 TEST(Schema, PlainScalarsAreReadAsTheirTextInStringFields) {
   Schema schema;
   schema.optional("name", ValueType::kString, ConfigNode::string(""), "");

@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "commands.h"
+#include "option_checks.h"
 #include "plugin_options.h"
 #include "qpipe/config_node.h"
 #include "qpipe/host/pipeline.h"
@@ -45,7 +46,7 @@ Subcommand setupCheck(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand(
       "check", "Validate a pipeline YAML against the loaded plugins and print it with defaults filled in");
   auto options = std::make_shared<CheckOptions>();
-  app->add_option("--config_path", options->configPath, "Pipeline YAML to validate")->required();
+  app->add_option("--config_path", options->configPath, "Pipeline YAML to validate")->required()->check(path());
   addPluginOptions(*app, options->plugins);
   return {app, [options] { checkPipeline(*options); }};
 }

@@ -170,8 +170,8 @@ Subcommand setupCompare(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand(
       "compare", "Compare two checkpoint folders tensor by tensor (e.g. the outputs of 1 and N ranks)");
   auto options = std::make_shared<CompareOptions>();
-  app->add_option("left", options->left, "First checkpoint folder")->required();
-  app->add_option("right", options->right, "Second checkpoint folder")->required();
+  app->add_option("left", options->left, "First checkpoint folder")->required()->check(path());
+  app->add_option("right", options->right, "Second checkpoint folder")->required()->check(path());
   app->add_option("--tolerance", options->tolerance,
                   "Largest difference accepted where tensors are not byte-identical: max|a-b|/max|a| for "
                   "floating point, the fraction of differing elements for integers")

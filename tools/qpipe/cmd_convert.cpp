@@ -5,6 +5,7 @@
 #include <string>
 
 #include "commands.h"
+#include "option_checks.h"
 #include "qpipe/host/gguf_convert.h"
 
 namespace qpipe::cli {
@@ -38,7 +39,8 @@ Subcommand setupConvert(CLI::App& parent) {
   auto options = std::make_shared<ConvertGgufOptions>();
   gguf->add_option("--input", options->input, "GGUF file to read")->required()->check(CLI::ExistingFile);
   gguf->add_option("--output", options->output, "Folder to create (written under a temporary name, then renamed)")
-      ->required();
+      ->required()
+      ->check(path());
   gguf->add_option("--dtype", options->dtype,
                    "Weight dtype: float32 (exact dequantised values), bfloat16 or float16 (half the size, rounded)")
       ->check(CLI::IsMember({"float32", "bfloat16", "float16"}))

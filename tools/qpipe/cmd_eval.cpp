@@ -41,6 +41,13 @@ void evaluate(const EvalOptions& options) {
   QPIPE_REQUIRE(std::filesystem::is_directory(model), ErrorCode::kInput, "--model_path '", options.modelPath,
                 "' is not a folder");
   const c10::Device device = parseDevice(options.device);
+  if (!options.outputJson.empty()) {  // before the evaluation, not after it
+    const std::filesystem::path out = std::filesystem::absolute(options.outputJson);
+    QPIPE_REQUIRE(!std::filesystem::is_directory(out), ErrorCode::kIo, "--output_json '", options.outputJson,
+                  "' is a folder; give a file name");
+    QPIPE_REQUIRE(std::filesystem::is_directory(out.parent_path()), ErrorCode::kIo, "--output_json '",
+                  options.outputJson, "': no folder '", out.parent_path().string(), "' to write it in");
+  }
   auto lm = CausalLM::open(
       model, {.device = device,
               .checkFinite = !options.allowNonFinite});  // first: a broken checkpoint fails before any tokenizing
@@ -50,6 +57,9 @@ void evaluate(const EvalOptions& options) {
   logger->info(options.data, ": ", stream.texts, " texts, ", ids.size(), " tokens");
 
   const int64_t windows = perplexityWindows(static_cast<int64_t>(ids.size()), options.seqLen, 0);
+  QPIPE_REQUIRE(windows > 0, ErrorCode::kInput, options.data, ": ", ids.size(),
+                " tokens, fewer than one window of --seq_len ", options.seqLen,
+                "; give more text or a smaller --seq_len");
   ProgressBar bar("eval", windows, "windows");
   PerplexityOptions ppl{.seqLen = options.seqLen, .batchSize = options.batchSize};
   ppl.progress = [&](int64_t done, int64_t, double perplexity) {
@@ -85,8 +95,9 @@ Subcommand setupEval(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand("eval", "Perplexity of a model on a text data set (docs/data.md)");
   auto options = std::make_shared<EvalOptions>();
   app->add_option("--model_path", options->modelPath, "Model folder (config.json, safetensors, tokenizer.json)")
-      ->required();
-  app->add_option("--data", options->data, "Evaluation texts: .jsonl, .json or .txt")->required();
+      ->required()
+      ->check(path());
+  app->add_option("--data", options->data, "Evaluation texts: .jsonl, .json or .txt")->required()->check(path());
   app->add_option("--seq_len", options->seqLen, "Window length in tokens")
       ->capture_default_str()
       ->check(wholeNumber(2, int64_t{1} << 20));
@@ -96,7 +107,7 @@ Subcommand setupEval(CLI::App& parent) {
   app->add_option("--batch_size", options->batchSize, "Windows per forward")
       ->capture_default_str()
       ->check(wholeNumber(1));
-  app->add_option("--output_json", options->outputJson, "Also write the results to this JSON file");
+  app->add_option("--output_json", options->outputJson, "Also write the results to this JSON file")->check(path());
   app->add_option("--device", options->device, "cpu, cuda or cuda:N")->capture_default_str();
   app->add_flag("--allow_non_finite", options->allowNonFinite, "Load weights holding NaN or Inf (refused by default)");
   return {app, [options] { evaluate(*options); }};

@@ -189,14 +189,18 @@ Subcommand setupQuant(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand("quant", "Quantize a model with a pipeline and save the checkpoint");
   auto options = std::make_shared<QuantOptions>();
   app->add_option("--model_path", options->modelPath, "Model folder (config.json, safetensors, tokenizer.json)")
-      ->required();
-  app->add_option("--save_path", options->savePath, "Output folder; must not exist or be empty")->required();
+      ->required()
+      ->check(path());
+  app->add_option("--save_path", options->savePath, "Output folder; must not exist or be empty")
+      ->required()
+      ->check(path());
   app->add_option("--model_type", options->modelType,
                   "Model family for practice lookup (configs/<model_type>/); default: config.json's model_type");
   auto* quantType = app->add_option(
       "--quant_type", options->quantType,
       "w<W>a<A>[c8|f4|f8][s][_fp8][_static], e.g. w8a8, w4a16, w8a8_fp8, w8a8_static (docs/pipeline.md)");
-  auto* configPath = app->add_option("--config_path", options->configPath, "Pipeline YAML instead of --quant_type");
+  auto* configPath =
+      app->add_option("--config_path", options->configPath, "Pipeline YAML instead of --quant_type")->check(path());
   quantType->excludes(configPath);
   configPath->excludes(quantType);
   app->add_option("--device", options->device,
@@ -214,7 +218,8 @@ Subcommand setupQuant(CLI::App& parent) {
   app->add_flag("--allow_non_finite", options->allowNonFinite,
                 "Load weights holding NaN or Inf and save what they give (checked and refused by default)");
   app->add_option("--calib_data", options->calibData,
-                  "Calibration texts (.jsonl/.json/.txt); default: the pipeline's dataset, else data/calib.jsonl");
+                  "Calibration texts (.jsonl/.json/.txt); default: the pipeline's dataset, else data/calib.jsonl")
+      ->check(path());
   app->add_option("--calib_samples", options->calibSamples, "Calibration windows")
       ->capture_default_str()
       ->check(wholeNumber(1));

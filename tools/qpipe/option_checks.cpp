@@ -63,4 +63,8 @@ CLI::Validator number(double min, double max) {
   return inRange("a number", min, max);
 }
 
+CLI::Validator path() {
+  return CLI::Validator([](std::string& text) { return text.empty() ? "expected a path, got ''" : std::string(); }, "");
+}
+
 }  // namespace qpipe::cli

@@ -2,13 +2,15 @@
 
 #include <CLI/CLI.hpp>
 
+#include "option_checks.h"
 #include "qpipe/log.h"
 
 namespace qpipe::cli {
 
 void addPluginOptions(CLI::App& app, PluginOptions& options) {
   app.add_option("--plugin_dir", options.pluginDir,
-                 "Folder of processor plugins, searched before QPIPE_PLUGIN_PATH and the built-in folder");
+                 "Folder of processor plugins, searched before QPIPE_PLUGIN_PATH and the built-in folder")
+      ->check(path());
 }
 
 std::vector<PluginSearchDir> pluginSearchPath(const PluginOptions& options) {

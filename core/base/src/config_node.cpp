@@ -188,7 +188,8 @@ class Builder : public YAML::EventHandler {
  public:
   explicit Builder(std::string file) : file_(std::move(file)) {}
 
-  ConfigNode takeRoot() { return std::move(root_).value_or(ConfigNode{}); }
+  // An empty document (or one of comments only) is null, located at the file.
+  ConfigNode takeRoot() { return std::move(root_).value_or(ConfigNode::null({file_})); }
 
   void OnDocumentStart(const YAML::Mark&) override {}
   void OnDocumentEnd() override {}
@@ -200,6 +201,11 @@ class Builder : public YAML::EventHandler {
   void OnAlias(const YAML::Mark& mark, YAML::anchor_t anchor) override {
     auto it = anchors_.find(anchor);
     QPIPE_REQUIRE(it != anchors_.end(), ErrorCode::kConfig, where(mark).str(), ": unknown alias");
+    // Each alias copies its anchor's values, so nested aliases grow a file exponentially (a
+    // "billion laughs" file took 23 GB before it was killed).
+    aliasedValues_ += anchorValues_.at(anchor);
+    QPIPE_REQUIRE(aliasedValues_ <= kMaxAliasedValues, ErrorCode::kConfig, where(mark).str(),
+                  ": aliases expand to more than ", kMaxAliasedValues, " values");
     emit(it->second, 0, mark);
   }
 
@@ -246,6 +252,18 @@ class Builder : public YAML::EventHandler {
   }
 
   static constexpr size_t kMaxDepth = 100;
+  // A pipeline holds hundreds of values.
+  static constexpr size_t kMaxAliasedValues = 1'000'000;
+
+  static size_t countValues(const ConfigNode& node) {
+    size_t count = 1;
+    if (node.isList()) {
+      for (const ConfigNode& item : node.items()) count += countValues(item);
+    } else if (node.isMap()) {
+      for (const auto& [name, value] : node.entries()) count += countValues(value);
+    }
+    return count;
+  }
 
   void closeCollection() {
     Frame frame = std::move(stack_.back());
@@ -257,6 +275,7 @@ class Builder : public YAML::EventHandler {
     if (anchor != 0) {
       node.markAnchored();
       anchors_[anchor] = node;
+      anchorValues_[anchor] = countValues(node);
     }
     if (stack_.empty()) {
       root_ = std::move(node);
@@ -304,6 +323,8 @@ class Builder : public YAML::EventHandler {
   std::string file_;
   std::vector<Frame> stack_;
   std::map<YAML::anchor_t, ConfigNode> anchors_;
+  std::map<YAML::anchor_t, size_t> anchorValues_;
+  size_t aliasedValues_ = 0;
   std::map<size_t, YAML::Mark> keyMarks_;
   std::optional<ConfigNode> root_;
 };
@@ -312,7 +333,7 @@ ConfigNode parseStream(std::istream& in, const std::string& fileName) {
   Builder builder(fileName);
   try {
     YAML::Parser parser(in);
-    if (!parser.HandleNextDocument(builder)) return {};
+    if (!parser.HandleNextDocument(builder)) return builder.takeRoot();
     Builder extra(fileName);
     QPIPE_REQUIRE(!parser.HandleNextDocument(extra), ErrorCode::kConfig, fileName,
                   ": holds more than one YAML document; put the pipeline in one");

@@ -1,6 +1,7 @@
 #include "qpipe/schema.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "qpipe/error.h"
 #include "qpipe/pattern.h"
@@ -132,6 +133,9 @@ ConfigNode checkValue(const FieldSpec& field, const ConfigNode& value, const std
     case ValueType::kFloat:
       if (value.kind() != ConfigNode::Kind::kInt && value.kind() != ConfigNode::Kind::kFloat)
         failAt(value, path, got());
+      // YAML's .nan passes every comparison, and no option means anything at .inf.
+      if (!std::isfinite(value.asFloat()))
+        failAt(value, path, concat("expected a finite number, got ", value.sourceText()));
       checkRange(field, value, path);
       return value;
     case ValueType::kString: {

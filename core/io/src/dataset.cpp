@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <string_view>
 
 #include "qpipe/error.h"
@@ -16,6 +18,7 @@
 #include "qpipe/log.h"
 #include "qpipe/perplexity.h"
 #include "qpipe/tokenizer.h"
+#include "tokenizer_internal.h"
 
 namespace qpipe {
 namespace {
@@ -208,6 +211,19 @@ std::vector<DataSample> readText(const std::string& content, const std::string& 
   return samples;
 }
 
+// Found here rather than by the tokenizer, which can only name its own file.
+void requireUtf8(const std::string& content, const std::string& path) {
+  const std::optional<size_t> bad = detail::tok::findInvalidUtf8(content);
+  if (!bad) return;
+  const size_t newline = content.rfind('\n', *bad);
+  const size_t lineStart = newline == std::string::npos ? 0 : newline + 1;
+  const auto line = 1 + std::count(content.begin(), content.begin() + static_cast<std::ptrdiff_t>(*bad), '\n');
+  char byte[8];
+  std::snprintf(byte, sizeof byte, "0x%02X", static_cast<unsigned char>(content[*bad]));
+  throw Error(ErrorCode::kInput, concat(path, ":", line, ":", *bad - lineStart + 1, ": byte ", byte,
+                                        " is not valid UTF-8; save the file as UTF-8"));
+}
+
 }  // namespace
 
 std::string renderPlainChat(const std::vector<ChatTurn>& turns) {
@@ -232,6 +248,7 @@ std::vector<DataSample> loadDataset(const std::filesystem::path& path, const Dat
 
   const std::string content = readInputFile(path);
   QPIPE_REQUIRE(!isBlank(content), ErrorCode::kInput, name, ": the file is empty");
+  requireUtf8(content, name);
   std::vector<DataSample> samples = extension == ".jsonl"  ? readJsonl(content, name, options)
                                     : extension == ".json" ? readJson(content, name, options)
                                                            : readText(content, name, options);
