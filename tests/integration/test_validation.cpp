@@ -1,6 +1,7 @@
 // Bad input as a careless or hostile user gives it (issue 17): each is one line naming the problem,
 // before work starts where it can be, and nothing at --save_path. Each test checks the whole line.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <sys/stat.h>
 
 #include <fstream>
@@ -110,6 +111,9 @@ TEST(Validation, TensorsMustHaveTheShapeAndDtypeConfigJsonImplies) {
        "tensor '" + q + "' has shape [1, 16, 16], but config.json implies [16, 16]"},
       {"integer", "model.layers.0.input_layernorm.weight", at::zeros({16}, at::kInt),
        "tensor 'model.layers.0.input_layernorm.weight' has dtype I32; expected a floating-point dtype"},
+      // FP8 passes as floating point, but without a scheme its scale is lost.
+      {"fp8_unclaimed", q, at::zeros({16, 16}).to(at::kFloat8_e4m3fn),
+       "tensor '" + q + "' is F8_E4M3, but config.json has no quantization_config"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);
@@ -122,6 +126,25 @@ TEST(Validation, TensorsMustHaveTheShapeAndDtypeConfigJsonImplies) {
   const CommandResult r = eval(dir);
   EXPECT_EQ(r.exitCode, 5) << r.err;
   EXPECT_EQ(r.err, inputError("checkpoint " + dir.string() + ": missing tensor '" + q + "'"));
+}
+
+// A quantized checkpoint whose quantization_config lost its schemes (edited by hand): its int8
+// weights are refused by name, not handed to a float GEMM.
+TEST(Validation, AQuantizedWeightNoSchemeClaimsIsRefused) {
+  const fs::path out = qpipe::test::testDir() / "unclaimed_w8a8";
+  fs::remove_all(out);
+  const CommandResult quantized =
+      qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() +
+                            " --quant_type w8a8 --save_path " + out.string() + " --calib_samples 4 --seq_len 32");
+  ASSERT_EQ(quantized.exitCode, 0) << quantized.err;
+  nlohmann::json config = nlohmann::json::parse(qpipe::test::slurp(out / "config.json"));
+  config["quantization_config"]["config_groups"] = nlohmann::json::object();
+  std::ofstream(out / "config.json", std::ios::trunc) << config.dump(2);
+  const CommandResult r = eval(out);
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() +
+                                        ": tensor 'model.layers.0.self_attn.q_proj.weight' is I8, but config.json's "
+                                        "quantization_config gives 'model.layers.0.self_attn.q_proj' no scheme"));
 }
 
 TEST(Validation, ATensorInTwoShardsIsRefused) {

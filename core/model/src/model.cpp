@@ -278,6 +278,8 @@ void validateCheckpoint(const std::filesystem::path& dir, const ModelConfig& c, 
     const std::string weight = name + ".weight";
     if (ckpt.contains(weight) && (isFloat(ckpt.info(weight).dtype) || !quantized)) {
       tensor(weight, {out, in});
+      QPIPE_REQUIRE(quantized || !ckpt.info(weight).dtype.starts_with("F8"), ErrorCode::kInput, where, ": tensor '",
+                    weight, "' is ", ckpt.info(weight).dtype, ", but config.json has no quantization_config");
     } else {
       QPIPE_REQUIRE(ckpt.contains(weight) || (quantized && ckpt.contains(name + ".weight_packed")), ErrorCode::kInput,
                     where, ": missing tensor '", weight, "'");
@@ -524,13 +526,21 @@ at::Tensor CausalLM::weight(const std::string& name) {
 }
 
 std::shared_ptr<Module> CausalLM::linear(const std::string& name, bool bias) {
+  const std::string weightName = name + ".weight";
   if (quantized_) {
     const auto stored = [this](const std::string& tensor) { return this->stored(tensor).to(options_.device); };
     const auto has = [this](const std::string& tensor) { return checkpoint_.contains(tensor); };
     bias = bias || undeclaredBias(name);
     if (auto quantized = quantized_->linear(name, bias, stored, has, options_.dtype)) return quantized;
+    // An int8 or FP8 weight that no scheme claims (a quantization_config edited by hand) would
+    // reach the GEMM unscaled. validateCheckpoint refuses them where there is no quantization_config.
+    const std::string held = checkpoint_.contains(weightName) ? weightName : name + ".weight_packed";
+    const std::string& dtype = checkpoint_.info(held).dtype;
+    QPIPE_REQUIRE(dtype == "F32" || dtype == "BF16" || dtype == "F16" || dtype == "F64", ErrorCode::kInput,
+                  "checkpoint ", dir_.string(), ": tensor '", held, "' is ", dtype,
+                  ", but config.json's quantization_config gives '", name, "' no scheme");
   }
-  return std::make_shared<Linear>(weight(name + ".weight"), bias ? weight(name + ".bias") : at::Tensor());
+  return std::make_shared<Linear>(weight(weightName), bias ? weight(name + ".bias") : at::Tensor());
 }
 
 std::shared_ptr<Module> CausalLM::attentionInput(const std::string& attention, char input) {
