@@ -198,7 +198,7 @@ Subcommand setupQuant(CLI::App& parent) {
                   "Model family for practice lookup (configs/<model_type>/); default: config.json's model_type");
   auto* quantType = app->add_option(
       "--quant_type", options->quantType,
-      "w<W>a<A>[c8|f4|f8][s][_fp8][_static], e.g. w8a8, w4a16, w8a8_fp8, w8a8_static (docs/pipeline.md)");
+      "w<W>a<A>[c8|f4|f8][s][_fp8|_nvfp4|_mxfp4][_static], e.g. w8a8, w4a16, w8a8_fp8, w8a8_static (docs/pipeline.md)");
   auto* configPath =
       app->add_option("--config_path", options->configPath, "Pipeline YAML instead of --quant_type")->check(path());
   quantType->excludes(configPath);
