@@ -143,8 +143,8 @@ TEST(Validation, AQuantizedWeightNoSchemeClaimsIsRefused) {
   const CommandResult r = eval(out);
   EXPECT_EQ(r.exitCode, 5) << r.err;
   EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() +
-                                        ": tensor 'model.layers.0.self_attn.q_proj.weight' is I8, but config.json's "
-                                        "quantization_config gives 'model.layers.0.self_attn.q_proj' no scheme"));
+                                        ": tensor 'model.layers.0.self_attn.q_proj.weight' is I8, but the checkpoint's "
+                                        "quantization description gives 'model.layers.0.self_attn.q_proj' no scheme"));
 }
 
 TEST(Validation, ATensorInTwoShardsIsRefused) {

@@ -116,6 +116,9 @@ TEST(Dataset, MaxSamplesStopsReadingEarly) {
   EXPECT_EQ(loadDataset(json, {.maxSamples = 1}).size(), 1u);
   const auto txt = writeTempFile("calib.txt", "a\n\nb\n\nc\n");
   EXPECT_EQ(loadDataset(txt, {.maxSamples = 2}).size(), 2u);
+  // Nor is a byte that is not UTF-8 after the last paragraph kept.
+  const auto latin1 = writeTempFile("latin1_late.txt", "a\n\nb\n\ncaf\xe9\n");
+  EXPECT_EQ(loadDataset(latin1, {.maxSamples = 2}).size(), 2u);
   EXPECT_EQ(errorOf([&] { loadDataset(txt, {.maxSamples = -1}); }, ErrorCode::kUsage),
             "the maximum number of samples must be >= 0 (0 = all), got -1");
 }

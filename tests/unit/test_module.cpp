@@ -156,18 +156,26 @@ TEST(RMSNorm, Fp32IsTheDocumentedLaneSumBitForBitOnAnyThreadCountAndLayout) {
       EXPECT_TRUE(at::equal(norm(x.reshape({-1, n}).slice(0, 3, 4)), expected.reshape({-1, n}).slice(0, 3, 4)));
     }
   }
+  // Rows enough for two threads to split them (a task takes about 32,768 values).
+  const at::Tensor many = at::randn({300, 576}), w = at::randn({576});
+  const at::Tensor oneThread = [&] {
+    at::set_num_threads(1);
+    return RMSNorm(w, eps)(many);
+  }();
   at::set_num_threads(2);
+  EXPECT_TRUE(at::equal(RMSNorm(w, eps)(many), oneThread));
+  EXPECT_TRUE(at::equal(oneThread, rmsNormRows(many, w, static_cast<float>(eps))));
   // Where autograd records the graph, in another dtype, with a bias: ATen's operations.
-  const at::Tensor x = at::randn({4, 32}), w = at::randn({32});
-  const at::Tensor trained = w.clone().requires_grad_();
+  const at::Tensor x = at::randn({4, 32}), w32 = at::randn({32});
+  const at::Tensor trained = w32.clone().requires_grad_();
   const at::Tensor y = RMSNorm(trained, eps)(x);
   EXPECT_TRUE(y.requires_grad());
   EXPECT_TRUE(at::equal(y, atenRmsNorm(x, trained, eps)));
   const at::Tensor half = x.to(at::kBFloat16);
-  EXPECT_TRUE(
-      at::equal(RMSNorm(w, eps)(half), w * atenRmsNorm(half.to(at::kFloat), at::ones({32}), eps).to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(RMSNorm(w32, eps)(half),
+                        w32 * atenRmsNorm(half.to(at::kFloat), at::ones({32}), eps).to(at::kBFloat16)));
   const at::Tensor bias = at::randn({32});
-  EXPECT_TRUE(at::equal(RMSNorm(w, eps, bias)(x), rmsNormRows(x, w, static_cast<float>(eps)) + bias));
+  EXPECT_TRUE(at::equal(RMSNorm(w32, eps, bias)(x), rmsNormRows(x, w32, static_cast<float>(eps)) + bias));
 }
 
 at::Tensor atenRotary(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin) {
@@ -196,7 +204,14 @@ TEST(Rotary, Fp32IsAtensOperationsBitForBitAsContiguousHeads) {
       }
     }
   }
+  // Rows enough for two threads to split them.
+  const at::Tensor manyHeads = at::randn({2, 300, 4, 64}), cos64 = at::randn({2, 300, 64}),
+                   sin64 = at::randn({2, 300, 64});
+  at::set_num_threads(1);
+  const at::Tensor oneThread = *detail::rotary(manyHeads, cos64, sin64);
   at::set_num_threads(2);
+  EXPECT_TRUE(at::equal(*detail::rotary(manyHeads, cos64, sin64), oneThread));
+  EXPECT_TRUE(at::equal(oneThread, atenRotary(manyHeads, cos64, sin64)));
   const at::Tensor t = at::randn({1, 4, 2, 6}), cos = at::randn({1, 4, 6}), sin = at::randn({1, 4, 6});
   EXPECT_FALSE(detail::rotary(t.clone().requires_grad_(), cos, sin).has_value());
   EXPECT_FALSE(detail::rotary(t.to(at::kBFloat16), cos, sin).has_value());

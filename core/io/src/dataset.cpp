@@ -191,7 +191,7 @@ std::vector<DataSample> readText(const std::string& content, const std::string& 
     paragraph = {};
   };
   size_t start = 0;
-  for (int64_t lineNo = 1; start < content.size(); ++lineNo) {
+  for (int64_t lineNo = 1; start < content.size() && !full(samples, options); ++lineNo) {
     const size_t end = std::min(content.find('\n', start), content.size());
     std::string line = content.substr(start, end - start);
     start = end + 1;
@@ -199,6 +199,13 @@ std::vector<DataSample> readText(const std::string& content, const std::string& 
     if (isBlank(line)) {
       flush();
       continue;
+    }
+    // Named here, with its place: the tokenizer could name only its own file.
+    if (const std::optional<size_t> bad = detail::tok::findInvalidUtf8(line)) {
+      char byte[8];
+      std::snprintf(byte, sizeof byte, "0x%02X", static_cast<unsigned char>(line[*bad]));
+      throw Error(ErrorCode::kInput, concat(path, ":", lineNo, ":", *bad + 1, ": byte ", byte,
+                                            " is not valid UTF-8; save the file as UTF-8"));
     }
     if (paragraph.text.empty()) {
       paragraph.origin = path + ":" + std::to_string(lineNo);
@@ -209,19 +216,6 @@ std::vector<DataSample> readText(const std::string& content, const std::string& 
   }
   flush();
   return samples;
-}
-
-// Found here rather than by the tokenizer, which can only name its own file.
-void requireUtf8(const std::string& content, const std::string& path) {
-  const std::optional<size_t> bad = detail::tok::findInvalidUtf8(content);
-  if (!bad) return;
-  const size_t newline = content.rfind('\n', *bad);
-  const size_t lineStart = newline == std::string::npos ? 0 : newline + 1;
-  const auto line = 1 + std::count(content.begin(), content.begin() + static_cast<std::ptrdiff_t>(*bad), '\n');
-  char byte[8];
-  std::snprintf(byte, sizeof byte, "0x%02X", static_cast<unsigned char>(content[*bad]));
-  throw Error(ErrorCode::kInput, concat(path, ":", line, ":", *bad - lineStart + 1, ": byte ", byte,
-                                        " is not valid UTF-8; save the file as UTF-8"));
 }
 
 }  // namespace
@@ -248,7 +242,6 @@ std::vector<DataSample> loadDataset(const std::filesystem::path& path, const Dat
 
   const std::string content = readInputFile(path);
   QPIPE_REQUIRE(!isBlank(content), ErrorCode::kInput, name, ": the file is empty");
-  requireUtf8(content, name);
   std::vector<DataSample> samples = extension == ".jsonl"  ? readJsonl(content, name, options)
                                     : extension == ".json" ? readJson(content, name, options)
                                                            : readText(content, name, options);

@@ -24,6 +24,11 @@ at::Tensor rotateHalf(const at::Tensor& x) {
   return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
 }
 
+// A float weight's safetensors dtype (F8 ones are quantized: without their scales they are wrong).
+bool isFloatWeight(const std::string& dtype) {
+  return dtype == "F32" || dtype == "BF16" || dtype == "F16" || dtype == "F64";
+}
+
 // Takes the tensors and modules of one layer from the checkpoint by HF name.
 struct LayerSource {
   std::function<at::Tensor(const std::string& name)> weight;
@@ -278,8 +283,8 @@ void validateCheckpoint(const std::filesystem::path& dir, const ModelConfig& c, 
     const std::string weight = name + ".weight";
     if (ckpt.contains(weight) && (isFloat(ckpt.info(weight).dtype) || !quantized)) {
       tensor(weight, {out, in});
-      QPIPE_REQUIRE(quantized || !ckpt.info(weight).dtype.starts_with("F8"), ErrorCode::kInput, where, ": tensor '",
-                    weight, "' is ", ckpt.info(weight).dtype, ", but config.json has no quantization_config");
+      QPIPE_REQUIRE(quantized || isFloatWeight(ckpt.info(weight).dtype), ErrorCode::kInput, where, ": tensor '", weight,
+                    "' is ", ckpt.info(weight).dtype, ", but config.json has no quantization_config");
     } else {
       QPIPE_REQUIRE(ckpt.contains(weight) || (quantized && ckpt.contains(name + ".weight_packed")), ErrorCode::kInput,
                     where, ": missing tensor '", weight, "'");
@@ -363,7 +368,7 @@ std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, 
   QPIPE_REQUIRE(!tied || c.tieWordEmbeddings, ErrorCode::kInput, "checkpoint ", modelDir.string(),
                 ": no 'lm_head.weight' and tie_word_embeddings is false");
   const bool floatHead = !tied && lm->checkpoint_.contains("lm_head.weight") &&
-                         at::isFloatingType(lm->checkpoint_.tensor("lm_head.weight").scalar_type()) &&
+                         isFloatWeight(lm->checkpoint_.info("lm_head.weight").dtype) &&
                          !(lm->quantized_ && lm->checkpoint_.contains("lm_head.weight_scale"));
   lm->root_->addChild("lm_head", tied
                                      ? std::make_shared<Linear>(model->getSubmodule("embed_tokens").parameter("weight"))
@@ -535,10 +540,9 @@ std::shared_ptr<Module> CausalLM::linear(const std::string& name, bool bias) {
     // An int8 or FP8 weight that no scheme claims (a quantization_config edited by hand) would
     // reach the GEMM unscaled. validateCheckpoint refuses them where there is no quantization_config.
     const std::string held = checkpoint_.contains(weightName) ? weightName : name + ".weight_packed";
-    const std::string& dtype = checkpoint_.info(held).dtype;
-    QPIPE_REQUIRE(dtype == "F32" || dtype == "BF16" || dtype == "F16" || dtype == "F64", ErrorCode::kInput,
-                  "checkpoint ", dir_.string(), ": tensor '", held, "' is ", dtype,
-                  ", but config.json's quantization_config gives '", name, "' no scheme");
+    QPIPE_REQUIRE(isFloatWeight(checkpoint_.info(held).dtype), ErrorCode::kInput, "checkpoint ", dir_.string(),
+                  ": tensor '", held, "' is ", checkpoint_.info(held).dtype,
+                  ", but the checkpoint's quantization description gives '", name, "' no scheme");
   }
   return std::make_shared<Linear>(weight(weightName), bias ? weight(name + ".bias") : at::Tensor());
 }
