@@ -1302,7 +1302,11 @@ void registerProcessors(PluginRegistrar& registrar) {
       .add(bounded("max_steps", ConfigNode::integer(-1), -1,
                    "optimizer steps per layer; > 0 overrides num_train_epochs"))
       .add(bounded("num_train_epochs", ConfigNode::number(2), 0, "passes over the calibration samples per layer"))
-      .add(bounded("warmup_ratio", ConfigNode::number(0), 0, "fraction of the steps warming up"))
+      .add([] {
+        FieldSpec ratio = bounded("warmup_ratio", ConfigNode::number(0), 0, "fraction of the steps warming up");
+        ratio.maximum = 1;
+        return ratio;
+      }())
       .choice("lr_scheduler_type", {"constant", "constant_with_warmup", "linear", "cosine"}, "cosine",
               "learning rate schedule (HF's)")
       .add(bounded("max_grad_norm", ConfigNode::number(1.0), 0, "gradient clipping; 0: none"))

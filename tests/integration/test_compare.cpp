@@ -96,4 +96,14 @@ TEST(QpipeCompare, MissingFolderIsAnInputError) {
   EXPECT_NE(r.err.find("'/nonexistent/a' is not a folder"), std::string::npos) << r.err;
 }
 
+// Two folders without weights are the wrong folders, not two equal checkpoints.
+TEST(QpipeCompare, AFolderWithoutTensorsIsAnInputError) {
+  const fs::path empty = qpipe::test::testDir() / "no_tensors";
+  fs::create_directories(empty);
+  std::ofstream(empty / "config.json") << "{}";
+  const auto r = runQpipe("compare " + empty.string() + " " + empty.string());
+  EXPECT_EQ(r.exitCode, static_cast<int>(qpipe::ErrorCode::kInput));
+  EXPECT_EQ(r.err, "qpipe: input error: '" + empty.string() + "' holds no tensors (no .safetensors file)\n");
+}
+
 }  // namespace

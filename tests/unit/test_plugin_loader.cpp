@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <fstream>
+#include <string>
 
 #include "qpipe/config_node.h"
 #include "qpipe/host/plugin_loader.h"
@@ -62,6 +64,22 @@ TEST(PluginLoader, FileThatIsNotASharedLibraryIsRejected) {
   EXPECT_EQ(loadError(kFaults / "libfault_not_elf.so"),
             prefix(kFaults / "libfault_not_elf.so") + "not a shared library (not an ELF file for this platform)");
   EXPECT_EQ(loadError(kFaults / "missing.so"), prefix(kFaults / "missing.so") + "not a regular file");
+}
+
+// A library cut short (an interrupted copy or build) is refused before dlopen, which would map its
+// missing pages and die of SIGBUS on the first touch.
+TEST(PluginLoader, TruncatedLibraryIsRejectedBeforeItIsMapped) {
+  const fs::path whole = kExample / "libmodule_stats.so";
+  const std::string bytes = test::slurp(whole);
+  for (const size_t keep : {size_t{1000}, size_t{20000}, bytes.size() - 1}) {
+    const fs::path cut = test::testDir() / ("libcut_" + std::to_string(keep) + ".so");
+    std::ofstream(cut, std::ios::binary) << bytes.substr(0, keep);
+    const std::string message = loadError(cut);
+    EXPECT_EQ(
+        message.rfind(prefix(cut) + "truncated (" + std::to_string(keep) + " bytes; its ELF headers describe ", 0), 0u)
+        << message;
+    EXPECT_NE(message.find("): copy or build it again"), std::string::npos) << message;
+  }
 }
 
 TEST(PluginLoader, DuplicateTypeRejectsTheSecondPluginWhole) {

@@ -955,6 +955,8 @@ TEST_F(QatProcessor, ConfigurationErrorsNameTheField) {
             std::string::npos);
   EXPECT_NE(message("      loss_type: kl_top_0\n").find("spec.process[0].loss_type: 'kl_top_0': K must be at least 1"),
             std::string::npos);
+  EXPECT_NE(message("      warmup_ratio: 2\n").find("spec.process[0].warmup_ratio: must be <= 1, got 2"),
+            std::string::npos);
   EXPECT_NE(message("      training_mode: end2end\n      loss_type: kl\n      lm_loss_weight: 0\n      kd_loss_weight: 0\n")
                 .find("spec.process[0].lm_loss_weight: nothing to minimise: lm_loss_weight and kd_loss_weight are "
                       "both 0"),

@@ -58,6 +58,8 @@ Folder scan(const std::string& path) {
                     " is in two shards");
     }
   }
+  // Two folders without weights would compare "equal": the wrong folders, not a checkpoint.
+  QPIPE_REQUIRE(!folder.tensors.empty(), ErrorCode::kInput, "'", path, "' holds no tensors (no .safetensors file)");
   return folder;
 }
 

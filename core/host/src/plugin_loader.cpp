@@ -2,11 +2,15 @@
 
 #include <boost/dll/library_info.hpp>
 #include <boost/dll/shared_library.hpp>
+#include <elf.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <mutex>
+#include <optional>
+#include <vector>
 
 #include "qpipe/error.h"
 #include "qpipe/log.h"
@@ -26,6 +30,34 @@ std::mutex& loadMutex() {
 
 [[noreturn]] void reject(const std::string& reason) {
   throw Error(ErrorCode::kPlugin, reason);
+}
+
+// dlopen maps a library's segments as its program headers describe them; in a file cut short
+// (an interrupted copy or build) a segment ends past the end of the file, and touching those
+// pages kills the process with SIGBUS. Where that is so, the reason; the ELF header itself was
+// checked before (boost::dll::library_info).
+std::optional<std::string> truncated(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  Elf64_Ehdr header{};
+  in.read(reinterpret_cast<char*>(&header), sizeof header);
+  const auto size = static_cast<uint64_t>(fs::file_size(path));
+  const auto cut = [&](uint64_t end) {
+    return concat("truncated (", size, " bytes; its ELF headers describe ", end, "): copy or build it again");
+  };
+  if (!in || header.e_phentsize != sizeof(Elf64_Phdr)) return cut(sizeof header);
+  const uint64_t tableEnd = header.e_phoff + uint64_t{header.e_phnum} * sizeof(Elf64_Phdr);
+  if (tableEnd > size) return cut(tableEnd);
+  const uint64_t sectionsEnd = header.e_shoff + uint64_t{header.e_shnum} * header.e_shentsize;
+  if (sectionsEnd > size) return cut(sectionsEnd);
+  std::vector<Elf64_Phdr> segments(header.e_phnum);
+  in.seekg(static_cast<std::streamoff>(header.e_phoff));
+  in.read(reinterpret_cast<char*>(segments.data()), static_cast<std::streamsize>(segments.size() * sizeof(Elf64_Phdr)));
+  for (const Elf64_Phdr& segment : segments) {
+    if (segment.p_type == PT_LOAD && segment.p_offset + segment.p_filesz > size) {
+      return cut(segment.p_offset + segment.p_filesz);
+    }
+  }
+  return std::nullopt;
 }
 
 bool looksLikeLibrary(const fs::path& path) {
@@ -117,6 +149,7 @@ const PluginRecord& PluginLoader::load(const fs::path& path) {
   } catch (const std::exception&) {
     reject("not a shared library (not an ELF file for this platform)");
   }
+  if (const std::optional<std::string> reason = truncated(path)) reject(*reason);
 
   std::lock_guard<std::mutex> lock(loadMutex());
   auto library = std::make_shared<boost::dll::shared_library>();
