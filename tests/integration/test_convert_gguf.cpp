@@ -97,6 +97,20 @@ TEST(ConvertGguf, UnsupportedPreTokenizerIsOneLineAndWritesNothing) {
   expectNoPartial(testDir());
 }
 
+// JSON has no NaN: config.json would have said `"rope_theta": null` and the model run on a default.
+TEST(ConvertGguf, ANonFiniteOrNonPositiveHyperparameterIsOneLineAndWritesNothing) {
+  for (const char* base : {"nan", "-1"}) {
+    const Fixture f = tinyLlama(std::string("--rope_freq_base ") + base);
+    const fs::path out = testDir() / "hf";
+    fs::remove_all(out);
+    const CommandResult r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string());
+    EXPECT_EQ(r.exitCode, 5);
+    EXPECT_EQ(r.err, "qpipe: input error: " + f.gguf.string() + ": metadata 'llama.rope.freq_base' is " + base +
+                         "; expected a positive number\n");
+    EXPECT_FALSE(fs::exists(out));
+  }
+}
+
 TEST(ConvertGguf, TruncatedFileAndExistingOutputAreOneLineErrors) {
   const Fixture f = tinyLlama();
   const auto file = qpipe::gguf::File::open(f.gguf);

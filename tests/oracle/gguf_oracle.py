@@ -3,7 +3,7 @@ fixtures and dequantises them; transformers and tokenizers load what `qpipe conv
 
   quants OUT_DIR                 quants.gguf, one tensor per ggml type, and <name>.f32 with
                                  gguf.quants.dequantize's fp32 values (raw little-endian)
-  llama OUT.gguf EXPECTED [--pre P] [--tied]
+  llama OUT.gguf EXPECTED [--pre P] [--tied] [--rope_freq_base F]
                                  a tiny random Llama GGUF with a byte-level BPE tokenizer, and the HF
                                  weights it must convert to (EXPECTED, safetensors)
   check MODEL_DIR EXPECTED       load MODEL_DIR with transformers and tokenizers and compare
@@ -112,7 +112,7 @@ def llama_unpermute(weight, heads):
     return weight.reshape(heads, weight.shape[0] // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_llama(path, expected_path, pre, tied):
+def write_llama(path, expected_path, pre, tied, rope_freq_base=500000.0):
     from safetensors.numpy import save_file
 
     tokens, merges, types = vocabulary()
@@ -125,7 +125,7 @@ def write_llama(path, expected_path, pre, tied):
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(500000.0)
+    writer.add_rope_freq_base(rope_freq_base)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(HEAD_DIM)
     writer.add_vocab_size(vocab)
@@ -263,7 +263,8 @@ def main(argv):
         write_quants(argv[2])
     elif command == "llama":
         pre = argv[argv.index("--pre") + 1] if "--pre" in argv else "smollm"
-        write_llama(argv[2], argv[3], pre, "--tied" in argv)
+        base = float(argv[argv.index("--rope_freq_base") + 1]) if "--rope_freq_base" in argv else 500000.0
+        write_llama(argv[2], argv[3], pre, "--tied" in argv, base)
     elif command == "check":
         check(argv[2], argv[3])
     elif command == "generate":

@@ -8,6 +8,7 @@
 
 #include <charconv>
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -51,6 +52,9 @@ double cleanNumber(const File& file, const std::string& key, double fallback) {
   const Value* value = file.find(key);
   if (value == nullptr) return fallback;
   const double number = *file.getOptional<double>(key);
+  // JSON has no NaN or Inf (config.json would say null), and none of these values may be 0 or less.
+  QPIPE_REQUIRE(std::isfinite(number) && number > 0, ErrorCode::kInput, file.path().string(), ": metadata '", key,
+                "' is ", number, "; expected a positive number");
   if (value->type != ValueType::kFloat32) return number;
   char text[64];
   const auto [end, ec] = std::to_chars(std::begin(text), std::end(text), static_cast<float>(number));
