@@ -136,6 +136,14 @@ fs::path configOnlyModel() {
   return dir;
 }
 
+TEST(QuantCli, AQpipeHomeThatIsNoFolderIsNamed) {
+  const CommandResult r = qpipe::test::runQpipe("quant --model_path m --save_path s --quant_type w8a8",
+                                                "QPIPE_HOME=" + (qpipe::test::testDir() / "nowhere").string());
+  EXPECT_EQ(r.exitCode, 2) << r.err;
+  EXPECT_EQ(r.err, "qpipe: usage error: QPIPE_HOME '" + (qpipe::test::testDir() / "nowhere").string() +
+                       "' is not a folder; point it at qpipe's configs/ and data/, or unset it\n");
+}
+
 // A step that quantizes nothing says so: patterns that match no Linear, or a checkpoint quantized
 // already (its modules are QuantLinear).
 TEST(QuantCli, AStepThatQuantizesNothingWarns) {

@@ -103,7 +103,11 @@ int usableCores() {
 // A folder shipped with qpipe (configs/, data/): $QPIPE_HOME/<name>, else the source tree this
 // binary was built from.
 fs::path resourceDir(const std::string& name) {
-  if (const char* home = std::getenv("QPIPE_HOME"); home != nullptr && *home != '\0') return fs::path(home) / name;
+  if (const char* home = std::getenv("QPIPE_HOME"); home != nullptr && *home != '\0') {
+    QPIPE_REQUIRE(fs::is_directory(home), ErrorCode::kUsage, "QPIPE_HOME '", home,
+                  "' is not a folder; point it at qpipe's configs/ and data/, or unset it");
+    return fs::path(home) / name;
+  }
   return fs::path(QPIPE_SOURCE_DIR) / name;
 }
 
