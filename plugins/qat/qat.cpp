@@ -487,13 +487,15 @@ class LearnableScaleQat final : public Processor {
       statePath_ = save.string() + ".qat_state.safetensors";
     }
     saveSteps_ = config.at("save_steps").asInt();
+    // Raised when a run starts, not here: `qpipe check` builds the step without a save path.
     if (saveSteps_ > 0 && context.savePath.empty()) {
-      throw context.configError(config, "save_steps", "a training state is saved beside --save_path; give one");
+      noSavePath_ = context.configError(config, "save_steps", "a training state is saved beside --save_path; give one");
     }
     settings_ = settingsOf(config);
   }
 
   void preRun() override {
+    if (noSavePath_) throw *noSavePath_;
     if (context_.group->rank() != 0) return;  // rank 0 writes the artifact and the log
     if (!scalesPath_.empty()) {
       const std::filesystem::path path(scalesPath_);
@@ -1223,6 +1225,7 @@ class LearnableScaleQat final : public Processor {
   std::string scalesPath_;
   std::string statePath_;  // where save_steps writes the training state
   int64_t saveSteps_ = 0;
+  std::optional<Error> noSavePath_;  // save_steps without a save path (see the constructor)
   std::string settings_;       // settingsOf the configuration
   std::string finishedUnits_;  // the units trained to the end, comma-separated (rank 0)
   std::vector<std::pair<std::string, at::Tensor>> finishedState_;  // their state, with save_steps (rank 0)

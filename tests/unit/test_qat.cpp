@@ -945,6 +945,20 @@ TEST_F(QatProcessor, AModuleNoSampleReachedStartsFromActivationScaleInitValue) {
   EXPECT_EQ(initialized, 2);
 }
 
+// `qpipe check` builds the steps without a save path; a run without one fails as it starts.
+TEST_F(QatProcessor, SaveStepsWithoutASavePathFailsWhenTheRunStartsNotWhenTheStepIsBuilt) {
+  std::vector<std::unique_ptr<Processor>> steps =
+      processors(qatStep(kW8a8Static, "      training_mode: end2end\n      save_steps: 1\n"));
+  ASSERT_EQ(steps.size(), 1u);
+  const std::string message = test::errorOf([&] { steps[0]->preRun(); }, ErrorCode::kConfig);
+  EXPECT_NE(message.find("spec.process[0].save_steps: a training state is saved beside --save_path; give one"),
+            std::string::npos)
+      << message;
+  steps = processors(qatStep(kW8a8Static, "      training_mode: end2end\n      save_steps: 1\n"),
+                     (test::testDir() / "qat_save_steps").string());
+  EXPECT_NO_THROW(steps[0]->preRun());
+}
+
 TEST_F(QatProcessor, ConfigurationErrorsNameTheField) {
   const auto message = [&](const std::string& extra, const std::string& qconfig = kW8a8Static) {
     return configError(qatStep(qconfig, extra));
