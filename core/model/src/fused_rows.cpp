@@ -6,18 +6,16 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "lanes.h"
 
 namespace qpipe::detail {
 
 namespace {
-
-constexpr int64_t kLanes = 16;
-using Lanes = float __attribute__((vector_size(kLanes * sizeof(float))));
-using UnalignedLanes = float __attribute__((vector_size(kLanes * sizeof(float)), aligned(alignof(float))));
 
 bool applies(const at::Tensor& t) {
   return t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() >= 1 && t.stride(-1) == 1 &&
@@ -46,20 +44,19 @@ int64_t grain(int64_t rowLength) {
 
 [[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void rmsRow(const float* x, const float* w, int64_t n,
                                                                         float eps, float* y) {
-  // A GCC vector type: the clones run it as one AVX-512 register, two AVX2 ones or four SSE ones.
   Lanes sums = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     const Lanes v = *reinterpret_cast<const UnalignedLanes*>(x + j);
     sums += v * v;
   }
-  float lanes[kLanes];
-  std::memcpy(lanes, &sums, sizeof lanes);
-  for (; j < n; ++j) lanes[j % kLanes] += x[j] * x[j];
-  for (int64_t width = kLanes / 2; width >= 1; width /= 2) {
-    for (int64_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  if (j < n) {  // the last elements, zero-padded to 16: a lane plus 0 · 0 is the lane
+    float tail[kLanes] = {};
+    std::copy(x + j, x + n, tail);
+    const Lanes v = *reinterpret_cast<const UnalignedLanes*>(tail);
+    sums += v * v;
   }
-  const float scale = 1.0f / std::sqrt(lanes[0] / static_cast<float>(n) + eps);
+  const float scale = 1.0f / std::sqrt(sumLanes(sums) / static_cast<float>(n) + eps);
   for (j = 0; j < n; ++j) y[j] = w[j] * (x[j] * scale);
 }
 
