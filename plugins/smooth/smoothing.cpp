@@ -177,7 +177,13 @@ Schema& SmoothingProcessor::addCommonFields(Schema& schema, const std::vector<Su
 
 SmoothingProcessor::SmoothingProcessor(std::string type, const ConfigNode& config, const ProcessorContext& context)
     : type_(std::move(type)), context_(context), filter_(context.moduleFilter(config)) {
-  for (const ConfigNode& item : config.at("enable_subgraph_type").items()) {
+  const ConfigNode& enabled = config.at("enable_subgraph_type");
+  if (enabled.items().empty()) {
+    throw configError(enabled, context.fieldPath("enable_subgraph_type"),
+                      concat("an empty list smooths nothing; list some of ", joinNames(typeNames(allSubgraphTypes())),
+                             ", or remove the step"));
+  }
+  for (const ConfigNode& item : enabled.items()) {
     const std::optional<SubgraphType> parsed = parseSubgraphType(item.asString());
     if (!parsed) {
       throw configError(item, context.fieldPath("enable_subgraph_type"),

@@ -482,6 +482,12 @@ TEST_F(Smoothing, ConfigurationErrorsNameTheField) {
                          "norm-linear, linear-linear, ov, up-down"),
             std::string::npos)
       << unknown;
+  const std::string empty =
+      test::errorOf([&] { processors("    - {type: smooth_quant, enable_subgraph_type: []}\n"); }, ErrorCode::kConfig);
+  EXPECT_NE(empty.find("spec.process[0].enable_subgraph_type: an empty list smooths nothing; list some of "
+                       "norm-linear, linear-linear, ov, up-down, or remove the step"),
+            std::string::npos)
+      << empty;
   const std::string alpha =
       test::errorOf([&] { processors("    - {type: smooth_quant, alpha: 1.5}\n"); }, ErrorCode::kConfig);
   EXPECT_NE(alpha.find("spec.process[0].alpha"), std::string::npos) << alpha;
