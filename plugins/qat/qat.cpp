@@ -472,6 +472,7 @@ class LearnableScaleQat final : public Processor {
                                 "exports the artifact's scales)");
     }
     floatStreamTarget_ = config.at("target").asString() == "float_stream";
+    warnOfNoEffect(config, context, staticActs);
     if (const std::string& ptq = config.at("from_ptq_ckpt").asString(); !ptq.empty()) {
       if (!std::filesystem::is_directory(ptq)) {
         throw context.configError(config, "from_ptq_ckpt", concat("'", ptq, "' is not a folder"));
@@ -492,6 +493,38 @@ class LearnableScaleQat final : public Processor {
       noSavePath_ = context.configError(config, "save_steps", "a training state is saved beside --save_path; give one");
     }
     settings_ = settingsOf(config);
+  }
+
+  // Fields of the other training mode, or of what this qconfig and learnable set leave out: a
+  // pipeline that sets them expects something this run does not do.
+  void warnOfNoEffect(const ConfigNode& config, const ProcessorContext& context, bool staticActs) const {
+    const char* mode = end2end_ ? "end2end" : "blockwise";
+    const auto otherMode = [&](std::initializer_list<const char*> fields) {
+      for (const char* field : fields) {
+        context.warnIfSet(config.at(field), field,
+                          concat("has no effect in ", mode,
+                                 " training (training_mode: ", end2end_ ? "blockwise" : "end2end", " uses it)"));
+      }
+    };
+    if (end2end_) {
+      otherMode({"target"});
+    } else {
+      otherMode({"loss_type", "loss_topk", "kd_temperature", "lm_loss_weight", "kd_loss_weight", "lazy_init_samples"});
+    }
+    if (end2end_ && loss_.type != LossType::kKd) {
+      context.warnIfSet(config.at("kd_temperature"), "kd_temperature",
+                        concat("has no effect with loss_type ", loss_.name, " (loss_type kd uses it)"));
+    }
+    const ConfigNode& learnable = config.at("plugin_config").at("quant_config").at("learnable");
+    if (!staticActs) {
+      context.warnIfSet(learnable.at("act_scale"), "plugin_config.quant_config.learnable.act_scale",
+                        "has no effect: the qconfig has no static activations, so there is no input scale to train");
+    }
+    if (!options_.learnable.lwc) {
+      for (const char* field : {"lwc_lr", "lwc_init_value"}) {
+        context.warnIfSet(config.at(field), field, "has no effect without plugin_config.quant_config.learnable.lwc");
+      }
+    }
   }
 
   void preRun() override {

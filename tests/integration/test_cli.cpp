@@ -89,6 +89,24 @@ TEST(Cli, CheckAcceptsAValidPipelineAndPrintsItResolved) {
   EXPECT_NE(r.err.find("valid (3 processors, 1 savers)"), std::string::npos) << r.err;
 }
 
+TEST(Cli, CheckWarnsOfAFieldWithoutEffect) {
+  const fs::path pipeline = qpipe::test::writeTempFile("qat.yaml", R"(apiversion: modelslim_v1
+spec:
+  process:
+    - type: learnable_scale_qat
+      qconfig:
+        weight: {dtype: int8, scope: per_channel, symmetric: True}
+      loss_type: kd
+)");
+  const CommandResult r = qpipe("check --config_path " + pipeline.string());
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find("[warning] " + pipeline.string() +
+                       ":7:18: spec.process[0].loss_type: has no effect in blockwise training (training_mode: end2end "
+                       "uses it)"),
+            std::string::npos)
+      << r.err;
+}
+
 TEST(Cli, CheckRejectsUnknownTypeNamingFileLineTypeAndKnownTypes) {
   const CommandResult r = qpipe("check --config_path " + kPipelines + "unknown_type.yaml --plugin_dir " + kExample);
   EXPECT_EQ(r.exitCode, 3);

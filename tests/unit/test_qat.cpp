@@ -516,6 +516,15 @@ class QatProcessor : public ::testing::Test {
     return buildProcessors(pipeline, registry_, {.logger = logger_, .savePath = savePath});
   }
 
+  // What building the steps warned about (ProcessorContext::warnIfSet).
+  std::vector<std::string> configWarnings(const std::string& process) {
+    const Pipeline pipeline = loadPipeline(
+        test::writeTempFile("qat.yaml", "apiversion: modelslim_v1\nspec:\n  process:\n" + process), registry_);
+    const ProcessorContext context{.logger = logger_};
+    buildProcessors(pipeline, registry_, context);
+    return *context.configWarnings;
+  }
+
   // Runs the pipeline on `dir`; the model and its report.
   std::pair<std::unique_ptr<CausalLM>, QuantReport> run(const std::string& process, const fs::path& dir,
                                                         const std::string& savePath = "") {
@@ -957,6 +966,37 @@ TEST_F(QatProcessor, SaveStepsWithoutASavePathFailsWhenTheRunStartsNotWhenTheSte
   steps = processors(qatStep(kW8a8Static, "      training_mode: end2end\n      save_steps: 1\n"),
                      (test::testDir() / "qat_save_steps").string());
   EXPECT_NO_THROW(steps[0]->preRun());
+}
+
+// A field that this configuration makes of no effect warns where the file sets it; a default does not.
+TEST_F(QatProcessor, FieldsWithoutEffectWarnWhereTheFileSetsThem) {
+  EXPECT_TRUE(
+      configWarnings(qatStep(kW8a8Static, "      plugin_config: {quant_config: {learnable: {act_scale: True}}}\n"))
+          .empty());
+  constexpr const char* kDynamic =
+      "        act: {dtype: int8, scope: per_token, symmetric: True, method: minmax}\n"
+      "        weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}\n";
+  const std::string file = (test::testDir() / "qat.yaml").string();
+  EXPECT_EQ(configWarnings(qatStep(kDynamic,
+                                   "      loss_type: kd\n"
+                                   "      lwc_lr: 0.1\n"
+                                   "      plugin_config: {quant_config: {learnable: {act_scale: True}}}\n")),
+            (std::vector<std::string>{
+                file + ":8:18: spec.process[0].loss_type: has no effect in blockwise training (training_mode: "
+                       "end2end uses it)",
+                file + ":10:61: spec.process[0].plugin_config.quant_config.learnable.act_scale: has no effect: the "
+                       "qconfig has no static activations, so there is no input scale to train",
+                file + ":9:15: spec.process[0].lwc_lr: has no effect without "
+                       "plugin_config.quant_config.learnable.lwc"}));
+  EXPECT_EQ(configWarnings(qatStep(kW8a8Static,
+                                   "      training_mode: end2end\n"
+                                   "      target: layer\n"
+                                   "      kd_temperature: 2\n")),
+            (std::vector<std::string>{
+                file + ":9:15: spec.process[0].target: has no effect in end2end training (training_mode: blockwise "
+                       "uses it)",
+                file + ":10:23: spec.process[0].kd_temperature: has no effect with loss_type origin (loss_type kd "
+                       "uses it)"}));
 }
 
 TEST_F(QatProcessor, ConfigurationErrorsNameTheField) {

@@ -33,7 +33,9 @@ void checkPipeline(const CheckOptions& options) {
 
   const Pipeline pipeline = loadPipeline(options.configPath, registry);
   // Constructing every processor runs the plugins' own checks of their configuration.
-  const auto processors = buildProcessors(pipeline, registry, {.logger = log::logger()});
+  const ProcessorContext context{.logger = log::logger()};
+  const auto processors = buildProcessors(pipeline, registry, context);
+  for (const std::string& warning : *context.configWarnings) log::logger()->warn(warning);
 
   std::cout << pipeline.resolved.toYaml() << std::flush;
   log::logger()->info(options.configPath, ": valid (", countProcessors(pipeline.process), " processors, ",

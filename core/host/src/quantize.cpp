@@ -100,6 +100,7 @@ struct Prepared {
   Pipeline pipeline;
   std::shared_ptr<JoinedLater> group;
   std::vector<std::unique_ptr<Processor>> processors;
+  std::vector<std::string> configWarnings;  // ProcessorContext::warnIfSet's
   RunnerMode mode = RunnerMode::kLayerWise;
   fs::path calibData;
 
@@ -111,8 +112,9 @@ struct Prepared {
     pipeline = loadPipeline(pipelineFile, registry);
     mode = runnerMode(pipeline, options.worldSize);
     group = std::make_shared<JoinedLater>(options.rank, options.worldSize);
-    processors = buildProcessors(pipeline, registry,
-                                 {.logger = log::logger(), .group = group, .savePath = options.savePath.string()});
+    const ProcessorContext context{.logger = log::logger(), .group = group, .savePath = options.savePath.string()};
+    processors = buildProcessors(pipeline, registry, context);
+    configWarnings = std::move(*context.configWarnings);
     if (options.worldSize > 1) {
       for (size_t i = 0; i < processors.size(); ++i) {
         QPIPE_REQUIRE(processors[i]->supportDistributed(), ErrorCode::kUsage, pipeline.process[i].path, " (",
@@ -147,6 +149,9 @@ void checkQuantize(const QuantizeOptions& options) {
 QuantizeResult quantize(const QuantizeOptions& options) {
   const auto logger = log::logger();
   Prepared prepared(options);
+  if (options.rank == 0) {
+    for (const std::string& warning : prepared.configWarnings) logger->warn(warning);
+  }
   // Inference mode skips autograd's bookkeeping, but its tensors cannot take part in a backward
   // pass: a pipeline that trains runs with gradients merely off (Processor::trains).
   const GradientScope gradients(anyTrains(prepared.processors));

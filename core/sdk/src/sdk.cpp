@@ -41,6 +41,11 @@ Error ProcessorContext::configError(const ConfigNode& config, std::string_view f
   return qpipe::configError(at, fieldPath(field), what);
 }
 
+void ProcessorContext::warnIfSet(const ConfigNode& value, std::string_view field, std::string_view why) const {
+  if (value.location().line > 0)
+    configWarnings->push_back(concat(value.location().str(), ": ", fieldPath(field), ": ", why));
+}
+
 std::string ProcessorContext::fieldPath(std::string_view field) const {
   return configPath.empty() ? std::string(field) : concat(configPath, ".", field);
 }

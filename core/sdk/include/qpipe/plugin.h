@@ -85,8 +85,9 @@ class PluginRegistrar {
 // acts on).
 // 13.0: QuantLinear and LinearQuantizer implement InputSharing (q/k/v and gate/up share one input
 // quantization, FP8 one GEMM) and hold its state.
+// 13.1: ProcessorContext::warnIfSet and configWarnings (appended).
 #define QPIPE_PLUGIN_ABI_MAJOR 13
-#define QPIPE_PLUGIN_ABI_MINOR 0
+#define QPIPE_PLUGIN_ABI_MINOR 1
 
 #define QPIPE_STRINGIFY_IMPL(x) #x
 #define QPIPE_STRINGIFY(x) QPIPE_STRINGIFY_IMPL(x)

@@ -186,6 +186,12 @@ struct ProcessorContext {
   // Error(kConfig) "<file:line:col>: <configPath>.<field>: <what>" for a field of the step's
   // configuration that the schema accepted but the processor cannot use.
   Error configError(const ConfigNode& config, std::string_view field, std::string_view what) const;
+  // For a field that this configuration makes of no effect (an option of another mode): when the
+  // pipeline file sets it (`value` has a line; a default never warns), adds
+  // "<file:line:col>: <configPath>.<field>: <why>" to configWarnings.
+  void warnIfSet(const ConfigNode& value, std::string_view field, std::string_view why) const;
+  // What warnIfSet found, for the host to print: `qpipe check`, and rank 0 of `qpipe quant`.
+  std::shared_ptr<std::vector<std::string>> configWarnings = std::make_shared<std::vector<std::string>>();
 };
 
 class Processor {
