@@ -80,6 +80,12 @@ TEST(Validation, ConfigValuesAreCheckedBeforeAnyDivisionOrAllocation) {
        "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"},
       {"eps", R"("num_hidden_layers": 2, "num_attention_heads": 4, "rms_norm_eps": -1})",
        "rms_norm_eps must be a positive number (found -1)"},
+      // transformers refuses both, so they do not fall back to the defaults.
+      {"null_eps", R"("num_hidden_layers": 2, "num_attention_heads": 4, "rms_norm_eps": null})",
+       "rms_norm_eps is null; give a number or leave the field out"},
+      {"null_theta",
+       R"("num_hidden_layers": 2, "num_attention_heads": 4, "rope_parameters": {"rope_type": "default", "rope_theta": null}})",
+       "rope_theta is null; give a number or leave the field out"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);

@@ -28,6 +28,13 @@ class ConfigReader {
   T optional(const char* key, T fallback) const {
     return json_.contains(key) && !json_[key].is_null() ? get<T>(key) : fallback;
   }
+  // A field transformers has a default for when it is absent, but cannot use as null.
+  template <typename T>
+  T optionalNotNull(const char* key, T fallback) const {
+    QPIPE_REQUIRE(!json_.contains(key) || !json_[key].is_null(), ErrorCode::kInput, file_.string(), ": ", key,
+                  " is null; give a number or leave the field out");
+    return optional<T>(key, fallback);
+  }
   const Json& json() const { return json_; }
 
  private:
@@ -100,7 +107,7 @@ ModelConfig ModelConfig::fromFile(const std::filesystem::path& file) {
                 ") and no head_dim is given");
   c.headDim = r.optional<int64_t>("head_dim", c.hiddenSize / c.numHeads);
   positive("head_dim", c.headDim);
-  c.rmsNormEps = r.optional<double>("rms_norm_eps", 1e-6);
+  c.rmsNormEps = r.optionalNotNull<double>("rms_norm_eps", 1e-6);
   QPIPE_REQUIRE(c.rmsNormEps > 0 && std::isfinite(c.rmsNormEps), ErrorCode::kInput, file.string(),
                 ": rms_norm_eps must be a positive number (found ", c.rmsNormEps, ")");
   c.tieWordEmbeddings = r.optional<bool>("tie_word_embeddings", false);
@@ -115,7 +122,8 @@ ModelConfig ModelConfig::fromFile(const std::filesystem::path& file) {
               : json.contains("rope_scaling") && json["rope_scaling"].is_object()     ? json["rope_scaling"]
                                                                                       : Json::object();
   const ConfigReader ropeReader(file, rope);
-  c.rope.theta = ropeReader.optional<double>("rope_theta", r.optional<double>("rope_theta", 10000.0));
+  c.rope.theta = rope.contains("rope_theta") ? ropeReader.optionalNotNull<double>("rope_theta", 0.0)
+                                             : r.optionalNotNull<double>("rope_theta", 10000.0);
   c.rope.type = ropeReader.optional<std::string>("rope_type", ropeReader.optional<std::string>("type", "default"));
   QPIPE_REQUIRE(c.rope.type == "default" || c.rope.type == "llama3", ErrorCode::kInput, file.string(), ": rope type '",
                 c.rope.type, "' is not supported; supported: default, llama3");
