@@ -60,8 +60,8 @@ TEST(Cli, OpenMpKeepsItsDefaultSpinUnlessTheUserChoseAPolicy) {
 TEST(Cli, PluginsListsEveryBrokenFixtureWithItsReasonAndExitsZero) {
   const CommandResult r = qpipe("plugins --plugin_dir " + kFaults);
   EXPECT_EQ(r.exitCode, 0) << r.err;
-  const std::string abiMajor =
-      qpipe::concat("libfault_abi_major.so\n    plugin ABI ", QPIPE_PLUGIN_ABI_MAJOR + 1, ".0 is not compatible");
+  const std::string abiMajor = qpipe::concat("libfault_abi_major.so\n    plugin ABI ", QPIPE_PLUGIN_ABI_MAJOR + 1, ".",
+                                             QPIPE_PLUGIN_ABI_MINOR, " is not compatible");
   for (const std::string& expected : std::vector<std::string>{
            "Rejected libraries (5):",
            abiMajor,
