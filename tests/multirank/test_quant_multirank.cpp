@@ -277,10 +277,11 @@ TEST(QuantMultirank, TwoRanksWriteTheCheckpointOfOne) {
         << multi.out;
     EXPECT_EQ(multi.out.find("saved compressed_tensors"), multi.out.rfind("saved compressed_tensors")) << multi.out;
     expectSameCheckpoint(one, two);
-    // Data-free: the decoder layers were split over the ranks, and the report probe went from each
-    // layer's executor to the next one's, so the report's errors are the one rank's.
-    EXPECT_NE(multi.err.find("[rank 0/2] [info] runner: 2 decoder layers split over 2 ranks [DTS] tasks=2 waves=1 "
-                             "parallel_waves=1 world_size=2 rank=0 my_tasks="),
+    // Data-free: the decoder layers and the non-layer modules' write were split over the ranks, and
+    // the report probe went from each layer's executor to the next one's, so the report's errors
+    // are the one rank's.
+    EXPECT_NE(multi.err.find("[rank 0/2] [info] runner: 2 decoder layers and the non-layer modules split over 2 ranks "
+                             "[DTS] tasks=3 waves=1 parallel_waves=1 world_size=2 rank=0 my_tasks="),
               std::string::npos)
         << multi.err;
     EXPECT_EQ(probeErrors(one), probeErrors(two));
@@ -303,8 +304,9 @@ std::pair<CommandResult, CommandResult> oneAndTwoSplitRanks(const std::string& t
   CommandResult multi = qpipe::test::runQpipe(quantArgs(model, two, config + " --device cpu:0,1"));
   EXPECT_EQ(single.exitCode, 0) << single.err;
   EXPECT_EQ(multi.exitCode, 0) << multi.err;
-  EXPECT_NE(multi.err.find("[rank 0/2] [info] runner: 2 decoder layers split over 2 ranks"), std::string::npos)
-      << multi.err;
+  const size_t line = multi.err.find("[rank 0/2] [info] runner: 2 decoder layers");
+  EXPECT_NE(line, std::string::npos) << multi.err;
+  EXPECT_NE(multi.err.find(" split over 2 ranks [DTS]", line), std::string::npos) << multi.err;
   if (single.exitCode == 0 && multi.exitCode == 0) expectSameCheckpoint(one, two);
   return {std::move(single), std::move(multi)};
 }
@@ -319,6 +321,10 @@ TEST(QuantMultirank, ASplitRunCountsTheNonLayerModulesOnce) {
   for (const char* rank : {"[rank 0/2] [info] ", "[rank 1/2] [info] "}) {
     EXPECT_NE(multi.err.find(rank + count), std::string::npos) << multi.err;
   }
+  // A step acts on lm_head, so the non-layer modules are written after the layers, by rank 0.
+  EXPECT_NE(multi.err.find("[rank 0/2] [info] runner: 2 decoder layers split over 2 ranks [DTS] tasks=2 "),
+            std::string::npos)
+      << multi.err;
 }
 
 // A `group` of data-free steps (a scheme per kind of module) splits its layers like one step.
@@ -554,7 +560,8 @@ TEST(QuantMultirank, TorchrunStyleRanksWriteTheLauncherCheckpoint) {
   for (int rank = 0; rank < 2; ++rank) {
     EXPECT_EQ(waitFor(ranks[rank], std::chrono::seconds(60)), 0) << qpipe::test::slurp(ranks[rank].err);
   }
-  EXPECT_NE(qpipe::test::slurp(ranks[1].err).find("[rank 1/2] [info] runner: 2 decoder layers split over 2 ranks"),
+  EXPECT_NE(qpipe::test::slurp(ranks[1].err)
+                .find("[rank 1/2] [info] runner: 2 decoder layers and the non-layer modules split over 2 ranks"),
             std::string::npos)
       << qpipe::test::slurp(ranks[1].err);
   EXPECT_EQ(qpipe::test::slurp(ranks[1].out), "") << "only rank 0 prints the summary";

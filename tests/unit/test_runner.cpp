@@ -1,9 +1,10 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "qpipe/host/runner.h"
 #include "qpipe/host/report.h"
+#include "qpipe/host/runner.h"
 #include "qpipe/log.h"
+#include "qpipe/saver.h"
 #include "test_helpers.h"
 #include "tiny_model.h"
 
@@ -282,6 +283,26 @@ TEST(Runner, ANonLayerUnitNoProcessorActsOnIsNotProbed) {
     // Either way nothing was replaced, so the report lists the decoder layers alone.
     ASSERT_EQ(report.layers.size(), 2u) << idle;
     EXPECT_EQ(report.layers[1].name, "model.layers.1");
+  }
+}
+
+// With a saver that takes them first, the non-layer modules go to the sink before layer 0, unless
+// a step may change them.
+TEST(Runner, NonLayerModulesNoStepActsOnGoToTheSinkFirst) {
+  for (const bool idle : {false, true}) {
+    auto model = CausalLM::open(test::tinyLlama("unit-first"));
+    std::vector<std::unique_ptr<Processor>> processors;
+    processors.push_back(std::make_unique<Bystander>(idle));
+    std::vector<std::pair<int64_t, std::string>> sunk;
+    LayerWiseRunner(*model, processors, {.nonLayerFirst = true})
+        .run(samples(2), [&](int64_t index, const std::string& name, Module& module) {
+          sunk.emplace_back(index, name);
+          if (index == CheckpointSaver::kNonLayer) EXPECT_EQ(&module, &model->root());
+        });
+    using Sunk = std::vector<std::pair<int64_t, std::string>>;
+    Sunk expected{{0, "model.layers.0"}, {1, "model.layers.1"}};
+    if (idle) expected.insert(expected.begin(), {CheckpointSaver::kNonLayer, ""});
+    EXPECT_EQ(sunk, expected) << idle;
   }
 }
 

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <tuple>
@@ -13,6 +15,7 @@
 #include "qpipe/host/savers.h"
 #include "qpipe/model.h"
 #include "qpipe/quant_linear.h"
+#include "qpipe/safetensors.h"
 #include "replace_linears.h"
 #include "save_checkpoint.h"
 #include "test_helpers.h"
@@ -371,49 +374,99 @@ std::map<std::string, std::string> filesOf(const fs::path& dir) {
 // Layers written by a segment saver into the folder's data files, each laid out after the one
 // before through the chain, then adopted in layer order by the saver of the folder, give the
 // folder writeLayer gives, byte for byte: shards, index, the config's groups (numbered in order of
-// first use) or the ascendv1 description.
+// first use) or the ascendv1 description. `nonLayerFirst`: the non-layer modules come first on
+// both paths, as the segment before layer 0 (CheckpointSaver::kNonLayer).
 void expectSegmentsWriteTheSameFolder(const std::string& name, const SaverOptions& options,
-                                      const std::function<std::optional<Spec>(const std::string&)>& specFor) {
+                                      const std::function<std::optional<Spec>(const std::string&)>& specFor,
+                                      bool nonLayerFirst) {
   auto lm = CausalLM::open(test::tinyLlama(name + "-src"));
   quantize(*lm, specFor);
   const fs::path direct = test::testDir() / (name + "-direct"), adopted = test::testDir() / (name + "-adopted");
   fs::remove_all(direct);
   fs::remove_all(adopted);
-  test::saveCheckpoint(*lm, direct, options);
+  // The units in the order they are written: their index, name and module.
+  std::vector<std::tuple<int64_t, std::string, Module*>> units;
+  if (nonLayerFirst) units.emplace_back(CheckpointSaver::kNonLayer, "", &lm->root());
+  for (int64_t i = 0; i < lm->config().numLayers; ++i) units.emplace_back(i, lm->layerName(i), &lm->layer(i));
+
+  auto directSaver = createBuiltinSaver(options, *lm, direct);
+  for (const auto& [index, unitName, module] : units) directSaver->writeLayer(index, unitName, *module);
+  directSaver->finish();
 
   auto saver = createBuiltinSaver(options, *lm, adopted);
   SaverOptions segmentOptions = options;
   segmentOptions.segmentsOnly = true;
   auto segments = createBuiltinSaver(segmentOptions, *lm, adopted);
-  const auto layers = static_cast<size_t>(lm->config().numLayers);
-  std::vector<std::string> written(layers), chain(layers + 1);
-  for (size_t i = 0; i < layers; ++i) {
-    written[i] = segments->writeSegment(static_cast<int64_t>(i), lm->layerName(static_cast<int64_t>(i)),
-                                        lm->layer(static_cast<int64_t>(i)),
-                                        {.start = [&chain, i] { return chain[i]; },
-                                         .passOn = [&chain, i](const std::string& end) { chain[i + 1] = end; }});
-    EXPECT_FALSE(chain[i + 1].empty()) << "layer " << i << " passed nothing on";
+  std::vector<std::string> written(units.size()), chain(units.size() + 1);
+  for (size_t k = 0; k < units.size(); ++k) {
+    const auto& [index, unitName, module] = units[k];
+    written[k] = segments->writeSegment(index, unitName, *module,
+                                        {.start = [&chain, k] { return chain[k]; },
+                                         .passOn = [&chain, k](const std::string& end) { chain[k + 1] = end; }});
+    EXPECT_FALSE(chain[k + 1].empty()) << "unit " << index << " passed nothing on";
   }
-  for (size_t i = 0; i < layers; ++i) saver->adoptSegment(static_cast<int64_t>(i), written[i]);
+  for (size_t k = 0; k < units.size(); ++k) saver->adoptSegment(std::get<0>(units[k]), written[k]);
   saver->finish();
   EXPECT_EQ(filesOf(adopted), filesOf(direct));  // no data file is left over either
 }
 
+std::optional<Spec> mixedCompressedTensors(const std::string& name) {
+  if (name == "model.layers.1.mlp.down_proj") return std::nullopt;
+  if (name.starts_with("model.layers.1.mlp")) return Spec{kInt8Channel, kInt8Token};
+  if (name.find("self_attn") != std::string::npos) return Spec{kInt4Group, std::nullopt};
+  return Spec{kFp8Channel, kFp8Token};
+}
+
+std::optional<Spec> mixedAscendV1(const std::string& name) {
+  if (name == "model.layers.0.mlp.up_proj") return std::nullopt;
+  if (name.find("self_attn") != std::string::npos) return Spec{kInt8Channel, kInt8Token};
+  return Spec{kInt8Channel, std::nullopt};
+}
+
 TEST(SaverSegments, CompressedTensorsMixedAndShardedFromSegments) {
-  expectSegmentsWriteTheSameFolder("segments-ct", {.partFileSizeGb = 2e-6}, [](const std::string& name) {
-    if (name == "model.layers.1.mlp.down_proj") return std::optional<Spec>();
-    if (name.starts_with("model.layers.1.mlp")) return std::optional<Spec>(Spec{kInt8Channel, kInt8Token});
-    if (name.find("self_attn") != std::string::npos) return std::optional<Spec>(Spec{kInt4Group, std::nullopt});
-    return std::optional<Spec>(Spec{kFp8Channel, kFp8Token});
-  });
+  for (const bool nonLayerFirst : {false, true}) {
+    SCOPED_TRACE(nonLayerFirst);
+    expectSegmentsWriteTheSameFolder("segments-ct", {.partFileSizeGb = 2e-6}, mixedCompressedTensors, nonLayerFirst);
+  }
 }
 
 TEST(SaverSegments, AscendV1MixedFromSegments) {
-  expectSegmentsWriteTheSameFolder("segments-ascend", {.format = "ascendv1_saver"}, [](const std::string& name) {
-    if (name == "model.layers.0.mlp.up_proj") return std::optional<Spec>();
-    if (name.find("self_attn") != std::string::npos) return std::optional<Spec>(Spec{kInt8Channel, kInt8Token});
-    return std::optional<Spec>(Spec{kInt8Channel, std::nullopt});
-  });
+  for (const bool nonLayerFirst : {false, true}) {
+    SCOPED_TRACE(nonLayerFirst);
+    expectSegmentsWriteTheSameFolder("segments-ascend", {.format = "ascendv1_saver"}, mixedAscendV1, nonLayerFirst);
+  }
+}
+
+// The non-layer modules written first lie before layer 0 in the data, and load as when they come
+// last; after a layer they are a bug of the caller.
+TEST(SaverSegments, NonLayerModulesFirst) {
+  auto lm = CausalLM::open(test::tinyLlama("non-layer-first-src"));
+  quantize(*lm, mixedCompressedTensors);
+  const at::Tensor expected = lm->forward(ids());
+  const fs::path out = test::testDir() / "non-layer-first";
+  fs::remove_all(out);
+  auto saver = createBuiltinSaver({}, *lm, out);
+  EXPECT_TRUE(saver->writesNonLayerFirst());
+  saver->writeLayer(CheckpointSaver::kNonLayer, "", lm->root());
+  for (int64_t i = 0; i < lm->config().numLayers; ++i) saver->writeLayer(i, lm->layerName(i), lm->layer(i));
+  saver->finish();
+  const auto file = safetensors::File::open(out / "model.safetensors");
+  uint64_t embedding = 0, firstLayer = UINT64_MAX;
+  for (const auto& info : file->tensors()) {
+    if (info.name == "model.embed_tokens.weight") embedding = info.begin;
+    if (info.name.starts_with("model.layers.")) firstLayer = std::min(firstLayer, info.begin);
+  }
+  EXPECT_LT(embedding, firstLayer);
+  EXPECT_TRUE(at::equal(CausalLM::open(out)->forward(ids()), expected));
+
+  const fs::path late = test::testDir() / "non-layer-late";
+  fs::remove_all(late);
+  auto lateSaver = createBuiltinSaver({}, *lm, late);
+  lateSaver->writeLayer(0, lm->layerName(0), lm->layer(0));
+  EXPECT_NE(
+      test::errorOf([&] { lateSaver->writeLayer(CheckpointSaver::kNonLayer, "", lm->root()); }, ErrorCode::kInternal)
+          .find("the non-layer modules after a decoder layer"),
+      std::string::npos);
 }
 
 TEST(SaverSegments, OnlyTheirOwnRole) {

@@ -257,13 +257,15 @@ QuantizeResult quantize(const QuantizeOptions& options) {
                                 : concat("saver '", saving.type, "' writes no segments: every rank runs every layer"));
     }
   }
+  runnerOptions.nonLayerFirst =
+      runnerOptions.segments ? segmentSaver->writesNonLayerFirst() : saver && saver->writesNonLayerFirst();
   LayerWiseRunner runner(*model, prepared.processors, std::move(runnerOptions));
   runner.run(share, [&](int64_t index, const std::string& name, Module& layer) {
     if (saver) saver->writeLayer(index, name, layer);
   });
   if (saver) saver->addFile("quant_report.json", result.report.toJson());
   // The directory appears only once every rank got through every layer and the non-layer unit
-  // (which has no sink: rank 0's saver writes its modules at finish()).
+  // (whose modules rank 0's saver writes at finish(), unless they came first).
   group.barrier();
   if (saver) saver->finish();
   return result;

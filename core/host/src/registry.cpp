@@ -115,7 +115,8 @@ class GuardedSaver final : public CheckpointSaver {
       : owner_(std::move(owner)), inner_(std::move(inner)), where_(std::move(where)) {}
 
   void writeLayer(int64_t index, const std::string& name, Module& layer) override {
-    guardCall(where_ + "writeLayer(" + name + "): ", true, [&] { inner_->writeLayer(index, name, layer); });
+    guardCall(where_ + "writeLayer(" + unitName(index, name) + "): ", true,
+              [&] { inner_->writeLayer(index, name, layer); });
   }
   void addFile(const std::string& fileName, const std::string& content) override {
     guardCall(where_ + "addFile(" + fileName + "): ", true, [&] { inner_->addFile(fileName, content); });
@@ -124,15 +125,23 @@ class GuardedSaver final : public CheckpointSaver {
     guardCall(where_ + "finish: ", true, [&] { inner_->finish(); });
   }
   std::string writeSegment(int64_t index, const std::string& name, Module& layer, const SegmentChain& chain) override {
-    return guardCall(where_ + "writeSegment(" + name + "): ", true,
+    return guardCall(where_ + "writeSegment(" + unitName(index, name) + "): ", true,
                      [&] { return inner_->writeSegment(index, name, layer, chain); });
   }
   void adoptSegment(int64_t index, const std::string& segment) override {
-    guardCall(where_ + "adoptSegment(layer " + std::to_string(index) + "): ", true,
-              [&] { inner_->adoptSegment(index, segment); });
+    guardCall(where_ + "adoptSegment(" + (index == kNonLayer ? unitName(index, "") : "layer " + std::to_string(index)) +
+                  "): ",
+              true, [&] { inner_->adoptSegment(index, segment); });
+  }
+  bool writesNonLayerFirst() const override {
+    return guardCall(where_ + "writesNonLayerFirst: ", true, [&] { return inner_->writesNonLayerFirst(); });
   }
 
  private:
+  static std::string unitName(int64_t index, const std::string& name) {
+    return index == kNonLayer ? "non-layer modules" : name;
+  }
+
   std::shared_ptr<const void> owner_;  // outlives inner_: declared first, destroyed last
   std::unique_ptr<CheckpointSaver> inner_;
   std::string where_;

@@ -15,6 +15,7 @@
 #include "qpipe/host/report.h"
 #include "qpipe/log.h"
 #include "qpipe/progress.h"
+#include "qpipe/saver.h"
 #include "qpipe/scheduler/task_scheduler.h"
 #include "qpipe/staged.h"
 
@@ -113,6 +114,8 @@ class NonLayerUnit {
   }
 
   Module& module() { return *module_; }
+  // The root's modules the unit holds ("model.embed_tokens", "model.norm", "lm_head").
+  const std::vector<std::string>& paths() const { return paths_; }
 
   // Puts each module a processor replaced in the unit in its place in `root`.
   void writeBack(Module& root) {
@@ -266,6 +269,19 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
   QPIPE_CHECK(!split || splitsLayers(processors_, group.worldSize(), options_.mode),
               "segments for a run that cannot split its layers");
   for (auto& processor : processors_) processor->preRun();
+  // What no step acts on is final now: where the saver takes it, it goes before layer 0.
+  const auto nonLayerActed = [&](const LayerRequest& request) {
+    return std::any_of(processors_.begin(), processors_.end(),
+                       [&](const auto& processor) { return onUnits(processor) && processor->actsOn(request); });
+  };
+  std::vector<std::string> nonLayerPaths;
+  const bool nonLayerFirst = options_.nonLayerFirst && !wholeModel && [&] {
+    NonLayerUnit unit(model_.root());
+    nonLayerPaths = unit.paths();
+    LayerRequest request{.name = "", .module = &unit.module()};
+    request.splitLayers = split;
+    return !nonLayerActed(request);
+  }();
 
   // Layer 0's inputs: the embeddings of every sample, with its rotary tables.
   std::vector<TensorList> inputs;
@@ -435,15 +451,46 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     return ConfigNode::map(
         {{"segment", ConfigNode::string(segment)}, {"report", ConfigNode::string(report.serialize())}});
   };
+  // The non-layer modules as the segment before layer 0, on whichever rank claims them first.
+  const auto runNonLayerSegment = [&] {
+    bool passedOn = false;
+    try {
+      const SegmentChain chain{.start = [] { return std::string(); },
+                               .passOn =
+                                   [&](const std::string& end) {
+                                     group.storeSet(segmentKey(0), "+" + end);
+                                     passedOn = true;
+                                   }};
+      const std::string segment = options_.segments->write(CheckpointSaver::kNonLayer, "", model_.root(), chain);
+      return ConfigNode::map({{"segment", ConfigNode::string(segment)}});
+    } catch (...) {
+      if (!passedOn) group.storeSet(segmentKey(0), std::string(kLayerFailed));
+      throw;
+    }
+  };
 
   const int64_t layers = model_.config().numLayers;
   std::optional<scheduler::RunSummary> splitSummary;  // the layer wave's, for the report
   if (split) {
     if (group.rank() == 0) {
       group.storeSet(probeKey(0), probe ? hiddenBytes(probe->input()[0]) : std::string(kProbeOff));
-      group.storeSet(segmentKey(0), "+");
+      if (!nonLayerFirst) group.storeSet(segmentKey(0), "+");
     }
     scheduler::DistributedTaskScheduler tasks(model_.root(), group, {.name = "runner", .claimLimit = 1});
+    if (nonLayerFirst) {
+      tasks.submit({.name = "runner.non_layer",
+                    .fn = [&runNonLayerSegment](const ConfigNode&) { return runNonLayerSegment(); },
+                    .args = ConfigNode::map({}),
+                    .dependencies = nonLayerPaths,
+                    .sync =
+                        [this, &group](const TaskRecord& record, SyncContext&) {
+                          if (group.rank() == 0) {
+                            options_.segments->adopt(CheckpointSaver::kNonLayer,
+                                                     record.result.at("segment").asString());
+                          }
+                        },
+                    .syncName = "runner.adopt_segment"});
+    }
     for (int64_t index = 0; index < layers; ++index) {
       tasks.submit({.name = "runner.layer",
                     .fn = [&runSplitLayer, index](const ConfigNode&) { return runSplitLayer(index); },
@@ -463,8 +510,8 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     }
     tasks.run();
     splitSummary = tasks.summary();
-    log::logger()->info("runner: ", layers, " decoder layers split over ", group.worldSize(), " ranks [DTS] ",
-                        tasks.summary().line());
+    log::logger()->info("runner: ", layers, " decoder layers", nonLayerFirst ? " and the non-layer modules" : "",
+                        " split over ", group.worldSize(), " ranks [DTS] ", tasks.summary().line());
     if (probe) probe.emplace(probeInput(model_, group.storeGet(probeKey(layers))));
   } else {
     // The whole-model unit needs every layer, and the layers are written after it.
@@ -472,6 +519,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     if (resident) {
       for (int64_t index = 0; index < layers; ++index) model_.layer(index);
     }
+    if (nonLayerFirst && sink) sink(CheckpointSaver::kNonLayer, "", model_.root());
     ProgressBar bar("layers", layers, "layers");
     for (int64_t index = 0; index < layers; ++index) {
       const auto layerStart = Clock::now();
@@ -514,9 +562,8 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     inputs.clear();
     // Where no processor acts on the unit (lm_head excluded, as every practice does), its float
     // lm_head is never computed: neither converted (a vocabulary × hidden copy) nor probed.
-    const bool acted = std::any_of(processors_.begin(), processors_.end(), [&](const auto& processor) {
-      return onUnits(processor) && processor->actsOn(request);
-    });
+    const bool acted = nonLayerActed(request);
+    QPIPE_CHECK(!(acted && nonLayerFirst), "a step acts on the non-layer modules, which were written first");
     if (acted) model_.prepareHead();
     Module* const floatHead = &module.getSubmodule("lm_head");
     request.forward = [&module, floatHead](LayerRequest& r) {

@@ -202,10 +202,24 @@ void SaverBase::writeModule(const std::string& prefix, Module& module, const std
   }
 }
 
+void SaverBase::writeUnit(int64_t index, const std::string& name, Module& module) {
+  if (index != kNonLayer) {
+    writeModule(name, module, "");
+    return;
+  }
+  headUntied_ = model_.config().tieWordEmbeddings && !headIsEmbedding(module);
+  writeModule("", module, "model.layers.");
+}
+
+void SaverBase::noteWritten(int64_t index) {
+  QPIPE_CHECK(index != kNonLayer || layersWritten_.empty(), "the non-layer modules after a decoder layer");
+  QPIPE_CHECK(layersWritten_.insert(index).second, "layer ", index, " written twice");
+}
+
 void SaverBase::writeLayer(int64_t index, const std::string& name, Module& layer) {
   QPIPE_CHECK(!finished_ && !segmentsOnly_, "writeLayer after finish or on a segment saver");
-  QPIPE_CHECK(layersWritten_.insert(index).second, "layer ", index, " written twice");
-  writeModule(name, layer, "");
+  noteWritten(index);
+  writeUnit(index, name, layer);
 }
 
 std::string SaverBase::writeSegment(int64_t index, const std::string& name, Module& layer, const SegmentChain& chain) {
@@ -213,7 +227,7 @@ std::string SaverBase::writeSegment(int64_t index, const std::string& name, Modu
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   collected_ = &tensors;
   try {
-    writeModule(name, layer, "");
+    writeUnit(index, name, layer);
   } catch (...) {
     collected_ = nullptr;
     throw;
@@ -239,7 +253,7 @@ std::string SaverBase::writeSegment(int64_t index, const std::string& name, Modu
 
 void SaverBase::adoptSegment(int64_t index, const std::string& segment) {
   QPIPE_CHECK(!finished_ && !segmentsOnly_, "adoptSegment after finish or on a segment saver");
-  QPIPE_CHECK(layersWritten_.insert(index).second, "layer ", index, " written twice");
+  noteWritten(index);
   const nlohmann::json parsed = nlohmann::json::parse(segment);
   std::vector<safetensors::PlacedTensor> placed;
   for (const nlohmann::json& tensor : parsed.at("tensors")) {
@@ -290,8 +304,13 @@ void SaverBase::finish() {
   const int64_t layers = model_.config().numLayers;
   for (int64_t i = 0; i < layers; ++i) QPIPE_CHECK(layersWritten_.count(i), "finish before layer ", i, " was written");
   headUntied_ = model_.config().tieWordEmbeddings && !headIsEmbedding(model_.root());
-  // The decoder layers were written (and released) one by one; the rest of the model now.
-  writeModule("", model_.root(), "model.layers.");
+  // The decoder layers were written (and released) one by one; the rest of the model now, unless
+  // it came first, when no step was to change it.
+  if (layersWritten_.count(kNonLayer) == 0) {
+    writeModule("", model_.root(), "model.layers.");
+  } else {
+    QPIPE_CHECK(!headUntied_, "lm_head changed after the non-layer modules were written first");
+  }
   const size_t files = writer_->finish().size();
   copySideFiles();
   writeMetadata(temporary_);

@@ -42,6 +42,7 @@ class SaverBase : public CheckpointSaver {
   void finish() final;
   std::string writeSegment(int64_t index, const std::string& name, Module& layer, const SegmentChain& chain) final;
   void adoptSegment(int64_t index, const std::string& segment) final;
+  bool writesNonLayerFirst() const final { return true; }
 
  protected:
   // A quantized module, all of its tensors.
@@ -77,6 +78,10 @@ class SaverBase : public CheckpointSaver {
  private:
   // Every tensor of `module` (full name `prefix`) except those under `skipPrefix`.
   void writeModule(const std::string& prefix, Module& module, const std::string& skipPrefix);
+  // Decoder layer `index`, or the modules outside model.layers (kNonLayer; `module` is the root).
+  void writeUnit(int64_t index, const std::string& name, Module& module);
+  // Unit `index` is in the checkpoint now; the non-layer modules only before every layer.
+  void noteWritten(int64_t index);
   void copySideFiles() const;
 
   CausalLM& model_;

@@ -86,8 +86,9 @@ class PluginRegistrar {
 // 13.0: QuantLinear and LinearQuantizer implement InputSharing (q/k/v and gate/up share one input
 // quantization, FP8 one GEMM) and hold its state.
 // 13.1: ProcessorContext::warnIfSet and configWarnings (appended).
-#define QPIPE_PLUGIN_ABI_MAJOR 13
-#define QPIPE_PLUGIN_ABI_MINOR 1
+// 14.0: CheckpointSaver::writesNonLayerFirst (the non-layer modules as layer kNonLayer).
+#define QPIPE_PLUGIN_ABI_MAJOR 14
+#define QPIPE_PLUGIN_ABI_MINOR 0
 
 #define QPIPE_STRINGIFY_IMPL(x) #x
 #define QPIPE_STRINGIFY(x) QPIPE_STRINGIFY_IMPL(x)

@@ -43,12 +43,23 @@ class CheckpointSaver {
   static std::filesystem::path partialDir(const std::filesystem::path& saveDir);
 
   // The runner's LayerSink: writes every parameter of decoder layer `index` (full name `name`).
+  // With index kNonLayer (only to a saver whose writesNonLayerFirst() is true): the model's
+  // modules outside model.layers (`layer` is the model's root, `name` empty), before layer 0.
   virtual void writeLayer(int64_t index, const std::string& name, Module& layer) = 0;
   // A file written beside the weights (e.g. the quantization report).
   virtual void addFile(const std::string& fileName, const std::string& content) = 0;
-  // Writes the non-layer modules, the index and the metadata, copies the tokenizer and
-  // generation files, and renames the directory into place.
+  // Writes the non-layer modules (unless they came first), the index and the metadata, copies the
+  // tokenizer and generation files, and renames the directory into place.
   virtual void finish() = 0;
+
+  // The layer index that stands for the modules outside model.layers (embeddings, final norm,
+  // lm_head). Where no step acts on them (Processor::actsOn), the runner hands them to a saver
+  // that takes them first before layer 0, and a run that splits its layers writes them as one
+  // more segment, beside the first layers, instead of on rank 0 after the last.
+  static constexpr int64_t kNonLayer = -1;
+  // Whether writeLayer, writeSegment and adoptSegment take kNonLayer. A saver that says no gets
+  // the non-layer modules at finish(), as always.
+  virtual bool writesNonLayerFirst() const { return false; }
 
   // A run that splits its decoder layers over the ranks (docs/scheduler.md) has each rank write
   // the layers it executed, on a saver from SaverInfo::segmentFactory, straight into rank 0's
@@ -56,7 +67,8 @@ class CheckpointSaver {
   // which waits for them), hands the position after it on (chain.passOn), writes it and returns
   // what rank 0 needs to adopt it. Rank 0's saver adopts the layers in layer order and writes the
   // checkpoint writeLayer would have written, byte for byte. Only for savers that have a
-  // segmentFactory.
+  // segmentFactory. kNonLayer, where the saver writes the non-layer modules first, is the segment
+  // before layer 0 (chain.start() returns at once).
   virtual std::string writeSegment(int64_t index, const std::string& name, Module& layer, const SegmentChain& chain);
   // Takes layer `index`, written by writeSegment, which returned `segment`.
   virtual void adoptSegment(int64_t index, const std::string& segment);

@@ -83,8 +83,9 @@ class GradientScope {
 // resident (loaded before the first unit, never released), layer_wise one at a time.
 enum class RunnerMode { kLayerWise, kModelWise };
 
-// Called once per decoder layer after the last postprocess, before the layer is released (not for
-// the non-layer unit).
+// Called once per decoder layer after the last postprocess, before the layer is released; and,
+// where RunnerOptions::nonLayerFirst applies, once before layer 0 with index
+// CheckpointSaver::kNonLayer for the modules outside model.layers (`layer` is the model's root).
 using LayerSink = std::function<void(int64_t index, const std::string& name, Module& layer)>;
 
 // What split layers are written with (CheckpointSaver::writeSegment / adoptSegment).
@@ -110,6 +111,11 @@ struct RunnerOptions {
   // Set on every rank (or on none) where splitsLayers(): the run splits its layers, and the sink
   // sees none.
   std::optional<LayerSegments> segments;
+  // The sink and the segments take the non-layer modules first (CheckpointSaver::kNonLayer) where
+  // no step acts on them (Processor::actsOn) and none works on the whole model: a split run then
+  // writes them as one more task beside its first layers, not on rank 0 after its last. For
+  // savers whose writesNonLayerFirst() is true; the same on every rank.
+  bool nonLayerFirst = false;
   // The whole-model unit's labels, one [1, seq] per sample (SFT data: -100 off the supervised
   // tokens); empty: each sample's ids.
   std::vector<at::Tensor> labels;
