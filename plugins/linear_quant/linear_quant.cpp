@@ -31,7 +31,8 @@ class LinearQuant final : public Processor {
  public:
   LinearQuant(const ConfigNode& config, const ProcessorContext& context)
       : context_(context),
-        qconfig_(quant::parseLinearQConfig(config.at("qconfig"), context.fieldPath("qconfig"))),
+        qconfig_(quant::parseLinearQConfig(config.at("qconfig"), context.fieldPath("qconfig"),
+                                           context.configWarnings.get())),
         filter_(context.moduleFilter(config)) {}
 
   void preprocess(LayerRequest& request) override {

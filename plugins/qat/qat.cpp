@@ -390,7 +390,8 @@ class LearnableScaleQat final : public Processor {
  public:
   LearnableScaleQat(const ConfigNode& config, const ProcessorContext& context)
       : context_(context),
-        qconfig_(quant::parseLinearQConfig(config.at("qconfig"), context.fieldPath("qconfig"))),
+        qconfig_(quant::parseLinearQConfig(config.at("qconfig"), context.fieldPath("qconfig"),
+                                           context.configWarnings.get())),
         filter_(context.moduleFilter(config)) {
     end2end_ = config.at("training_mode").asString() == "end2end";
     try {

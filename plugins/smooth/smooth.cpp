@@ -380,7 +380,8 @@ class FlexAwqSsz final : public SmoothingProcessor {
  public:
   FlexAwqSsz(const ConfigNode& config, const ProcessorContext& context)
       : SmoothingProcessor("flex_awq_ssz", config, context),
-        qconfig_(quant::parseLinearQConfig(config.at("qconfig"), context.fieldPath("qconfig"))) {
+        qconfig_(quant::parseLinearQConfig(config.at("qconfig"), context.fieldPath("qconfig"),
+                                           context.configWarnings.get())) {
     keepTokens(config.at("search_tokens").asInt());
     keepAbsMean();
   }

@@ -105,6 +105,23 @@ spec:
                        "uses it)"),
             std::string::npos)
       << r.err;
+  // What msmodelslim's own practices carry and its run passes over.
+  const fs::path practice = qpipe::test::writeTempFile("w4a8.yaml", R"(apiversion: modelslim_v1
+spec:
+  process:
+    - type: linear_quant
+      qconfig:
+        act: {dtype: int8, scope: per_token}
+        weight: {dtype: int4, scope: per_channel, method: ssz, ext: {group_size: 64}}
+  calib_dataset: calib_prompt.jsonl
+)");
+  const CommandResult msmodelslim = qpipe("check --config_path " + practice.string());
+  EXPECT_EQ(msmodelslim.exitCode, 0) << msmodelslim.err;
+  for (const std::string& expected :
+       {":7:82: spec.process[0].qconfig.weight.ext.group_size: applies to scope per_group only; ignored",
+        ":8:18: spec.calib_dataset: msmodelslim does not read it, and neither does qpipe"}) {
+    EXPECT_NE(msmodelslim.err.find("[warning] " + practice.string() + expected), std::string::npos) << msmodelslim.err;
+  }
 }
 
 TEST(Cli, CheckRejectsUnknownTypeNamingFileLineTypeAndKnownTypes) {

@@ -514,14 +514,15 @@ TEST(QuantCli, InvalidQConfigIsAConfigErrorBeforeTheModelLoads) {
                          ":6:22: spec.process[0].qconfig.act.dtype: int4 activations (W4A4) are not supported; use "
                          "int8, fp8_e4m3, nvfp4 or mxfp4");
 
-  const fs::path stepMinMax = pipelineFile("step_minmax.yaml", R"(    - type: linear_quant
+  // An ext key without effect is a warning (msmodelslim passes over it too); a bad value is not.
+  const fs::path stepZero = pipelineFile("step_zero.yaml", R"(    - type: linear_quant
       qconfig:
-        weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax, ext: {step: 10}}
+        weight: {dtype: int8, scope: per_channel, symmetric: True, method: ssz, ext: {step: 0}}
       include: ["*"]
 )");
-  expectOneLineError(quant(stepMinMax), code(ErrorCode::kConfig),
-                     "qpipe: configuration error: " + stepMinMax.string() +
-                         ":6:96: spec.process[0].qconfig.weight.ext.step: applies to method ssz only");
+  expectOneLineError(quant(stepZero), code(ErrorCode::kConfig),
+                     "qpipe: configuration error: " + stepZero.string() +
+                         ":6:93: spec.process[0].qconfig.weight.ext.step: must be >= 1");
   EXPECT_FALSE(fs::exists(out));
 }
 

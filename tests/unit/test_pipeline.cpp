@@ -163,6 +163,19 @@ TEST_F(PipelineTest, AnEmptySaveIsTheDefaultSaver) {
   EXPECT_EQ(p.save[0].config.at("part_file_size").asFloat(), 4);
 }
 
+// Some msmodelslim practices set spec.calib_dataset, which its V1 service drops: accepted, warned.
+TEST_F(PipelineTest, CalibDatasetIsIgnoredWithAWarning) {
+  const Pipeline p =
+      load("apiversion: modelslim_v1\nspec:\n  process: [{type: log_layers}]\n  calib_dataset: calib_prompt.jsonl\n");
+  EXPECT_EQ(p.dataset, "");
+  ASSERT_EQ(p.warnings.size(), 1u);
+  EXPECT_NE(p.warnings[0].find(":4:18: spec.calib_dataset: msmodelslim does not read it, and neither does qpipe; name "
+                               "the calibration data with spec.dataset or --calib_data; ignored"),
+            std::string::npos)
+      << p.warnings[0];
+  EXPECT_TRUE(load("apiversion: modelslim_v1\nspec:\n  process: [{type: log_layers}]\n").warnings.empty());
+}
+
 TEST_F(PipelineTest, UnknownRunnerNamesTheFileLineAndTheKnownRunners) {
   EXPECT_NE(loadError("apiversion: modelslim_v1\nspec:\n  runner: bogus\n  process: [{type: log_layers}]\n")
                 .find(":3:11: spec.runner: 'bogus' is not one of: auto, layer_wise, model_wise, dp_layer_wise"),

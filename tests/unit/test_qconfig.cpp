@@ -19,6 +19,12 @@ std::string parseError(const std::string& yaml) {
   return test::errorOf([&] { parse(yaml); }, ErrorCode::kConfig);
 }
 
+// As a processor parses it: `ext` keys without effect go to `ignored`.
+LinearQConfig parseLenient(const std::string& yaml, std::vector<std::string>& ignored) {
+  const ConfigNode node = ConfigNode::parseYaml(yaml, "q.yaml");
+  return parseLinearQConfig(linearQConfigSchema().validate(node, "qconfig"), "qconfig", &ignored);
+}
+
 TEST(QConfig, ActDefaultsToFloatAndWeightToInt8PerChannel) {
   const LinearQConfig config = parse("weight: {}\n");
   EXPECT_FALSE(config.act.enabled());
@@ -171,6 +177,43 @@ TEST(QConfig, ExtKeysOnlyWhereTheyApply) {
             "aggregation_type, search_method, step, group_size");
   EXPECT_EQ(parseError("act: {dtype: int8}\n"),
             "q.yaml:1:1: qconfig: missing required field 'weight' (a mapping: weight)");
+}
+
+// msmodelslim's quantizers pass over `ext` keys they do not read (its Qwen3-MoE W4A8 practice sets
+// group_size beside per_channel SSZ): a processor gets them as warnings; bad values stay errors.
+TEST(QConfig, ExtKeysWithoutEffectAreIgnoredWhereTheCallerCollectsThem) {
+  std::vector<std::string> ignored;
+  const LinearQConfig config = parseLenient(
+      "act: {dtype: int8, scope: per_token, ext: {aggregation_type: mean}}\n"
+      "weight: {dtype: int4, scope: per_channel, method: ssz, ext: {group_size: 64, step: 7}}\n",
+      ignored);
+  EXPECT_EQ(config.weight.scheme.scope, QScope::kPerChannel);
+  EXPECT_EQ(config.weight.scheme.groupSize, 0);
+  EXPECT_EQ(config.weight.sszSteps, 7);
+  EXPECT_EQ(ignored, (std::vector<std::string>{
+                         "q.yaml:1:62: qconfig.act.ext.aggregation_type: applies to static minmax activations only; "
+                         "ignored",
+                         "q.yaml:2:74: qconfig.weight.ext.group_size: applies to scope per_group only; ignored"}));
+  ignored.clear();
+  EXPECT_EQ(
+      test::errorOf([&] { parseLenient("weight: {method: ssz, ext: {step: 0}}\n", ignored); }, ErrorCode::kConfig),
+      "q.yaml:1:35: qconfig.weight.ext.step: must be >= 1");
+}
+
+// msmodelslim spells the MX formats' scope per_block (mxfp4_per_block_sym).
+TEST(QConfig, PerBlockIsTheFp4FormatsBlocks) {
+  const LinearQConfig mx = parse(
+      "act: {dtype: mxfp4, scope: per_block, symmetric: True, method: minmax}\n"
+      "weight: {dtype: mxfp4, scope: per_block, symmetric: True, method: minmax}\n");
+  EXPECT_EQ(mx.weight.scheme.scope, QScope::kPerGroup);
+  EXPECT_EQ(mx.weight.scheme.groupSize, kMxfp4GroupSize);
+  EXPECT_EQ(mx.act.scheme.scope, QScope::kPerGroup);
+  EXPECT_EQ(mx.describe(),
+            parse("act: {dtype: mxfp4, scope: per_group}\nweight: {dtype: mxfp4, scope: per_group}\n").describe());
+  EXPECT_EQ(parse("weight: {dtype: nvfp4, scope: per_block}\n").weight.scheme.groupSize, kNvfp4GroupSize);
+  EXPECT_EQ(parseError("weight: {dtype: int4, scope: per_block}\n"),
+            "q.yaml:1:30: qconfig.weight.scope: per_block is msmodelslim's scope of the 4-bit block formats (mxfp4, "
+            "nvfp4); int4 takes per_tensor, per_channel or per_group");
 }
 
 }  // namespace

@@ -41,7 +41,10 @@ const Schema& documentSchema() {
     spec.choice("runner", {"auto", "layer_wise", "model_wise", "dp_layer_wise"}, "auto", "how the model is iterated")
         .required("process", ValueType::kAny, "processors, in order")
         .optional("save", ValueType::kAny, ConfigNode::list(), "savers")
-        .optional("dataset", ValueType::kString, ConfigNode::string(""), "calibration data file");
+        .optional("dataset", ValueType::kString, ConfigNode::string(""), "calibration data file")
+        .add({.name = "calib_dataset",
+              .type = ValueType::kAny,
+              .help = "in some msmodelslim practices; msmodelslim does not read it, nor does qpipe"});
     Schema document;
     document
         .add({.name = "apiversion",
@@ -292,6 +295,13 @@ Pipeline loadPipeline(const std::filesystem::path& file, const Registry& registr
   pipeline.process = parseSteps(spec.at("process"), "spec.process", registry);
   pipeline.save = parseSavers(spec.at("save"), registry);
   pipeline.dataset = spec.at("dataset").asString();
+  // msmodelslim's V1 service config has no such field, and pydantic drops the keys it does not
+  // know: its run calibrates on its default set whatever the file says.
+  if (const ConfigNode* ignored = spec.find("calib_dataset"); ignored != nullptr && !ignored->isNull()) {
+    pipeline.warnings.push_back(concat(ignored->location().str(),
+                                       ": spec.calib_dataset: msmodelslim does not read it, and neither does qpipe; "
+                                       "name the calibration data with spec.dataset or --calib_data; ignored"));
+  }
 
   ConfigNode resolvedSpec = ConfigNode::map({}, spec.location());
   resolvedSpec.set("runner", spec.at("runner"));

@@ -114,7 +114,8 @@ struct Prepared {
     group = std::make_shared<JoinedLater>(options.rank, options.worldSize);
     const ProcessorContext context{.logger = log::logger(), .group = group, .savePath = options.savePath.string()};
     processors = buildProcessors(pipeline, registry, context);
-    configWarnings = std::move(*context.configWarnings);
+    configWarnings = pipeline.warnings;
+    configWarnings.insert(configWarnings.end(), context.configWarnings->begin(), context.configWarnings->end());
     if (options.worldSize > 1) {
       for (size_t i = 0; i < processors.size(); ++i) {
         QPIPE_REQUIRE(processors[i]->supportDistributed(), ErrorCode::kUsage, pipeline.process[i].path, " (",

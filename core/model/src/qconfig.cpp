@@ -38,6 +38,8 @@ const ConfigNode& located(const ConfigNode& value, const ConfigNode& block) {
 struct Side {
   const ConfigNode& node;
   std::string path;
+  // Where `ext` keys without effect go (parseLinearQConfig's `ignored`); null: they are errors.
+  std::vector<std::string>* ignored = nullptr;
 
   const ConfigNode& field(std::string_view key) const { return node.at(key); }
   const ConfigNode* ext(std::string_view key) const {
@@ -64,7 +66,18 @@ QMethod parseMethod(std::string_view name) {
 QConfig readCommon(const Side& side) {
   QConfig config;
   config.scheme.dtype = parseQDtype(side.field("dtype").asString(), side.path + ".dtype");
-  config.scheme.scope = parseQScope(side.field("scope").asString(), side.path + ".scope");
+  if (side.field("scope").asString() == "per_block") {
+    // msmodelslim's scope of its MX formats (mxfp4_per_block_sym): qpipe's per_group of the
+    // format's block width.
+    if (!isFp4(config.scheme.dtype)) {
+      side.fail("scope", "per_block is msmodelslim's scope of the 4-bit block formats (mxfp4, nvfp4); " +
+                             std::string(qdtypeName(config.scheme.dtype)) +
+                             " takes per_tensor, per_channel or per_group");
+    }
+    config.scheme.scope = QScope::kPerGroup;
+  } else {
+    config.scheme.scope = parseQScope(side.field("scope").asString(), side.path + ".scope");
+  }
   config.scheme.symmetric = side.field("symmetric").asBool();
   config.method = parseMethod(side.field("method").asString());
   if ((config.scheme.dtype == QDtype::kFp8E4m3 || isFp4(config.scheme.dtype)) && !config.scheme.symmetric) {
@@ -92,15 +105,20 @@ Fp4Blocks fp4Blocks(QDtype dtype) {
   return {kMxfp4GroupSize, "blocks of 32 with E8M0 scales", "blocks of 32 scaled per input", "(the OCP MX block)"};
 }
 
-void rejectExt(const Side& side, std::string_view key, std::string_view why) {
-  if (side.ext(key) != nullptr) side.failExt(key, why);
+// msmodelslim's quantizers read the `ext` keys they know and pass over the others, so a practice
+// may carry one that has no effect here (group_size beside a per_channel scope).
+void ignoreExt(const Side& side, std::string_view key, std::string_view why) {
+  const ConfigNode* value = side.ext(key);
+  if (value == nullptr) return;
+  if (side.ignored == nullptr) side.failExt(key, why);
+  side.ignored->push_back(concat(value->location().str(), ": ", side.path, ".ext.", key, ": ", why, "; ignored"));
 }
 
 QConfig readAct(const Side& side) {
   QConfig act = readCommon(side);
   if (!act.enabled()) {
     for (const char* key : {"aggregation_type", "search_method", "step", "group_size"}) {
-      rejectExt(side, key, "has no effect when dtype is float");
+      ignoreExt(side, key, "has no effect when dtype is float");
     }
     act.scheme = {.dtype = QDtype::kFloat, .scope = QScope::kPerTensor, .symmetric = true};
     act.method = QMethod::kNone;
@@ -125,16 +143,15 @@ QConfig readAct(const Side& side) {
       (act.scheme.scope != QScope::kPerTensor || act.scheme.dtype != QDtype::kInt8)) {
     side.fail("method", "histogram calibrates int8 per_tensor activations only");
   }
-  rejectExt(side, "step", "applies to weight ssz only");
-  rejectExt(side, "group_size", "applies to per_group weights only");
-  if (const ConfigNode* aggregation = side.ext("aggregation_type")) {
-    if (act.method != QMethod::kMinMax || act.isDynamic()) {
-      side.failExt("aggregation_type", "applies to static minmax activations only");
-    }
+  ignoreExt(side, "step", "applies to weight ssz only");
+  ignoreExt(side, "group_size", "applies to per_group weights only");
+  const bool staticMinMax = act.method == QMethod::kMinMax && !act.isDynamic();
+  if (!staticMinMax) ignoreExt(side, "aggregation_type", "applies to static minmax activations only");
+  if (const ConfigNode* aggregation = staticMinMax ? side.ext("aggregation_type") : nullptr) {
     act.aggregation = parseAggregation(aggregation->asString(), side.path + ".ext.aggregation_type");
   }
-  if (const ConfigNode* search = side.ext("search_method")) {
-    if (act.method != QMethod::kHistogram) side.failExt("search_method", "applies to method histogram only");
+  if (act.method != QMethod::kHistogram) ignoreExt(side, "search_method", "applies to method histogram only");
+  if (const ConfigNode* search = act.method == QMethod::kHistogram ? side.ext("search_method") : nullptr) {
     act.search = HistogramObserver::parseSearch(search->asString(), side.path + ".ext.search_method");
   }
   return act;
@@ -161,15 +178,15 @@ QConfig readWeight(const Side& side) {
   if (scope == QScope::kPerGroup && weight.scheme.dtype == QDtype::kFp8E4m3) {
     side.fail("scope", "per_group applies to int8/int4 weights; fp8_e4m3 takes per_tensor or per_channel");
   }
-  rejectExt(side, "aggregation_type", "applies to static minmax activations only");
-  rejectExt(side, "search_method", "applies to act histogram only");
-  if (const ConfigNode* step = side.ext("step")) {
-    if (weight.method != QMethod::kSsz) side.failExt("step", "applies to method ssz only");
+  ignoreExt(side, "aggregation_type", "applies to static minmax activations only");
+  ignoreExt(side, "search_method", "applies to act histogram only");
+  if (weight.method != QMethod::kSsz) ignoreExt(side, "step", "applies to method ssz only");
+  if (const ConfigNode* step = weight.method == QMethod::kSsz ? side.ext("step") : nullptr) {
     if (step->asInt() < 1) side.failExt("step", "must be >= 1");
     weight.sszSteps = step->asInt();
   }
-  if (const ConfigNode* group = side.ext("group_size")) {
-    if (scope != QScope::kPerGroup) side.failExt("group_size", "applies to scope per_group only");
+  if (scope != QScope::kPerGroup) ignoreExt(side, "group_size", "applies to scope per_group only");
+  if (const ConfigNode* group = scope == QScope::kPerGroup ? side.ext("group_size") : nullptr) {
     if (group->asInt() < 1) side.failExt("group_size", "must be >= 1");
     if (fp4 && group->asInt() != fp4Blocks(weight.scheme.dtype).width) {
       const Fp4Blocks blocks = fp4Blocks(weight.scheme.dtype);
@@ -207,7 +224,8 @@ std::string LinearQConfig::describe() const {
 
 Schema linearQConfigSchema() {
   Schema schema;
-  const std::vector<std::string> scopes = {"per_tensor", "per_channel", "per_group", "per_token", "per_head"};
+  const std::vector<std::string> scopes = {"per_tensor", "per_channel", "per_group",
+                                           "per_token",  "per_head",    "per_block"};
   schema
       .nested("act", sideSchema("float", "per_tensor", scopes), false,
               "input activation (default float: not quantized)")
@@ -221,8 +239,8 @@ Schema attentionQConfigSchema() {
                     {"per_head", "per_token", "per_block", "per_tensor", "per_channel", "per_group"});
 }
 
-QConfig parseAttentionQConfig(const ConfigNode& node, std::string_view path) {
-  const Side side{node, std::string(path)};
+QConfig parseAttentionQConfig(const ConfigNode& node, std::string_view path, std::vector<std::string>* ignored) {
+  const Side side{node, std::string(path), ignored};
   if (side.field("scope").asString() == "per_block") {
     side.fail("scope",
               "per_block (msmodelslim's dynamic blocks of tokens) is not supported yet; use per_head or "
@@ -230,7 +248,7 @@ QConfig parseAttentionQConfig(const ConfigNode& node, std::string_view path) {
   }
   QConfig config = readCommon(side);
   for (const char* key : {"aggregation_type", "search_method", "step", "group_size"}) {
-    rejectExt(side, key, "does not apply to attention quantization");
+    ignoreExt(side, key, "does not apply to attention quantization");
   }
   if (!config.enabled()) {
     config.scheme = {.dtype = QDtype::kFloat, .scope = QScope::kPerTensor, .symmetric = true};
@@ -248,10 +266,10 @@ QConfig parseAttentionQConfig(const ConfigNode& node, std::string_view path) {
   return config;
 }
 
-LinearQConfig parseLinearQConfig(const ConfigNode& qconfig, std::string_view path) {
+LinearQConfig parseLinearQConfig(const ConfigNode& qconfig, std::string_view path, std::vector<std::string>* ignored) {
   const std::string base(path);
-  const Side act{qconfig.at("act"), base + ".act"};
-  const Side weight{qconfig.at("weight"), base + ".weight"};
+  const Side act{qconfig.at("act"), base + ".act", ignored};
+  const Side weight{qconfig.at("weight"), base + ".weight", ignored};
   LinearQConfig config{.act = readAct(act), .weight = readWeight(weight)};
   const QDtype w = config.weight.scheme.dtype;
   const QDtype a = config.act.scheme.dtype;

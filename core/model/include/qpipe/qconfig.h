@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "qpipe/observer.h"
 #include "qpipe/quant.h"
@@ -68,11 +69,16 @@ Schema linearQConfigSchema();
 // float leaves that input unquantized. Other values are
 // Error(kConfig) naming file:line:col and the field under `path`.
 Schema attentionQConfigSchema();
-QConfig parseAttentionQConfig(const ConfigNode& node, std::string_view path);
+QConfig parseAttentionQConfig(const ConfigNode& node, std::string_view path,
+                              std::vector<std::string>* ignored = nullptr);
 
 // Reads a `qconfig` block validated by linearQConfigSchema(). Combinations that cannot be run
 // (e.g. int4 activations, ssz on per_group, fp8 weights with int8 activations) are
-// Error(kConfig) naming file:line:col and the field under `path`.
-LinearQConfig parseLinearQConfig(const ConfigNode& qconfig, std::string_view path);
+// Error(kConfig) naming file:line:col and the field under `path`. An `ext` key that has no effect
+// on its side (group_size beside per_channel, step without ssz; msmodelslim's quantizers pass over
+// such keys) is a line "<file:line:col>: <path>.<side>.ext.<key>: <why>; ignored" in `ignored`
+// (a processor passes ProcessorContext::configWarnings), or an error where `ignored` is null.
+LinearQConfig parseLinearQConfig(const ConfigNode& qconfig, std::string_view path,
+                                 std::vector<std::string>* ignored = nullptr);
 
 }  // namespace qpipe::quant

@@ -62,6 +62,9 @@ struct Pipeline {
   std::vector<SaveStep> save;  // exactly one: compressed_tensors with its defaults when spec.save is empty
   std::string dataset;         // empty: the CLI's --calib_data or the default set
   ConfigNode resolved;         // the whole document with defaults, for printing
+  // Fields that have no effect, "<file:line:col>: <path>: <why>", for the host to print (`qpipe
+  // check`, rank 0 of `qpipe quant`), with the steps' ProcessorContext::configWarnings.
+  std::vector<std::string> warnings;
 };
 
 // Reads and validates `file`: the document, every process step against its processor's schema and
