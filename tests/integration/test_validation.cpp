@@ -85,7 +85,7 @@ TEST(Validation, ConfigValuesAreCheckedBeforeAnyDivisionOrAllocation) {
        "rms_norm_eps is null; give a number or leave the field out"},
       {"null_theta",
        R"("num_hidden_layers": 2, "num_attention_heads": 4, "rope_parameters": {"rope_type": "default", "rope_theta": null}})",
-       "rope_theta is null; give a number or leave the field out"},
+       "rope_parameters.rope_theta is null; give a number or leave the field out"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);

@@ -306,6 +306,32 @@ TEST(Runner, NonLayerModulesNoStepActsOnGoToTheSinkFirst) {
   }
 }
 
+// Says no of the non-layer unit, and replaces its lm_head all the same.
+class HeadReplacingBystander final : public Processor {
+ public:
+  bool isDataFree() const override { return true; }
+  bool actsOn(const LayerRequest& unit) const override { return !isNonLayerUnit(unit); }
+  void preprocess(LayerRequest& r) override {
+    if (!isNonLayerUnit(r)) return;
+    const at::Tensor weight = r.module->getSubmodule("lm_head").parameter("weight");
+    r.module->replace("lm_head", std::make_shared<Linear>(weight.clone()));
+  }
+};
+
+TEST(Runner, AStepThatSaysNoOfTheNonLayerModulesWrittenFirstMustNotReplaceThem) {
+  auto model = CausalLM::open(test::tinyLlama("unit-liar"));
+  std::vector<std::unique_ptr<Processor>> processors;
+  processors.push_back(std::make_unique<HeadReplacingBystander>());
+  EXPECT_EQ(test::errorOf(
+                [&] {
+                  LayerWiseRunner(*model, processors, {.nonLayerFirst = true})
+                      .run(samples(2), [](int64_t, const std::string&, Module&) {});
+                },
+                ErrorCode::kPlugin),
+            "a step replaced 'lm_head' in the non-layer unit although every step's actsOn said no of it (the saver "
+            "wrote the unit's modules before the first layer)");
+}
+
 TEST(Runner, DataFreeProcessorsSeeTheNonLayerUnitWithoutInputs) {
   auto model = CausalLM::open(test::tinyLlama("unit-datafree"));
   std::vector<std::string> calls;

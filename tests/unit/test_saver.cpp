@@ -467,6 +467,23 @@ TEST(SaverSegments, NonLayerModulesFirst) {
       test::errorOf([&] { lateSaver->writeLayer(CheckpointSaver::kNonLayer, "", lm->root()); }, ErrorCode::kInternal)
           .find("the non-layer modules after a decoder layer"),
       std::string::npos);
+
+  // A tied model whose lm_head is no longer the embedding when they are written first: written
+  // untied, as at finish().
+  auto untied = CausalLM::open(test::tinyLlama("non-layer-first-untied-src"));
+  const at::Tensor doubled = untied->root().getSubmodule("model.embed_tokens").parameter("weight") * 2;
+  untied->root().replace("lm_head", std::make_shared<Linear>(doubled));
+  const at::Tensor untiedLogits = untied->forward(ids());
+  const fs::path untiedOut = test::testDir() / "non-layer-first-untied";
+  fs::remove_all(untiedOut);
+  auto untiedSaver = createBuiltinSaver({}, *untied, untiedOut);
+  untiedSaver->writeLayer(CheckpointSaver::kNonLayer, "", untied->root());
+  for (int64_t i = 0; i < untied->config().numLayers; ++i) {
+    untiedSaver->writeLayer(i, untied->layerName(i), untied->layer(i));
+  }
+  untiedSaver->finish();
+  EXPECT_FALSE(readJson(untiedOut / "config.json").at("tie_word_embeddings").get<bool>());
+  EXPECT_TRUE(at::equal(CausalLM::open(untiedOut)->forward(ids()), untiedLogits));
 }
 
 TEST(SaverSegments, OnlyTheirOwnRole) {

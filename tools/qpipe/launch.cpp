@@ -166,21 +166,22 @@ std::string signalName(int signal) {
 
 // Why a child failed, as the parent reports it; `priority` orders the candidates for the cause
 // of the run's failure (a death by signal, then an error of the rank's own, then a distributed
-// error, which usually only echoes a peer's failure), ties broken by time. `message` follows
-// "rank N failed: ", or "rank N " where `signalled`.
+// error, which usually only echoes a peer's failure), ties broken by time. `message` is the
+// rank's error where `reported`, else what happened to it ("was killed by signal 9 (SIGKILL)").
 struct Failure {
+  int rank = 0;
   int priority = 0;
   int64_t timeNs = 0;
   ErrorCode code = ErrorCode::kDistributed;
   std::string message;
-  bool signalled = false;
+  bool reported = false;
 };
 
 Failure describe(const Child& child) {
   if (WIFSIGNALED(child.status)) {
     const int signal = WTERMSIG(child.status);
-    return {0, child.exitNs, ErrorCode::kDistributed,
-            "was killed by signal " + std::to_string(signal) + " (" + signalName(signal) + ")", true};
+    return {child.rank, 0, child.exitNs, ErrorCode::kDistributed,
+            "was killed by signal " + std::to_string(signal) + " (" + signalName(signal) + ")"};
   }
   const int exitCode = WEXITSTATUS(child.status);
   std::ifstream in(child.errorFile);
@@ -190,21 +191,28 @@ Failure describe(const Child& child) {
   if (in >> code >> timeNs && in.ignore(1) && std::getline(in, message) && code >= 1 &&
       code <= static_cast<int>(ErrorCode::kDistributed)) {
     const auto errorCode = static_cast<ErrorCode>(code);
-    return {errorCode == ErrorCode::kDistributed ? 2 : 1, timeNs, errorCode, message};
+    return {child.rank, errorCode == ErrorCode::kDistributed ? 2 : 1, timeNs, errorCode, message, true};
   }
   const bool known = exitCode >= 1 && exitCode <= static_cast<int>(ErrorCode::kDistributed);
-  return {1, child.exitNs, known ? static_cast<ErrorCode>(exitCode) : ErrorCode::kInternal,
-          "exited with code " + std::to_string(exitCode), true};
+  return {child.rank, 1, child.exitNs, known ? static_cast<ErrorCode>(exitCode) : ErrorCode::kInternal,
+          "exited with code " + std::to_string(exitCode)};
 }
 
-// "rank 1 failed: …", or every rank that failed with the same words: a task that fails on one
-// rank fails every rank with its message, and "rank 1 failed: … failed on rank 0: …" misleads.
-std::string failureLine(const Failure& cause, const std::vector<int>& ranks) {
+// "rank 1 failed: <error>", "ranks 0 and 1 failed: <error>" where they reported the same error (a
+// task that fails on one rank fails every rank with its message, and "rank 1 failed: … failed
+// on rank 0: …" misleads), or "rank 1 was killed by signal 9 (SIGKILL)". `failures`: every rank
+// that failed by itself.
+std::string failureLine(const Failure& cause, const std::vector<Failure>& failures) {
+  std::vector<int> ranks;
+  for (const Failure& f : failures) {
+    if (cause.reported && f.reported && f.message == cause.message) ranks.push_back(f.rank);
+  }
+  if (ranks.empty()) ranks.push_back(cause.rank);
   std::string who = ranks.size() == 1 ? "rank " : "ranks ";
   for (size_t i = 0; i < ranks.size(); ++i) {
     who += (i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[i]);
   }
-  return who + (cause.signalled ? " " : " failed: ") + cause.message;
+  return who + (cause.reported ? " failed: " : " ") + cause.message;
 }
 
 // `environ` without the variables the launcher sets, plus this rank's.
@@ -416,19 +424,15 @@ bool launchRanks(const LaunchOptions& options) {
   }
 
   // The cause: among every rank that failed by itself, the most telling and then the earliest.
-  std::vector<int> failedRanks;
+  std::vector<Failure> failures;
   if (failure) {
-    std::vector<std::pair<int, Failure>> failures;
     for (const Child& child : children) {
       if (!child.failed() || child.killedByUs) continue;
-      failures.emplace_back(child.rank, describe(child));
-      const Failure& candidate = failures.back().second;
+      failures.push_back(describe(child));
+      const Failure& candidate = failures.back();
       if (std::tie(candidate.priority, candidate.timeNs) < std::tie(failure->priority, failure->timeNs)) {
         failure = candidate;
       }
-    }
-    for (const auto& [rank, f] : failures) {
-      if (f.message == failure->message && f.signalled == failure->signalled) failedRanks.push_back(rank);
     }
   }
   fs::remove_all(errorDir, ec);
@@ -440,7 +444,7 @@ bool launchRanks(const LaunchOptions& options) {
   if (interrupted) {
     throw Error(ErrorCode::kInterrupted, signalName(interruptSignal) + " received; all ranks stopped");
   }
-  if (failure) throw Error(failure->code, failureLine(*failure, failedRanks));
+  if (failure) throw Error(failure->code, failureLine(*failure, failures));
   return false;
 }
 

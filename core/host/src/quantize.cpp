@@ -258,8 +258,19 @@ QuantizeResult quantize(const QuantizeOptions& options) {
                                 : concat("saver '", saving.type, "' writes no segments: every rank runs every layer"));
     }
   }
-  runnerOptions.nonLayerFirst =
-      runnerOptions.segments ? segmentSaver->writesNonLayerFirst() : saver && saver->writesNonLayerFirst();
+  // Only where the layers can split: a calibrating run's other ranks would wait in layer 0's
+  // collectives while rank 0 writes the embeddings and lm_head, which can take longer than
+  // --dist_timeout on a large vocabulary.
+  if (layersSplittable(prepared.processors, prepared.mode)) {
+    if (runnerOptions.segments) {
+      runnerOptions.nonLayerFirst = segmentSaver->writesNonLayerFirst();
+      QPIPE_REQUIRE(!saver || saver->writesNonLayerFirst() == runnerOptions.nonLayerFirst, ErrorCode::kPlugin,
+                    "saver '", saving.type,
+                    "': its folder saver and its segment saver disagree on writesNonLayerFirst()");
+    } else {
+      runnerOptions.nonLayerFirst = saver && saver->writesNonLayerFirst();
+    }
+  }
   LayerWiseRunner runner(*model, prepared.processors, std::move(runnerOptions));
   runner.run(share, [&](int64_t index, const std::string& name, Module& layer) {
     if (saver) saver->writeLayer(index, name, layer);

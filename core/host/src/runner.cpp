@@ -117,20 +117,25 @@ class NonLayerUnit {
   // The root's modules the unit holds ("model.embed_tokens", "model.norm", "lm_head").
   const std::vector<std::string>& paths() const { return paths_; }
 
-  // Puts each module a processor replaced in the unit in its place in `root`.
-  void writeBack(Module& root) {
+  // Puts each module a processor replaced in the unit in its place in `root`; returns their paths.
+  std::vector<std::string> writeBack(Module& root) {
     for (const auto& [path, container] : containers_) {
       QPIPE_CHECK(&module_->getSubmodule(path) == container, "a processor replaced '", path,
                   "' in the non-layer unit; replace the modules below it instead");
     }
+    std::vector<std::string> replaced;
     for (const std::string& path : paths_) {
       const size_t dot = path.rfind('.');
       Module& parent = dot == std::string::npos ? *module_ : module_->getSubmodule(path.substr(0, dot));
       const std::string name = dot == std::string::npos ? path : path.substr(dot + 1);
       for (const auto& [childName, child] : parent.children()) {
-        if (childName == name && child.get() != &root.getSubmodule(path)) root.replace(path, child);
+        if (childName == name && child.get() != &root.getSubmodule(path)) {
+          root.replace(path, child);
+          replaced.push_back(path);
+        }
       }
     }
+    return replaced;
   }
 
  private:
@@ -248,10 +253,14 @@ LayerWiseRunner::LayerWiseRunner(CausalLM& model, std::vector<std::unique_ptr<Pr
   QPIPE_CHECK(options_.group != nullptr, "the runner needs a process group");
 }
 
+bool layersSplittable(const std::vector<std::unique_ptr<Processor>>& processors, RunnerMode mode) {
+  return mode == RunnerMode::kLayerWise && std::all_of(processors.begin(), processors.end(), [](const auto& processor) {
+           return processor->isDataFree() && processor->layersIndependent();
+         });
+}
+
 bool splitsLayers(const std::vector<std::unique_ptr<Processor>>& processors, int worldSize, RunnerMode mode) {
-  return worldSize > 1 && mode == RunnerMode::kLayerWise &&
-         std::all_of(processors.begin(), processors.end(),
-                     [](const auto& processor) { return processor->isDataFree() && processor->layersIndependent(); });
+  return worldSize > 1 && layersSplittable(processors, mode);
 }
 
 void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSink& sink) {
@@ -274,11 +283,11 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     return std::any_of(processors_.begin(), processors_.end(),
                        [&](const auto& processor) { return onUnits(processor) && processor->actsOn(request); });
   };
-  std::vector<std::string> nonLayerPaths;
+  // Made once: its slots hold the root's own modules from here on, so their path() stays theirs.
+  std::optional<NonLayerUnit> nonLayerUnit;
   const bool nonLayerFirst = options_.nonLayerFirst && !wholeModel && [&] {
-    NonLayerUnit unit(model_.root());
-    nonLayerPaths = unit.paths();
-    LayerRequest request{.name = "", .module = &unit.module()};
+    nonLayerUnit.emplace(model_.root());
+    LayerRequest request{.name = "", .module = &nonLayerUnit->module()};
     request.splitLayers = split;
     return !nonLayerActed(request);
   }();
@@ -408,7 +417,8 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     // What the layer before put under `key`, once it is there.
     const auto fromLayerBefore = [&](const std::string& key) {
       std::string value = group.storeGet(key);
-      QPIPE_REQUIRE(value != kLayerFailed, ErrorCode::kDistributed, name, ": the layer before it failed");
+      QPIPE_REQUIRE(value != kLayerFailed, ErrorCode::kDistributed, name, ": ",
+                    index == 0 ? "the non-layer modules written before it failed" : "the layer before it failed");
       return value;
     };
     try {
@@ -481,7 +491,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       tasks.submit({.name = "runner.non_layer",
                     .fn = [&runNonLayerSegment](const ConfigNode&) { return runNonLayerSegment(); },
                     .args = ConfigNode::map({}),
-                    .dependencies = nonLayerPaths,
+                    .dependencies = nonLayerUnit->paths(),
                     .sync =
                         [this, &group](const TaskRecord& record, SyncContext&) {
                           if (group.rank() == 0) {
@@ -553,7 +563,8 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
   {
     const auto unitStart = Clock::now();
     const ProcessGroup::Traffic trafficBefore = group.traffic();
-    NonLayerUnit unit(model_.root());
+    if (!nonLayerUnit) nonLayerUnit.emplace(model_.root());
+    NonLayerUnit& unit = *nonLayerUnit;
     Module& module = unit.module();
     LayerRequest request{.name = "", .module = &module};
     request.sampleIds = sampleIds;
@@ -563,7 +574,9 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     // Where no processor acts on the unit (lm_head excluded, as every practice does), its float
     // lm_head is never computed: neither converted (a vocabulary × hidden copy) nor probed.
     const bool acted = nonLayerActed(request);
-    QPIPE_CHECK(!(acted && nonLayerFirst), "a step acts on the non-layer modules, which were written first");
+    QPIPE_REQUIRE(!(acted && nonLayerFirst), ErrorCode::kPlugin,
+                  "a step's actsOn said no of the non-layer modules before the first layer and yes now; its answer "
+                  "must not change (the saver wrote them first)");
     if (acted) model_.prepareHead();
     Module* const floatHead = &module.getSubmodule("lm_head");
     request.forward = [&module, floatHead](LayerRequest& r) {
@@ -583,7 +596,11 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     if (splitSummary) {
       for (const auto& [key, value] : splitSummary->reportValues()) report.values.push_back({"", key, value});
     }
-    unit.writeBack(model_.root());
+    const std::vector<std::string> replaced = unit.writeBack(model_.root());
+    QPIPE_REQUIRE(!nonLayerFirst || replaced.empty(), ErrorCode::kPlugin, "a step replaced '",
+                  replaced.empty() ? "" : replaced.front(),
+                  "' in the non-layer unit although every step's actsOn said no of it (the saver wrote the unit's "
+                  "modules before the first layer)");
     if (acted) model_.restoreHead();
     report.seconds = secondsSince(unitStart);
     countTraffic(trafficBefore, report);

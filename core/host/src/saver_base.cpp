@@ -208,6 +208,7 @@ void SaverBase::writeUnit(int64_t index, const std::string& name, Module& module
     return;
   }
   headUntied_ = model_.config().tieWordEmbeddings && !headIsEmbedding(module);
+  nonLayerHeadUntied_ = headUntied_;
   writeModule("", module, "model.layers.");
 }
 
@@ -254,6 +255,9 @@ std::string SaverBase::writeSegment(int64_t index, const std::string& name, Modu
 void SaverBase::adoptSegment(int64_t index, const std::string& segment) {
   QPIPE_CHECK(!finished_ && !segmentsOnly_, "adoptSegment after finish or on a segment saver");
   noteWritten(index);
+  if (index == kNonLayer) {
+    nonLayerHeadUntied_ = model_.config().tieWordEmbeddings && !headIsEmbedding(model_.root());
+  }
   const nlohmann::json parsed = nlohmann::json::parse(segment);
   std::vector<safetensors::PlacedTensor> placed;
   for (const nlohmann::json& tensor : parsed.at("tensors")) {
@@ -306,10 +310,10 @@ void SaverBase::finish() {
   headUntied_ = model_.config().tieWordEmbeddings && !headIsEmbedding(model_.root());
   // The decoder layers were written (and released) one by one; the rest of the model now, unless
   // it came first, when no step was to change it.
-  if (layersWritten_.count(kNonLayer) == 0) {
+  if (!nonLayerHeadUntied_) {
     writeModule("", model_.root(), "model.layers.");
   } else {
-    QPIPE_CHECK(!headUntied_, "lm_head changed after the non-layer modules were written first");
+    QPIPE_CHECK(*nonLayerHeadUntied_ == headUntied_, "lm_head changed after the non-layer modules were written first");
   }
   const size_t files = writer_->finish().size();
   copySideFiles();

@@ -96,6 +96,8 @@ class SaverBase : public CheckpointSaver {
   std::chrono::steady_clock::time_point start_;
   bool finished_ = false;
   bool headUntied_ = false;  // set by finish()
+  // headUntied() as it was when the non-layer modules came first (CheckpointSaver::kNonLayer).
+  std::optional<bool> nonLayerHeadUntied_;
   bool segmentsOnly_ = false;
 };
 

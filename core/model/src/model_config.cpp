@@ -1,7 +1,9 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <string>
 #include <type_traits>
+#include <utility>
 
 #include "qpipe/error.h"
 #include "qpipe/input_file.h"
@@ -16,12 +18,14 @@ using Json = nlohmann::json;
 
 class ConfigReader {
  public:
-  ConfigReader(const std::filesystem::path& file, const Json& json) : file_(file), json_(json) {}
+  // `object`: where `json` sits in the file ("rope_parameters."), for messages.
+  ConfigReader(const std::filesystem::path& file, const Json& json, std::string object = "")
+      : file_(file), json_(json), object_(std::move(object)) {}
 
   template <typename T>
   T required(const char* key) const {
     QPIPE_REQUIRE(json_.contains(key) && !json_[key].is_null(), ErrorCode::kInput, file_.string(), ": missing field '",
-                  key, "'");
+                  object_, key, "'");
     return get<T>(key);
   }
   template <typename T>
@@ -31,7 +35,7 @@ class ConfigReader {
   // A field transformers has a default for when it is absent, but cannot use as null.
   template <typename T>
   T optionalNotNull(const char* key, T fallback) const {
-    QPIPE_REQUIRE(!json_.contains(key) || !json_[key].is_null(), ErrorCode::kInput, file_.string(), ": ", key,
+    QPIPE_REQUIRE(!json_.contains(key) || !json_[key].is_null(), ErrorCode::kInput, file_.string(), ": ", object_, key,
                   " is null; give a number or leave the field out");
     return optional<T>(key, fallback);
   }
@@ -57,6 +61,7 @@ class ConfigReader {
   }
   const std::filesystem::path& file_;
   const Json& json_;
+  std::string object_;
 };
 
 at::ScalarType dtypeOf(const std::string& name, const std::filesystem::path& file) {
@@ -118,10 +123,11 @@ ModelConfig ModelConfig::fromFile(const std::filesystem::path& file) {
   c.checkpointDtype = dtypeOf(dtype, file);
 
   // transformers 5 writes rope_parameters; older files write rope_theta and rope_scaling.
-  Json rope = json.contains("rope_parameters") && json["rope_parameters"].is_object() ? json["rope_parameters"]
-              : json.contains("rope_scaling") && json["rope_scaling"].is_object()     ? json["rope_scaling"]
-                                                                                      : Json::object();
-  const ConfigReader ropeReader(file, rope);
+  const char* ropeObject = json.contains("rope_parameters") && json["rope_parameters"].is_object() ? "rope_parameters"
+                           : json.contains("rope_scaling") && json["rope_scaling"].is_object()     ? "rope_scaling"
+                                                                                                   : nullptr;
+  const Json rope = ropeObject != nullptr ? json[ropeObject] : Json::object();
+  const ConfigReader ropeReader(file, rope, ropeObject != nullptr ? std::string(ropeObject) + "." : "");
   c.rope.theta = rope.contains("rope_theta") ? ropeReader.optionalNotNull<double>("rope_theta", 0.0)
                                              : r.optionalNotNull<double>("rope_theta", 10000.0);
   c.rope.type = ropeReader.optional<std::string>("rope_type", ropeReader.optional<std::string>("type", "default"));

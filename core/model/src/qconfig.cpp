@@ -239,8 +239,8 @@ Schema attentionQConfigSchema() {
                     {"per_head", "per_token", "per_block", "per_tensor", "per_channel", "per_group"});
 }
 
-QConfig parseAttentionQConfig(const ConfigNode& node, std::string_view path, std::vector<std::string>* ignored) {
-  const Side side{node, std::string(path), ignored};
+QConfig parseAttentionQConfig(const ConfigNode& node, std::string_view path) {
+  const Side side{node, std::string(path)};
   if (side.field("scope").asString() == "per_block") {
     side.fail("scope",
               "per_block (msmodelslim's dynamic blocks of tokens) is not supported yet; use per_head or "

@@ -69,8 +69,7 @@ Schema linearQConfigSchema();
 // float leaves that input unquantized. Other values are
 // Error(kConfig) naming file:line:col and the field under `path`.
 Schema attentionQConfigSchema();
-QConfig parseAttentionQConfig(const ConfigNode& node, std::string_view path,
-                              std::vector<std::string>* ignored = nullptr);
+QConfig parseAttentionQConfig(const ConfigNode& node, std::string_view path);
 
 // Reads a `qconfig` block validated by linearQConfigSchema(). Combinations that cannot be run
 // (e.g. int4 activations, ssz on per_group, fp8 weights with int8 activations) are

@@ -113,16 +113,21 @@ struct RunnerOptions {
   std::optional<LayerSegments> segments;
   // The sink and the segments take the non-layer modules first (CheckpointSaver::kNonLayer) where
   // no step acts on them (Processor::actsOn) and none works on the whole model: a split run then
-  // writes them as one more task beside its first layers, not on rank 0 after its last. For
-  // savers whose writesNonLayerFirst() is true; the same on every rank.
+  // writes them as one more task beside its first layers, not on rank 0 after its last. Set for
+  // pipelines whose layers can split (layersSplittable) and savers whose writesNonLayerFirst() is
+  // true, on any rank count, so that one rank writes what several do; in a split run, on every
+  // rank or on none.
   bool nonLayerFirst = false;
   // The whole-model unit's labels, one [1, seq] per sample (SFT data: -100 off the supervised
   // tokens); empty: each sample's ids.
   std::vector<at::Tensor> labels;
 };
 
+// Whether these processors' decoder layers can be split over ranks: layer-wise, every processor
+// data-free and layersIndependent().
+bool layersSplittable(const std::vector<std::unique_ptr<Processor>>& processors, RunnerMode mode);
 // Whether a run of these processors on `worldSize` ranks splits its decoder layers when given
-// segments: several ranks, layer-wise, every processor data-free and layersIndependent().
+// segments: several ranks, and layersSplittable().
 bool splitsLayers(const std::vector<std::unique_ptr<Processor>>& processors, int worldSize, RunnerMode mode);
 
 class LayerWiseRunner {
