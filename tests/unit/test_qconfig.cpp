@@ -213,7 +213,10 @@ TEST(QConfig, PerBlockIsTheFp4FormatsBlocks) {
   EXPECT_EQ(parse("weight: {dtype: nvfp4, scope: per_block}\n").weight.scheme.groupSize, kNvfp4GroupSize);
   EXPECT_EQ(parseError("weight: {dtype: int4, scope: per_block}\n"),
             "q.yaml:1:30: qconfig.weight.scope: per_block is msmodelslim's scope of the 4-bit block formats (mxfp4, "
-            "nvfp4); int4 takes per_tensor, per_channel or per_group");
+            "nvfp4), not of int4");
+  EXPECT_EQ(parseError("act: {dtype: int8, scope: per_block}\nweight: {}\n"),
+            "q.yaml:1:27: qconfig.act.scope: per_block is msmodelslim's scope of the 4-bit block formats (mxfp4, "
+            "nvfp4), not of int8");
 }
 
 }  // namespace

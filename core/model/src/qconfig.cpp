@@ -70,9 +70,8 @@ QConfig readCommon(const Side& side) {
     // msmodelslim's scope of its MX formats (mxfp4_per_block_sym): qpipe's per_group of the
     // format's block width.
     if (!isFp4(config.scheme.dtype)) {
-      side.fail("scope", "per_block is msmodelslim's scope of the 4-bit block formats (mxfp4, nvfp4); " +
-                             std::string(qdtypeName(config.scheme.dtype)) +
-                             " takes per_tensor, per_channel or per_group");
+      side.fail("scope", "per_block is msmodelslim's scope of the 4-bit block formats (mxfp4, nvfp4), not of " +
+                             std::string(qdtypeName(config.scheme.dtype)));
     }
     config.scheme.scope = QScope::kPerGroup;
   } else {
