@@ -3,7 +3,6 @@
 #include <iostream>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "commands.h"
 #include "option_checks.h"
@@ -37,9 +36,7 @@ void checkPipeline(const CheckOptions& options) {
   // Constructing every processor runs the plugins' own checks of their configuration.
   const ProcessorContext context{.logger = log::logger()};
   const auto processors = buildProcessors(pipeline, registry, context);
-  std::vector<std::string> warnings = pipeline.warnings;
-  warnings.insert(warnings.end(), context.configWarnings->begin(), context.configWarnings->end());
-  for (const std::string& warning : warnings) log::logger()->warn(warning);
+  for (const std::string& warning : *context.configWarnings) log::logger()->warn(warning);
 
   std::cout << pipeline.resolved.toYaml() << std::flush;
   log::logger()->info(options.configPath, ": valid (", countProcessors(pipeline.process), " processors, ",

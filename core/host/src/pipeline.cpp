@@ -321,6 +321,7 @@ Pipeline loadPipeline(const std::filesystem::path& file, const Registry& registr
 
 std::vector<std::unique_ptr<Processor>> buildProcessors(const Pipeline& pipeline, const Registry& registry,
                                                         const ProcessorContext& context) {
+  context.configWarnings->insert(context.configWarnings->end(), pipeline.warnings.begin(), pipeline.warnings.end());
   std::vector<std::unique_ptr<Processor>> processors;
   for (const auto& step : pipeline.process) processors.push_back(buildStep(step, registry, context));
   return processors;

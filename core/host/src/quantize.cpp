@@ -100,7 +100,7 @@ struct Prepared {
   Pipeline pipeline;
   std::shared_ptr<JoinedLater> group;
   std::vector<std::unique_ptr<Processor>> processors;
-  std::vector<std::string> configWarnings;  // ProcessorContext::warnIfSet's
+  std::vector<std::string> configWarnings;  // the pipeline's and ProcessorContext::warnIfSet's
   RunnerMode mode = RunnerMode::kLayerWise;
   fs::path calibData;
 
@@ -114,8 +114,7 @@ struct Prepared {
     group = std::make_shared<JoinedLater>(options.rank, options.worldSize);
     const ProcessorContext context{.logger = log::logger(), .group = group, .savePath = options.savePath.string()};
     processors = buildProcessors(pipeline, registry, context);
-    configWarnings = pipeline.warnings;
-    configWarnings.insert(configWarnings.end(), context.configWarnings->begin(), context.configWarnings->end());
+    configWarnings = std::move(*context.configWarnings);
     if (options.worldSize > 1) {
       for (size_t i = 0; i < processors.size(); ++i) {
         QPIPE_REQUIRE(processors[i]->supportDistributed(), ErrorCode::kUsage, pipeline.process[i].path, " (",

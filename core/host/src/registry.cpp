@@ -129,9 +129,8 @@ class GuardedSaver final : public CheckpointSaver {
                      [&] { return inner_->writeSegment(index, name, layer, chain); });
   }
   void adoptSegment(int64_t index, const std::string& segment) override {
-    guardCall(where_ + "adoptSegment(" + (index == kNonLayer ? unitName(index, "") : "layer " + std::to_string(index)) +
-                  "): ",
-              true, [&] { inner_->adoptSegment(index, segment); });
+    guardCall(where_ + "adoptSegment(" + unitName(index, "layer " + std::to_string(index)) + "): ", true,
+              [&] { inner_->adoptSegment(index, segment); });
   }
   bool writesNonLayerFirst() const override {
     return guardCall(where_ + "writesNonLayerFirst: ", true, [&] { return inner_->writesNonLayerFirst(); });
