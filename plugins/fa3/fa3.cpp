@@ -144,6 +144,11 @@ class Fa3Quant final : public Processor {
   bool supportDistributed() const override { return true; }
   // Attention modules lie in decoder layers only.
   bool actsOn(const LayerRequest& unit) const override { return !isNonLayerUnit(unit); }
+  PlannedOutputs plannedOutputs() const override {
+    const auto [q, k, v] = configs_;
+    return {.attention = {{PlannedOutputs::quantized(q.scheme), PlannedOutputs::quantized(k.scheme),
+                           PlannedOutputs::quantized(v.scheme)}}};
+  }
 
  private:
   struct Observed {

@@ -105,6 +105,9 @@ class LinearQuant final : public Processor {
   bool supportDistributed() const override { return true; }
   // A data-free layer's quantizers depend on its weights alone.
   bool layersIndependent() const override { return isDataFree(); }
+  PlannedOutputs plannedOutputs() const override {
+    return {.linears = {{qconfig_.weight.scheme, PlannedOutputs::quantized(qconfig_.act.scheme)}}};
+  }
 
  private:
   struct Pending {

@@ -645,6 +645,9 @@ class LearnableScaleQat final : public Processor {
   bool trains() const override { return true; }
   // Every rank trains on its samples, and the steps combine them in the run's order (Samples).
   bool supportDistributed() const override { return true; }
+  PlannedOutputs plannedOutputs() const override {
+    return {.linears = {{qconfig_.weight.scheme, PlannedOutputs::quantized(qconfig_.act.scheme)}}};
+  }
   bool wholeModel() const override { return end2end_; }
 
  private:

@@ -118,6 +118,10 @@ class IterSmooth final : public SmoothingProcessor {
         scaleMin_(config.at("scale_min").asFloat()),
         symmetric_(config.at("symmetric").asBool()) {}
 
+  PlannedOutputs plannedOutputs() const override {
+    return {.normBias = !symmetric_ && smooths(SubgraphType::kNormLinear)};
+  }
+
  protected:
   // Asymmetric norm-linear (msmodelslim's rule; the other types stay symmetric): the shift is the
   // centre of each channel's range, and the statistic max|X − shift| = (max − min) / 2.

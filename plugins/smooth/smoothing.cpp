@@ -577,6 +577,10 @@ bool SmoothingProcessor::smoothable(LayerRequest& request, const Watched& w) con
   return true;
 }
 
+bool SmoothingProcessor::smooths(SubgraphType type) const {
+  return std::find(types_.begin(), types_.end(), type) != types_.end();
+}
+
 Search& SmoothingProcessor::searchOf(LayerRequest& request, Watched& w) const {
   if (!w.search) {
     for (const std::string& target : w.graph.targets) {

@@ -115,6 +115,8 @@ class SmoothingProcessor : public Processor {
   static Schema& addCommonFields(Schema& schema, const std::vector<SubgraphType>& defaults);
 
  protected:
+  // Whether the step smooths subgraphs of `type` (enable_subgraph_type).
+  bool smooths(SubgraphType type) const;
   // `searchTokens`: keep up to this many consumer input tokens per subgraph for the algorithm
   // (SubgraphInput::tokens); 0 keeps none.
   void keepTokens(int64_t searchTokens) { searchTokens_ = searchTokens; }

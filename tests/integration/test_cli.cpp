@@ -124,6 +124,74 @@ spec:
   }
 }
 
+// What a step plans to leave in the model and the pipeline's saver cannot write is refused by
+// `check` at the step, before any model is opened; the savers name the same limits per module as
+// they write (test_saver, test_fa3, test_smooth).
+TEST(Cli, CheckRefusesAStepTheSaverCannotWrite) {
+  struct Case {
+    std::string process;
+    std::string saver;
+    std::string expected;  // after "<file>:4:7: spec.process[0] (<type>): "
+  };
+  const std::string ascendTypes =
+      "; ascendv1 defines W8A8 (int8 weights, static per_tensor int8 activations), W8A8_DYNAMIC (per_token int8), "
+      "W4A8_DYNAMIC (int4 per_channel symmetric weights, per_token int8), W8A16 and WFP8AFP8_DYNAMIC (per_token "
+      "fp8); use compressed_tensors for others";
+  const std::vector<Case> cases = {
+      {"linear_quant\n      qconfig:\n        weight: {dtype: int4, scope: per_group, ext: {group_size: 64}}",
+       "ascendv1_saver",
+       "(linear_quant): ascendv1_saver: its Linear modules would have weights int4_per_group_sym and activations none" +
+           ascendTypes},
+      {"linear_quant\n      qconfig:\n        act: {dtype: fp8_e4m3, scope: per_tensor}\n        weight: {dtype: "
+       "fp8_e4m3, scope: per_tensor}",
+       "ascendv1_saver",
+       "(linear_quant): ascendv1_saver: its Linear modules would have weights fp8_e4m3_per_tensor_sym and activations "
+       "fp8_e4m3_per_tensor_sym" +
+           ascendTypes},
+      {"fa3_quant\n      qconfig: {dtype: int8, scope: per_token}", "compressed_tensors",
+       "(fa3_quant): compressed_tensors: its q_hook is per_token (dynamic); compressed-tensors' attention scales are "
+       "static: use per_tensor or per_head"},
+      {"fa3_quant\n      qconfig: {dtype: int8, scope: per_head, symmetric: False}", "compressed_tensors",
+       "(fa3_quant): compressed_tensors: its q_hook is asymmetric, which vLLM's KV cache does not support; use "
+       "symmetric: True"},
+      {"fa3_quant\n      details:\n        fa_k: {dtype: int8, scope: per_head}", "ascendv1_saver",
+       "(fa3_quant): ascendv1_saver: its attention has K quantized but not V; ascendv1 quantizes K and V together "
+       "(C8), or Q, K and V (FAQuant)"},
+      {"fa3_quant\n      details:\n        fa_k: {dtype: fp8_e4m3, scope: per_tensor}\n        fa_v: {dtype: "
+       "fp8_e4m3, scope: per_tensor}",
+       "ascendv1_saver",
+       "(fa3_quant): ascendv1_saver: its k_hook is fp8_e4m3_per_tensor_sym; ascendv1's C8 KV cache is int8 (fp8 K "
+       "and V only with Q, as FAQuant): use int8, or compressed_tensors for an fp8 KV cache"},
+      {"fa3_quant\n      details:\n        fa_k: {dtype: int8, scope: per_head}\n        fa_v: {dtype: fp8_e4m3, "
+       "scope: per_tensor}",
+       "compressed_tensors",
+       "(fa3_quant): compressed_tensors: its v_hook is fp8_e4m3_per_tensor_sym but its k_hook is not; "
+       "compressed-tensors quantizes every K and V (and Q) with one scheme"},
+      {"iter_smooth\n      symmetric: False", "compressed_tensors",
+       "(iter_smooth): compressed_tensors: its norms would have a bias (from iter_smooth with symmetric: False), which "
+       "the RMSNorm of transformers and vLLM lacks and would drop; save with ascendv1_saver, or smooth with symmetric: "
+       "True"},
+      // A group is refused as one step, for what any of its children plans.
+      {"group\n      configs:\n        - type: linear_quant\n          qconfig:\n            weight: {dtype: int8, "
+       "scope: per_channel}\n        - type: iter_smooth\n          symmetric: False",
+       "compressed_tensors",
+       "(group): compressed_tensors: its norms would have a bias (from iter_smooth with symmetric: False), which "
+       "the RMSNorm of transformers and vLLM lacks and would drop; save with ascendv1_saver, or smooth with symmetric: "
+       "True"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    const fs::path pipeline =
+        qpipe::test::writeTempFile("planned" + std::to_string(i) + ".yaml",
+                                   "apiversion: modelslim_v1\nspec:\n  process:\n    - type: " + c.process +
+                                       "\n  save:\n    - {type: " + c.saver + "}\n");
+    const CommandResult r = qpipe("check --config_path " + pipeline.string());
+    EXPECT_EQ(r.exitCode, 3) << r.err;
+    expectOneLineError(r);
+    EXPECT_EQ(r.err, "qpipe: configuration error: " + pipeline.string() + ":4:7: spec.process[0] " + c.expected + "\n");
+  }
+}
+
 TEST(Cli, CheckRejectsUnknownTypeNamingFileLineTypeAndKnownTypes) {
   const CommandResult r = qpipe("check --config_path " + kPipelines + "unknown_type.yaml --plugin_dir " + kExample);
   EXPECT_EQ(r.exitCode, 3);

@@ -630,6 +630,36 @@ TEST(QuantCli, W4A8AscendV1RefusesRowParallelWidthNotMultipleOf16) {
   EXPECT_FALSE(fs::exists(out));
 }
 
+// A step the saver cannot write stops a run at the step's line before the model is opened, on one
+// rank and in the launcher of several (its check runs before any rank starts).
+TEST(QuantCli, AStepTheSaverCannotWriteStopsTheRunBeforeAnyWork) {
+  const fs::path pipeline = qpipe::test::writeTempFile("w4a16_ascend.yaml", R"(apiversion: modelslim_v1
+spec:
+  process:
+    - type: linear_quant
+      qconfig:
+        weight: {dtype: int4, scope: per_group, ext: {group_size: 16}}
+  save:
+    - {type: ascendv1_saver}
+)");
+  const fs::path out = qpipe::test::testDir() / "w4a16-ascend";
+  for (const char* devices : {"cpu:0", "cpu:0,1"}) {
+    SCOPED_TRACE(devices);
+    fs::remove_all(out);
+    const CommandResult r =
+        qpipe("--log_level error quant --model_path " + quote(qpipe::test::tinyLlama("float")) + " --config_path " +
+              quote(pipeline) + " --save_path " + quote(out) + " --device " + devices + kTinyCalib);
+    expectOneLineError(
+        r, code(ErrorCode::kConfig),
+        "qpipe: configuration error: " + pipeline.string() +
+            ":4:7: spec.process[0] (linear_quant): ascendv1_saver: its Linear modules would have weights "
+            "int4_per_group_sym and activations none; ascendv1 defines W8A8 (int8 weights, static per_tensor int8 "
+            "activations), W8A8_DYNAMIC (per_token int8), W4A8_DYNAMIC (int4 per_channel symmetric weights, "
+            "per_token int8), W8A16 and WFP8AFP8_DYNAMIC (per_token fp8); use compressed_tensors for others");
+    EXPECT_FALSE(fs::exists(out));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Refusals.
 

@@ -33,9 +33,11 @@ void checkPipeline(const CheckOptions& options) {
   loadPlugins(options.plugins, loader);
 
   const Pipeline pipeline = loadPipeline(options.configPath, registry);
-  // Constructing every processor runs the plugins' own checks of their configuration.
+  // Constructing every processor runs the plugins' own checks of their configuration; the saver
+  // then checks what each step plans to leave for it.
   const ProcessorContext context{.logger = log::logger()};
   const auto processors = buildProcessors(pipeline, registry, context);
+  checkPlannedOutputs(pipeline, processors, registry);
   for (const std::string& warning : *context.configWarnings) log::logger()->warn(warning);
 
   std::cout << pipeline.resolved.toYaml() << std::flush;

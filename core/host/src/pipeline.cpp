@@ -226,6 +226,16 @@ class GroupProcessor final : public Processor {
   bool actsOn(const LayerRequest& unit) const override {
     return std::any_of(children_.begin(), children_.end(), [&](const auto& c) { return c->actsOn(unit); });
   }
+  PlannedOutputs plannedOutputs() const override {
+    PlannedOutputs all;
+    for (const auto& child : children_) {
+      PlannedOutputs planned = child->plannedOutputs();
+      all.linears.insert(all.linears.end(), planned.linears.begin(), planned.linears.end());
+      all.attention.insert(all.attention.end(), planned.attention.begin(), planned.attention.end());
+      all.normBias = all.normBias || planned.normBias;
+    }
+    return all;
+  }
 
  private:
   std::vector<std::unique_ptr<Processor>> children_;
@@ -325,6 +335,24 @@ std::vector<std::unique_ptr<Processor>> buildProcessors(const Pipeline& pipeline
   std::vector<std::unique_ptr<Processor>> processors;
   for (const auto& step : pipeline.process) processors.push_back(buildStep(step, registry, context));
   return processors;
+}
+
+void checkPlannedOutputs(const Pipeline& pipeline, const std::vector<std::unique_ptr<Processor>>& processors,
+                         const Registry& registry) {
+  QPIPE_CHECK(processors.size() == pipeline.process.size(), processors.size(), " processors for ",
+              pipeline.process.size(), " steps");
+  const Registry::SaverEntry* saver = registry.findSaver(pipeline.save.front().type);
+  QPIPE_CHECK(saver != nullptr, "no saver '", pipeline.save.front().type, "' after loadPipeline");
+  if (!saver->info.checkPlanned) return;
+  for (size_t i = 0; i < processors.size(); ++i) {
+    const ProcessStep& step = pipeline.process[i];
+    try {
+      saver->info.checkPlanned(processors[i]->plannedOutputs());
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kConfig) throw;
+      throw Error(ErrorCode::kConfig, concat(step.location.str(), ": ", step.path, " (", step.type, "): ", e.what()));
+    }
+  }
 }
 
 }  // namespace qpipe

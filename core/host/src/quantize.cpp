@@ -114,6 +114,7 @@ struct Prepared {
     group = std::make_shared<JoinedLater>(options.rank, options.worldSize);
     const ProcessorContext context{.logger = log::logger(), .group = group, .savePath = options.savePath.string()};
     processors = buildProcessors(pipeline, registry, context);
+    checkPlannedOutputs(pipeline, processors, registry);
     configWarnings = std::move(*context.configWarnings);
     if (options.worldSize > 1) {
       for (size_t i = 0; i < processors.size(); ++i) {

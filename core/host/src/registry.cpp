@@ -57,6 +57,9 @@ class GuardedProcessor final : public Processor {
   bool actsOn(const LayerRequest& unit) const override {
     return guard("actsOn", unitName(unit), [&] { return inner_->actsOn(unit); });
   }
+  PlannedOutputs plannedOutputs() const override {
+    return guard("plannedOutputs", "", [&] { return inner_->plannedOutputs(); });
+  }
 
  private:
   // What error messages call the unit: its HF name, or what the report calls the non-layer one.

@@ -47,6 +47,55 @@ int priority(std::string_view type) {
   return -1;
 }
 
+// The ascendv1 type of a Linear of these schemes (`input` none: weight-only), or "" where ascendv1
+// defines none.
+std::string linearType(const quant::QScheme& w, const std::optional<quant::QScheme>& input) {
+  const bool channelLike = w.scope == QScope::kPerTensor || w.scope == QScope::kPerChannel;
+  if (w.dtype == QDtype::kInt8 && !input && (channelLike || w.scope == QScope::kPerGroup)) return "W8A16";
+  if (w.dtype == QDtype::kInt8 && w.symmetric && input && input->dtype == QDtype::kInt8) {
+    const bool dynamic = quant::isDynamic(*input);
+    if (!dynamic && input->scope == QScope::kPerTensor && channelLike) return "W8A8";
+    if (dynamic && input->symmetric && (channelLike || w.scope == QScope::kPerGroup)) return "W8A8_DYNAMIC";
+  }
+  if (w.dtype == QDtype::kInt4 && w.symmetric && channelLike && input && quant::isDynamic(*input) &&
+      input->dtype == QDtype::kInt8 && input->symmetric) {
+    return "W4A8_DYNAMIC";
+  }
+  if (w.dtype == QDtype::kFp8E4m3 && channelLike && input && quant::isDynamic(*input) &&
+      input->dtype == QDtype::kFp8E4m3) {
+    return "WFP8AFP8_DYNAMIC";
+  }
+  return "";
+}
+
+// What a Linear that linearType() has no type for holds, and the types ascendv1 defines.
+std::string unsupportedLinear(const quant::QScheme& w, const std::optional<quant::QScheme>& input) {
+  return concat("weights ", w.name(), " and activations ", input ? input->name() : "none",
+                "; ascendv1 defines W8A8 (int8 weights, static per_tensor int8 activations), W8A8_DYNAMIC "
+                "(per_token int8), W4A8_DYNAMIC (int4 per_channel symmetric weights, per_token int8), W8A16 and "
+                "WFP8AFP8_DYNAMIC (per_token fp8); use compressed_tensors for others");
+}
+
+// Error(kConfig) for attention inputs ascendv1 cannot hold: `owner` names the attention in the
+// message, `hooks` comes before a hook's name.
+void checkAscendV1Attention(const PlannedOutputs::Attention& a, const std::string& owner, const std::string& hooks) {
+  for (const auto& [scheme, input] : {std::pair{a.q, 'q'}, {a.k, 'k'}, {a.v, 'v'}}) {
+    QPIPE_REQUIRE(!scheme || !quant::isDynamic(*scheme), ErrorCode::kConfig, "ascendv1_saver: ", hooks, input,
+                  "_hook is per_token (dynamic); ascendv1's FAQuant and C8 entries hold static scales: use per_head "
+                  "or per_tensor");
+  }
+  if (!a.q && !a.k && !a.v) return;
+  QPIPE_REQUIRE(a.k && a.v, ErrorCode::kConfig, "ascendv1_saver: ", owner, " has ", missingKvText(a),
+                "; ascendv1 quantizes K and V together (C8), or Q, K and V (FAQuant)");
+  if (a.q) return;
+  for (const auto& [scheme, hook] : {std::pair{a.k, "k_hook"}, {a.v, "v_hook"}}) {
+    QPIPE_REQUIRE(scheme->dtype == QDtype::kInt8, ErrorCode::kConfig, "ascendv1_saver: ", hooks, hook, " is ",
+                  scheme->name(),
+                  "; ascendv1's C8 KV cache is int8 (fp8 K and V only with Q, as FAQuant): use int8, or "
+                  "compressed_tensors for an fp8 KV cache");
+  }
+}
+
 class AscendV1Saver final : public SaverBase {
  public:
   AscendV1Saver(const SaverOptions& options, CausalLM& model, const fs::path& saveDir)
@@ -66,7 +115,10 @@ class AscendV1Saver final : public SaverBase {
   void writeQuantLinear(const std::string& name, QuantLinear& linear) override {
     const quant::QScheme& w = linear.weightScheme();
     const std::optional<ActivationQuant> input = writtenInputQuant(linear);
-    const std::string type = typeOf(name, w, input);
+    const std::optional<quant::QScheme> inputScheme = input ? std::optional(input->scheme) : std::nullopt;
+    const std::string type = linearType(w, inputScheme);
+    QPIPE_REQUIRE(!type.empty(), ErrorCode::kConfig, "ascendv1_saver: ", name, " has ",
+                  unsupportedLinear(w, inputScheme));
     noteType(type);
     const at::Tensor q = linear.parameter("weight");
     const int64_t out = q.size(0);
@@ -139,14 +191,7 @@ class AscendV1Saver final : public SaverBase {
   // (on_dynamic_cache), `<attention>.k_proj|v_proj.kv_cache_scale` / `kv_cache_offset` fp32
   // [kv_heads · head_dim], one value per channel, with kv_cache_type / kv_quant_type "C8".
   void writeAttentionQuant(const std::string& attention, const AttentionInputs& inputs) override {
-    for (const auto& [quant, input] : {std::pair{inputs.q, 'q'}, {inputs.k, 'k'}, {inputs.v, 'v'}}) {
-      QPIPE_REQUIRE(quant == nullptr || !quant->isDynamic(), ErrorCode::kConfig, "ascendv1_saver: ", attention, ".",
-                    input,
-                    "_hook is per_token (dynamic); ascendv1's FAQuant and C8 entries hold static scales: use per_head "
-                    "or per_tensor");
-    }
-    QPIPE_REQUIRE(inputs.k && inputs.v, ErrorCode::kConfig, "ascendv1_saver: ", attention, " has ",
-                  missingKvText(inputs), "; ascendv1 quantizes K and V together (C8), or Q, K and V (FAQuant)");
+    checkAscendV1Attention(schemesOf(inputs), attention, attention + ".");
     const ModelConfig& config = model().config();
     if (inputs.q != nullptr) {
       writeFaQuant(attention + ".fa_q", *inputs.q, config.numHeads);
@@ -154,12 +199,6 @@ class AscendV1Saver final : public SaverBase {
       writeFaQuant(attention + ".fa_v", *inputs.v, config.numKvHeads);
       notes_.extra["fa_quant_type"] = "FAKQuant";
       return;
-    }
-    for (const auto& [quant, hook] : {std::pair{inputs.k, "k_hook"}, {inputs.v, "v_hook"}}) {
-      QPIPE_REQUIRE(quant->scheme().dtype == QDtype::kInt8, ErrorCode::kConfig, "ascendv1_saver: ", attention, ".",
-                    hook, " is ", quant->scheme().name(),
-                    "; ascendv1's C8 KV cache is int8 (fp8 K and V only with Q, as FAQuant): use int8, or "
-                    "compressed_tensors for an fp8 KV cache");
     }
     writeC8(attention + ".k_proj", *inputs.k, config.numKvHeads, config.headDim);
     writeC8(attention + ".v_proj", *inputs.v, config.numKvHeads, config.headDim);
@@ -204,33 +243,6 @@ class AscendV1Saver final : public SaverBase {
   }
 
  private:
-  static std::string typeOf(const std::string& name, const quant::QScheme& w,
-                            const std::optional<ActivationQuant>& input) {
-    const bool channelLike = w.scope == QScope::kPerTensor || w.scope == QScope::kPerChannel;
-    if (w.dtype == QDtype::kInt8 && !input && (channelLike || w.scope == QScope::kPerGroup)) return "W8A16";
-    if (w.dtype == QDtype::kInt8 && w.symmetric && input && input->scheme.dtype == QDtype::kInt8) {
-      if (!input->isDynamic() && input->scheme.scope == QScope::kPerTensor && channelLike) return "W8A8";
-      if (input->isDynamic() && input->scheme.symmetric && (channelLike || w.scope == QScope::kPerGroup)) {
-        return "W8A8_DYNAMIC";
-      }
-    }
-    if (w.dtype == QDtype::kInt4 && w.symmetric && channelLike && input && input->isDynamic() &&
-        input->scheme.dtype == QDtype::kInt8 && input->scheme.symmetric) {
-      return "W4A8_DYNAMIC";
-    }
-    if (w.dtype == QDtype::kFp8E4m3 && channelLike && input && input->isDynamic() &&
-        input->scheme.dtype == QDtype::kFp8E4m3) {
-      return "WFP8AFP8_DYNAMIC";
-    }
-    const std::string activation = input ? input->scheme.name() : "none";
-    QPIPE_REQUIRE(false, ErrorCode::kConfig, "ascendv1_saver: ", name, " has weights ", w.name(), " and activations ",
-                  activation,
-                  "; ascendv1 defines W8A8 (int8 weights, static per_tensor int8 activations), W8A8_DYNAMIC "
-                  "(per_token int8), W4A8_DYNAMIC (int4 per_channel symmetric weights, per_token int8), W8A16 and "
-                  "WFP8AFP8_DYNAMIC (per_token fp8); use compressed_tensors for others");
-    return {};
-  }
-
   // An input's scale and zero point, one per head: [heads] (a per_tensor value repeated).
   static std::pair<at::Tensor, at::Tensor> perHead(AttentionQuant& quant, int64_t heads) {
     const quant::QParams p = quant.params();
@@ -270,6 +282,16 @@ class AscendV1Saver final : public SaverBase {
 };
 
 }  // namespace
+
+void checkAscendV1Planned(const PlannedOutputs& planned) {
+  for (const PlannedOutputs::Linear& linear : planned.linears) {
+    QPIPE_REQUIRE(!linearType(linear.weight, linear.input).empty(), ErrorCode::kConfig,
+                  "ascendv1_saver: its Linear modules would have ", unsupportedLinear(linear.weight, linear.input));
+  }
+  for (const PlannedOutputs::Attention& attention : planned.attention) {
+    checkAscendV1Attention(attention, "its attention", "its ");
+  }
+}
 
 std::unique_ptr<CheckpointSaver> makeAscendV1Saver(const SaverOptions& options, CausalLM& model,
                                                    const fs::path& saveDir) {

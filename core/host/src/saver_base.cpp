@@ -46,9 +46,9 @@ SaverFactory factoryFor(std::string format, bool segmentsOnly) {
 std::vector<SaverInfo> builtinSavers() {
   return {
       {kDefaultSaver, "compressed-tensors: what vLLM and transformers load", saverSchema(),
-       factoryFor(kDefaultSaver, false), factoryFor(kDefaultSaver, true)},
+       factoryFor(kDefaultSaver, false), factoryFor(kDefaultSaver, true), detail::checkCompressedTensorsPlanned},
       {"ascendv1_saver", "msmodelslim's ascendv1 layout (vllm-ascend)", saverSchema(),
-       factoryFor("ascendv1_saver", false), factoryFor("ascendv1_saver", true)},
+       factoryFor("ascendv1_saver", false), factoryFor("ascendv1_saver", true), detail::checkAscendV1Planned},
   };
 }
 
@@ -112,9 +112,16 @@ uint64_t headerReserve(const CausalLM& model) {
 
 }  // namespace
 
-std::string missingKvText(const AttentionInputs& inputs) {
-  if (inputs.k == nullptr && inputs.v == nullptr) return "Q quantized but not K and V";
-  return inputs.k == nullptr ? "V quantized but not K" : "K quantized but not V";
+PlannedOutputs::Attention schemesOf(const AttentionInputs& inputs) {
+  const auto scheme = [](const AttentionQuant* quant) {
+    return quant == nullptr ? std::nullopt : std::optional(quant->scheme());
+  };
+  return {scheme(inputs.q), scheme(inputs.k), scheme(inputs.v)};
+}
+
+std::string missingKvText(const PlannedOutputs::Attention& inputs) {
+  if (!inputs.k && !inputs.v) return "Q quantized but not K and V";
+  return inputs.k ? "K quantized but not V" : "V quantized but not K";
 }
 
 SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::path& saveDir,

@@ -36,6 +36,27 @@ std::string escapeRegex(const std::string& text) {
   return std::regex_replace(text, special, R"(\$&)");
 }
 
+constexpr const char* kNormBiasText =
+    "a bias (from iter_smooth with symmetric: False), which the RMSNorm of transformers and vLLM lacks and would "
+    "drop; save with ascendv1_saver, or smooth with symmetric: True";
+
+// Error(kConfig) for attention inputs compressed-tensors cannot hold: `owner` names the attention in
+// the message, `hooks` comes before a hook's name.
+void checkCompressedTensorsAttention(const PlannedOutputs::Attention& a, const std::string& owner,
+                                     const std::string& hooks) {
+  for (const auto& [scheme, input] : {std::pair{a.q, 'q'}, {a.k, 'k'}, {a.v, 'v'}}) {
+    if (!scheme) continue;
+    QPIPE_REQUIRE(!quant::isDynamic(*scheme), ErrorCode::kConfig, "compressed_tensors: ", hooks, input,
+                  "_hook is per_token (dynamic); compressed-tensors' attention scales are static: use per_tensor or "
+                  "per_head");
+    QPIPE_REQUIRE(scheme->symmetric, ErrorCode::kConfig, "compressed_tensors: ", hooks, input,
+                  "_hook is asymmetric, which vLLM's KV cache does not support; use symmetric: True");
+  }
+  if (!a.q && !a.k && !a.v) return;
+  QPIPE_REQUIRE(a.k && a.v, ErrorCode::kConfig, "compressed_tensors: ", owner, " has ", missingKvText(a),
+                "; compressed-tensors quantizes K and V together (and Q with their scheme)");
+}
+
 class CompressedTensorsSaver final : public SaverBase {
  public:
   CompressedTensorsSaver(const SaverOptions& options, CausalLM& model, const fs::path& saveDir)
@@ -51,28 +72,20 @@ class CompressedTensorsSaver final : public SaverBase {
   // Q, K and V scales from its input_activations). Scales on the attention module:
   // `<attention>.q_scale` / `k_scale` / `v_scale`, [1] for tensor, [heads, 1, 1] for attn_head.
   void writeAttentionQuant(const std::string& attention, const AttentionInputs& inputs) override {
+    checkCompressedTensorsAttention(schemesOf(inputs), attention, attention + ".");
     for (const auto& [quant, input] : {std::pair{inputs.q, 'q'}, {inputs.k, 'k'}, {inputs.v, 'v'}}) {
       if (quant == nullptr) continue;
       const std::string name = attention + "." + input + "_hook";
-      QPIPE_REQUIRE(!quant->isDynamic(), ErrorCode::kConfig, "compressed_tensors: ", name,
-                    " is per_token (dynamic); compressed-tensors' attention scales are static: use per_tensor or "
-                    "per_head");
-      QPIPE_REQUIRE(quant->scheme().symmetric, ErrorCode::kConfig, "compressed_tensors: ", name,
-                    " is asymmetric, which vLLM's KV cache does not support; use symmetric: True");
       noteAttentionArgs(compressedTensorsKvCacheArgs(quant->scheme()), name, quant->scheme().name());
       const at::Tensor scale = quant->parameter("scale").to(at::kFloat);
       add(attention + "." + input + "_scale",
           quant->scheme().scope == QScope::kPerHead ? scale.reshape({-1, 1, 1}) : scale.reshape({1}));
     }
-    QPIPE_REQUIRE(inputs.k && inputs.v, ErrorCode::kConfig, "compressed_tensors: ", attention, " has ",
-                  missingKvText(inputs), "; compressed-tensors quantizes K and V together (and Q with their scheme)");
     (inputs.q ? notes_.withQ : notes_.withoutQ) = true;
   }
 
   void noteNormBias(const std::string& name) override {
-    QPIPE_REQUIRE(false, ErrorCode::kConfig, "compressed_tensors: ", name,
-                  " has a bias (from iter_smooth with symmetric: False), which the RMSNorm of transformers and vLLM "
-                  "lacks and would drop; save with ascendv1_saver, or smooth with symmetric: True");
+    QPIPE_REQUIRE(false, ErrorCode::kConfig, "compressed_tensors: ", name, " has ", kNormBiasText);
   }
 
   void writeQuantLinear(const std::string& name, QuantLinear& linear) override {
@@ -310,6 +323,21 @@ class CompressedTensorsSaver final : public SaverBase {
 };
 
 }  // namespace
+
+void checkCompressedTensorsPlanned(const PlannedOutputs& planned) {
+  for (const PlannedOutputs::Attention& attention : planned.attention) {
+    checkCompressedTensorsAttention(attention, "its attention", "its ");
+    std::optional<std::pair<quant::QScheme, char>> first;
+    for (const auto& [scheme, input] : {std::pair{attention.q, 'q'}, {attention.k, 'k'}, {attention.v, 'v'}}) {
+      if (!scheme) continue;
+      if (!first) first.emplace(*scheme, input);
+      QPIPE_REQUIRE(compressedTensorsKvCacheArgs(*scheme) == compressedTensorsKvCacheArgs(first->first),
+                    ErrorCode::kConfig, "compressed_tensors: its ", input, "_hook is ", scheme->name(), " but its ",
+                    first->second, "_hook is not; compressed-tensors quantizes every K and V (and Q) with one scheme");
+    }
+  }
+  QPIPE_REQUIRE(!planned.normBias, ErrorCode::kConfig, "compressed_tensors: its norms would have ", kNormBiasText);
+}
 
 std::unique_ptr<CheckpointSaver> makeCompressedTensorsSaver(const SaverOptions& options, CausalLM& model,
                                                             const fs::path& saveDir) {

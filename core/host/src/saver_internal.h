@@ -15,6 +15,7 @@
 #include "qpipe/attention_quant.h"
 #include "qpipe/host/savers.h"
 #include "qpipe/model.h"
+#include "qpipe/processor.h"
 #include "qpipe/quant_linear.h"
 #include "qpipe/safetensors.h"
 
@@ -27,8 +28,10 @@ struct AttentionInputs {
   AttentionQuant* k = nullptr;
   AttentionQuant* v = nullptr;
 };
+// The schemes of `inputs`, as a step plans them (PlannedOutputs).
+PlannedOutputs::Attention schemesOf(const AttentionInputs& inputs);
 // What `inputs` lacks of K and V, for an error: "K quantized but not V", "Q quantized but not K and V".
-std::string missingKvText(const AttentionInputs& inputs);
+std::string missingKvText(const PlannedOutputs::Attention& inputs);
 
 class SaverBase : public CheckpointSaver {
  public:
@@ -100,6 +103,10 @@ class SaverBase : public CheckpointSaver {
   std::optional<bool> nonLayerHeadUntied_;
   bool segmentsOnly_ = false;
 };
+
+// SaverInfo::checkPlanned of the built-in savers.
+void checkCompressedTensorsPlanned(const PlannedOutputs& planned);
+void checkAscendV1Planned(const PlannedOutputs& planned);
 
 std::unique_ptr<CheckpointSaver> makeCompressedTensorsSaver(const SaverOptions& options, CausalLM& model,
                                                             const std::filesystem::path& saveDir);

@@ -87,7 +87,9 @@ class PluginRegistrar {
 // quantization, FP8 one GEMM) and hold its state.
 // 13.1: ProcessorContext::warnIfSet and configWarnings (appended).
 // 14.0: CheckpointSaver::writesNonLayerFirst (the non-layer modules as layer kNonLayer).
-#define QPIPE_PLUGIN_ABI_MAJOR 14
+// 15.0: Processor::plannedOutputs and SaverInfo::checkPlanned (a saver refuses a step before any
+// work).
+#define QPIPE_PLUGIN_ABI_MAJOR 15
 #define QPIPE_PLUGIN_ABI_MINOR 0
 
 #define QPIPE_STRINGIFY_IMPL(x) #x

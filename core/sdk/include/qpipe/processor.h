@@ -39,6 +39,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -47,6 +48,7 @@
 #include "qpipe/module.h"
 #include "qpipe/pattern.h"
 #include "qpipe/process_group.h"
+#include "qpipe/quant.h"
 #include "qpipe/staged.h"
 #include "qpipe/subgraph.h"
 
@@ -194,6 +196,28 @@ struct ProcessorContext {
   std::shared_ptr<std::vector<std::string>> configWarnings = std::make_shared<std::vector<std::string>>();
 };
 
+// What a step turns modules into, known from its configuration alone (Processor::plannedOutputs).
+// `qpipe check` and the start of a run ask the pipeline's saver whether it can write them
+// (SaverInfo::checkPlanned), so that a step the saver cannot write is refused at its file:line
+// before any work; the saver still checks each module as it writes it.
+struct PlannedOutputs {
+  // `scheme` unless it is float (not quantized).
+  static std::optional<quant::QScheme> quantized(const quant::QScheme& scheme) {
+    return scheme.dtype == quant::QDtype::kFloat ? std::nullopt : std::optional(scheme);
+  }
+  struct Linear {
+    quant::QScheme weight;
+    std::optional<quant::QScheme> input;  // none: weight-only
+  };
+  // The schemes of an attention's Q, K and V inputs; none where that input stays in float.
+  struct Attention {
+    std::optional<quant::QScheme> q, k, v;
+  };
+  std::vector<Linear> linears;
+  std::vector<Attention> attention;
+  bool normBias = false;  // a bias added to a norm (iter_smooth with symmetric: False)
+};
+
 class Processor {
  public:
   virtual ~Processor() = default;
@@ -231,6 +255,9 @@ class Processor {
     (void)unit;
     return true;
   }
+  // The kinds of quantized module the step makes, for the saver to refuse early; the default,
+  // none, leaves every check to the saver's write.
+  virtual PlannedOutputs plannedOutputs() const { return {}; }
 };
 
 // True when any processor of the pipeline works on the whole model (Processor::wholeModel).

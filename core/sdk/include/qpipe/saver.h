@@ -24,6 +24,7 @@ namespace qpipe {
 class CausalLM;
 class ConfigNode;
 class Module;
+struct PlannedOutputs;
 
 // How the executor of a split layer learns where its bytes go: start() blocks until the layer
 // before it was laid out and returns that layer's passOn text (empty for layer 0); passOn gives
@@ -87,6 +88,10 @@ struct SaverInfo {
   // Optional: a saver of the same format and configuration that only writes segments (it makes no
   // folder of its own); without one, a run never splits its layers.
   SaverFactory segmentFactory;
+  // Optional: Error(kConfig) for what a step plans (Processor::plannedOutputs) that this saver
+  // cannot write, saying what and why ("<type>: its Linear modules would have …"); the host puts
+  // the step's file:line and path in front.
+  std::function<void(const PlannedOutputs& planned)> checkPlanned;
 };
 
 }  // namespace qpipe

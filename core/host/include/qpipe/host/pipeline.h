@@ -82,4 +82,10 @@ PipelineMetadata readPipelineMetadata(const std::filesystem::path& file);
 std::vector<std::unique_ptr<Processor>> buildProcessors(const Pipeline& pipeline, const Registry& registry,
                                                         const ProcessorContext& context);
 
+// Error(kConfig) at a step's file:line:col when the pipeline's saver cannot write what the step
+// plans (Processor::plannedOutputs, SaverInfo::checkPlanned): `qpipe check` and every run call it
+// on the processors of buildProcessors, before any work.
+void checkPlannedOutputs(const Pipeline& pipeline, const std::vector<std::unique_ptr<Processor>>& processors,
+                         const Registry& registry);
+
 }  // namespace qpipe
