@@ -1,6 +1,8 @@
 #include "qpipe/host/pipeline.h"
 
 #include <algorithm>
+#include <charconv>
+#include <limits>
 
 #include "qpipe/error.h"
 #include "qpipe/host/registry.h"
@@ -331,9 +333,26 @@ Pipeline loadPipeline(const std::filesystem::path& file, const Registry& registr
 
 std::vector<std::unique_ptr<Processor>> buildProcessors(const Pipeline& pipeline, const Registry& registry,
                                                         const ProcessorContext& context) {
-  context.configWarnings->insert(context.configWarnings->end(), pipeline.warnings.begin(), pipeline.warnings.end());
+  std::vector<std::string>& warnings = *context.configWarnings;
+  const size_t first = warnings.size();
+  warnings.insert(warnings.end(), pipeline.warnings.begin(), pipeline.warnings.end());
   std::vector<std::unique_ptr<Processor>> processors;
   for (const auto& step : pipeline.process) processors.push_back(buildStep(step, registry, context));
+  // In the order of the file, whichever check found them; a warning that names no position in it
+  // goes last.
+  const std::string prefix = pipeline.file.string() + ":";
+  const auto position = [&prefix](const std::string& warning) {
+    constexpr int kNone = std::numeric_limits<int>::max();
+    if (warning.rfind(prefix, 0) != 0) return std::pair{kNone, kNone};
+    int line = 0, column = 0;
+    const char* end = warning.data() + warning.size();
+    const auto [afterLine, lineError] = std::from_chars(warning.data() + prefix.size(), end, line);
+    if (lineError != std::errc() || afterLine == end || *afterLine != ':') return std::pair{kNone, kNone};
+    if (std::from_chars(afterLine + 1, end, column).ec != std::errc()) return std::pair{line, 0};
+    return std::pair{line, column};
+  };
+  std::stable_sort(warnings.begin() + static_cast<std::ptrdiff_t>(first), warnings.end(),
+                   [&](const std::string& a, const std::string& b) { return position(a) < position(b); });
   return processors;
 }
 

@@ -62,9 +62,9 @@ struct Pipeline {
   std::vector<SaveStep> save;  // exactly one: compressed_tensors with its defaults when spec.save is empty
   std::string dataset;         // empty: the CLI's --calib_data or the default set
   ConfigNode resolved;         // the whole document with defaults, for printing
-  // Fields that have no effect, "<file:line:col>: <path>: <why>"; buildProcessors puts them first
-  // among the context's configWarnings, which the host prints (`qpipe check`, rank 0 of `qpipe
-  // quant`).
+  // Fields that have no effect, "<file:line:col>: <path>: <why>"; buildProcessors puts them among
+  // the context's configWarnings, in file order, which the host prints (`qpipe check`, rank 0 of
+  // `qpipe quant`).
   std::vector<std::string> warnings;
 };
 
@@ -78,7 +78,7 @@ Pipeline loadPipeline(const std::filesystem::path& file, const Registry& registr
 PipelineMetadata readPipelineMetadata(const std::filesystem::path& file);
 
 // Constructs the processors of spec.process in order (a group becomes one processor); the
-// pipeline's warnings go first into context.configWarnings, the steps' own after them.
+// pipeline's warnings and the steps' own go into context.configWarnings in the order of the file.
 std::vector<std::unique_ptr<Processor>> buildProcessors(const Pipeline& pipeline, const Registry& registry,
                                                         const ProcessorContext& context);
 
