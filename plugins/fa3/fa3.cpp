@@ -145,7 +145,7 @@ class Fa3Quant final : public Processor {
   // Attention modules lie in decoder layers only.
   bool actsOn(const LayerRequest& unit) const override { return !isNonLayerUnit(unit); }
   PlannedOutputs plannedOutputs() const override {
-    const auto [q, k, v] = configs_;
+    const auto& [q, k, v] = configs_;
     return {.attention = {{PlannedOutputs::quantized(q.scheme), PlannedOutputs::quantized(k.scheme),
                            PlannedOutputs::quantized(v.scheme)}}};
   }

@@ -156,31 +156,14 @@ TEST(Cli, CheckRefusesAStepTheSaverCannotWrite) {
       {"fa3_quant\n      qconfig: {dtype: int8, scope: per_token}", "compressed_tensors",
        "(fa3_quant): compressed_tensors: its q_hook is per_token (dynamic); compressed-tensors' attention scales are "
        "static: use per_tensor or per_head"},
+      {"fa3_quant\n      qconfig: {dtype: int8, scope: per_token}", "ascendv1_saver",
+       "(fa3_quant): ascendv1_saver: its q_hook is per_token (dynamic); ascendv1's FAQuant and C8 entries hold static "
+       "scales: use per_head or per_tensor"},
       {"fa3_quant\n      qconfig: {dtype: int8, scope: per_head, symmetric: False}", "compressed_tensors",
        "(fa3_quant): compressed_tensors: its q_hook is asymmetric, which vLLM's KV cache does not support; use "
        "symmetric: True"},
-      {"fa3_quant\n      details:\n        fa_k: {dtype: int8, scope: per_head}", "ascendv1_saver",
-       "(fa3_quant): ascendv1_saver: its attention has K quantized but not V; ascendv1 quantizes K and V together "
-       "(C8), or Q, K and V (FAQuant)"},
-      {"fa3_quant\n      details:\n        fa_k: {dtype: fp8_e4m3, scope: per_tensor}\n        fa_v: {dtype: "
-       "fp8_e4m3, scope: per_tensor}",
-       "ascendv1_saver",
-       "(fa3_quant): ascendv1_saver: its k_hook is fp8_e4m3_per_tensor_sym; ascendv1's C8 KV cache is int8 (fp8 K "
-       "and V only with Q, as FAQuant): use int8, or compressed_tensors for an fp8 KV cache"},
-      {"fa3_quant\n      details:\n        fa_k: {dtype: int8, scope: per_head}\n        fa_v: {dtype: fp8_e4m3, "
-       "scope: per_tensor}",
-       "compressed_tensors",
-       "(fa3_quant): compressed_tensors: its v_hook is fp8_e4m3_per_tensor_sym but its k_hook is not; "
-       "compressed-tensors quantizes every K and V (and Q) with one scheme"},
       {"iter_smooth\n      symmetric: False", "compressed_tensors",
        "(iter_smooth): compressed_tensors: its norms would have a bias (from iter_smooth with symmetric: False), which "
-       "the RMSNorm of transformers and vLLM lacks and would drop; save with ascendv1_saver, or smooth with symmetric: "
-       "True"},
-      // A group is refused as one step, for what any of its children plans.
-      {"group\n      configs:\n        - type: linear_quant\n          qconfig:\n            weight: {dtype: int8, "
-       "scope: per_channel}\n        - type: iter_smooth\n          symmetric: False",
-       "compressed_tensors",
-       "(group): compressed_tensors: its norms would have a bias (from iter_smooth with symmetric: False), which "
        "the RMSNorm of transformers and vLLM lacks and would drop; save with ascendv1_saver, or smooth with symmetric: "
        "True"},
   };
@@ -195,6 +178,66 @@ TEST(Cli, CheckRefusesAStepTheSaverCannotWrite) {
     expectOneLineError(r);
     EXPECT_EQ(r.err, "qpipe: configuration error: " + pipeline.string() + ":4:7: spec.process[0] " + c.expected + "\n");
   }
+  // A group's child is refused at its own line.
+  const fs::path group = qpipe::test::writeTempFile("planned_group.yaml", R"(apiversion: modelslim_v1
+spec:
+  process:
+    - type: group
+      configs:
+        - type: linear_quant
+          qconfig:
+            weight: {dtype: int8, scope: per_channel}
+        - type: iter_smooth
+          symmetric: False
+)");
+  const CommandResult inGroup = qpipe("check --config_path " + group.string());
+  EXPECT_EQ(inGroup.exitCode, 3) << inGroup.err;
+  EXPECT_EQ(
+      inGroup.err.rfind("qpipe: configuration error: " + group.string() +
+                            ":9:11: spec.process[0].configs[1] (iter_smooth): compressed_tensors: its norms would "
+                            "have a bias",
+                        0),
+      0u)
+      << inGroup.err;
+  // What only the steps together decide (K and V quantized together, one scheme for all of them,
+  // ascendv1's C8 or FAQuant) is left to the saver's write: here Q comes from a second step, and the
+  // model is FAQuant.
+  const fs::path split = qpipe::test::writeTempFile("planned_split.yaml", R"(apiversion: modelslim_v1
+spec:
+  process:
+    - type: fa3_quant
+      details:
+        fa_k: {dtype: int8, scope: per_head}
+        fa_v: {dtype: int8, scope: per_head}
+    - type: fa3_quant
+      details:
+        fa_q: {dtype: int8, scope: per_head}
+  save:
+    - {type: ascendv1_saver}
+)");
+  const CommandResult together = qpipe("check --config_path " + split.string());
+  EXPECT_EQ(together.exitCode, 0) << together.err;
+  // The warnings come before a refusal: they may explain it.
+  const fs::path explained = qpipe::test::writeTempFile("planned_warned.yaml", R"(apiversion: modelslim_v1
+spec:
+  process:
+    - type: linear_quant
+      qconfig:
+        weight: {dtype: int4, scope: per_channel, ext: {group_size: 64}}
+  save:
+    - {type: ascendv1_saver}
+)");
+  const CommandResult warned = qpipe("check --config_path " + explained.string());
+  EXPECT_EQ(warned.exitCode, 3) << warned.err;
+  const size_t warning = warned.err.find("[warning] " + explained.string() +
+                                         ":6:69: spec.process[0].qconfig.weight.ext.group_size: applies to scope "
+                                         "per_group only; ignored\n");
+  EXPECT_NE(warning, std::string::npos) << warned.err;
+  EXPECT_GT(warned.err.find("qpipe: configuration error: " + explained.string() +
+                            ":4:7: spec.process[0] (linear_quant): ascendv1_saver: its Linear modules would have "
+                            "weights int4_per_channel_sym and activations none"),
+            warning)
+      << warned.err;
 }
 
 TEST(Cli, CheckRejectsUnknownTypeNamingFileLineTypeAndKnownTypes) {

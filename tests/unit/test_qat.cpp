@@ -984,10 +984,10 @@ TEST_F(QatProcessor, FieldsWithoutEffectWarnWhereTheFileSetsThem) {
             (std::vector<std::string>{
                 file + ":8:18: spec.process[0].loss_type: has no effect in blockwise training (training_mode: "
                        "end2end uses it)",
-                file + ":10:61: spec.process[0].plugin_config.quant_config.learnable.act_scale: has no effect: the "
-                       "qconfig has no static activations, so there is no input scale to train",
                 file + ":9:15: spec.process[0].lwc_lr: has no effect without "
-                       "plugin_config.quant_config.learnable.lwc"}));
+                       "plugin_config.quant_config.learnable.lwc",
+                file + ":10:61: spec.process[0].plugin_config.quant_config.learnable.act_scale: has no effect: the "
+                       "qconfig has no static activations, so there is no input scale to train"}));
   EXPECT_EQ(configWarnings(qatStep(kW8a8Static,
                                    "      training_mode: end2end\n"
                                    "      target: layer\n"

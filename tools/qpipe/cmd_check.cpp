@@ -37,8 +37,8 @@ void checkPipeline(const CheckOptions& options) {
   // then checks what each step plans to leave for it.
   const ProcessorContext context{.logger = log::logger()};
   const auto processors = buildProcessors(pipeline, registry, context);
-  checkPlannedOutputs(pipeline, processors, registry);
   for (const std::string& warning : *context.configWarnings) log::logger()->warn(warning);
+  checkPlannedOutputs(pipeline, processors, registry);
 
   std::cout << pipeline.resolved.toYaml() << std::flush;
   log::logger()->info(options.configPath, ": valid (", countProcessors(pipeline.process), " processors, ",

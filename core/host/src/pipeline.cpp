@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <limits>
+#include <tuple>
 
 #include "qpipe/error.h"
 #include "qpipe/host/registry.h"
@@ -228,16 +229,7 @@ class GroupProcessor final : public Processor {
   bool actsOn(const LayerRequest& unit) const override {
     return std::any_of(children_.begin(), children_.end(), [&](const auto& c) { return c->actsOn(unit); });
   }
-  PlannedOutputs plannedOutputs() const override {
-    PlannedOutputs all;
-    for (const auto& child : children_) {
-      PlannedOutputs planned = child->plannedOutputs();
-      all.linears.insert(all.linears.end(), planned.linears.begin(), planned.linears.end());
-      all.attention.insert(all.attention.end(), planned.attention.begin(), planned.attention.end());
-      all.normBias = all.normBias || planned.normBias;
-    }
-    return all;
-  }
+  const std::vector<std::unique_ptr<Processor>>& children() const { return children_; }
 
  private:
   std::vector<std::unique_ptr<Processor>> children_;
@@ -341,36 +333,57 @@ std::vector<std::unique_ptr<Processor>> buildProcessors(const Pipeline& pipeline
   // In the order of the file, whichever check found them; a warning that names no position in it
   // goes last.
   const std::string prefix = pipeline.file.string() + ":";
-  const auto position = [&prefix](const std::string& warning) {
-    constexpr int kNone = std::numeric_limits<int>::max();
-    if (warning.rfind(prefix, 0) != 0) return std::pair{kNone, kNone};
-    int line = 0, column = 0;
-    const char* end = warning.data() + warning.size();
-    const auto [afterLine, lineError] = std::from_chars(warning.data() + prefix.size(), end, line);
-    if (lineError != std::errc() || afterLine == end || *afterLine != ':') return std::pair{kNone, kNone};
-    if (std::from_chars(afterLine + 1, end, column).ec != std::errc()) return std::pair{line, 0};
-    return std::pair{line, column};
-  };
-  std::stable_sort(warnings.begin() + static_cast<std::ptrdiff_t>(first), warnings.end(),
-                   [&](const std::string& a, const std::string& b) { return position(a) < position(b); });
+  constexpr int kNone = std::numeric_limits<int>::max();
+  std::vector<std::tuple<int, int, std::string>> ordered;
+  for (auto it = warnings.begin() + static_cast<std::ptrdiff_t>(first); it != warnings.end(); ++it) {
+    int line = kNone, column = kNone;
+    if (it->rfind(prefix, 0) == 0) {
+      const char* end = it->data() + it->size();
+      const auto [afterLine, lineError] = std::from_chars(it->data() + prefix.size(), end, line);
+      if (lineError != std::errc() || afterLine == end || *afterLine != ':' ||
+          std::from_chars(afterLine + 1, end, column).ec != std::errc()) {
+        line = column = kNone;
+      }
+    }
+    ordered.emplace_back(line, column, std::move(*it));
+  }
+  std::stable_sort(ordered.begin(), ordered.end(), [](const auto& a, const auto& b) {
+    return std::tie(std::get<0>(a), std::get<1>(a)) < std::tie(std::get<0>(b), std::get<1>(b));
+  });
+  warnings.resize(first);
+  for (auto& [line, column, text] : ordered) warnings.push_back(std::move(text));
   return processors;
 }
+
+namespace {
+
+// `processor` is built from `step`; a group's children are checked one by one, at their lines.
+void checkPlanned(const ProcessStep& step, const Processor& processor, const std::string& saver,
+                  const Registry& registry) {
+  if (const auto* group = dynamic_cast<const GroupProcessor*>(&processor)) {
+    QPIPE_CHECK(group->children().size() == step.children.size(), step.path, ": ", group->children().size(),
+                " processors for ", step.children.size(), " children");
+    for (size_t i = 0; i < step.children.size(); ++i) {
+      checkPlanned(step.children[i], *group->children()[i], saver, registry);
+    }
+    return;
+  }
+  try {
+    registry.checkPlanned(saver, processor.plannedOutputs());
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kConfig) throw;
+    throw Error(ErrorCode::kConfig, concat(step.location.str(), ": ", step.path, " (", step.type, "): ", e.what()));
+  }
+}
+
+}  // namespace
 
 void checkPlannedOutputs(const Pipeline& pipeline, const std::vector<std::unique_ptr<Processor>>& processors,
                          const Registry& registry) {
   QPIPE_CHECK(processors.size() == pipeline.process.size(), processors.size(), " processors for ",
               pipeline.process.size(), " steps");
-  const Registry::SaverEntry* saver = registry.findSaver(pipeline.save.front().type);
-  QPIPE_CHECK(saver != nullptr, "no saver '", pipeline.save.front().type, "' after loadPipeline");
-  if (!saver->info.checkPlanned) return;
   for (size_t i = 0; i < processors.size(); ++i) {
-    const ProcessStep& step = pipeline.process[i];
-    try {
-      saver->info.checkPlanned(processors[i]->plannedOutputs());
-    } catch (const Error& e) {
-      if (e.code() != ErrorCode::kConfig) throw;
-      throw Error(ErrorCode::kConfig, concat(step.location.str(), ": ", step.path, " (", step.type, "): ", e.what()));
-    }
+    checkPlanned(pipeline.process[i], *processors[i], pipeline.save.front().type, registry);
   }
 }
 

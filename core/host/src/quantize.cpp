@@ -114,8 +114,14 @@ struct Prepared {
     group = std::make_shared<JoinedLater>(options.rank, options.worldSize);
     const ProcessorContext context{.logger = log::logger(), .group = group, .savePath = options.savePath.string()};
     processors = buildProcessors(pipeline, registry, context);
-    checkPlannedOutputs(pipeline, processors, registry);
     configWarnings = std::move(*context.configWarnings);
+    try {
+      checkPlannedOutputs(pipeline, processors, registry);
+    } catch (const Error&) {
+      // The run ends here, before the warnings' usual place: they may explain the refusal.
+      for (const std::string& warning : configWarnings) log::logger()->warn(warning);
+      throw;
+    }
     if (options.worldSize > 1) {
       for (size_t i = 0; i < processors.size(); ++i) {
         QPIPE_REQUIRE(processors[i]->supportDistributed(), ErrorCode::kUsage, pipeline.process[i].path, " (",

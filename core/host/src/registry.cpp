@@ -255,4 +255,12 @@ std::unique_ptr<CheckpointSaver> Registry::createSaver(std::string_view type, co
   return std::make_unique<GuardedSaver>(std::move(created), where + "failed in ", entry->owner);
 }
 
+void Registry::checkPlanned(std::string_view type, const PlannedOutputs& planned) const {
+  const SaverEntry* entry = findSaver(type);
+  QPIPE_CHECK(entry != nullptr, "no saver type '", type, "'");
+  if (!entry->info.checkPlanned) return;
+  guardCall(concat("saver '", type, "' (plugin '", entry->plugin, "') failed in checkPlanned: "), false,
+            [&] { entry->info.checkPlanned(planned); });
+}
+
 }  // namespace qpipe

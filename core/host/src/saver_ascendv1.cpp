@@ -76,24 +76,11 @@ std::string unsupportedLinear(const quant::QScheme& w, const std::optional<quant
                 "WFP8AFP8_DYNAMIC (per_token fp8); use compressed_tensors for others");
 }
 
-// Error(kConfig) for attention inputs ascendv1 cannot hold: `owner` names the attention in the
-// message, `hooks` comes before a hook's name.
-void checkAscendV1Attention(const PlannedOutputs::Attention& a, const std::string& owner, const std::string& hooks) {
-  for (const auto& [scheme, input] : {std::pair{a.q, 'q'}, {a.k, 'k'}, {a.v, 'v'}}) {
-    QPIPE_REQUIRE(!scheme || !quant::isDynamic(*scheme), ErrorCode::kConfig, "ascendv1_saver: ", hooks, input,
-                  "_hook is per_token (dynamic); ascendv1's FAQuant and C8 entries hold static scales: use per_head "
-                  "or per_tensor");
-  }
-  if (!a.q && !a.k && !a.v) return;
-  QPIPE_REQUIRE(a.k && a.v, ErrorCode::kConfig, "ascendv1_saver: ", owner, " has ", missingKvText(a),
-                "; ascendv1 quantizes K and V together (C8), or Q, K and V (FAQuant)");
-  if (a.q) return;
-  for (const auto& [scheme, hook] : {std::pair{a.k, "k_hook"}, {a.v, "v_hook"}}) {
-    QPIPE_REQUIRE(scheme->dtype == QDtype::kInt8, ErrorCode::kConfig, "ascendv1_saver: ", hooks, hook, " is ",
-                  scheme->name(),
-                  "; ascendv1's C8 KV cache is int8 (fp8 K and V only with Q, as FAQuant): use int8, or "
-                  "compressed_tensors for an fp8 KV cache");
-  }
+// Error(kConfig) for an attention input, `hook`, that ascendv1 cannot hold at all.
+void checkAscendV1Hook(const quant::QScheme& scheme, const std::string& hook) {
+  QPIPE_REQUIRE(!quant::isDynamic(scheme), ErrorCode::kConfig, "ascendv1_saver: ", hook,
+                " is per_token (dynamic); ascendv1's FAQuant and C8 entries hold static scales: use per_head or "
+                "per_tensor");
 }
 
 class AscendV1Saver final : public SaverBase {
@@ -191,7 +178,11 @@ class AscendV1Saver final : public SaverBase {
   // (on_dynamic_cache), `<attention>.k_proj|v_proj.kv_cache_scale` / `kv_cache_offset` fp32
   // [kv_heads · head_dim], one value per channel, with kv_cache_type / kv_quant_type "C8".
   void writeAttentionQuant(const std::string& attention, const AttentionInputs& inputs) override {
-    checkAscendV1Attention(schemesOf(inputs), attention, attention + ".");
+    for (const auto& [quant, input] : {std::pair{inputs.q, 'q'}, {inputs.k, 'k'}, {inputs.v, 'v'}}) {
+      if (quant != nullptr) checkAscendV1Hook(quant->scheme(), concat(attention, ".", input, "_hook"));
+    }
+    QPIPE_REQUIRE(inputs.k && inputs.v, ErrorCode::kConfig, "ascendv1_saver: ", attention, " has ",
+                  missingKvText(inputs), "; ascendv1 quantizes K and V together (C8), or Q, K and V (FAQuant)");
     const ModelConfig& config = model().config();
     if (inputs.q != nullptr) {
       writeFaQuant(attention + ".fa_q", *inputs.q, config.numHeads);
@@ -199,6 +190,12 @@ class AscendV1Saver final : public SaverBase {
       writeFaQuant(attention + ".fa_v", *inputs.v, config.numKvHeads);
       notes_.extra["fa_quant_type"] = "FAKQuant";
       return;
+    }
+    for (const auto& [quant, hook] : {std::pair{inputs.k, "k_hook"}, {inputs.v, "v_hook"}}) {
+      QPIPE_REQUIRE(quant->scheme().dtype == QDtype::kInt8, ErrorCode::kConfig, "ascendv1_saver: ", attention, ".",
+                    hook, " is ", quant->scheme().name(),
+                    "; ascendv1's C8 KV cache is int8 (fp8 K and V only with Q, as FAQuant): use int8, or "
+                    "compressed_tensors for an fp8 KV cache");
     }
     writeC8(attention + ".k_proj", *inputs.k, config.numKvHeads, config.headDim);
     writeC8(attention + ".v_proj", *inputs.v, config.numKvHeads, config.headDim);
@@ -289,7 +286,9 @@ void checkAscendV1Planned(const PlannedOutputs& planned) {
                   "ascendv1_saver: its Linear modules would have ", unsupportedLinear(linear.weight, linear.input));
   }
   for (const PlannedOutputs::Attention& attention : planned.attention) {
-    checkAscendV1Attention(attention, "its attention", "its ");
+    for (const auto& [scheme, input] : {std::pair{attention.q, 'q'}, {attention.k, 'k'}, {attention.v, 'v'}}) {
+      if (scheme) checkAscendV1Hook(*scheme, concat("its ", input, "_hook"));
+    }
   }
 }
 

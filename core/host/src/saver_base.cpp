@@ -112,16 +112,9 @@ uint64_t headerReserve(const CausalLM& model) {
 
 }  // namespace
 
-PlannedOutputs::Attention schemesOf(const AttentionInputs& inputs) {
-  const auto scheme = [](const AttentionQuant* quant) {
-    return quant == nullptr ? std::nullopt : std::optional(quant->scheme());
-  };
-  return {scheme(inputs.q), scheme(inputs.k), scheme(inputs.v)};
-}
-
-std::string missingKvText(const PlannedOutputs::Attention& inputs) {
-  if (!inputs.k && !inputs.v) return "Q quantized but not K and V";
-  return inputs.k ? "K quantized but not V" : "V quantized but not K";
+std::string missingKvText(const AttentionInputs& inputs) {
+  if (inputs.k == nullptr && inputs.v == nullptr) return "Q quantized but not K and V";
+  return inputs.k == nullptr ? "V quantized but not K" : "K quantized but not V";
 }
 
 SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::path& saveDir,

@@ -40,21 +40,12 @@ constexpr const char* kNormBiasText =
     "a bias (from iter_smooth with symmetric: False), which the RMSNorm of transformers and vLLM lacks and would "
     "drop; save with ascendv1_saver, or smooth with symmetric: True";
 
-// Error(kConfig) for attention inputs compressed-tensors cannot hold: `owner` names the attention in
-// the message, `hooks` comes before a hook's name.
-void checkCompressedTensorsAttention(const PlannedOutputs::Attention& a, const std::string& owner,
-                                     const std::string& hooks) {
-  for (const auto& [scheme, input] : {std::pair{a.q, 'q'}, {a.k, 'k'}, {a.v, 'v'}}) {
-    if (!scheme) continue;
-    QPIPE_REQUIRE(!quant::isDynamic(*scheme), ErrorCode::kConfig, "compressed_tensors: ", hooks, input,
-                  "_hook is per_token (dynamic); compressed-tensors' attention scales are static: use per_tensor or "
-                  "per_head");
-    QPIPE_REQUIRE(scheme->symmetric, ErrorCode::kConfig, "compressed_tensors: ", hooks, input,
-                  "_hook is asymmetric, which vLLM's KV cache does not support; use symmetric: True");
-  }
-  if (!a.q && !a.k && !a.v) return;
-  QPIPE_REQUIRE(a.k && a.v, ErrorCode::kConfig, "compressed_tensors: ", owner, " has ", missingKvText(a),
-                "; compressed-tensors quantizes K and V together (and Q with their scheme)");
+// Error(kConfig) for an attention input, `hook`, that compressed-tensors cannot hold at all.
+void checkCompressedTensorsHook(const quant::QScheme& scheme, const std::string& hook) {
+  QPIPE_REQUIRE(!quant::isDynamic(scheme), ErrorCode::kConfig, "compressed_tensors: ", hook,
+                " is per_token (dynamic); compressed-tensors' attention scales are static: use per_tensor or per_head");
+  QPIPE_REQUIRE(scheme.symmetric, ErrorCode::kConfig, "compressed_tensors: ", hook,
+                " is asymmetric, which vLLM's KV cache does not support; use symmetric: True");
 }
 
 class CompressedTensorsSaver final : public SaverBase {
@@ -72,15 +63,17 @@ class CompressedTensorsSaver final : public SaverBase {
   // Q, K and V scales from its input_activations). Scales on the attention module:
   // `<attention>.q_scale` / `k_scale` / `v_scale`, [1] for tensor, [heads, 1, 1] for attn_head.
   void writeAttentionQuant(const std::string& attention, const AttentionInputs& inputs) override {
-    checkCompressedTensorsAttention(schemesOf(inputs), attention, attention + ".");
     for (const auto& [quant, input] : {std::pair{inputs.q, 'q'}, {inputs.k, 'k'}, {inputs.v, 'v'}}) {
       if (quant == nullptr) continue;
       const std::string name = attention + "." + input + "_hook";
+      checkCompressedTensorsHook(quant->scheme(), name);
       noteAttentionArgs(compressedTensorsKvCacheArgs(quant->scheme()), name, quant->scheme().name());
       const at::Tensor scale = quant->parameter("scale").to(at::kFloat);
       add(attention + "." + input + "_scale",
           quant->scheme().scope == QScope::kPerHead ? scale.reshape({-1, 1, 1}) : scale.reshape({1}));
     }
+    QPIPE_REQUIRE(inputs.k && inputs.v, ErrorCode::kConfig, "compressed_tensors: ", attention, " has ",
+                  missingKvText(inputs), "; compressed-tensors quantizes K and V together (and Q with their scheme)");
     (inputs.q ? notes_.withQ : notes_.withoutQ) = true;
   }
 
@@ -326,14 +319,8 @@ class CompressedTensorsSaver final : public SaverBase {
 
 void checkCompressedTensorsPlanned(const PlannedOutputs& planned) {
   for (const PlannedOutputs::Attention& attention : planned.attention) {
-    checkCompressedTensorsAttention(attention, "its attention", "its ");
-    std::optional<std::pair<quant::QScheme, char>> first;
     for (const auto& [scheme, input] : {std::pair{attention.q, 'q'}, {attention.k, 'k'}, {attention.v, 'v'}}) {
-      if (!scheme) continue;
-      if (!first) first.emplace(*scheme, input);
-      QPIPE_REQUIRE(compressedTensorsKvCacheArgs(*scheme) == compressedTensorsKvCacheArgs(first->first),
-                    ErrorCode::kConfig, "compressed_tensors: its ", input, "_hook is ", scheme->name(), " but its ",
-                    first->second, "_hook is not; compressed-tensors quantizes every K and V (and Q) with one scheme");
+      if (scheme) checkCompressedTensorsHook(*scheme, concat("its ", input, "_hook"));
     }
   }
   QPIPE_REQUIRE(!planned.normBias, ErrorCode::kConfig, "compressed_tensors: its norms would have ", kNormBiasText);

@@ -28,10 +28,8 @@ struct AttentionInputs {
   AttentionQuant* k = nullptr;
   AttentionQuant* v = nullptr;
 };
-// The schemes of `inputs`, as a step plans them (PlannedOutputs).
-PlannedOutputs::Attention schemesOf(const AttentionInputs& inputs);
 // What `inputs` lacks of K and V, for an error: "K quantized but not V", "Q quantized but not K and V".
-std::string missingKvText(const PlannedOutputs::Attention& inputs);
+std::string missingKvText(const AttentionInputs& inputs);
 
 class SaverBase : public CheckpointSaver {
  public:

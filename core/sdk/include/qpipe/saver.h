@@ -89,8 +89,9 @@ struct SaverInfo {
   // folder of its own); without one, a run never splits its layers.
   SaverFactory segmentFactory;
   // Optional: Error(kConfig) for what a step plans (Processor::plannedOutputs) that this saver
-  // cannot write, saying what and why ("<type>: its Linear modules would have …"); the host puts
-  // the step's file:line and path in front.
+  // cannot write whatever the other steps do, saying what and why ("<type>: its Linear modules
+  // would have …"); the host puts the step's file:line and path in front. What only the steps
+  // together decide stays with the saver's write.
   std::function<void(const PlannedOutputs& planned)> checkPlanned;
 };
 

@@ -57,6 +57,10 @@ class Registry {
   // (errors name the saver and plugin) and keeps the library loaded.
   std::unique_ptr<CheckpointSaver> createSaver(std::string_view type, const ConfigNode& config, CausalLM& model,
                                                const std::filesystem::path& saveDir, bool segmentsOnly = false) const;
+  // Asks saver `type` whether it can write what a step plans (SaverInfo::checkPlanned; nothing
+  // when it has no check): its Error(kConfig) as it is, anything else it throws as kPlugin naming
+  // the saver and plugin.
+  void checkPlanned(std::string_view type, const PlannedOutputs& planned) const;
 
  private:
   std::vector<ProcessorEntry> processors_;
