@@ -2,6 +2,8 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <stdexcept>
 #include <string>
 
 #include "qpipe/config_node.h"
@@ -211,6 +213,27 @@ TEST(Registry, CoreTypesAreReserved) {
                 },
                 ErrorCode::kPlugin),
             "plugin 'mine' registers processor type 'group', which is reserved by qpipe's core");
+}
+
+// A plugin saver's checkPlanned runs guarded: its configuration error passes as it is (the host
+// puts the step in front), anything else becomes a plugin error naming the saver and the plugin.
+TEST(Registry, ASaverCheckOfPlannedOutputsIsGuarded) {
+  Registry registry;
+  const auto saver = [](std::function<void(const PlannedOutputs&)> check) {
+    return SaverInfo{
+        .type = "mine_saver",
+        .factory = [](const ConfigNode&, CausalLM&, const fs::path&) { return std::unique_ptr<CheckpointSaver>(); },
+        .checkPlanned = std::move(check)};
+  };
+  registry.add({}, {{{nullptr, "mine", "static:mine"}, saver([](const PlannedOutputs& planned) {
+                       if (planned.normBias) throw std::runtime_error("norms are beyond me");
+                       QPIPE_REQUIRE(planned.linears.empty(), ErrorCode::kConfig, "mine_saver: no Linear, please");
+                     })}});
+  EXPECT_EQ(test::errorOf([&] { registry.checkPlanned("mine_saver", {.normBias = true}); }, ErrorCode::kPlugin),
+            "saver 'mine_saver' (plugin 'mine') failed in checkPlanned: norms are beyond me");
+  EXPECT_EQ(test::errorOf([&] { registry.checkPlanned("mine_saver", {.linears = {{}}}); }, ErrorCode::kConfig),
+            "mine_saver: no Linear, please");
+  registry.checkPlanned("mine_saver", {});
 }
 
 }  // namespace
