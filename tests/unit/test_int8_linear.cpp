@@ -1,4 +1,5 @@
-// Int8Linear, Int8Weight and int8Matmul, Fp8Linear, bf16Matmul, bf16MatmulAdd and fp8Values, Bf16x3Linear
+// Int8Linear, Int8Weight and int8Matmul, Fp8Linear, bf16Matmul, bf16MatmulAdd and fp8Values, Bf16x3Linear,
+// GroupedBf16Linear
 // (qpipe/quant_linear.h, qpipe/quant.h) against exact arithmetic (integers, doubles), and against
 // fake quantization in fp32 within its rounding.
 #include <ATen/ATen.h>
@@ -585,7 +586,7 @@ TEST(Bf16x3Linear, IsTheFp32ProductWithinTheBf16x3Bound) {
   EXPECT_FALSE(gemm.forward(x.to(at::kDouble), bias).has_value());
 }
 
-TEST(QuantLinear, WeightOnlyFp32RunsBf16x3WhereTheCpuHasBf16AndTheFp32GemmElsewhere) {
+TEST(QuantLinear, WeightOnlyFp32RunsBf16x3WithAmxGroupedBf16OnZen5AndTheFp32GemmElsewhere) {
   at::manual_seed(10);
   Linear linear(at::randn({48, 256}) * 0.05f, at::randn({48}));
   const QScheme w4{QDtype::kInt4, QScope::kPerGroup, true, 64};
@@ -595,14 +596,86 @@ TEST(QuantLinear, WeightOnlyFp32RunsBf16x3WhereTheCpuHasBf16AndTheFp32GemmElsewh
   const at::Tensor y = deployed->forward(x);
   const at::Tensor dequantized = deployed->dequantizedWeight();
   expectWithinBf16x3(y, x, dequantized, linear.bias());
-  const at::Tensor expected = quant::bf16MatmulKernel() == quant::Bf16Kernel::kAmx
-                                  ? *Bf16x3Linear(dequantized).forward(x, linear.bias())
-                                  : at::linear(x, dequantized, linear.bias());
+  const bool amx = quant::bf16MatmulKernel() == quant::Bf16Kernel::kAmx, grouped = GroupedBf16Linear::cpuRuns();
+  const at::Tensor expected =
+      amx       ? *Bf16x3Linear(dequantized).forward(x, linear.bias())
+      : grouped ? *GroupedBf16Linear(deployed->parameter("weight"), params, w4).forward(x, linear.bias())
+                : at::linear(x, dequantized, linear.bias());
   EXPECT_TRUE(at::equal(y, expected));
-  if (quant::bf16MatmulKernel() != quant::Bf16Kernel::kAmx) {  // the probe's GEMM of few rows: a float Linear's
+  if (!amx && !grouped) {  // the probe's GEMM of few rows: a float Linear's
     const FewRowsGemm fewRows;
     EXPECT_TRUE(at::equal(deployed->forward(x), Linear(dequantized, linear.bias())(x)));
   }
+}
+
+// GroupedBf16Linear, called on every CPU that can run its kernel (QuantLinear uses it on Zen 5
+// only): within 2⁻¹⁶ plus the fp32 sums' rounding of the exact Σ x·(q − z)·s, relative to Σ|x·w|;
+// an output's bits independent of the rows around it, of the thread count and of N.
+TEST(GroupedBf16Linear, IsTheDequantizedProductWithinTwoPartsOfTheInput) {
+  if (!quant::detail::canRunAvx512Bf16Gemm()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  at::manual_seed(12);
+  at::Tensor x = at::randn({2, 41, 384});
+  x[0][3].zero_();
+  x[1][5][7] = 3.0e4f;
+  x[1][6].mul_(1e-30f);
+  const at::Tensor bias = at::randn({67});
+  const at::Tensor weight = at::randn({67, 384}) * 0.05f;
+  for (const QScheme& scheme :
+       {QScheme{QDtype::kInt4, QScope::kPerGroup, true, 64}, QScheme{QDtype::kInt4, QScope::kPerGroup, false, 128},
+        QScheme{QDtype::kInt8, QScope::kPerChannel, false, 0}, QScheme{QDtype::kInt8, QScope::kPerTensor, true, 0}}) {
+    SCOPED_TRACE(scheme.name());
+    const QParams params = quant::computeQParams(weight, scheme);
+    const at::Tensor q = quant::quantize(weight, params, scheme);
+    ASSERT_TRUE(GroupedBf16Linear::supports(scheme, q));
+    const GroupedBf16Linear gemm(q, params, scheme);
+    const std::optional<at::Tensor> y = gemm.forward(x, bias);
+    ASSERT_TRUE(y.has_value());
+    EXPECT_EQ(y->sizes(), (std::vector<int64_t>{2, 41, 67}));
+    // The exact product of the dequantized weight, (q − z)·s in double.
+    const int64_t groups = scheme.scope == QScope::kPerGroup ? 384 / scheme.groupSize : 1;
+    const auto perGroup = [&](const at::Tensor& t) {
+      return t.to(at::kDouble).reshape({t.numel() == 1 ? 1 : 67, groups, 1});
+    };
+    const at::Tensor w =
+        ((q.to(at::kDouble).view({67, groups, -1}) - perGroup(params.zeroPoint)) * perGroup(params.scale))
+            .view({67, 384});
+    const at::Tensor xd = x.reshape({-1, 384}).to(at::kDouble);
+    const at::Tensor exact = at::matmul(xd, w.t()) + bias.to(at::kDouble);
+    const at::Tensor magnitude = at::matmul(xd.abs(), w.abs().t()) + bias.to(at::kDouble).abs();
+    const double unit = 1.01 * std::ldexp(1.0, -16) + (384 + 2 * groups + 3) * std::ldexp(1.0, -24);
+    const at::Tensor err = (y->reshape({-1, 67}).to(at::kDouble) - exact).abs();
+    EXPECT_TRUE((err <= magnitude * unit).all().item<bool>())
+        << "worst error / bound " << (err / (magnitude * unit)).max().item<double>();
+    EXPECT_TRUE(at::equal((*y)[0][3], bias));
+    EXPECT_TRUE(at::equal(onOneThread([&] { return *gemm.forward(x, bias); }), *y));
+    EXPECT_TRUE(at::equal(*gemm.forward(x.slice(1, 2, 9), bias), y->slice(1, 2, 9)));
+    // The bias is added to the finished sum, once.
+    EXPECT_TRUE(at::equal(*gemm.forward(x, at::Tensor()) + bias, *y));
+    // More outputs (two panels) leave the first ones' bits as they were.
+    const at::Tensor wider = at::cat({q, q.slice(0, 0, 10)});
+    QParams widerParams = params;
+    if (params.scale.numel() > 1) {
+      widerParams = {at::cat({params.scale, params.scale.slice(0, 0, 10)}),
+                     at::cat({params.zeroPoint, params.zeroPoint.slice(0, 0, 10)}), at::Tensor()};
+    }
+    const at::Tensor y77 = *GroupedBf16Linear(wider, widerParams, scheme).forward(x, at::Tensor());
+    EXPECT_TRUE(at::equal(y77.slice(2, 0, 67), *gemm.forward(x, at::Tensor())));
+  }
+  // Far closer than one bf16 GEMM of x, which this replaces.
+  const QScheme w4{QDtype::kInt4, QScope::kPerGroup, true, 64};
+  const QParams params = quant::computeQParams(weight, w4);
+  const at::Tensor dequantized = quant::dequantize(quant::quantize(weight, params, w4), params, w4);
+  const at::Tensor exact = at::matmul(x.to(at::kDouble), dequantized.to(at::kDouble).t());
+  const at::Tensor y = *GroupedBf16Linear(quant::quantize(weight, params, w4), params, w4).forward(x, at::Tensor());
+  const at::Tensor oneBf16 = at::matmul(x.to(at::kBFloat16).to(at::kDouble), dequantized.to(at::kDouble).t());
+  EXPECT_LT((y.to(at::kDouble) - exact).abs().max().item<double>() * 20, (oneBf16 - exact).abs().max().item<double>());
+  // No GEMM for other inputs; odd groups and other dtypes are not its schemes.
+  EXPECT_FALSE(GroupedBf16Linear(quant::quantize(weight, params, w4), params, w4).forward(x.to(at::kDouble), bias));
+  EXPECT_FALSE(GroupedBf16Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 3}, at::zeros({4, 9}, at::kChar)));
+  EXPECT_FALSE(
+      GroupedBf16Linear::supports({QDtype::kInt8, QScope::kPerChannel, true, 0}, at::zeros({4, 9}, at::kChar)));
+  EXPECT_FALSE(GroupedBf16Linear::supports({QDtype::kFp8E4m3, QScope::kPerChannel, true, 0},
+                                           at::zeros({4, 8}, at::kFloat8_e4m3fn)));
 }
 
 // y = (Σ fx·fw) · (sx·sw) + b with the sum in double, rounded to fp32 once: Fp8Linear's result

@@ -104,6 +104,67 @@ template <int R>
   if (r < rows) tailRows<kMr - 1>(rows - r, a + r * lda, lda, k, b, c + r * ldc, ldc, cols, accumulate);
 }
 
+// Output rows per grouped micro-kernel call: each row's 32 outputs have two sums per part of the
+// input (hi, lo) in registers, 24 for 6 rows, beside the panel vectors and two broadcasts; the
+// outputs themselves live in c between groups.
+constexpr int64_t kGroupedMr = 6;
+
+// c[0..R)[0..32) = Σ_g s[g] · Σ_{p ∈ g} (hi[r] + lo[r])[2p..2p+1] · b[p], where a row of a holds hi
+// and, k columns later, lo; then + bias. Only the first `cols` columns of c are written.
+template <int R>
+[[gnu::target("avx512f,avx512bf16")]] void groupedMicroKernel(const uint16_t* a, int64_t lda, int64_t k, int64_t group,
+                                                              const uint16_t* b, const float* s, const float* bias,
+                                                              float* c, int64_t ldc, int64_t cols) {
+  const auto mask = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1); };
+  const __mmask16 m0 = mask(cols), m1 = mask(cols - 16);
+  const int64_t groupPairs = group / 2;
+  for (int64_t g0 = 0; g0 < k / 2; g0 += groupPairs) {
+    __m512 hi[R][2], lo[R][2];
+    for (int r = 0; r < R; ++r) hi[r][0] = hi[r][1] = lo[r][0] = lo[r][1] = _mm512_setzero_ps();
+    for (int64_t p = g0; p < g0 + groupPairs; ++p) {
+      const auto b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * kNr * 2));
+      const auto b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * kNr * 2 + kNr));
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
+        const auto ah = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        std::memcpy(&pair, a + r * lda + k + 2 * p, sizeof pair);
+        const auto al = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        hi[r][0] = _mm512_dpbf16_ps(hi[r][0], b0, ah);
+        hi[r][1] = _mm512_dpbf16_ps(hi[r][1], b1, ah);
+        lo[r][0] = _mm512_dpbf16_ps(lo[r][0], b0, al);
+        lo[r][1] = _mm512_dpbf16_ps(lo[r][1], b1, al);
+      }
+    }
+    const float* scale = s + (g0 / groupPairs) * kNr;
+    const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+    const bool last = g0 + groupPairs >= k / 2;
+    for (int r = 0; r < R; ++r) {
+      float* out = c + r * ldc;
+      __m512 y0 = _mm512_add_ps(hi[r][0], lo[r][0]), y1 = _mm512_add_ps(hi[r][1], lo[r][1]);
+      y0 = g0 == 0 ? _mm512_mul_ps(y0, s0) : _mm512_fmadd_ps(y0, s0, _mm512_maskz_loadu_ps(m0, out));
+      y1 = g0 == 0 ? _mm512_mul_ps(y1, s1) : _mm512_fmadd_ps(y1, s1, _mm512_maskz_loadu_ps(m1, out + 16));
+      if (last && bias != nullptr) {
+        y0 = _mm512_add_ps(y0, _mm512_maskz_loadu_ps(m0, bias));
+        y1 = _mm512_add_ps(y1, _mm512_maskz_loadu_ps(m1, bias + 16));
+      }
+      _mm512_mask_storeu_ps(out, m0, y0);
+      _mm512_mask_storeu_ps(out + 16, m1, y1);
+    }
+  }
+}
+
+// groupedMicroKernel<rows> for 1 ≤ rows ≤ R.
+template <int R>
+[[gnu::target("avx512f,avx512bf16")]] void groupedTailRows(int64_t rows, const uint16_t* a, int64_t lda, int64_t k,
+                                                           int64_t group, const uint16_t* b, const float* s,
+                                                           const float* bias, float* c, int64_t ldc, int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return groupedTailRows<R - 1>(rows, a, lda, k, group, b, s, bias, c, ldc, cols);
+  }
+  groupedMicroKernel<R>(a, lda, k, group, b, s, bias, c, ldc, cols);
+}
+
 }  // namespace
 
 bool canRunAvx512Bf16Gemm() {
@@ -127,6 +188,52 @@ void avx512Bf16Gemm(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b,
       for (int64_t panel = begin; panel < end; ++panel) {
         panelRows(a16 + i0 * lda, lda, k, packed.data() + (panel - begin) * panelSize, std::min(kMc, m - i0),
                   c + i0 * n + panel * kNr, n, n - panel * kNr, accumulate);
+      }
+    }
+  });
+}
+
+GroupedBf16Panels packGroupedBf16(const c10::BFloat16* values, int64_t ldv, const float* scales, int64_t lds, int64_t n,
+                                  int64_t k, int64_t group) {
+  const int64_t pairs = k / 2, groups = k / group, panels = (n + kNr - 1) / kNr;
+  GroupedBf16Panels packed{std::vector<uint16_t>(static_cast<size_t>(panels * pairs * kNr * 2)),
+                           std::vector<float>(static_cast<size_t>(panels * groups * kNr)), n, k, group};
+  const auto* v16 = reinterpret_cast<const uint16_t*>(values);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t rows = std::min(kNr, n - panel * kNr);
+      packPanel(v16 + panel * kNr * ldv, ldv, k, rows, packed.values.data() + panel * pairs * kNr * 2);
+      float* dst = packed.scales.data() + panel * groups * kNr;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < groups; ++g) dst[g * kNr + r] = scales[(panel * kNr + r) * lds + g];
+      }
+    }
+  });
+  return packed;
+}
+
+void avx512Bf16GroupedGemm(const c10::BFloat16* a, int64_t lda, int64_t m, const GroupedBf16Panels& b,
+                           const float* bias, float* c) {
+  const auto* a16 = reinterpret_cast<const uint16_t*>(a);
+  const int64_t n = b.n, k = b.k, panels = (n + kNr - 1) / kNr;
+  const int64_t valuesSize = (k / 2) * kNr * 2, scalesSize = (k / b.group) * kNr;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i0 = 0; i0 < m; i0 += kMc) {
+      for (int64_t panel = begin; panel < end; ++panel) {
+        const uint16_t* values = b.values.data() + panel * valuesSize;
+        const float* scales = b.scales.data() + panel * scalesSize;
+        const float* panelBias = bias == nullptr ? nullptr : bias + panel * kNr;
+        const int64_t rows = std::min(kMc, m - i0), cols = n - panel * kNr;
+        float* out = c + i0 * n + panel * kNr;
+        int64_t r = 0;
+        for (; r + kGroupedMr <= rows; r += kGroupedMr) {
+          groupedMicroKernel<kGroupedMr>(a16 + (i0 + r) * lda, lda, k, b.group, values, scales, panelBias, out + r * n,
+                                         n, cols);
+        }
+        if (r < rows) {
+          groupedTailRows<kGroupedMr - 1>(rows - r, a16 + (i0 + r) * lda, lda, k, b.group, values, scales, panelBias,
+                                          out + r * n, n, cols);
+        }
       }
     }
   });

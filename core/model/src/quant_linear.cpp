@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -9,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_gemm.h"
 #include "qpipe/error.h"
 #include "small_gemm.h"
 
@@ -248,6 +250,59 @@ std::optional<at::Tensor> Bf16x3Linear::forward(const at::Tensor& x, const at::T
   return shapedAs(x, out, n);
 }
 
+bool GroupedBf16Linear::supports(const quant::QScheme& weight, const at::Tensor& qweight) {
+  using quant::QDtype, quant::QScope;
+  const int64_t group = weight.scope == QScope::kPerGroup ? weight.groupSize : qweight.size(-1);
+  return (weight.dtype == QDtype::kInt8 || weight.dtype == QDtype::kInt4) && qweight.dim() == 2 &&
+         qweight.scalar_type() == at::kChar &&
+         (weight.scope == QScope::kPerTensor || weight.scope == QScope::kPerChannel ||
+          weight.scope == QScope::kPerGroup) &&
+         group > 0 && group % 2 == 0 && qweight.size(1) % group == 0;
+}
+
+bool GroupedBf16Linear::cpuRuns() {
+  static const bool runs = [] {
+    // The family in CPUID leaf 1: Zen 4 is 0x19, Zen 5 0x1A. On Zen 4 the kernel runs at about 2×
+    // MKL's fp32 GEMM, which two bf16 products for one fp32 one would only match.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
+    const unsigned base = (eax >> 8) & 0xF, family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
+    return quant::bf16MatmulKernel() == quant::Bf16Kernel::kAvx512Bf16 && family >= 0x1A;
+  }();
+  return runs;
+}
+
+GroupedBf16Linear::GroupedBf16Linear(const at::Tensor& qweight, const quant::QParams& params,
+                                     const quant::QScheme& scheme) {
+  QPIPE_CHECK(supports(scheme, qweight), "GroupedBf16Linear takes int8 or int4 codes [N, K] with an even group, got ",
+              qweight.sizes(), " ", qweight.scalar_type(), " of w ", scheme.name());
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  const int64_t group = scheme.scope == quant::QScope::kPerGroup ? scheme.groupSize : k, groups = k / group;
+  // One value per row and group, whatever the scope's own shape (per_tensor: one for all rows).
+  const auto perGroup = [&](const at::Tensor& t) {
+    return t.to(at::kFloat).reshape({t.numel() == 1 ? 1 : n, groups}).expand({n, groups});
+  };
+  const at::Tensor values =
+      (qweight.to(at::kFloat).view({n, groups, group}) - perGroup(params.zeroPoint).unsqueeze(2)).view({n, k});
+  const at::Tensor bf16 = values.to(at::kBFloat16).contiguous();
+  const at::Tensor scales = perGroup(params.scale).contiguous();
+  panels_ = std::make_shared<const quant::detail::GroupedBf16Panels>(quant::detail::packGroupedBf16(
+      bf16.const_data_ptr<c10::BFloat16>(), k, scales.const_data_ptr<float>(), groups, n, k, group));
+}
+
+std::optional<at::Tensor> GroupedBf16Linear::forward(const at::Tensor& x, const at::Tensor& bias) const {
+  if (x.scalar_type() != at::kFloat || !x.device().is_cpu()) return std::nullopt;
+  const int64_t k = panels_->k, n = panels_->n;
+  const at::Tensor parts = quant::splitBf16(x.reshape({-1, k}), /*hiFirst=*/true);
+  at::Tensor out = at::empty({parts.size(0), n}, x.options());
+  if (parts.size(0) == 0) return shapedAs(x, out, n);
+  const at::Tensor b = bias.defined() ? bias.to(at::kFloat).contiguous() : at::Tensor();
+  quant::detail::avx512Bf16GroupedGemm(static_cast<const c10::BFloat16*>(parts.const_data_ptr()), parts.stride(0),
+                                       parts.size(0), *panels_, b.defined() ? b.const_data_ptr<float>() : nullptr,
+                                       out.mutable_data_ptr<float>());
+  return shapedAs(x, out, n);
+}
+
 namespace {
 
 std::variant<Int8Linear, Fp8Linear> makeGemm(const at::Tensor& qweight, const at::Tensor& scale,
@@ -258,17 +313,34 @@ std::variant<Int8Linear, Fp8Linear> makeGemm(const at::Tensor& qweight, const at
   return Fp8Linear(qweight, scale);
 }
 
-// Weight-only fp32 Linears on a CPU with AMX, unless QPIPE_WEIGHT_ONLY_FP32=1 asks for the fp32
-// GEMM of the dequantized weight. bf16x3 makes three times the products of one fp32 GEMM, so it
-// pays only where bf16 GEMMs run several times faster: with AVX512-BF16 alone (about 2×) a
-// W4A16 eval ran at 0.75× the fp32 GEMM's speed (docs/benchmarks.md).
-bool bf16x3Applies(const std::optional<ActivationQuant>& input, at::ScalarType computeDtype) {
+// The bf16 GEMM of a weight-only fp32 Linear on the CPU, if one pays here, unless
+// QPIPE_WEIGHT_ONLY_FP32=1 asks for the fp32 GEMM of the dequantized weight. bf16x3 makes three
+// times the products of one fp32 GEMM, so it pays only where bf16 GEMMs run several times faster:
+// with AMX. With AVX512-BF16 alone, at about 2× on Zen 4, a W4A16 eval ran at 0.75× the fp32
+// GEMM's speed; integer codes then take GroupedBf16Linear (two products) where the kernel runs
+// about 4× (Zen 5), and the fp32 GEMM elsewhere (docs/benchmarks.md).
+std::optional<std::variant<Bf16x3Linear, GroupedBf16Linear>> weightOnlyGemm(const at::Tensor& qweight,
+                                                                            const quant::QParams& params,
+                                                                            const quant::QScheme& scheme,
+                                                                            const std::optional<ActivationQuant>& input,
+                                                                            at::ScalarType computeDtype) {
   static const bool fp32 = [] {
     const char* env = std::getenv("QPIPE_WEIGHT_ONLY_FP32");
     return env != nullptr && std::string_view(env) == "1";
   }();
-  return !fp32 && (!input || input->scheme.dtype == quant::QDtype::kFloat) && computeDtype == at::kFloat &&
-         quant::bf16MatmulKernel() == quant::Bf16Kernel::kAmx;
+  if (fp32 || (input && input->scheme.dtype != quant::QDtype::kFloat) || computeDtype != at::kFloat ||
+      !qweight.device().is_cpu()) {
+    return std::nullopt;
+  }
+  if (quant::bf16MatmulKernel() == quant::Bf16Kernel::kAmx) {
+    return std::variant<Bf16x3Linear, GroupedBf16Linear>(std::in_place_type<Bf16x3Linear>,
+                                                         quant::dequantize(qweight, params, scheme));
+  }
+  if (GroupedBf16Linear::cpuRuns() && GroupedBf16Linear::supports(scheme, qweight)) {
+    return std::variant<Bf16x3Linear, GroupedBf16Linear>(std::in_place_type<GroupedBf16Linear>, qweight, params,
+                                                         scheme);
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -399,11 +471,16 @@ at::Tensor QuantLinear::forward(const at::Tensor& input) {
   if (gemm_) {
     if (std::optional<at::Tensor> y = gemm_->forward(input, *input_, bias())) return *y;
   }
-  if (!weightOnlyGemm_ && bf16x3Applies(input_, computeDtype_) && parameter("weight").device().is_cpu()) {
-    weightOnlyGemm_.emplace(quant::dequantize(parameter("weight"), weightParams(), weightScheme_));
+  if (!weightOnlyChecked_) {
+    weightOnlyGemm_ = weightOnlyGemm(parameter("weight"), weightParams(), weightScheme_, input_, computeDtype_);
+    weightOnlyChecked_ = true;
   }
   if (weightOnlyGemm_) {
-    if (std::optional<at::Tensor> y = weightOnlyGemm_->forward(input, bias())) return *y;
+    const at::Tensor b = bias();
+    if (std::optional<at::Tensor> y =
+            std::visit([&](const auto& gemm) { return gemm.forward(input, b); }, *weightOnlyGemm_)) {
+      return *y;
+    }
   }
   const at::Tensor x = input_ ? input_->apply(input) : input;
   if (std::optional<at::Tensor> y = detail::smallLinear(x, dequantizedWeight(), bias())) return *y;

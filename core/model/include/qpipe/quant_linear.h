@@ -15,6 +15,10 @@
 
 namespace qpipe {
 
+namespace quant::detail {
+struct GroupedBf16Panels;
+}
+
 // How a module's input is quantized at inference: static (per_tensor, calibrated params) or
 // dynamic (per_token, MXFP4 blocks: params computed from each input as it arrives). NVFP4 is
 // both: a static global scale (params.globalScale) and block scales computed from each input.
@@ -106,6 +110,32 @@ class Bf16x3Linear {
   at::Tensor parts_;  // bf16 [N, 2K]: [w_hi | w_lo]
 };
 
+// The GEMM of a weight-only Linear whose weight is integer codes (int8 or int4, symmetric or not)
+// with one fp32 scale per output, per group of inputs or per tensor, for fp32 inputs, on AMD CPUs
+// whose vdpbf16ps outruns fp32 FMAs about fourfold (Zen 5: qpipe's kernel 4.5× MKL's fp32 GEMM,
+// docs/benchmarks.md). The codes minus their zero points are exact in bf16; x is split into two
+// bf16 parts, x = hi + lo + δ with |δ| ≤ 2⁻¹⁶·|x|, and
+//   y[m, n] = b[n] + Σ_g s[n, g] · Σ_{k ∈ g} (hi + lo)[m, k] · (q − z)[n, k]
+// with exact products and fp32 sums in one order per output (its bits depend on its row and
+// column only). So y is within about 2⁻¹⁶ of the fp32 GEMM of the dequantized weight relative to
+// Σ|x·w|, plus fp32 rounding, in two bf16 products for one fp32 one (bf16x3 makes three). The
+// weight takes 2 bytes per element.
+class GroupedBf16Linear {
+ public:
+  // Whether the scheme and codes are ones it runs (the CPU aside): integer codes in kChar, and a
+  // group size and input width that are even.
+  static bool supports(const quant::QScheme& weight, const at::Tensor& qweight);
+  // Whether this CPU runs it (AMD Zen 5 or later with AVX512-BF16 and no AMX).
+  static bool cpuRuns();
+  // Requires supports(scheme, qweight); params as QuantLinear holds them.
+  GroupedBf16Linear(const at::Tensor& qweight, const quant::QParams& params, const quant::QScheme& scheme);
+  // Empty when x is not an fp32 CPU tensor.
+  std::optional<at::Tensor> forward(const at::Tensor& x, const at::Tensor& bias) const;
+
+ private:
+  std::shared_ptr<const quant::detail::GroupedBf16Panels> panels_;
+};
+
 // Whichever of Int8Linear and Fp8Linear runs a quantized Linear's weight and input schemes.
 class QuantGemm {
  public:
@@ -173,8 +203,8 @@ bool sameActivationQuant(const std::optional<ActivationQuant>& a, const std::opt
 //   input_zero_point   int32 [1]; static asymmetric activations only
 //   bias               compute dtype; when the layer has one
 // forward: y = actQuant(x) · dequantize(weight)ᵀ + b in the compute dtype; by QuantGemm where it
-// applies, and for weight-only fp32 Linears by Bf16x3Linear where the CPU has bf16 dot products
-// (unless QPIPE_WEIGHT_ONLY_FP32=1). The dequantized weight is cached on first use (it is not a
+// applies, and for weight-only fp32 Linears by GroupedBf16Linear or Bf16x3Linear where the CPU runs
+// them fast (unless QPIPE_WEIGHT_ONLY_FP32=1). The dequantized weight is cached on first use (it is not a
 // parameter, so savers never see it).
 class QuantLinear : public Module, public InputSharing {
  public:
@@ -206,7 +236,9 @@ class QuantLinear : public Module, public InputSharing {
   at::ScalarType computeDtype_;
   at::Tensor dequantized_;
   std::optional<QuantGemm> gemm_;               // made on the first forward where QuantGemm::supports
-  std::optional<Bf16x3Linear> weightOnlyGemm_;  // made on the first forward where it applies
+  // Made on the first forward where one applies.
+  std::optional<std::variant<Bf16x3Linear, GroupedBf16Linear>> weightOnlyGemm_;
+  bool weightOnlyChecked_ = false;
   std::optional<SharedInputGemm> shared_;       // made by forwardSiblings, for the siblings it names
 };
 
