@@ -4,7 +4,9 @@
 // the CPU can run it, MKL's fp32 GEMM (at::matmul of the widened operands) and oneDNN's bf16 GEMM
 // (at::matmul of bf16 tensors), best of 7 calls each, in milliseconds and GFLOP/s. MKL's strict
 // mode is asked for first, as `qpipe` does. It decides which kernel bf16Matmul should pick on a
-// new kind of host.
+// new kind of host. A second table times a weight-only Linear (int4, groups of 64) the three ways
+// QuantLinear can run it: the fp32 GEMM of the dequantized weight, GroupedBf16Linear and
+// Bf16x3Linear, each with its input split, where the CPU can run them.
 //   qpipe_bench_bf16_gemm [THREADS]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,6 +19,7 @@
 
 #include "bf16_gemm.h"
 #include "qpipe/quant.h"
+#include "qpipe/quant_linear.h"
 
 namespace {
 
@@ -40,12 +43,47 @@ const char* kernelName(qpipe::quant::Bf16Kernel kernel) {
   return "?";
 }
 
+// The weight-only table: a W4A16 (groups of 64) Linear's forward, fp32 [M, K] input.
+void weightOnlyTable(bool direct) {
+  namespace quant = qpipe::quant;
+  const quant::QScheme w4{quant::QDtype::kInt4, quant::QScope::kPerGroup, true, 64};
+  std::printf(
+      "\n| M x K x N, W4A16 g64 | fp32 GEMM ms | GroupedBf16Linear ms | speed-up | Bf16x3Linear ms | speed-up |\n"
+      "| --- | ---: | ---: | ---: | ---: | ---: |\n");
+  for (const auto& [m, k, n] : {std::array<int64_t, 3>{512, 576, 576},
+                                {512, 576, 1536},
+                                {512, 1536, 576},
+                                {4096, 576, 1536},
+                                {128, 1536, 576}}) {
+    const at::Tensor x = at::randn({m, k}), weight = at::randn({n, k}) * 0.05f;
+    const quant::QParams params = quant::computeQParams(weight, w4);
+    const at::Tensor q = quant::quantize(weight, params, w4), dequantized = quant::dequantize(q, params, w4);
+    const double fp32 = bestMs([&] { at::linear(x, dequantized); });
+    if (!direct) {
+      std::printf("| %lld x %lld x %lld | %.2f | n/a | | n/a | |\n", static_cast<long long>(m),
+                  static_cast<long long>(k), static_cast<long long>(n), fp32);
+      continue;
+    }
+    const qpipe::GroupedBf16Linear grouped(q, params, w4);
+    const qpipe::Bf16x3Linear x3(dequantized);
+    const double two = bestMs([&] { grouped.forward(x, at::Tensor()); });
+    const double three = bestMs([&] { x3.forward(x, at::Tensor()); });
+    std::printf("| %lld x %lld x %lld | %.2f | %.2f | %.2fx | %.2f | %.2fx |\n", static_cast<long long>(m),
+                static_cast<long long>(k), static_cast<long long>(n), fp32, two, fp32 / two, three, fp32 / three);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   namespace quant = qpipe::quant;
+  const int threads = argc > 1 ? std::atoi(argv[1]) : 1;
+  if (argc > 2 || threads < 1) {
+    std::fprintf(stderr, "usage: qpipe_bench_bf16_gemm [THREADS] (a positive count), got %s\n", argv[1]);
+    return 2;
+  }
   const bool strict = quant::threadInvariantBlas();
-  at::set_num_threads(argc > 1 ? std::atoi(argv[1]) : 1);
+  at::set_num_threads(threads);
   const bool direct = quant::detail::canRunAvx512Bf16Gemm();
   std::printf("threads %d; MKL strict mode: %s; bf16Matmul runs: %s\n\n", at::get_num_threads(), strict ? "yes" : "no",
               kernelName(quant::bf16MatmulKernel()));
@@ -78,5 +116,6 @@ int main(int argc, char** argv) {
                 gflop / chosen * 1e3, held, weight.packed() ? " (packed)" : "", gflop / held * 1e3, kernel, fp32,
                 gflop / fp32 * 1e3, onednn);
   }
+  weightOnlyTable(direct);
   return 0;
 }
