@@ -622,11 +622,12 @@ TEST(GroupedBf16Linear, IsTheDequantizedProductWithinTwoPartsOfTheInput) {
   const at::Tensor weight = at::randn({67, 384}) * 0.05f;
   for (const QScheme& scheme :
        {QScheme{QDtype::kInt4, QScope::kPerGroup, true, 64}, QScheme{QDtype::kInt4, QScope::kPerGroup, false, 128},
-        QScheme{QDtype::kInt8, QScope::kPerChannel, false, 0}, QScheme{QDtype::kInt8, QScope::kPerTensor, true, 0}}) {
+        QScheme{QDtype::kInt4, QScope::kPerChannel, true, 0}, QScheme{QDtype::kInt8, QScope::kPerChannel, false, 0},
+        QScheme{QDtype::kInt8, QScope::kPerTensor, true, 0}, QScheme{QDtype::kInt8, QScope::kPerTensor, false, 0}}) {
     SCOPED_TRACE(scheme.name());
     const QParams params = quant::computeQParams(weight, scheme);
     const at::Tensor q = quant::quantize(weight, params, scheme);
-    ASSERT_TRUE(GroupedBf16Linear::supports(scheme, q));
+    ASSERT_TRUE(GroupedBf16Linear::supports(scheme, q, params));
     const GroupedBf16Linear gemm(q, params, scheme);
     const std::optional<at::Tensor> y = gemm.forward(x, bias);
     ASSERT_TRUE(y.has_value());
@@ -651,31 +652,65 @@ TEST(GroupedBf16Linear, IsTheDequantizedProductWithinTwoPartsOfTheInput) {
     EXPECT_TRUE(at::equal(*gemm.forward(x.slice(1, 2, 9), bias), y->slice(1, 2, 9)));
     // The bias is added to the finished sum, once.
     EXPECT_TRUE(at::equal(*gemm.forward(x, at::Tensor()) + bias, *y));
-    // More outputs (two panels) leave the first ones' bits as they were.
-    const at::Tensor wider = at::cat({q, q.slice(0, 0, 10)});
+    // More outputs (a fourth panel of 32, the third one full) leave the first ones' bits as they were.
+    const at::Tensor wider = at::cat({q, q.slice(0, 0, 40)});
     QParams widerParams = params;
     if (params.scale.numel() > 1) {
-      widerParams = {at::cat({params.scale, params.scale.slice(0, 0, 10)}),
-                     at::cat({params.zeroPoint, params.zeroPoint.slice(0, 0, 10)}), at::Tensor()};
+      widerParams = {at::cat({params.scale, params.scale.slice(0, 0, 40)}),
+                     at::cat({params.zeroPoint, params.zeroPoint.slice(0, 0, 40)}), at::Tensor()};
     }
-    const at::Tensor y77 = *GroupedBf16Linear(wider, widerParams, scheme).forward(x, at::Tensor());
-    EXPECT_TRUE(at::equal(y77.slice(2, 0, 67), *gemm.forward(x, at::Tensor())));
+    const at::Tensor y107 = *GroupedBf16Linear(wider, widerParams, scheme).forward(x, at::Tensor());
+    EXPECT_TRUE(at::equal(y107.slice(2, 0, 67), *gemm.forward(x, at::Tensor())));
   }
-  // Far closer than one bf16 GEMM of x, which this replaces.
   const QScheme w4{QDtype::kInt4, QScope::kPerGroup, true, 64};
   const QParams params = quant::computeQParams(weight, w4);
-  const at::Tensor dequantized = quant::dequantize(quant::quantize(weight, params, w4), params, w4);
+  const at::Tensor q = quant::quantize(weight, params, w4);
+  const GroupedBf16Linear gemm(q, params, w4);
+  // More rows than one block of the kernel (512): the rows past it as they are alone.
+  const at::Tensor tall = at::randn({600, 384});
+  EXPECT_TRUE(at::equal(gemm.forward(tall, bias)->slice(0, 517, 600), *gemm.forward(tall.slice(0, 517, 600), bias)));
+  // Far closer than one bf16 GEMM of x, which this replaces.
+  const at::Tensor dequantized = quant::dequantize(q, params, w4);
   const at::Tensor exact = at::matmul(x.to(at::kDouble), dequantized.to(at::kDouble).t());
-  const at::Tensor y = *GroupedBf16Linear(quant::quantize(weight, params, w4), params, w4).forward(x, at::Tensor());
+  const at::Tensor y = *gemm.forward(x, at::Tensor());
   const at::Tensor oneBf16 = at::matmul(x.to(at::kBFloat16).to(at::kDouble), dequantized.to(at::kDouble).t());
   EXPECT_LT((y.to(at::kDouble) - exact).abs().max().item<double>() * 20, (oneBf16 - exact).abs().max().item<double>());
-  // No GEMM for other inputs; odd groups and other dtypes are not its schemes.
-  EXPECT_FALSE(GroupedBf16Linear(quant::quantize(weight, params, w4), params, w4).forward(x.to(at::kDouble), bias));
-  EXPECT_FALSE(GroupedBf16Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 3}, at::zeros({4, 9}, at::kChar)));
-  EXPECT_FALSE(
-      GroupedBf16Linear::supports({QDtype::kInt8, QScope::kPerChannel, true, 0}, at::zeros({4, 9}, at::kChar)));
+  // No GEMM for other inputs, nor where autograd records the input.
+  EXPECT_FALSE(gemm.forward(x.to(at::kDouble), bias));
+  EXPECT_FALSE(gemm.forward(x.clone().requires_grad_(), bias));
+}
+
+// What GroupedBf16Linear takes, on any CPU: integer codes with even groups that divide K, zero
+// points that keep q − z exact in bf16.
+TEST(GroupedBf16Linear, SupportsIntegerCodesWithEvenGroupsAndZeroPointsWithin128) {
+  const at::Tensor codes = at::zeros({4, 8}, at::kChar), odd = at::zeros({4, 9}, at::kChar);
+  const QParams none{at::ones({4, 1}), at::zeros({4, 1}, at::kInt), at::Tensor()};
+  EXPECT_TRUE(GroupedBf16Linear::supports({QDtype::kInt8, QScope::kPerChannel, true, 0}, codes, none));
+  EXPECT_TRUE(GroupedBf16Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 4}, codes, none));
+  EXPECT_FALSE(GroupedBf16Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 3}, odd, none));
+  EXPECT_FALSE(GroupedBf16Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 6}, codes, none));
+  EXPECT_FALSE(GroupedBf16Linear::supports({QDtype::kInt8, QScope::kPerChannel, true, 0}, odd, none));
   EXPECT_FALSE(GroupedBf16Linear::supports({QDtype::kFp8E4m3, QScope::kPerChannel, true, 0},
-                                           at::zeros({4, 8}, at::kFloat8_e4m3fn)));
+                                           at::zeros({4, 8}, at::kFloat8_e4m3fn), none));
+  const QParams far{at::ones({4, 1}), at::full({4, 1}, 129, at::kInt), at::Tensor()};
+  EXPECT_FALSE(GroupedBf16Linear::supports({QDtype::kInt8, QScope::kPerChannel, false, 0}, codes, far));
+  const QParams edge{at::ones({4, 1}), at::full({4, 1}, -128, at::kInt), at::Tensor()};
+  EXPECT_TRUE(GroupedBf16Linear::supports({QDtype::kInt8, QScope::kPerChannel, false, 0}, codes, edge));
+}
+
+// QAT's end2end step runs weight-only Linears it does not train inside its autograd graph: their
+// forward keeps the input's gradient on every CPU, whichever GEMM runs without one.
+TEST(QuantLinear, WeightOnlyForwardRecordsTheInputsGradient) {
+  at::manual_seed(13);
+  Linear linear(at::randn({48, 256}) * 0.05f, at::randn({48}));
+  const QScheme w4{QDtype::kInt4, QScope::kPerGroup, true, 64};
+  const auto deployed = QuantLinear::fromLinear(linear, quant::computeQParams(linear.weight(), w4), w4, std::nullopt);
+  const at::Tensor x = at::randn({3, 17, 256}).requires_grad_();
+  const at::Tensor y = deployed->forward(x);
+  ASSERT_TRUE(y.requires_grad());
+  y.sum().backward();
+  const at::Tensor expected = deployed->dequantizedWeight().sum(0).expand({3, 17, 256});
+  EXPECT_TRUE(at::allclose(x.grad(), expected, 1e-5, 1e-6));
 }
 
 // y = (Σ fx·fw) · (sx·sw) + b with the sum in double, rounded to fp32 once: Fp8Linear's result

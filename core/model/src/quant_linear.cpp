@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <cpuid.h>
 
 #include <algorithm>
@@ -227,6 +228,17 @@ std::optional<at::Tensor> Fp8Linear::forward(const at::Tensor& x, const Activati
       n);
 }
 
+namespace {
+
+// The bf16 GEMMs below write their output through raw pointers, which records no autograd history:
+// where a forward is being recorded (QAT's end2end step through weight-only layers it does not
+// train), the caller's differentiable path runs instead.
+bool recordsGradient(const at::Tensor& x, const at::Tensor& bias) {
+  return at::GradMode::is_enabled() && (x.requires_grad() || (bias.defined() && bias.requires_grad()));
+}
+
+}  // namespace
+
 Bf16x3Linear::Bf16x3Linear(const at::Tensor& weight) {
   QPIPE_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "Bf16x3Linear takes an fp32 [N, K] weight, got ",
               weight.sizes(), " ", weight.scalar_type());
@@ -234,7 +246,9 @@ Bf16x3Linear::Bf16x3Linear(const at::Tensor& weight) {
 }
 
 std::optional<at::Tensor> Bf16x3Linear::forward(const at::Tensor& x, const at::Tensor& bias) const {
-  if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || !parts_.device().is_cpu()) return std::nullopt;
+  if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || !parts_.device().is_cpu() || recordsGradient(x, bias)) {
+    return std::nullopt;
+  }
   const int64_t k = parts_.size(1) / 2, n = parts_.size(0);
   // [x_lo | x_hi] · [w_hi | w_lo]ᵀ is the two small terms in one GEMM; x_hi · w_hiᵀ, the largest,
   // is added to their sum.
@@ -250,14 +264,21 @@ std::optional<at::Tensor> Bf16x3Linear::forward(const at::Tensor& x, const at::T
   return shapedAs(x, out, n);
 }
 
-bool GroupedBf16Linear::supports(const quant::QScheme& weight, const at::Tensor& qweight) {
+bool GroupedBf16Linear::supports(const quant::QScheme& weight, const at::Tensor& qweight,
+                                 const quant::QParams& params) {
   using quant::QDtype, quant::QScope;
-  const int64_t group = weight.scope == QScope::kPerGroup ? weight.groupSize : qweight.size(-1);
-  return (weight.dtype == QDtype::kInt8 || weight.dtype == QDtype::kInt4) && qweight.dim() == 2 &&
-         qweight.scalar_type() == at::kChar &&
-         (weight.scope == QScope::kPerTensor || weight.scope == QScope::kPerChannel ||
-          weight.scope == QScope::kPerGroup) &&
-         group > 0 && group % 2 == 0 && qweight.size(1) % group == 0;
+  if ((weight.dtype != QDtype::kInt8 && weight.dtype != QDtype::kInt4) || qweight.dim() != 2 ||
+      qweight.scalar_type() != at::kChar ||
+      (weight.scope != QScope::kPerTensor && weight.scope != QScope::kPerChannel &&
+       weight.scope != QScope::kPerGroup)) {
+    return false;
+  }
+  const int64_t group = weight.scope == QScope::kPerGroup ? weight.groupSize : qweight.size(1);
+  if (group <= 0 || group % 2 != 0 || qweight.size(1) % group != 0) return false;
+  // |q| ≤ 128 in int8, so |q − z| ≤ 256, exact in bf16, for any zero point within ±128 (a loaded
+  // checkpoint's may not be).
+  return !params.zeroPoint.defined() || params.zeroPoint.numel() == 0 ||
+         params.zeroPoint.abs().max().item<int64_t>() <= 128;
 }
 
 bool GroupedBf16Linear::cpuRuns() {
@@ -274,7 +295,8 @@ bool GroupedBf16Linear::cpuRuns() {
 
 GroupedBf16Linear::GroupedBf16Linear(const at::Tensor& qweight, const quant::QParams& params,
                                      const quant::QScheme& scheme) {
-  QPIPE_CHECK(supports(scheme, qweight), "GroupedBf16Linear takes int8 or int4 codes [N, K] with an even group, got ",
+  QPIPE_CHECK(supports(scheme, qweight, params),
+              "GroupedBf16Linear takes int8 or int4 codes [N, K] with an even group and zero points within ±128, got ",
               qweight.sizes(), " ", qweight.scalar_type(), " of w ", scheme.name());
   const int64_t n = qweight.size(0), k = qweight.size(1);
   const int64_t group = scheme.scope == quant::QScope::kPerGroup ? scheme.groupSize : k, groups = k / group;
@@ -283,7 +305,7 @@ GroupedBf16Linear::GroupedBf16Linear(const at::Tensor& qweight, const quant::QPa
     return t.to(at::kFloat).reshape({t.numel() == 1 ? 1 : n, groups}).expand({n, groups});
   };
   const at::Tensor values =
-      (qweight.to(at::kFloat).view({n, groups, group}) - perGroup(params.zeroPoint).unsqueeze(2)).view({n, k});
+      (qweight.to(at::kFloat).reshape({n, groups, group}) - perGroup(params.zeroPoint).unsqueeze(2)).reshape({n, k});
   const at::Tensor bf16 = values.to(at::kBFloat16).contiguous();
   const at::Tensor scales = perGroup(params.scale).contiguous();
   panels_ = std::make_shared<const quant::detail::GroupedBf16Panels>(quant::detail::packGroupedBf16(
@@ -291,7 +313,7 @@ GroupedBf16Linear::GroupedBf16Linear(const at::Tensor& qweight, const quant::QPa
 }
 
 std::optional<at::Tensor> GroupedBf16Linear::forward(const at::Tensor& x, const at::Tensor& bias) const {
-  if (x.scalar_type() != at::kFloat || !x.device().is_cpu()) return std::nullopt;
+  if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || recordsGradient(x, bias)) return std::nullopt;
   const int64_t k = panels_->k, n = panels_->n;
   const at::Tensor parts = quant::splitBf16(x.reshape({-1, k}), /*hiFirst=*/true);
   at::Tensor out = at::empty({parts.size(0), n}, x.options());
@@ -336,7 +358,7 @@ std::optional<std::variant<Bf16x3Linear, GroupedBf16Linear>> weightOnlyGemm(cons
     return std::variant<Bf16x3Linear, GroupedBf16Linear>(std::in_place_type<Bf16x3Linear>,
                                                          quant::dequantize(qweight, params, scheme));
   }
-  if (GroupedBf16Linear::cpuRuns() && GroupedBf16Linear::supports(scheme, qweight)) {
+  if (GroupedBf16Linear::cpuRuns() && GroupedBf16Linear::supports(scheme, qweight, params)) {
     return std::variant<Bf16x3Linear, GroupedBf16Linear>(std::in_place_type<GroupedBf16Linear>, qweight, params,
                                                          scheme);
   }
@@ -471,7 +493,8 @@ at::Tensor QuantLinear::forward(const at::Tensor& input) {
   if (gemm_) {
     if (std::optional<at::Tensor> y = gemm_->forward(input, *input_, bias())) return *y;
   }
-  if (!weightOnlyChecked_) {
+  // Decided once the weight is on the CPU, where the bf16 GEMMs run.
+  if (!weightOnlyChecked_ && parameter("weight").device().is_cpu()) {
     weightOnlyGemm_ = weightOnlyGemm(parameter("weight"), weightParams(), weightScheme_, input_, computeDtype_);
     weightOnlyChecked_ = true;
   }

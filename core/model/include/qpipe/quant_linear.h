@@ -103,7 +103,7 @@ class Bf16x3Linear {
  public:
   // weight fp32 [N, K].
   explicit Bf16x3Linear(const at::Tensor& weight);
-  // Empty when x is not an fp32 CPU tensor.
+  // Empty when x is not an fp32 CPU tensor, or where autograd records x or the bias.
   std::optional<at::Tensor> forward(const at::Tensor& x, const at::Tensor& bias) const;
 
  private:
@@ -122,14 +122,16 @@ class Bf16x3Linear {
 // weight takes 2 bytes per element.
 class GroupedBf16Linear {
  public:
-  // Whether the scheme and codes are ones it runs (the CPU aside): integer codes in kChar, and a
-  // group size and input width that are even.
-  static bool supports(const quant::QScheme& weight, const at::Tensor& qweight);
-  // Whether this CPU runs it (AMD Zen 5 or later with AVX512-BF16 and no AMX).
+  // Whether the scheme, codes and parameters are ones it runs (the CPU aside): integer codes in
+  // kChar, a group size and input width that are even, zero points within ±128 (q − z exact in
+  // bf16).
+  static bool supports(const quant::QScheme& weight, const at::Tensor& qweight, const quant::QParams& params);
+  // Whether QuantLinear runs it on this CPU (AMD Zen 5 or later with AVX512-BF16 and no AMX). The
+  // kernel itself needs AVX512-BF16: a direct caller checks quant::detail::canRunAvx512Bf16Gemm().
   static bool cpuRuns();
-  // Requires supports(scheme, qweight); params as QuantLinear holds them.
+  // Requires supports(scheme, qweight, params); params as QuantLinear holds them.
   GroupedBf16Linear(const at::Tensor& qweight, const quant::QParams& params, const quant::QScheme& scheme);
-  // Empty when x is not an fp32 CPU tensor.
+  // Empty when x is not an fp32 CPU tensor, or where autograd records x or the bias.
   std::optional<at::Tensor> forward(const at::Tensor& x, const at::Tensor& bias) const;
 
  private:
