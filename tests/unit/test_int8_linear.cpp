@@ -623,7 +623,9 @@ TEST(GroupedBf16Linear, IsTheDequantizedProductWithinTwoPartsOfTheInput) {
   for (const QScheme& scheme :
        {QScheme{QDtype::kInt4, QScope::kPerGroup, true, 64}, QScheme{QDtype::kInt4, QScope::kPerGroup, false, 128},
         QScheme{QDtype::kInt4, QScope::kPerChannel, true, 0}, QScheme{QDtype::kInt8, QScope::kPerChannel, false, 0},
-        QScheme{QDtype::kInt8, QScope::kPerTensor, true, 0}, QScheme{QDtype::kInt8, QScope::kPerTensor, false, 0}}) {
+        QScheme{QDtype::kInt8, QScope::kPerTensor, true, 0}, QScheme{QDtype::kInt8, QScope::kPerTensor, false, 0},
+        QScheme{QDtype::kNvfp4, QScope::kPerGroup, true, quant::kNvfp4GroupSize},
+        QScheme{QDtype::kMxfp4, QScope::kPerGroup, true, quant::kMxfp4GroupSize}}) {
     SCOPED_TRACE(scheme.name());
     const QParams params = quant::computeQParams(weight, scheme);
     const at::Tensor q = quant::quantize(weight, params, scheme);
@@ -632,14 +634,17 @@ TEST(GroupedBf16Linear, IsTheDequantizedProductWithinTwoPartsOfTheInput) {
     const std::optional<at::Tensor> y = gemm.forward(x, bias);
     ASSERT_TRUE(y.has_value());
     EXPECT_EQ(y->sizes(), (std::vector<int64_t>{2, 41, 67}));
-    // The exact product of the dequantized weight, (q − z)·s in double.
+    // The exact product of the dequantized weight in double: (q − z)·s, or an FP4 code's value
+    // times its block's divisor.
     const int64_t groups = scheme.scope == QScope::kPerGroup ? 384 / scheme.groupSize : 1;
     const auto perGroup = [&](const at::Tensor& t) {
       return t.to(at::kDouble).reshape({t.numel() == 1 ? 1 : 67, groups, 1});
     };
+    const bool fp4 = quant::isFp4(scheme.dtype);
+    const at::Tensor values = fp4 ? quant::fromFp4E2m1(q).to(at::kDouble).view({67, groups, -1})
+                                  : q.to(at::kDouble).view({67, groups, -1}) - perGroup(params.zeroPoint);
     const at::Tensor w =
-        ((q.to(at::kDouble).view({67, groups, -1}) - perGroup(params.zeroPoint)) * perGroup(params.scale))
-            .view({67, 384});
+        (values * perGroup(fp4 ? quant::fp4Divisor(params, scheme.dtype) : params.scale)).view({67, 384});
     const at::Tensor xd = x.reshape({-1, 384}).to(at::kDouble);
     const at::Tensor exact = at::matmul(xd, w.t()) + bias.to(at::kDouble);
     const at::Tensor magnitude = at::matmul(xd.abs(), w.abs().t()) + bias.to(at::kDouble).abs();
@@ -657,7 +662,7 @@ TEST(GroupedBf16Linear, IsTheDequantizedProductWithinTwoPartsOfTheInput) {
     QParams widerParams = params;
     if (params.scale.numel() > 1) {
       widerParams = {at::cat({params.scale, params.scale.slice(0, 0, 40)}),
-                     at::cat({params.zeroPoint, params.zeroPoint.slice(0, 0, 40)}), at::Tensor()};
+                     at::cat({params.zeroPoint, params.zeroPoint.slice(0, 0, 40)}), params.globalScale};
     }
     const at::Tensor y107 = *GroupedBf16Linear(wider, widerParams, scheme).forward(x, at::Tensor());
     EXPECT_TRUE(at::equal(y107.slice(2, 0, 67), *gemm.forward(x, at::Tensor())));
@@ -680,8 +685,8 @@ TEST(GroupedBf16Linear, IsTheDequantizedProductWithinTwoPartsOfTheInput) {
   EXPECT_FALSE(gemm.forward(x.clone().requires_grad_(), bias));
 }
 
-// What GroupedBf16Linear takes, on any CPU: integer codes with even groups that divide K, zero
-// points that keep q − z exact in bf16.
+// What GroupedBf16Linear takes, on any CPU: integer or FP4 codes with even groups that divide K,
+// zero points that keep q − z exact in bf16.
 TEST(GroupedBf16Linear, SupportsIntegerCodesWithEvenGroupsAndZeroPointsWithin128) {
   const at::Tensor codes = at::zeros({4, 8}, at::kChar), odd = at::zeros({4, 9}, at::kChar);
   const QParams none{at::ones({4, 1}), at::zeros({4, 1}, at::kInt), at::Tensor()};
@@ -690,6 +695,10 @@ TEST(GroupedBf16Linear, SupportsIntegerCodesWithEvenGroupsAndZeroPointsWithin128
   EXPECT_FALSE(GroupedBf16Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 3}, odd, none));
   EXPECT_FALSE(GroupedBf16Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 6}, codes, none));
   EXPECT_FALSE(GroupedBf16Linear::supports({QDtype::kInt8, QScope::kPerChannel, true, 0}, odd, none));
+  EXPECT_TRUE(
+      GroupedBf16Linear::supports({QDtype::kMxfp4, QScope::kPerGroup, true, 32}, at::zeros({4, 64}, at::kByte), none));
+  EXPECT_FALSE(
+      GroupedBf16Linear::supports({QDtype::kMxfp4, QScope::kPerGroup, true, 32}, at::zeros({4, 64}, at::kChar), none));
   EXPECT_FALSE(GroupedBf16Linear::supports({QDtype::kFp8E4m3, QScope::kPerChannel, true, 0},
                                            at::zeros({4, 8}, at::kFloat8_e4m3fn), none));
   const QParams far{at::ones({4, 1}), at::full({4, 1}, 129, at::kInt), at::Tensor()};

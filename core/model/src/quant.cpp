@@ -98,14 +98,6 @@ at::Tensor grouped(const at::Tensor& x, const QScheme& scheme) {
   return x.reshape(shape);
 }
 
-// An FP4 block's divisor: NVFP4's block scale over the global scale, as compressed-tensors
-// computes it; MXFP4's power-of-two block scale.
-at::Tensor fp4Divisor(const QParams& params, QDtype dtype) {
-  if (dtype == QDtype::kMxfp4) return params.scale.to(at::kFloat);
-  QPIPE_CHECK(params.scale.defined() && params.globalScale.defined(), "nvfp4 parameters without block or global scale");
-  return params.scale.to(at::kFloat) / params.globalScale.to(at::kFloat);
-}
-
 // The E4M3 block scales for blocks of absmax `absmax` under `global` ([1]).
 QParams nvfp4BlockParams(const at::Tensor& absmax, const at::Tensor& global) {
   const at::Tensor blocks = toFp8E4m3(global * (absmax / kFp4Max)).to(at::kFloat);
@@ -118,6 +110,12 @@ at::Tensor groupedParam(const at::Tensor& t, const QScheme& scheme) {
 }
 
 }  // namespace
+
+at::Tensor fp4Divisor(const QParams& params, QDtype dtype) {
+  if (dtype == QDtype::kMxfp4) return params.scale.to(at::kFloat);
+  QPIPE_CHECK(params.scale.defined() && params.globalScale.defined(), "nvfp4 parameters without block or global scale");
+  return params.scale.to(at::kFloat) / params.globalScale.to(at::kFloat);
+}
 
 QDtype parseQDtype(std::string_view name, std::string_view where) {
   for (const auto& [spelling, value] : kDtypeNames) {

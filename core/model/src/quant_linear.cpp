@@ -267,14 +267,18 @@ std::optional<at::Tensor> Bf16x3Linear::forward(const at::Tensor& x, const at::T
 bool GroupedBf16Linear::supports(const quant::QScheme& weight, const at::Tensor& qweight,
                                  const quant::QParams& params) {
   using quant::QDtype, quant::QScope;
-  if ((weight.dtype != QDtype::kInt8 && weight.dtype != QDtype::kInt4) || qweight.dim() != 2 ||
-      qweight.scalar_type() != at::kChar ||
+  const bool integer = weight.dtype == QDtype::kInt8 || weight.dtype == QDtype::kInt4;
+  // FP4 codes: E2M1 values, exact in bf16, in blocks of 16 or 32 with one divisor each.
+  const bool fp4 = quant::isFp4(weight.dtype) && weight.scope == QScope::kPerGroup;
+  if (qweight.dim() != 2 ||
+      !(integer ? qweight.scalar_type() == at::kChar : fp4 && qweight.scalar_type() == at::kByte) ||
       (weight.scope != QScope::kPerTensor && weight.scope != QScope::kPerChannel &&
        weight.scope != QScope::kPerGroup)) {
     return false;
   }
   const int64_t group = weight.scope == QScope::kPerGroup ? weight.groupSize : qweight.size(1);
   if (group <= 0 || group % 2 != 0 || qweight.size(1) % group != 0) return false;
+  if (fp4) return true;
   // |q| ≤ 128 in int8, so |q − z| ≤ 256, exact in bf16, for any zero point within ±128 (a loaded
   // checkpoint's may not be).
   return !params.zeroPoint.defined() || params.zeroPoint.numel() == 0 ||
@@ -296,7 +300,8 @@ bool GroupedBf16Linear::cpuRuns() {
 GroupedBf16Linear::GroupedBf16Linear(const at::Tensor& qweight, const quant::QParams& params,
                                      const quant::QScheme& scheme) {
   QPIPE_CHECK(supports(scheme, qweight, params),
-              "GroupedBf16Linear takes int8 or int4 codes [N, K] with an even group and zero points within ±128, got ",
+              "GroupedBf16Linear takes int8, int4 or FP4 codes [N, K] with an even group and zero points within "
+              "±128, got ",
               qweight.sizes(), " ", qweight.scalar_type(), " of w ", scheme.name());
   const int64_t n = qweight.size(0), k = qweight.size(1);
   const int64_t group = scheme.scope == quant::QScope::kPerGroup ? scheme.groupSize : k, groups = k / group;
@@ -304,10 +309,13 @@ GroupedBf16Linear::GroupedBf16Linear(const at::Tensor& qweight, const quant::QPa
   const auto perGroup = [&](const at::Tensor& t) {
     return t.to(at::kFloat).reshape({t.numel() == 1 ? 1 : n, groups}).expand({n, groups});
   };
+  const bool fp4 = quant::isFp4(scheme.dtype);
   const at::Tensor values =
-      (qweight.to(at::kFloat).reshape({n, groups, group}) - perGroup(params.zeroPoint).unsqueeze(2)).reshape({n, k});
+      fp4 ? quant::fromFp4E2m1(qweight)
+          : (qweight.to(at::kFloat).reshape({n, groups, group}) - perGroup(params.zeroPoint).unsqueeze(2))
+                .reshape({n, k});
   const at::Tensor bf16 = values.to(at::kBFloat16).contiguous();
-  const at::Tensor scales = perGroup(params.scale).contiguous();
+  const at::Tensor scales = perGroup(fp4 ? quant::fp4Divisor(params, scheme.dtype) : params.scale).contiguous();
   panels_ = std::make_shared<const quant::detail::GroupedBf16Panels>(quant::detail::packGroupedBf16(
       bf16.const_data_ptr<c10::BFloat16>(), k, scales.const_data_ptr<float>(), groups, n, k, group));
 }

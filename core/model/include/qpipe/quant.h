@@ -73,6 +73,10 @@ inline constexpr int64_t kMxfp4GroupSize = 32;
 
 // E2M1 codes with block scales: NVFP4 or MXFP4.
 bool isFp4(QDtype dtype);
+// An FP4 block's divisor, what one E2M1 unit of the block stands for (fp32, the scale's shape):
+// NVFP4's block scale over the global scale, as compressed-tensors computes it; MXFP4's
+// power-of-two block scale.
+at::Tensor fp4Divisor(const QParams& params, QDtype dtype);
 // Activation parameters computed from each input as it arrives: per_token, and MXFP4's per_group
 // blocks. (NVFP4's block scales are too, but its global scale is calibrated: not dynamic.)
 bool isDynamic(const QScheme& scheme);

@@ -111,7 +111,8 @@ class Bf16x3Linear {
 };
 
 // The GEMM of a weight-only Linear whose weight is integer codes (int8 or int4, symmetric or not)
-// with one fp32 scale per output, per group of inputs or per tensor, for fp32 inputs, on AMD CPUs
+// with one fp32 scale per output, per group of inputs or per tensor, or FP4 codes (NVFP4, MXFP4:
+// E2M1 values, each block's divisor as its scale), for fp32 inputs, on AMD CPUs
 // whose vdpbf16ps outruns fp32 FMAs about fourfold (Zen 5: qpipe's kernel 4.5× MKL's fp32 GEMM,
 // docs/benchmarks.md). The codes minus their zero points are exact in bf16; x is split into two
 // bf16 parts, x = hi + lo + δ with |δ| ≤ 2⁻¹⁶·|x|, and
@@ -123,8 +124,8 @@ class Bf16x3Linear {
 class GroupedBf16Linear {
  public:
   // Whether the scheme, codes and parameters are ones it runs (the CPU aside): integer codes in
-  // kChar, a group size and input width that are even, zero points within ±128 (q − z exact in
-  // bf16).
+  // kChar or FP4 codes in kByte, a group size and input width that are even, zero points within
+  // ±128 (q − z exact in bf16).
   static bool supports(const quant::QScheme& weight, const at::Tensor& qweight, const quant::QParams& params);
   // Whether QuantLinear runs it on this CPU (AMD Zen 5 or later with AVX512-BF16 and no AMX). The
   // kernel itself needs AVX512-BF16: a direct caller checks quant::detail::canRunAvx512Bf16Gemm().
