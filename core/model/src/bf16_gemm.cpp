@@ -42,6 +42,13 @@ void packPanel(const uint16_t* b, int64_t ldb, int64_t k, int64_t rows, uint16_t
   }
 }
 
+// The pair of bf16 values at `pair` in every 32-bit lane, as vdpbf16ps reads one operand.
+[[gnu::target("avx512f,avx512bf16"), gnu::always_inline]] inline __m512bh broadcastPair(const uint16_t* pair) {
+  int32_t bits;
+  std::memcpy(&bits, pair, sizeof bits);
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(bits));
+}
+
 // c[0..R)[0..32) = Σ_p a[r][2p..2p+1] · b[p][col][0..1] (+ c when accumulate); only the first
 // `cols` columns of c are read and written.
 template <int R>
@@ -54,9 +61,7 @@ template <int R>
     const auto b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * kNr * 2));
     const auto b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * kNr * 2 + kNr));
     for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
-      const auto av = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      const __m512bh av = broadcastPair(a + r * lda + 2 * p);
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b0, av);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b1, av);
     }
@@ -125,11 +130,7 @@ template <int R>
       const auto b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * kNr * 2));
       const auto b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * kNr * 2 + kNr));
       for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
-        const auto ah = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-        std::memcpy(&pair, a + r * lda + k + 2 * p, sizeof pair);
-        const auto al = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        const __m512bh ah = broadcastPair(a + r * lda + 2 * p), al = broadcastPair(a + r * lda + k + 2 * p);
         hi[r][0] = _mm512_dpbf16_ps(hi[r][0], b0, ah);
         hi[r][1] = _mm512_dpbf16_ps(hi[r][1], b1, ah);
         lo[r][0] = _mm512_dpbf16_ps(lo[r][0], b0, al);
