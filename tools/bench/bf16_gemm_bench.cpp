@@ -23,6 +23,10 @@
 
 namespace {
 
+// SmolLM2's Linear shapes (q/o, gate/up, down) at 512 rows (one window), 4096 and 128.
+constexpr std::array<std::array<int64_t, 3>, 5> kShapes{
+    {{512, 576, 576}, {512, 576, 1536}, {512, 1536, 576}, {4096, 576, 1536}, {128, 1536, 576}}};
+
 template <typename F>
 double bestMs(const F& f) {
   double best = 1e30;
@@ -50,11 +54,7 @@ void weightOnlyTable(bool direct) {
   std::printf(
       "\n| M x K x N, W4A16 g64 | fp32 GEMM ms | GroupedBf16Linear ms | speed-up | Bf16x3Linear ms | speed-up |\n"
       "| --- | ---: | ---: | ---: | ---: | ---: |\n");
-  for (const auto& [m, k, n] : {std::array<int64_t, 3>{512, 576, 576},
-                                {512, 576, 1536},
-                                {512, 1536, 576},
-                                {4096, 576, 1536},
-                                {128, 1536, 576}}) {
+  for (const auto& [m, k, n] : kShapes) {
     const at::Tensor x = at::randn({m, k}), weight = at::randn({n, k}) * 0.05f;
     const quant::QParams params = quant::computeQParams(weight, w4);
     const at::Tensor q = quant::quantize(weight, params, w4), dequantized = quant::dequantize(q, params, w4);
@@ -91,8 +91,7 @@ int main(int argc, char** argv) {
       "| M x K x N | bf16Matmul ms | GFLOP/s | Bf16MatmulWeight ms | GFLOP/s | AVX512-BF16 kernel ms | GFLOP/s | "
       "MKL fp32 ms | GFLOP/s | oneDNN bf16 ms |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
       "---: |\n");
-  for (const auto& [m, k, n] : {std::array<int64_t, 3>{512, 576, 576}, {512, 576, 1536}, {512, 1536, 576},
-                                {4096, 576, 1536}, {128, 1536, 576}}) {
+  for (const auto& [m, k, n] : kShapes) {
     const at::Tensor a = at::randn({m, k}).to(at::kBFloat16), b = at::randn({n, k}).to(at::kBFloat16);
     const at::Tensor a32 = a.to(at::kFloat), b32 = b.to(at::kFloat);
     const double gflop = 2.0 * static_cast<double>(m * k * n) / 1e9;

@@ -347,13 +347,11 @@ std::variant<Int8Linear, Fp8Linear> makeGemm(const at::Tensor& qweight, const at
 // QPIPE_WEIGHT_ONLY_FP32=1 asks for the fp32 GEMM of the dequantized weight. bf16x3 makes three
 // times the products of one fp32 GEMM, so it pays only where bf16 GEMMs run several times faster:
 // with AMX. With AVX512-BF16 alone, at about 2× on Zen 4, a W4A16 eval ran at 0.75× the fp32
-// GEMM's speed; integer codes then take GroupedBf16Linear (two products) where the kernel runs
+// GEMM's speed; integer and FP4 codes then take GroupedBf16Linear (two products) where the kernel runs
 // about 4× (Zen 5), and the fp32 GEMM elsewhere (docs/benchmarks.md).
-std::optional<std::variant<Bf16x3Linear, GroupedBf16Linear>> weightOnlyGemm(const at::Tensor& qweight,
-                                                                            const quant::QParams& params,
-                                                                            const quant::QScheme& scheme,
-                                                                            const std::optional<ActivationQuant>& input,
-                                                                            at::ScalarType computeDtype) {
+std::optional<WeightOnlyGemm> weightOnlyGemm(const at::Tensor& qweight, const quant::QParams& params,
+                                             const quant::QScheme& scheme, const std::optional<ActivationQuant>& input,
+                                             at::ScalarType computeDtype) {
   static const bool fp32 = [] {
     const char* env = std::getenv("QPIPE_WEIGHT_ONLY_FP32");
     return env != nullptr && std::string_view(env) == "1";
@@ -363,12 +361,10 @@ std::optional<std::variant<Bf16x3Linear, GroupedBf16Linear>> weightOnlyGemm(cons
     return std::nullopt;
   }
   if (quant::bf16MatmulKernel() == quant::Bf16Kernel::kAmx) {
-    return std::variant<Bf16x3Linear, GroupedBf16Linear>(std::in_place_type<Bf16x3Linear>,
-                                                         quant::dequantize(qweight, params, scheme));
+    return WeightOnlyGemm(std::in_place_type<Bf16x3Linear>, quant::dequantize(qweight, params, scheme));
   }
   if (GroupedBf16Linear::cpuRuns() && GroupedBf16Linear::supports(scheme, qweight, params)) {
-    return std::variant<Bf16x3Linear, GroupedBf16Linear>(std::in_place_type<GroupedBf16Linear>, qweight, params,
-                                                         scheme);
+    return WeightOnlyGemm(std::in_place_type<GroupedBf16Linear>, qweight, params, scheme);
   }
   return std::nullopt;
 }

@@ -139,6 +139,9 @@ class GroupedBf16Linear {
   std::shared_ptr<const quant::detail::GroupedBf16Panels> panels_;
 };
 
+// The bf16 GEMM a weight-only Linear runs where one pays on this CPU.
+using WeightOnlyGemm = std::variant<Bf16x3Linear, GroupedBf16Linear>;
+
 // Whichever of Int8Linear and Fp8Linear runs a quantized Linear's weight and input schemes.
 class QuantGemm {
  public:
@@ -240,7 +243,7 @@ class QuantLinear : public Module, public InputSharing {
   at::Tensor dequantized_;
   std::optional<QuantGemm> gemm_;               // made on the first forward where QuantGemm::supports
   // Made on the first forward where one applies.
-  std::optional<std::variant<Bf16x3Linear, GroupedBf16Linear>> weightOnlyGemm_;
+  std::optional<WeightOnlyGemm> weightOnlyGemm_;
   bool weightOnlyChecked_ = false;
   std::optional<SharedInputGemm> shared_;       // made by forwardSiblings, for the siblings it names
 };
