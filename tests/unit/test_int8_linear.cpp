@@ -1,5 +1,5 @@
 // Int8Linear, Int8Weight and int8Matmul, Fp8Linear, bf16Matmul, bf16MatmulAdd and fp8Values, Bf16x3Linear,
-// GroupedBf16Linear
+// GroupedBf16Linear, GroupedInt8Linear
 // (qpipe/quant_linear.h, qpipe/quant.h) against exact arithmetic (integers, doubles), and against
 // fake quantization in fp32 within its rounding.
 #include <ATen/ATen.h>
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "bf16_gemm.h"
+#include "grouped_int8_gemm.h"
 #include "qpipe/quant.h"
 #include "qpipe/quant_linear.h"
 #include "test_helpers.h"
@@ -586,7 +587,7 @@ TEST(Bf16x3Linear, IsTheFp32ProductWithinTheBf16x3Bound) {
   EXPECT_FALSE(gemm.forward(x.to(at::kDouble), bias).has_value());
 }
 
-TEST(QuantLinear, WeightOnlyFp32RunsBf16x3WithAmxGroupedBf16OnZen5AndTheFp32GemmElsewhere) {
+TEST(QuantLinear, WeightOnlyFp32RunsBf16x3WithAmxGroupedBf16OnZen5GroupedInt8OnZen4AndTheFp32GemmElsewhere) {
   at::manual_seed(10);
   Linear linear(at::randn({48, 256}) * 0.05f, at::randn({48}));
   const QScheme w4{QDtype::kInt4, QScope::kPerGroup, true, 64};
@@ -595,37 +596,93 @@ TEST(QuantLinear, WeightOnlyFp32RunsBf16x3WithAmxGroupedBf16OnZen5AndTheFp32Gemm
   const at::Tensor x = at::randn({3, 17, 256});
   const at::Tensor y = deployed->forward(x);
   const at::Tensor dequantized = deployed->dequantizedWeight();
-  expectWithinBf16x3(y, x, dequantized, linear.bias());
-  const bool amx = quant::bf16MatmulKernel() == quant::Bf16Kernel::kAmx, grouped = GroupedBf16Linear::cpuRuns();
-  const at::Tensor expected =
-      amx       ? *Bf16x3Linear(dequantized).forward(x, linear.bias())
-      : grouped ? *GroupedBf16Linear(deployed->parameter("weight"), params, w4).forward(x, linear.bias())
-                : at::linear(x, dequantized, linear.bias());
+  const at::Tensor q = deployed->parameter("weight");
+  const bool amx = quant::bf16MatmulKernel() == quant::Bf16Kernel::kAmx, bf16 = GroupedBf16Linear::cpuRuns(),
+             int8 = GroupedInt8Linear::cpuRuns();
+  // bf16x3 and GroupedBf16Linear within their bounds (3·2⁻¹⁶ and 2⁻¹⁶ of Σ|x·w|); GroupedInt8Linear's
+  // is its own test's.
+  if (!int8) expectWithinBf16x3(y, x, dequantized, linear.bias());
+  const at::Tensor expected = amx    ? *Bf16x3Linear(dequantized).forward(x, linear.bias())
+                              : bf16 ? *GroupedBf16Linear(q, params, w4).forward(x, linear.bias())
+                              : int8 ? *GroupedInt8Linear(q, params, w4).forward(x, linear.bias())
+                                     : at::linear(x, dequantized, linear.bias());
   EXPECT_TRUE(at::equal(y, expected));
-  if (!amx && !grouped) {  // the probe's GEMM of few rows: a float Linear's
+  if (!amx && !bf16 && !int8) {  // the probe's GEMM of few rows: a float Linear's
     const FewRowsGemm fewRows;
     EXPECT_TRUE(at::equal(deployed->forward(x), Linear(dequantized, linear.bias())(x)));
   }
 }
 
-// GroupedBf16Linear, called on every CPU that can run its kernel (QuantLinear uses it on Zen 5
-// only): within 2⁻¹⁶ plus the fp32 sums' rounding of the exact Σ x·(q − z)·s, relative to Σ|x·w|;
-// an output's bits independent of the rows around it, of the thread count and of N.
-TEST(GroupedBf16Linear, IsTheDequantizedProductWithinTwoPartsOfTheInput) {
-  if (!quant::detail::canRunAvx512Bf16Gemm()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
+// The weight-only schemes the grouped GEMMs run, as W4A16, W8A16 and the FP4 A16 practices make them.
+const std::vector<QScheme>& groupedSchemes() {
+  static const std::vector<QScheme> schemes{{QDtype::kInt4, QScope::kPerGroup, true, 64},
+                                            {QDtype::kInt4, QScope::kPerGroup, false, 128},
+                                            {QDtype::kInt4, QScope::kPerChannel, true, 0},
+                                            {QDtype::kInt8, QScope::kPerChannel, true, 0},
+                                            {QDtype::kInt8, QScope::kPerChannel, false, 0},
+                                            {QDtype::kInt8, QScope::kPerTensor, true, 0},
+                                            {QDtype::kInt8, QScope::kPerTensor, false, 0},
+                                            {QDtype::kNvfp4, QScope::kPerGroup, true, quant::kNvfp4GroupSize},
+                                            {QDtype::kMxfp4, QScope::kPerGroup, true, quant::kMxfp4GroupSize}};
+  return schemes;
+}
+
+// The exact dequantized weight in double, [N, K]: (q − z)·s per group, or an FP4 code's value times
+// its block's divisor.
+at::Tensor exactWeight(const at::Tensor& q, const QParams& params, const QScheme& scheme) {
+  const int64_t n = q.size(0), k = q.size(1), groups = scheme.scope == QScope::kPerGroup ? k / scheme.groupSize : 1;
+  const auto perGroup = [&](const at::Tensor& t) {
+    return t.to(at::kDouble).reshape({t.numel() == 1 ? 1 : n, groups, 1});
+  };
+  const bool fp4 = quant::isFp4(scheme.dtype);
+  const at::Tensor values = fp4 ? quant::fromFp4E2m1(q).to(at::kDouble).view({n, groups, -1})
+                                : q.to(at::kDouble).view({n, groups, -1}) - perGroup(params.zeroPoint);
+  return (values * perGroup(fp4 ? quant::fp4Divisor(params, scheme.dtype) : params.scale)).view({n, k});
+}
+
+// An output's bits depend on its row and column only: not on the thread count, the rows beside it,
+// or more outputs (a fourth panel of 32, the third one full); the bias is added to the finished sum.
+template <typename Gemm>
+void expectBitsOfRowAndColumnOnly(const Gemm& gemm, const at::Tensor& q, const QParams& params, const QScheme& scheme,
+                                  const at::Tensor& x, const at::Tensor& bias) {
+  const at::Tensor y = *gemm.forward(x, bias);
+  EXPECT_TRUE(at::equal(onOneThread([&] { return *gemm.forward(x, bias); }), y));
+  EXPECT_TRUE(at::equal(*gemm.forward(x.slice(1, 2, 9), bias), y.slice(1, 2, 9)));
+  EXPECT_TRUE(at::equal(*gemm.forward(x, at::Tensor()) + bias, y));
+  const int64_t n = q.size(0);
+  const at::Tensor wider = at::cat({q, q.slice(0, 0, 40)});
+  QParams widerParams = params;
+  if (params.scale.numel() > 1) {
+    widerParams = {at::cat({params.scale, params.scale.slice(0, 0, 40)}),
+                   at::cat({params.zeroPoint, params.zeroPoint.slice(0, 0, 40)}), params.globalScale};
+  }
+  const at::Tensor widerY = *Gemm(wider, widerParams, scheme).forward(x, at::Tensor());
+  EXPECT_TRUE(at::equal(widerY.slice(-1, 0, n), *gemm.forward(x, at::Tensor())));
+  // More rows than one block of the kernels (512 and 256): the rows past it as they are alone.
+  at::manual_seed(14);
+  const at::Tensor tall = at::randn({600, q.size(1)});
+  EXPECT_TRUE(at::equal(gemm.forward(tall, bias)->slice(0, 517, 600), *gemm.forward(tall.slice(0, 517, 600), bias)));
+  // No GEMM for other inputs, nor where autograd records the input.
+  EXPECT_FALSE(gemm.forward(x.to(at::kDouble), bias));
+  EXPECT_FALSE(gemm.forward(x.clone().requires_grad_(), bias));
+}
+
+// Inputs with an all-zero row, an outlier and a row of tiny values.
+at::Tensor groupedInput() {
   at::manual_seed(12);
   at::Tensor x = at::randn({2, 41, 384});
   x[0][3].zero_();
   x[1][5][7] = 3.0e4f;
   x[1][6].mul_(1e-30f);
-  const at::Tensor bias = at::randn({67});
-  const at::Tensor weight = at::randn({67, 384}) * 0.05f;
-  for (const QScheme& scheme :
-       {QScheme{QDtype::kInt4, QScope::kPerGroup, true, 64}, QScheme{QDtype::kInt4, QScope::kPerGroup, false, 128},
-        QScheme{QDtype::kInt4, QScope::kPerChannel, true, 0}, QScheme{QDtype::kInt8, QScope::kPerChannel, false, 0},
-        QScheme{QDtype::kInt8, QScope::kPerTensor, true, 0}, QScheme{QDtype::kInt8, QScope::kPerTensor, false, 0},
-        QScheme{QDtype::kNvfp4, QScope::kPerGroup, true, quant::kNvfp4GroupSize},
-        QScheme{QDtype::kMxfp4, QScope::kPerGroup, true, quant::kMxfp4GroupSize}}) {
+  return x;
+}
+
+// GroupedBf16Linear, called on every CPU that can run its kernel (QuantLinear uses it on Zen 5
+// only): within 2⁻¹⁶ plus the fp32 sums' rounding of the exact Σ x·(q − z)·s, relative to Σ|x·w|.
+TEST(GroupedBf16Linear, IsTheDequantizedProductWithinTwoPartsOfTheInput) {
+  if (!quant::detail::canRunAvx512Bf16Gemm()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  const at::Tensor x = groupedInput(), bias = at::randn({67}), weight = at::randn({67, 384}) * 0.05f;
+  for (const QScheme& scheme : groupedSchemes()) {
     SCOPED_TRACE(scheme.name());
     const QParams params = quant::computeQParams(weight, scheme);
     const at::Tensor q = quant::quantize(weight, params, scheme);
@@ -634,17 +691,8 @@ TEST(GroupedBf16Linear, IsTheDequantizedProductWithinTwoPartsOfTheInput) {
     const std::optional<at::Tensor> y = gemm.forward(x, bias);
     ASSERT_TRUE(y.has_value());
     EXPECT_EQ(y->sizes(), (std::vector<int64_t>{2, 41, 67}));
-    // The exact product of the dequantized weight in double: (q − z)·s, or an FP4 code's value
-    // times its block's divisor.
     const int64_t groups = scheme.scope == QScope::kPerGroup ? 384 / scheme.groupSize : 1;
-    const auto perGroup = [&](const at::Tensor& t) {
-      return t.to(at::kDouble).reshape({t.numel() == 1 ? 1 : 67, groups, 1});
-    };
-    const bool fp4 = quant::isFp4(scheme.dtype);
-    const at::Tensor values = fp4 ? quant::fromFp4E2m1(q).to(at::kDouble).view({67, groups, -1})
-                                  : q.to(at::kDouble).view({67, groups, -1}) - perGroup(params.zeroPoint);
-    const at::Tensor w =
-        (values * perGroup(fp4 ? quant::fp4Divisor(params, scheme.dtype) : params.scale)).view({67, 384});
+    const at::Tensor w = exactWeight(q, params, scheme);
     const at::Tensor xd = x.reshape({-1, 384}).to(at::kDouble);
     const at::Tensor exact = at::matmul(xd, w.t()) + bias.to(at::kDouble);
     const at::Tensor magnitude = at::matmul(xd.abs(), w.abs().t()) + bias.to(at::kDouble).abs();
@@ -653,36 +701,75 @@ TEST(GroupedBf16Linear, IsTheDequantizedProductWithinTwoPartsOfTheInput) {
     EXPECT_TRUE((err <= magnitude * unit).all().item<bool>())
         << "worst error / bound " << (err / (magnitude * unit)).max().item<double>();
     EXPECT_TRUE(at::equal((*y)[0][3], bias));
-    EXPECT_TRUE(at::equal(onOneThread([&] { return *gemm.forward(x, bias); }), *y));
-    EXPECT_TRUE(at::equal(*gemm.forward(x.slice(1, 2, 9), bias), y->slice(1, 2, 9)));
-    // The bias is added to the finished sum, once.
-    EXPECT_TRUE(at::equal(*gemm.forward(x, at::Tensor()) + bias, *y));
-    // More outputs (a fourth panel of 32, the third one full) leave the first ones' bits as they were.
-    const at::Tensor wider = at::cat({q, q.slice(0, 0, 40)});
-    QParams widerParams = params;
-    if (params.scale.numel() > 1) {
-      widerParams = {at::cat({params.scale, params.scale.slice(0, 0, 40)}),
-                     at::cat({params.zeroPoint, params.zeroPoint.slice(0, 0, 40)}), params.globalScale};
+    expectBitsOfRowAndColumnOnly(gemm, q, params, scheme, x, bias);
+  }
+  // Far closer than one bf16 GEMM of x, which this replaces.
+  const QScheme w4{QDtype::kInt4, QScope::kPerGroup, true, 64};
+  const QParams params = quant::computeQParams(weight, w4);
+  const at::Tensor q = quant::quantize(weight, params, w4);
+  const at::Tensor dequantized = quant::dequantize(q, params, w4);
+  const at::Tensor exact = at::matmul(x.to(at::kDouble), dequantized.to(at::kDouble).t());
+  const at::Tensor y = *GroupedBf16Linear(q, params, w4).forward(x, at::Tensor());
+  const at::Tensor oneBf16 = at::matmul(x.to(at::kBFloat16).to(at::kDouble), dequantized.to(at::kDouble).t());
+  EXPECT_LT((y.to(at::kDouble) - exact).abs().max().item<double>() * 20, (oneBf16 - exact).abs().max().item<double>());
+}
+
+// GroupedInt8Linear, called on every CPU that can run its kernel (QuantLinear uses it on Zen 4
+// only): within Σ_blocks max|x| / 32512 · Σ|w| of the exact product (the input's two int8 parts),
+// plus the fp32 rounding of the block sums, their scaling and the bias.
+TEST(GroupedInt8Linear, IsTheDequantizedProductWithinTwoInt8PartsOfEachBlockOfTheInput) {
+  if (!quant::detail::canRunAvx512VnniGemm()) GTEST_SKIP() << "this CPU has no AVX512-VNNI";
+  const at::Tensor x = groupedInput(), bias = at::randn({67}), weight = at::randn({67, 384}) * 0.05f;
+  const at::Tensor xd = x.reshape({-1, 384}).to(at::kDouble);
+  for (const QScheme& scheme : groupedSchemes()) {
+    SCOPED_TRACE(scheme.name());
+    const QParams params = quant::computeQParams(weight, scheme);
+    const at::Tensor q = quant::quantize(weight, params, scheme);
+    if (!GroupedInt8Linear::supports(scheme, q, params)) {
+      // Asymmetric int8 codes span 255 around their zero point: their Linears keep the fp32 GEMM.
+      EXPECT_TRUE(scheme.dtype == QDtype::kInt8 && !scheme.symmetric);
+      continue;
     }
-    const at::Tensor y107 = *GroupedBf16Linear(wider, widerParams, scheme).forward(x, at::Tensor());
-    EXPECT_TRUE(at::equal(y107.slice(2, 0, 67), *gemm.forward(x, at::Tensor())));
+    const GroupedInt8Linear gemm(q, params, scheme);
+    const std::optional<at::Tensor> y = gemm.forward(x, bias);
+    ASSERT_TRUE(y.has_value());
+    EXPECT_EQ(y->sizes(), (std::vector<int64_t>{2, 41, 67}));
+    const int64_t group = scheme.scope == QScope::kPerGroup ? scheme.groupSize : 384;
+    const int64_t block = quant::detail::groupedInt8Block(group), blocks = 384 / block;
+    const at::Tensor w = exactWeight(q, params, scheme);
+    const at::Tensor exact = at::matmul(xd, w.t()) + bias.to(at::kDouble);
+    const at::Tensor magnitude = at::matmul(xd.abs(), w.abs().t()) + bias.to(at::kDouble).abs();
+    // Σ_b max_b|x| · Σ_{k ∈ b} |w|, [M, N].
+    const at::Tensor inputBound = at::matmul(std::get<0>(xd.abs().view({-1, blocks, block}).max(2)),
+                                             w.abs().view({67, blocks, block}).sum(2).t()) /
+                                  32512.0;
+    const at::Tensor bound = inputBound * 1.01 + (magnitude + inputBound) * ((blocks + 4) * std::ldexp(1.0, -24));
+    const at::Tensor err = (y->reshape({-1, 67}).to(at::kDouble) - exact).abs();
+    EXPECT_TRUE((err <= bound).all().item<bool>()) << "worst error / bound " << (err / bound).max().item<double>();
+    EXPECT_TRUE(at::equal((*y)[0][3], bias));
+    expectBitsOfRowAndColumnOnly(gemm, q, params, scheme, x, bias);
   }
   const QScheme w4{QDtype::kInt4, QScope::kPerGroup, true, 64};
   const QParams params = quant::computeQParams(weight, w4);
   const at::Tensor q = quant::quantize(weight, params, w4);
-  const GroupedBf16Linear gemm(q, params, w4);
-  // More rows than one block of the kernel (512): the rows past it as they are alone.
-  const at::Tensor tall = at::randn({600, 384});
-  EXPECT_TRUE(at::equal(gemm.forward(tall, bias)->slice(0, 517, 600), *gemm.forward(tall.slice(0, 517, 600), bias)));
-  // Far closer than one bf16 GEMM of x, which this replaces.
-  const at::Tensor dequantized = quant::dequantize(q, params, w4);
-  const at::Tensor exact = at::matmul(x.to(at::kDouble), dequantized.to(at::kDouble).t());
-  const at::Tensor y = *gemm.forward(x, at::Tensor());
-  const at::Tensor oneBf16 = at::matmul(x.to(at::kBFloat16).to(at::kDouble), dequantized.to(at::kDouble).t());
-  EXPECT_LT((y.to(at::kDouble) - exact).abs().max().item<double>() * 20, (oneBf16 - exact).abs().max().item<double>());
-  // No GEMM for other inputs, nor where autograd records the input.
-  EXPECT_FALSE(gemm.forward(x.to(at::kDouble), bias));
-  EXPECT_FALSE(gemm.forward(x.clone().requires_grad_(), bias));
+  const GroupedInt8Linear gemm(q, params, w4);
+  // Without outliers, several times closer than one bf16 GEMM of x.
+  const at::Tensor plain = at::randn({64, 384});
+  const at::Tensor dequantized = quant::dequantize(q, params, w4).to(at::kDouble);
+  const at::Tensor exact = at::matmul(plain.to(at::kDouble), dequantized.t());
+  const at::Tensor oneBf16 = at::matmul(plain.to(at::kBFloat16).to(at::kDouble), dequantized.t());
+  EXPECT_LT((gemm.forward(plain, at::Tensor())->to(at::kDouble) - exact).abs().max().item<double>() * 8,
+            (oneBf16 - exact).abs().max().item<double>());
+  // A NaN or an infinity makes its row's outputs NaN and leaves the other rows as they were; a
+  // block below FLT_MIN · 127 counts as zeros.
+  at::Tensor odd = plain.slice(0, 0, 4).clone();
+  odd[0][5] = std::numeric_limits<float>::quiet_NaN();
+  odd[1][300] = std::numeric_limits<float>::infinity();
+  odd[2].fill_(1e-37f);
+  const at::Tensor y = *gemm.forward(odd, bias);
+  EXPECT_TRUE(y.slice(0, 0, 2).isnan().all().item<bool>());
+  EXPECT_TRUE(at::equal(y[2], bias));
+  EXPECT_TRUE(at::equal(y[3], (*gemm.forward(plain, bias))[3]));
 }
 
 // What GroupedBf16Linear takes, on any CPU: integer or FP4 codes with even groups that divide K,
@@ -705,6 +792,34 @@ TEST(GroupedBf16Linear, SupportsIntegerCodesWithEvenGroupsAndZeroPointsWithin128
   EXPECT_FALSE(GroupedBf16Linear::supports({QDtype::kInt8, QScope::kPerChannel, false, 0}, codes, far));
   const QParams edge{at::ones({4, 1}), at::full({4, 1}, -128, at::kInt), at::Tensor()};
   EXPECT_TRUE(GroupedBf16Linear::supports({QDtype::kInt8, QScope::kPerChannel, false, 0}, codes, edge));
+}
+
+// What GroupedInt8Linear takes, on any CPU: integer codes whose q − z all lie within [-128, 127],
+// or FP4 codes, with groups of a multiple of 4 that divide K.
+TEST(GroupedInt8Linear, SupportsCodesWithinAByteOfTheirZeroPointAndGroupsOfFour) {
+  const at::Tensor codes = at::zeros({4, 24}, at::kChar);
+  const QParams none{at::ones({4, 1}), at::zeros({4, 1}, at::kInt), at::Tensor()};
+  EXPECT_TRUE(GroupedInt8Linear::supports({QDtype::kInt8, QScope::kPerChannel, true, 0}, codes, none));
+  EXPECT_TRUE(GroupedInt8Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 4}, codes, none));
+  EXPECT_TRUE(GroupedInt8Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 12}, codes, none));
+  EXPECT_FALSE(GroupedInt8Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 6}, codes, none));
+  EXPECT_FALSE(GroupedInt8Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 16}, codes, none));
+  EXPECT_FALSE(
+      GroupedInt8Linear::supports({QDtype::kInt8, QScope::kPerChannel, true, 0}, at::zeros({4, 22}, at::kChar), none));
+  EXPECT_TRUE(
+      GroupedInt8Linear::supports({QDtype::kNvfp4, QScope::kPerGroup, true, 16}, at::zeros({4, 32}, at::kByte), none));
+  EXPECT_FALSE(GroupedInt8Linear::supports({QDtype::kFp8E4m3, QScope::kPerChannel, true, 0},
+                                           at::zeros({4, 8}, at::kFloat8_e4m3fn), none));
+  at::Tensor spread = codes.clone();
+  spread[0][0] = 127;
+  spread[1][1] = -128;
+  EXPECT_TRUE(GroupedInt8Linear::supports({QDtype::kInt8, QScope::kPerChannel, false, 0}, spread, none));
+  const QParams up{at::ones({4, 1}), at::full({4, 1}, 1, at::kInt), at::Tensor()};
+  EXPECT_FALSE(GroupedInt8Linear::supports({QDtype::kInt8, QScope::kPerChannel, false, 0}, spread, up));
+  const QParams down{at::ones({4, 1}), at::full({4, 1}, -1, at::kInt), at::Tensor()};
+  EXPECT_FALSE(GroupedInt8Linear::supports({QDtype::kInt8, QScope::kPerChannel, false, 0}, spread, down));
+  const QParams high{at::ones({4, 1}), at::full({4, 1}, -127, at::kInt), at::Tensor()};
+  EXPECT_TRUE(GroupedInt8Linear::supports({QDtype::kInt8, QScope::kPerChannel, false, 0}, codes, high));
 }
 
 // QAT's end2end step runs weight-only Linears it does not train inside its autograd graph: their

@@ -4,9 +4,9 @@
 // the CPU can run it, MKL's fp32 GEMM (at::matmul of the widened operands) and oneDNN's bf16 GEMM
 // (at::matmul of bf16 tensors), best of 7 calls each, in milliseconds and GFLOP/s. MKL's strict
 // mode is asked for first, as `qpipe` does. It decides which kernel bf16Matmul should pick on a
-// new kind of host. A second table times a weight-only Linear (int4, groups of 64) the three ways
-// QuantLinear can run it: the fp32 GEMM of the dequantized weight, GroupedBf16Linear and
-// Bf16x3Linear, each with its input split, where the CPU can run them.
+// new kind of host. A second table times a weight-only Linear (int4, groups of 64) the four ways
+// QuantLinear can run it: the fp32 GEMM of the dequantized weight, GroupedBf16Linear, Bf16x3Linear
+// and GroupedInt8Linear, each with its input split, where the CPU can run them.
 //   qpipe_bench_bf16_gemm [THREADS]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,8 +16,10 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include "bf16_gemm.h"
+#include "grouped_int8_gemm.h"
 #include "qpipe/quant.h"
 #include "qpipe/quant_linear.h"
 
@@ -47,29 +49,33 @@ const char* kernelName(qpipe::quant::Bf16Kernel kernel) {
   return "?";
 }
 
-// The weight-only table: a W4A16 (groups of 64) Linear's forward, fp32 [M, K] input.
-void weightOnlyTable(bool direct) {
+// The weight-only table: a W4A16 (groups of 64) Linear's forward, fp32 [M, K] input, each way
+// this CPU can run it.
+void weightOnlyTable(bool bf16) {
   namespace quant = qpipe::quant;
+  const bool int8 = quant::detail::canRunAvx512VnniGemm();
   const quant::QScheme w4{quant::QDtype::kInt4, quant::QScope::kPerGroup, true, 64};
   std::printf(
-      "\n| M x K x N, W4A16 g64 | fp32 GEMM ms | GroupedBf16Linear ms | speed-up | Bf16x3Linear ms | speed-up |\n"
-      "| --- | ---: | ---: | ---: | ---: | ---: |\n");
+      "\n| M x K x N, W4A16 g64 | fp32 GEMM ms | GroupedBf16Linear ms | speed-up | Bf16x3Linear ms | speed-up | "
+      "GroupedInt8Linear ms | speed-up |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   for (const auto& [m, k, n] : kShapes) {
     const at::Tensor x = at::randn({m, k}), weight = at::randn({n, k}) * 0.05f;
     const quant::QParams params = quant::computeQParams(weight, w4);
     const at::Tensor q = quant::quantize(weight, params, w4), dequantized = quant::dequantize(q, params, w4);
     const double fp32 = bestMs([&] { at::linear(x, dequantized); });
-    if (!direct) {
-      std::printf("| %lld x %lld x %lld | %.2f | n/a | | n/a | |\n", static_cast<long long>(m),
-                  static_cast<long long>(k), static_cast<long long>(n), fp32);
-      continue;
-    }
-    const qpipe::GroupedBf16Linear grouped(q, params, w4);
-    const qpipe::Bf16x3Linear x3(dequantized);
-    const double two = bestMs([&] { grouped.forward(x, at::Tensor()); });
-    const double three = bestMs([&] { x3.forward(x, at::Tensor()); });
-    std::printf("| %lld x %lld x %lld | %.2f | %.2f | %.2fx | %.2f | %.2fx |\n", static_cast<long long>(m),
-                static_cast<long long>(k), static_cast<long long>(n), fp32, two, fp32 / two, three, fp32 / three);
+    const auto column = [&](bool runs, const auto& make) {
+      if (!runs) return std::string("| n/a | ");
+      const auto gemm = make();
+      const double ms = bestMs([&] { gemm.forward(x, at::Tensor()); });
+      char cell[48];
+      std::snprintf(cell, sizeof cell, "| %.2f | %.2fx ", ms, fp32 / ms);
+      return std::string(cell);
+    };
+    std::printf("| %lld x %lld x %lld | %.2f %s%s%s|\n", static_cast<long long>(m), static_cast<long long>(k),
+                static_cast<long long>(n), fp32,
+                column(bf16, [&] { return qpipe::GroupedBf16Linear(q, params, w4); }).c_str(),
+                column(bf16, [&] { return qpipe::Bf16x3Linear(dequantized); }).c_str(),
+                column(int8, [&] { return qpipe::GroupedInt8Linear(q, params, w4); }).c_str());
   }
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bf16_gemm.h"
+#include "grouped_int8_gemm.h"
 #include "qpipe/error.h"
 #include "small_gemm.h"
 
@@ -264,36 +265,90 @@ std::optional<at::Tensor> Bf16x3Linear::forward(const at::Tensor& x, const at::T
   return shapedAs(x, out, n);
 }
 
-bool GroupedBf16Linear::supports(const quant::QScheme& weight, const at::Tensor& qweight,
-                                 const quant::QParams& params) {
+namespace {
+
+// A weight-only Linear's codes and scheme as exact values and one scale per row and group of inputs,
+// w[n, k] = s[n, g] · v[n, k]: an integer code minus its zero point, or an FP4 code's E2M1 value with
+// its block's divisor. group is 0 where the scheme has no such form.
+struct GroupedCodes {
+  at::Tensor values;  // fp32 [N, K]
+  at::Tensor scales;  // fp32 [N, K / group], contiguous
+  int64_t group = 0;
+};
+
+int64_t codesGroup(const quant::QScheme& weight, const at::Tensor& qweight) {
   using quant::QDtype, quant::QScope;
   const bool integer = weight.dtype == QDtype::kInt8 || weight.dtype == QDtype::kInt4;
-  // FP4 codes: E2M1 values, exact in bf16, in blocks of 16 or 32 with one divisor each.
+  // FP4 codes: E2M1 values in blocks of 16 or 32 with one divisor each.
   const bool fp4 = quant::isFp4(weight.dtype) && weight.scope == QScope::kPerGroup;
   if (qweight.dim() != 2 ||
       !(integer ? qweight.scalar_type() == at::kChar : fp4 && qweight.scalar_type() == at::kByte) ||
       (weight.scope != QScope::kPerTensor && weight.scope != QScope::kPerChannel &&
        weight.scope != QScope::kPerGroup)) {
-    return false;
+    return 0;
   }
   const int64_t group = weight.scope == QScope::kPerGroup ? weight.groupSize : qweight.size(1);
-  if (group <= 0 || group % 2 != 0 || qweight.size(1) % group != 0) return false;
-  if (fp4) return true;
+  return group > 0 && qweight.size(1) % group == 0 ? group : 0;
+}
+
+bool hasZeroPoints(const quant::QParams& params) {
+  return params.zeroPoint.defined() && params.zeroPoint.numel() > 0;
+}
+
+GroupedCodes groupedCodes(const at::Tensor& qweight, const quant::QParams& params, const quant::QScheme& scheme) {
+  const int64_t n = qweight.size(0), k = qweight.size(1), group = codesGroup(scheme, qweight), groups = k / group;
+  // One value per row and group, whatever the scope's own shape (per_tensor: one for all rows).
+  const auto perGroup = [&](const at::Tensor& t) {
+    return t.to(at::kFloat).reshape({t.numel() == 1 ? 1 : n, groups}).expand({n, groups});
+  };
+  const bool fp4 = quant::isFp4(scheme.dtype);
+  at::Tensor values = qweight.to(at::kFloat);
+  if (fp4) {
+    values = quant::fromFp4E2m1(qweight);
+  } else if (hasZeroPoints(params)) {
+    values = (values.reshape({n, groups, group}) - perGroup(params.zeroPoint).unsqueeze(2)).reshape({n, k});
+  }
+  return {values, perGroup(fp4 ? quant::fp4Divisor(params, scheme.dtype) : params.scale).contiguous(), group};
+}
+
+// The GroupedBf16Linear and GroupedInt8Linear kernels write their output through raw pointers.
+template <typename Gemm>
+std::optional<at::Tensor> groupedForward(const at::Tensor& x, const at::Tensor& bias, int64_t k, int64_t n,
+                                         const Gemm& gemm) {
+  if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || recordsGradient(x, bias)) return std::nullopt;
+  const at::Tensor rows = x.reshape({-1, k});
+  at::Tensor out = at::empty({rows.size(0), n}, x.options());
+  if (rows.size(0) > 0) {
+    const at::Tensor b = bias.defined() ? bias.to(at::kFloat).contiguous() : at::Tensor();
+    gemm(rows, b.defined() ? b.const_data_ptr<float>() : nullptr, out.mutable_data_ptr<float>());
+  }
+  return shapedAs(x, out, n);
+}
+
+// The family in CPUID leaf 1: Zen 4 is 0x19, Zen 5 0x1A; 0 off AMD.
+unsigned amdFamily() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0 || ebx != signature_AMD_ebx) return 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return 0;
+  const unsigned base = (eax >> 8) & 0xF;
+  return base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
+}
+
+}  // namespace
+
+bool GroupedBf16Linear::supports(const quant::QScheme& weight, const at::Tensor& qweight,
+                                 const quant::QParams& params) {
+  const int64_t group = codesGroup(weight, qweight);
+  if (group == 0 || group % 2 != 0) return false;
   // |q| ≤ 128 in int8, so |q − z| ≤ 256, exact in bf16, for any zero point within ±128 (a loaded
   // checkpoint's may not be).
-  return !params.zeroPoint.defined() || params.zeroPoint.numel() == 0 ||
-         params.zeroPoint.abs().max().item<int64_t>() <= 128;
+  return quant::isFp4(weight.dtype) || !hasZeroPoints(params) || params.zeroPoint.abs().max().item<int64_t>() <= 128;
 }
 
 bool GroupedBf16Linear::cpuRuns() {
-  static const bool runs = [] {
-    // The family in CPUID leaf 1: Zen 4 is 0x19, Zen 5 0x1A. On Zen 4 the kernel runs at about 2×
-    // MKL's fp32 GEMM, which two bf16 products for one fp32 one would only match.
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
-    const unsigned base = (eax >> 8) & 0xF, family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
-    return quant::bf16MatmulKernel() == quant::Bf16Kernel::kAvx512Bf16 && family >= 0x1A;
-  }();
+  // On Zen 4 the kernel runs at about 2× MKL's fp32 GEMM, which two bf16 products for one fp32 one
+  // would only match.
+  static const bool runs = quant::bf16MatmulKernel() == quant::Bf16Kernel::kAvx512Bf16 && amdFamily() >= 0x1A;
   return runs;
 }
 
@@ -303,34 +358,60 @@ GroupedBf16Linear::GroupedBf16Linear(const at::Tensor& qweight, const quant::QPa
               "GroupedBf16Linear takes int8, int4 or FP4 codes [N, K] with an even group and zero points within "
               "±128, got ",
               qweight.sizes(), " ", qweight.scalar_type(), " of w ", scheme.name());
+  const GroupedCodes codes = groupedCodes(qweight, params, scheme);
   const int64_t n = qweight.size(0), k = qweight.size(1);
-  const int64_t group = scheme.scope == quant::QScope::kPerGroup ? scheme.groupSize : k, groups = k / group;
-  // One value per row and group, whatever the scope's own shape (per_tensor: one for all rows).
-  const auto perGroup = [&](const at::Tensor& t) {
-    return t.to(at::kFloat).reshape({t.numel() == 1 ? 1 : n, groups}).expand({n, groups});
-  };
-  const bool fp4 = quant::isFp4(scheme.dtype);
-  const at::Tensor values =
-      fp4 ? quant::fromFp4E2m1(qweight)
-          : (qweight.to(at::kFloat).reshape({n, groups, group}) - perGroup(params.zeroPoint).unsqueeze(2))
-                .reshape({n, k});
-  const at::Tensor bf16 = values.to(at::kBFloat16).contiguous();
-  const at::Tensor scales = perGroup(fp4 ? quant::fp4Divisor(params, scheme.dtype) : params.scale).contiguous();
-  panels_ = std::make_shared<const quant::detail::GroupedBf16Panels>(quant::detail::packGroupedBf16(
-      bf16.const_data_ptr<c10::BFloat16>(), k, scales.const_data_ptr<float>(), groups, n, k, group));
+  const at::Tensor bf16 = codes.values.to(at::kBFloat16).contiguous();
+  panels_ = std::make_shared<const quant::detail::GroupedBf16Panels>(
+      quant::detail::packGroupedBf16(bf16.const_data_ptr<c10::BFloat16>(), k, codes.scales.const_data_ptr<float>(),
+                                     k / codes.group, n, k, codes.group));
 }
 
 std::optional<at::Tensor> GroupedBf16Linear::forward(const at::Tensor& x, const at::Tensor& bias) const {
-  if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || recordsGradient(x, bias)) return std::nullopt;
-  const int64_t k = panels_->k, n = panels_->n;
-  const at::Tensor parts = quant::splitBf16(x.reshape({-1, k}), /*hiFirst=*/true);
-  at::Tensor out = at::empty({parts.size(0), n}, x.options());
-  if (parts.size(0) == 0) return shapedAs(x, out, n);
-  const at::Tensor b = bias.defined() ? bias.to(at::kFloat).contiguous() : at::Tensor();
-  quant::detail::avx512Bf16GroupedGemm(static_cast<const c10::BFloat16*>(parts.const_data_ptr()), parts.stride(0),
-                                       parts.size(0), *panels_, b.defined() ? b.const_data_ptr<float>() : nullptr,
-                                       out.mutable_data_ptr<float>());
-  return shapedAs(x, out, n);
+  return groupedForward(x, bias, panels_->k, panels_->n, [&](const at::Tensor& rows, const float* b, float* out) {
+    const at::Tensor parts = quant::splitBf16(rows, /*hiFirst=*/true);
+    quant::detail::avx512Bf16GroupedGemm(static_cast<const c10::BFloat16*>(parts.const_data_ptr()), parts.stride(0),
+                                         parts.size(0), *panels_, b, out);
+  });
+}
+
+bool GroupedInt8Linear::supports(const quant::QScheme& weight, const at::Tensor& qweight,
+                                 const quant::QParams& params) {
+  const int64_t group = codesGroup(weight, qweight);
+  if (group == 0 || quant::detail::groupedInt8Block(group) == 0) return false;
+  // FP4: twice an E2M1 value is an integer within ±12.
+  if (quant::isFp4(weight.dtype) || !hasZeroPoints(params)) return true;
+  // max(q) − min(z) and min(q) − max(z) bound every q − z (a loaded checkpoint's zero points may be anywhere).
+  const auto [qMin, qMax] = at::aminmax(qweight);
+  const auto [zMin, zMax] = at::aminmax(params.zeroPoint.to(at::kLong));
+  return qMax.item<int64_t>() - zMin.item<int64_t>() <= 127 && qMin.item<int64_t>() - zMax.item<int64_t>() >= -128;
+}
+
+bool GroupedInt8Linear::cpuRuns() {
+  static const bool runs = quant::detail::canRunAvx512VnniGemm() && amdFamily() == 0x19;
+  return runs;
+}
+
+GroupedInt8Linear::GroupedInt8Linear(const at::Tensor& qweight, const quant::QParams& params,
+                                     const quant::QScheme& scheme) {
+  QPIPE_CHECK(supports(scheme, qweight, params),
+              "GroupedInt8Linear takes int8, int4 or FP4 codes [N, K] with groups of a multiple of 4 and every q − z "
+              "within [-128, 127], got ",
+              qweight.sizes(), " ", qweight.scalar_type(), " of w ", scheme.name());
+  const GroupedCodes codes = groupedCodes(qweight, params, scheme);
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  const bool fp4 = quant::isFp4(scheme.dtype);
+  const at::Tensor values = (fp4 ? codes.values * 2 : codes.values).to(at::kChar).contiguous();
+  const at::Tensor scales = fp4 ? (codes.scales * 0.5).contiguous() : codes.scales;
+  panels_ = std::make_shared<const quant::detail::GroupedInt8Panels>(quant::detail::packGroupedInt8(
+      values.const_data_ptr<int8_t>(), k, scales.const_data_ptr<float>(), k / codes.group, n, k, codes.group));
+}
+
+std::optional<at::Tensor> GroupedInt8Linear::forward(const at::Tensor& x, const at::Tensor& bias) const {
+  return groupedForward(x, bias, panels_->k, panels_->n, [&](const at::Tensor& rows, const float* b, float* out) {
+    const at::Tensor input = rows.contiguous();
+    quant::detail::avx512VnniGroupedGemm(input.const_data_ptr<float>(), input.stride(0), input.size(0), *panels_, b,
+                                         out);
+  });
 }
 
 namespace {
@@ -343,12 +424,13 @@ std::variant<Int8Linear, Fp8Linear> makeGemm(const at::Tensor& qweight, const at
   return Fp8Linear(qweight, scale);
 }
 
-// The bf16 GEMM of a weight-only fp32 Linear on the CPU, if one pays here, unless
+// The GEMM of a weight-only fp32 Linear on the CPU, if one pays here, unless
 // QPIPE_WEIGHT_ONLY_FP32=1 asks for the fp32 GEMM of the dequantized weight. bf16x3 makes three
 // times the products of one fp32 GEMM, so it pays only where bf16 GEMMs run several times faster:
 // with AMX. With AVX512-BF16 alone, at about 2× on Zen 4, a W4A16 eval ran at 0.75× the fp32
-// GEMM's speed; integer and FP4 codes then take GroupedBf16Linear (two products) where the kernel runs
-// about 4× (Zen 5), and the fp32 GEMM elsewhere (docs/benchmarks.md).
+// GEMM's speed; integer and FP4 codes then take GroupedBf16Linear (two bf16 products) where that
+// kernel runs about 4× (Zen 5), GroupedInt8Linear (two int8 products, each a quarter of an FMA's
+// cost) on Zen 4, and the fp32 GEMM elsewhere (docs/benchmarks.md).
 std::optional<WeightOnlyGemm> weightOnlyGemm(const at::Tensor& qweight, const quant::QParams& params,
                                              const quant::QScheme& scheme, const std::optional<ActivationQuant>& input,
                                              at::ScalarType computeDtype) {
@@ -365,6 +447,9 @@ std::optional<WeightOnlyGemm> weightOnlyGemm(const at::Tensor& qweight, const qu
   }
   if (GroupedBf16Linear::cpuRuns() && GroupedBf16Linear::supports(scheme, qweight, params)) {
     return WeightOnlyGemm(std::in_place_type<GroupedBf16Linear>, qweight, params, scheme);
+  }
+  if (GroupedInt8Linear::cpuRuns() && GroupedInt8Linear::supports(scheme, qweight, params)) {
+    return WeightOnlyGemm(std::in_place_type<GroupedInt8Linear>, qweight, params, scheme);
   }
   return std::nullopt;
 }

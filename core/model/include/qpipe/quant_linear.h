@@ -17,6 +17,7 @@ namespace qpipe {
 
 namespace quant::detail {
 struct GroupedBf16Panels;
+struct GroupedInt8Panels;
 }
 
 // How a module's input is quantized at inference: static (per_tensor, calibrated params) or
@@ -139,8 +140,38 @@ class GroupedBf16Linear {
   std::shared_ptr<const quant::detail::GroupedBf16Panels> panels_;
 };
 
-// The bf16 GEMM a weight-only Linear runs where one pays on this CPU.
-using WeightOnlyGemm = std::variant<Bf16x3Linear, GroupedBf16Linear>;
+// The GEMM of a weight-only Linear with integer or FP4 codes on AMD CPUs whose int8 dot products
+// (vpdpbusd) make four times an fp32 FMA's products while bf16 ones make only twice (Zen 4; there
+// MKL's fp32 GEMM runs its AVX2 code). The codes minus their zero points (twice the E2M1 value for
+// FP4, with half the scale) are integers v within [-128, 127]; x is split per block of at most 128
+// inputs into two int8 parts, x̂ = d·(h + l/256) with d = max|x| over the block / 127, so
+// |x − x̂| ≤ d/256, and
+//   y[m, n] = b[n] + Σ_blocks s[n, g] · (d / 256) · Σ_{k ∈ block} (256·h + l)[m, k] · v[n, k]
+// with every block's sum an exact int32 and the blocks added in fp32 in one order per output (its
+// bits depend on its row and column only). So y is within Σ_blocks max|x| / 32512 · Σ|w| of the
+// exact product plus fp32 rounding: finer than a bf16 or fp16 activation for every input above
+// 2⁻⁷ (bf16) or 2⁻⁴ (fp16) of its block's largest (docs/quantization.md). Half the instructions
+// of an fp32 GEMM; the weight takes 1 byte per element.
+class GroupedInt8Linear {
+ public:
+  // Whether the scheme, codes and parameters are ones it runs (the CPU aside): integer codes in
+  // kChar with every q − z within [-128, 127], or FP4 codes in kByte; groups of a multiple of 4
+  // inputs (quant::detail::groupedInt8Block).
+  static bool supports(const quant::QScheme& weight, const at::Tensor& qweight, const quant::QParams& params);
+  // Whether QuantLinear runs it on this CPU (AMD Zen 4, family 0x19, with AVX512-VNNI). The kernel
+  // itself needs AVX512-VNNI: a direct caller checks quant::detail::canRunAvx512VnniGemm().
+  static bool cpuRuns();
+  // Requires supports(scheme, qweight, params); params as QuantLinear holds them.
+  GroupedInt8Linear(const at::Tensor& qweight, const quant::QParams& params, const quant::QScheme& scheme);
+  // Empty when x is not an fp32 CPU tensor, or where autograd records x or the bias.
+  std::optional<at::Tensor> forward(const at::Tensor& x, const at::Tensor& bias) const;
+
+ private:
+  std::shared_ptr<const quant::detail::GroupedInt8Panels> panels_;
+};
+
+// The GEMM a weight-only Linear runs where one pays on this CPU.
+using WeightOnlyGemm = std::variant<Bf16x3Linear, GroupedBf16Linear, GroupedInt8Linear>;
 
 // Whichever of Int8Linear and Fp8Linear runs a quantized Linear's weight and input schemes.
 class QuantGemm {

@@ -1,0 +1,250 @@
+// The grouped int8 GEMM of weight-only Linears (GroupedInt8Linear) on CPUs with AVX512-VNNI.
+//
+// Why: on AMD CPUs MKL's fp32 GEMM runs its AVX2 code, and on Zen 4 a bf16 dot product (vdpbf16ps)
+// is only twice an fp32 FMA, so an input split into two bf16 parts gains nothing there. vpdpbusd
+// makes 64 int8 products a zmm instruction against an FMA's 16: two int8 parts of the input against
+// the weight's integer codes are half an fp32 GEMM's instructions, with exact integer sums.
+//
+// The arithmetic per output, block after block: vpdpbusd multiplies unsigned by signed bytes, and
+// only its second operand can be a broadcast, so the weight is stored as v + 128 (unsigned) and
+// the input parts h, l stay signed:
+//   Σ h·(v + 128) = Σ h·v + 128·Σ h,
+// so T = 256·S_h + S_l − 128·(256·Σh + Σl) = Σ (256·h + l)·v, whose magnitude is at most
+// 128 · 32640 · 128 < 2³¹ for a block of 128 columns: exact in int32 even where S_h and S_l wrap.
+// The correction starts the l sums; T is scaled by s · d / 256 and added to the output in fp32.
+// GCC 12.2 warns that the "undefined" register behind several AVX-512 intrinsics (_mm512_cvtepi32_ps,
+// _mm512_roundscale_ps, …) may be used uninitialized: its bug 105593, fixed in 12.3. The pragma has
+// to precede the intrinsics' header.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include "grouped_int8_gemm.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace qpipe::quant::detail {
+
+namespace {
+
+// The packed layout of the weight: its N rows in panels of kNr; within a panel, for each run of
+// four columns k = 4p..4p+3, the kNr rows' four bytes side by side ([panel][p][row][4]). N is
+// padded to a whole panel with zeros (v = −128: those outputs are never stored).
+constexpr int64_t kNr = 32;
+// Output rows per micro-kernel call: each row's 32 outputs have two int32 sums per part (h, l) in
+// registers, 24 for 6 rows, beside the two panel vectors and the broadcasts.
+constexpr int64_t kMr = 4;
+// Rows of the split input kept in L2 while a thread walks its panels (256 × 2K bytes: 768 KiB at
+// K = 1536).
+constexpr int64_t kMc = 256;
+
+constexpr int64_t kMaxBlock = 128;
+
+// The split input: per row, h [K] then l [K]; per row and block, d / 256 and the correction
+// 128·(256·Σh + Σl).
+struct SplitInput {
+  std::vector<int8_t> parts;
+  std::vector<float> scales;
+  std::vector<int32_t> offsets;
+};
+
+[[gnu::target("avx512f,avx512bw,avx512vl")]] void splitRow(const float* x, int64_t k, int64_t block, int8_t* h,
+                                                           int8_t* l, float* scales, int32_t* offsets) {
+  const auto mask = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); };
+  for (int64_t b0 = 0; b0 < k; b0 += block) {
+    // max_ps would drop a NaN; x · 0 keeps a NaN or an infinity as NaN in the probe's sum.
+    __m512 maxAbs = _mm512_setzero_ps(), probe = _mm512_setzero_ps();
+    for (int64_t j = 0; j < block; j += 16) {
+      const __m512 v = _mm512_maskz_loadu_ps(mask(block - j), x + b0 + j);
+      maxAbs = _mm512_max_ps(maxAbs, _mm512_abs_ps(v));
+      probe = _mm512_add_ps(probe, _mm512_mul_ps(v, _mm512_setzero_ps()));
+    }
+    const float d = _mm512_reduce_max_ps(maxAbs) / 127.0F;
+    const int64_t index = b0 / block;
+    const bool finite = std::isfinite(_mm512_reduce_add_ps(probe));
+    // A subnormal d is too coarse for x / d to stay within ±127.5.
+    if (!finite || d < std::numeric_limits<float>::min()) {
+      scales[index] = finite ? 0.0F : std::numeric_limits<float>::quiet_NaN();
+      offsets[index] = 0;
+      std::memset(h + b0, 0, static_cast<size_t>(block));
+      std::memset(l + b0, 0, static_cast<size_t>(block));
+      continue;
+    }
+    const __m512 dv = _mm512_set1_ps(d), lMax = _mm512_set1_ps(127.0F), two8 = _mm512_set1_ps(256.0F);
+    __m512i hSum = _mm512_setzero_si512(), lSum = _mm512_setzero_si512();
+    for (int64_t j = 0; j < block; j += 16) {
+      const __mmask16 mj = mask(block - j);
+      const __m512 t = _mm512_div_ps(_mm512_maskz_loadu_ps(mj, x + b0 + j), dv);
+      const __m512 hf = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      // t − hf is exact (|t| < 128, |t − hf| ≤ 1/2), and so is its product with 256.
+      const __m512 lf = _mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(t, hf), two8),
+                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                      lMax);
+      const __m512i hi = _mm512_cvtps_epi32(hf), li = _mm512_cvtps_epi32(lf);
+      hSum = _mm512_add_epi32(hSum, hi);
+      lSum = _mm512_add_epi32(lSum, li);
+      _mm_mask_storeu_epi8(h + b0 + j, mj, _mm512_cvtepi32_epi8(hi));
+      _mm_mask_storeu_epi8(l + b0 + j, mj, _mm512_cvtepi32_epi8(li));
+    }
+    scales[index] = d / 256.0F;
+    offsets[index] = 128 * (256 * _mm512_reduce_add_epi32(hSum) + _mm512_reduce_add_epi32(lSum));
+  }
+}
+
+SplitInput splitInput(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block) {
+  const int64_t blocks = k / block;
+  SplitInput split{std::vector<int8_t>(static_cast<size_t>(m * 2 * k)),
+                   std::vector<float>(static_cast<size_t>(m * blocks)),
+                   std::vector<int32_t>(static_cast<size_t>(m * blocks))};
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int8_t* row = split.parts.data() + r * 2 * k;
+      splitRow(x + r * ldx, k, block, row, row + k, split.scales.data() + r * blocks,
+               split.offsets.data() + r * blocks);
+    }
+  });
+  return split;
+}
+
+// The four input bytes at `p` in every 32-bit lane, as vpdpbusd's signed operand.
+[[gnu::target("avx512f"), gnu::always_inline]] inline __m512i broadcastQuad(const int8_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return _mm512_set1_epi32(bits);
+}
+
+// c[0..R)[0..32) = Σ_blocks s[g] · (d/256)[r] · T[r] (+ bias), for the R rows of the split input at
+// `row`. Only the first `cols` columns of c are written.
+template <int R>
+[[gnu::target("avx512f,avx512bw,avx512vnni")]] void microKernel(const SplitInput& x, int64_t row, int64_t k,
+                                                                const GroupedInt8Panels& b, const uint8_t* values,
+                                                                const float* s, const float* bias, float* c,
+                                                                int64_t ldc, int64_t cols) {
+  const auto mask = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1); };
+  const __mmask16 m0 = mask(cols), m1 = mask(cols - 16);
+  const int64_t block = b.block, blocks = k / block, blockQuads = block / 4;
+  const int8_t* a = x.parts.data() + row * 2 * k;
+  const float* d = x.scales.data() + row * blocks;
+  const int32_t* off = x.offsets.data() + row * blocks;
+  for (int64_t i = 0; i < blocks; ++i) {
+    __m512i hs[R][2], ls[R][2];
+    for (int r = 0; r < R; ++r) {
+      hs[r][0] = hs[r][1] = _mm512_setzero_si512();
+      ls[r][0] = ls[r][1] = _mm512_set1_epi32(-off[r * blocks + i]);
+    }
+    for (int64_t p = i * blockQuads; p < (i + 1) * blockQuads; ++p) {
+      const __m512i w0 = _mm512_loadu_si512(values + p * kNr * 4);
+      const __m512i w1 = _mm512_loadu_si512(values + p * kNr * 4 + 64);
+      for (int r = 0; r < R; ++r) {
+        const __m512i ah = broadcastQuad(a + r * 2 * k + 4 * p), al = broadcastQuad(a + r * 2 * k + k + 4 * p);
+        hs[r][0] = _mm512_dpbusd_epi32(hs[r][0], w0, ah);
+        hs[r][1] = _mm512_dpbusd_epi32(hs[r][1], w1, ah);
+        ls[r][0] = _mm512_dpbusd_epi32(ls[r][0], w0, al);
+        ls[r][1] = _mm512_dpbusd_epi32(ls[r][1], w1, al);
+      }
+    }
+    const float* scale = s + (i * block / b.group) * kNr;
+    const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+    const bool last = i + 1 == blocks;
+    for (int r = 0; r < R; ++r) {
+      float* out = c + r * ldc;
+      const __m512 dr = _mm512_set1_ps(d[r * blocks + i]);
+      const __m512 t0 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hs[r][0], 8), ls[r][0]));
+      const __m512 t1 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hs[r][1], 8), ls[r][1]));
+      __m512 y0 = _mm512_mul_ps(s0, dr), y1 = _mm512_mul_ps(s1, dr);
+      y0 = i == 0 ? _mm512_mul_ps(t0, y0) : _mm512_fmadd_ps(t0, y0, _mm512_maskz_loadu_ps(m0, out));
+      y1 = i == 0 ? _mm512_mul_ps(t1, y1) : _mm512_fmadd_ps(t1, y1, _mm512_maskz_loadu_ps(m1, out + 16));
+      if (last && bias != nullptr) {
+        y0 = _mm512_add_ps(y0, _mm512_maskz_loadu_ps(m0, bias));
+        y1 = _mm512_add_ps(y1, _mm512_maskz_loadu_ps(m1, bias + 16));
+      }
+      _mm512_mask_storeu_ps(out, m0, y0);
+      _mm512_mask_storeu_ps(out + 16, m1, y1);
+    }
+  }
+}
+
+// microKernel<rows> for 1 ≤ rows ≤ R.
+template <int R>
+[[gnu::target("avx512f,avx512bw,avx512vnni")]] void tailRows(int64_t rows, const SplitInput& x, int64_t row, int64_t k,
+                                                             const GroupedInt8Panels& b, const uint8_t* values,
+                                                             const float* s, const float* bias, float* c, int64_t ldc,
+                                                             int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return tailRows<R - 1>(rows, x, row, k, b, values, s, bias, c, ldc, cols);
+  }
+  microKernel<R>(x, row, k, b, values, s, bias, c, ldc, cols);
+}
+
+}  // namespace
+
+bool canRunAvx512VnniGemm() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") != 0 && __builtin_cpu_supports("avx512bw") != 0 &&
+         __builtin_cpu_supports("avx512vl") != 0;
+}
+
+int64_t groupedInt8Block(int64_t group) {
+  if (group <= 0 || group % 4 != 0) return 0;
+  for (int64_t block = std::min(group, kMaxBlock) / 4 * 4; block >= 4; block -= 4) {
+    if (group % block == 0) return block;
+  }
+  return 0;
+}
+
+GroupedInt8Panels packGroupedInt8(const int8_t* values, int64_t ldv, const float* scales, int64_t lds, int64_t n,
+                                  int64_t k, int64_t group) {
+  const int64_t quads = k / 4, groups = k / group, panels = (n + kNr - 1) / kNr;
+  GroupedInt8Panels packed{std::vector<uint8_t>(static_cast<size_t>(panels * quads * kNr * 4), 0),
+                           std::vector<float>(static_cast<size_t>(panels * groups * kNr), 0.0F),
+                           n,
+                           k,
+                           group,
+                           groupedInt8Block(group)};
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t rows = std::min(kNr, n - panel * kNr);
+      uint8_t* dst = packed.values.data() + panel * quads * kNr * 4;
+      float* scaleDst = packed.scales.data() + panel * groups * kNr;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* src = values + (panel * kNr + r) * ldv;
+        for (int64_t p = 0; p < quads; ++p) {
+          for (int64_t j = 0; j < 4; ++j) {
+            dst[(p * kNr + r) * 4 + j] = static_cast<uint8_t>(static_cast<int32_t>(src[4 * p + j]) + 128);
+          }
+        }
+        for (int64_t g = 0; g < groups; ++g) scaleDst[g * kNr + r] = scales[(panel * kNr + r) * lds + g];
+      }
+    }
+  });
+  return packed;
+}
+
+void avx512VnniGroupedGemm(const float* x, int64_t ldx, int64_t m, const GroupedInt8Panels& b, const float* bias,
+                           float* c) {
+  const int64_t n = b.n, k = b.k, panels = (n + kNr - 1) / kNr;
+  const SplitInput split = splitInput(x, ldx, m, k, b.block);
+  const int64_t valuesSize = (k / 4) * kNr * 4, scalesSize = (k / b.group) * kNr;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i0 = 0; i0 < m; i0 += kMc) {
+      for (int64_t panel = begin; panel < end; ++panel) {
+        const uint8_t* values = b.values.data() + panel * valuesSize;
+        const float* scales = b.scales.data() + panel * scalesSize;
+        const float* panelBias = bias == nullptr ? nullptr : bias + panel * kNr;
+        const int64_t rows = std::min(kMc, m - i0), cols = n - panel * kNr;
+        float* out = c + i0 * n + panel * kNr;
+        int64_t r = 0;
+        for (; r + kMr <= rows; r += kMr) {
+          microKernel<kMr>(split, i0 + r, k, b, values, scales, panelBias, out + r * n, n, cols);
+        }
+        if (r < rows) tailRows<kMr - 1>(rows - r, split, i0 + r, k, b, values, scales, panelBias, out + r * n, n, cols);
+      }
+    }
+  });
+}
+
+}  // namespace qpipe::quant::detail
