@@ -2,8 +2,8 @@
 # `qpipe eval` tokens/s on the float model and on its W8A8 (dynamic), FP8 (dynamic) and W4A16
 # (groups of 64) checkpoints, and transformers scoring the same windows of the float model, in one run. Prints a
 # table; needs tools/setup.sh --test (built qpipe, SmolLM2, .venv-test). W4A16 runs twice: as qpipe
-# eval runs it (bf16x3 GEMMs where the CPU has AMX, grouped bf16 ones on AMD Zen 5), and with
-# QPIPE_WEIGHT_ONLY_FP32=1.
+# eval runs it (bf16x3 GEMMs where the CPU has AMX, grouped bf16 ones on AMD Zen 5, grouped int8
+# ones on Zen 4), and with QPIPE_WEIGHT_ONLY_FP32=1.
 #   tools/bench/eval_throughput.sh [MODEL_DIR] [TEXTS]
 # TEXTS: how many texts of data/eval.jsonl to score (default 40: about 12 windows of 512).
 set -euo pipefail
