@@ -714,13 +714,30 @@ TEST(GroupedBf16Linear, IsTheDequantizedProductWithinTwoPartsOfTheInput) {
   EXPECT_LT((y.to(at::kDouble) - exact).abs().max().item<double>() * 20, (oneBf16 - exact).abs().max().item<double>());
 }
 
+// GroupedInt8Linear's output for x against the exact product: within Σ_blocks (max|x| · Σ|w|) /
+// 32512 (the input's two int8 parts), plus the fp32 rounding of the block sums, their scaling and
+// the bias, relative to Σ|x·w| + |b|.
+void expectWithinTwoInt8Parts(const at::Tensor& y, const at::Tensor& x, const at::Tensor& q, const QParams& params,
+                              const QScheme& scheme, const at::Tensor& bias) {
+  const int64_t n = q.size(0), k = q.size(1);
+  const int64_t block = quant::detail::groupedInt8Block(scheme.scope == QScope::kPerGroup ? scheme.groupSize : k);
+  const int64_t blocks = k / block;
+  const at::Tensor xd = x.reshape({-1, k}).to(at::kDouble), w = exactWeight(q, params, scheme);
+  const at::Tensor exact = at::matmul(xd, w.t()) + bias.to(at::kDouble);
+  const at::Tensor magnitude = at::matmul(xd.abs(), w.abs().t()) + bias.to(at::kDouble).abs();
+  const at::Tensor inputBound =
+      at::matmul(std::get<0>(xd.abs().view({-1, blocks, block}).max(2)), w.abs().view({n, blocks, block}).sum(2).t()) /
+      32512.0;
+  const at::Tensor bound = inputBound * 1.01 + (magnitude + inputBound) * ((blocks + 4) * std::ldexp(1.0, -24));
+  const at::Tensor err = (y.reshape({-1, n}).to(at::kDouble) - exact).abs();
+  EXPECT_TRUE((err <= bound).all().item<bool>()) << "worst error / bound " << (err / bound).max().item<double>();
+}
+
 // GroupedInt8Linear, called on every CPU that can run its kernel (QuantLinear uses it on Zen 4
-// only): within Σ_blocks max|x| / 32512 · Σ|w| of the exact product (the input's two int8 parts),
-// plus the fp32 rounding of the block sums, their scaling and the bias.
+// only).
 TEST(GroupedInt8Linear, IsTheDequantizedProductWithinTwoInt8PartsOfEachBlockOfTheInput) {
   if (!quant::detail::canRunAvx512VnniGemm()) GTEST_SKIP() << "this CPU has no AVX512-VNNI";
   const at::Tensor x = groupedInput(), bias = at::randn({67}), weight = at::randn({67, 384}) * 0.05f;
-  const at::Tensor xd = x.reshape({-1, 384}).to(at::kDouble);
   for (const QScheme& scheme : groupedSchemes()) {
     SCOPED_TRACE(scheme.name());
     const QParams params = quant::computeQParams(weight, scheme);
@@ -734,18 +751,7 @@ TEST(GroupedInt8Linear, IsTheDequantizedProductWithinTwoInt8PartsOfEachBlockOfTh
     const std::optional<at::Tensor> y = gemm.forward(x, bias);
     ASSERT_TRUE(y.has_value());
     EXPECT_EQ(y->sizes(), (std::vector<int64_t>{2, 41, 67}));
-    const int64_t group = scheme.scope == QScope::kPerGroup ? scheme.groupSize : 384;
-    const int64_t block = quant::detail::groupedInt8Block(group), blocks = 384 / block;
-    const at::Tensor w = exactWeight(q, params, scheme);
-    const at::Tensor exact = at::matmul(xd, w.t()) + bias.to(at::kDouble);
-    const at::Tensor magnitude = at::matmul(xd.abs(), w.abs().t()) + bias.to(at::kDouble).abs();
-    // Σ_b max_b|x| · Σ_{k ∈ b} |w|, [M, N].
-    const at::Tensor inputBound = at::matmul(std::get<0>(xd.abs().view({-1, blocks, block}).max(2)),
-                                             w.abs().view({67, blocks, block}).sum(2).t()) /
-                                  32512.0;
-    const at::Tensor bound = inputBound * 1.01 + (magnitude + inputBound) * ((blocks + 4) * std::ldexp(1.0, -24));
-    const at::Tensor err = (y->reshape({-1, 67}).to(at::kDouble) - exact).abs();
-    EXPECT_TRUE((err <= bound).all().item<bool>()) << "worst error / bound " << (err / bound).max().item<double>();
+    expectWithinTwoInt8Parts(*y, x, q, params, scheme, bias);
     EXPECT_TRUE(at::equal((*y)[0][3], bias));
     expectBitsOfRowAndColumnOnly(gemm, q, params, scheme, x, bias);
   }
@@ -794,18 +800,44 @@ TEST(GroupedBf16Linear, SupportsIntegerCodesWithEvenGroupsAndZeroPointsWithin128
   EXPECT_TRUE(GroupedBf16Linear::supports({QDtype::kInt8, QScope::kPerChannel, false, 0}, codes, edge));
 }
 
+// The kernel's edges: a single row (decoding) and rows left over from its 4-row steps, a single
+// block (its bias added after one scaling), groups of two blocks, blocks that end inside a vector
+// of 16 inputs, and outputs that end inside one.
+TEST(GroupedInt8Linear, CoversSingleRowsSingleBlocksWideGroupsAndPartialVectors) {
+  if (!quant::detail::canRunAvx512VnniGemm()) GTEST_SKIP() << "this CPU has no AVX512-VNNI";
+  at::manual_seed(15);
+  for (const auto& [scheme, k] : {std::pair{QScheme{QDtype::kInt8, QScope::kPerChannel, true, 0}, int64_t{64}},
+                                  std::pair{QScheme{QDtype::kInt4, QScope::kPerGroup, true, 192}, int64_t{384}},
+                                  std::pair{QScheme{QDtype::kInt4, QScope::kPerGroup, false, 20}, int64_t{400}}}) {
+    SCOPED_TRACE(scheme.name() + " K " + std::to_string(k));
+    const at::Tensor weight = at::randn({37, k}) * 0.05f, bias = at::randn({37});
+    const QParams params = quant::computeQParams(weight, scheme);
+    const at::Tensor q = quant::quantize(weight, params, scheme);
+    ASSERT_TRUE(GroupedInt8Linear::supports(scheme, q, params));
+    const GroupedInt8Linear gemm(q, params, scheme);
+    const at::Tensor x = at::randn({5, k});
+    const at::Tensor y = *gemm.forward(x, bias);
+    expectWithinTwoInt8Parts(y, x, q, params, scheme, bias);
+    EXPECT_TRUE(at::equal(*gemm.forward(x, at::Tensor()) + bias, y));
+    for (int64_t row = 0; row < 5; ++row) EXPECT_TRUE(at::equal(*gemm.forward(x[row], bias), y[row]));
+  }
+}
+
 // What GroupedInt8Linear takes, on any CPU: integer codes whose q − z all lie within [-128, 127],
-// or FP4 codes, with groups of a multiple of 4 that divide K.
-TEST(GroupedInt8Linear, SupportsCodesWithinAByteOfTheirZeroPointAndGroupsOfFour) {
-  const at::Tensor codes = at::zeros({4, 24}, at::kChar);
+// or FP4 codes, with groups that divide K and have a divisor of 16 to 128 that is a multiple of 4.
+TEST(GroupedInt8Linear, SupportsCodesWithinAByteOfTheirZeroPointAndBlocksOf16To128) {
+  const at::Tensor codes = at::zeros({4, 48}, at::kChar);
   const QParams none{at::ones({4, 1}), at::zeros({4, 1}, at::kInt), at::Tensor()};
   EXPECT_TRUE(GroupedInt8Linear::supports({QDtype::kInt8, QScope::kPerChannel, true, 0}, codes, none));
-  EXPECT_TRUE(GroupedInt8Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 4}, codes, none));
-  EXPECT_TRUE(GroupedInt8Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 12}, codes, none));
+  EXPECT_TRUE(GroupedInt8Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 16}, codes, none));
+  EXPECT_TRUE(GroupedInt8Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 24}, codes, none));
+  EXPECT_FALSE(GroupedInt8Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 12}, codes, none));
   EXPECT_FALSE(GroupedInt8Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 6}, codes, none));
-  EXPECT_FALSE(GroupedInt8Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 16}, codes, none));
+  EXPECT_FALSE(GroupedInt8Linear::supports({QDtype::kInt4, QScope::kPerGroup, true, 20}, codes, none));
   EXPECT_FALSE(
       GroupedInt8Linear::supports({QDtype::kInt8, QScope::kPerChannel, true, 0}, at::zeros({4, 22}, at::kChar), none));
+  EXPECT_FALSE(
+      GroupedInt8Linear::supports({QDtype::kInt8, QScope::kPerChannel, true, 0}, at::zeros({4, 12}, at::kChar), none));
   EXPECT_TRUE(
       GroupedInt8Linear::supports({QDtype::kNvfp4, QScope::kPerGroup, true, 16}, at::zeros({4, 32}, at::kByte), none));
   EXPECT_FALSE(GroupedInt8Linear::supports({QDtype::kFp8E4m3, QScope::kPerChannel, true, 0},

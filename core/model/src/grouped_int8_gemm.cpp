@@ -10,8 +10,9 @@
 // the input parts h, l stay signed:
 //   Σ h·(v + 128) = Σ h·v + 128·Σ h,
 // so T = 256·S_h + S_l − 128·(256·Σh + Σl) = Σ (256·h + l)·v, whose magnitude is at most
-// 128 · 32640 · 128 < 2³¹ for a block of 128 columns: exact in int32 even where S_h and S_l wrap.
-// The correction starts the l sums; T is scaled by s · d / 256 and added to the output in fp32.
+// 128 · 32640 · 128 < 2³¹ for a block of 128 columns; no partial sum leaves int32 either
+// (|256·S_h| ≤ 1.07e9, |S_l − 128·(256·Σh + Σl)| ≤ 5.4e8). The correction, subtracted, starts the
+// l sums; T is scaled by s · d / 256 and added to the output in fp32.
 // GCC 12.2 warns that the "undefined" register behind several AVX-512 intrinsics (_mm512_cvtepi32_ps,
 // _mm512_roundscale_ps, …) may be used uninitialized: its bug 105593, fixed in 12.3. The pragma has
 // to precede the intrinsics' header.
@@ -43,7 +44,15 @@ constexpr int64_t kMr = 4;
 // K = 1536).
 constexpr int64_t kMc = 256;
 
-constexpr int64_t kMaxBlock = 128;
+// The widest block whose sums stay within int32 (above); the narrowest worth its per-block
+// scaling step (one per 4 quads of products at 16, as NVFP4's blocks: 1.23× the fp32 GEMM in a
+// SmolLM2 eval, docs/benchmarks.md).
+constexpr int64_t kMaxBlock = 128, kMinBlock = 16;
+
+// The first n of 16 lanes (none for n ≤ 0).
+__mmask16 firstLanes(int64_t n) {
+  return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1);
+}
 
 // The split input: per row, h [K] then l [K]; per row and block, d / 256 and the correction
 // 128·(256·Σh + Σl).
@@ -55,12 +64,11 @@ struct SplitInput {
 
 [[gnu::target("avx512f,avx512bw,avx512vl")]] void splitRow(const float* x, int64_t k, int64_t block, int8_t* h,
                                                            int8_t* l, float* scales, int32_t* offsets) {
-  const auto mask = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); };
   for (int64_t b0 = 0; b0 < k; b0 += block) {
     // max_ps would drop a NaN; x · 0 keeps a NaN or an infinity as NaN in the probe's sum.
     __m512 maxAbs = _mm512_setzero_ps(), probe = _mm512_setzero_ps();
     for (int64_t j = 0; j < block; j += 16) {
-      const __m512 v = _mm512_maskz_loadu_ps(mask(block - j), x + b0 + j);
+      const __m512 v = _mm512_maskz_loadu_ps(firstLanes(block - j), x + b0 + j);
       maxAbs = _mm512_max_ps(maxAbs, _mm512_abs_ps(v));
       probe = _mm512_add_ps(probe, _mm512_mul_ps(v, _mm512_setzero_ps()));
     }
@@ -78,7 +86,7 @@ struct SplitInput {
     const __m512 dv = _mm512_set1_ps(d), lMax = _mm512_set1_ps(127.0F), two8 = _mm512_set1_ps(256.0F);
     __m512i hSum = _mm512_setzero_si512(), lSum = _mm512_setzero_si512();
     for (int64_t j = 0; j < block; j += 16) {
-      const __mmask16 mj = mask(block - j);
+      const __mmask16 mj = firstLanes(block - j);
       const __m512 t = _mm512_div_ps(_mm512_maskz_loadu_ps(mj, x + b0 + j), dv);
       const __m512 hf = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       // t − hf is exact (|t| < 128, |t − hf| ≤ 1/2), and so is its product with 256.
@@ -125,8 +133,7 @@ template <int R>
                                                                 const GroupedInt8Panels& b, const uint8_t* values,
                                                                 const float* s, const float* bias, float* c,
                                                                 int64_t ldc, int64_t cols) {
-  const auto mask = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1); };
-  const __mmask16 m0 = mask(cols), m1 = mask(cols - 16);
+  const __mmask16 m0 = firstLanes(cols), m1 = firstLanes(cols - 16);
   const int64_t block = b.block, blocks = k / block, blockQuads = block / 4;
   const int8_t* a = x.parts.data() + row * 2 * k;
   const float* d = x.scales.data() + row * blocks;
@@ -191,7 +198,7 @@ bool canRunAvx512VnniGemm() {
 
 int64_t groupedInt8Block(int64_t group) {
   if (group <= 0 || group % 4 != 0) return 0;
-  for (int64_t block = std::min(group, kMaxBlock) / 4 * 4; block >= 4; block -= 4) {
+  for (int64_t block = std::min(group, kMaxBlock) / 4 * 4; block >= kMinBlock; block -= 4) {
     if (group % block == 0) return block;
   }
   return 0;

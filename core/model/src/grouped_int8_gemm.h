@@ -11,8 +11,9 @@ namespace qpipe::quant::detail {
 bool canRunAvx512VnniGemm();
 
 // The input's block: the widest multiple of 4 that divides `group` and is at most 128, or 0 when
-// `group` is not a multiple of 4. Each block of a row has its own input scale; with at most 128
-// columns a block's int32 sum cannot overflow (grouped_int8_gemm.cpp).
+// there is none of at least 16. Each block of a row has its own input scale; with at most 128
+// columns a block's int32 sum cannot overflow, and below 16 the per-block scaling would outweigh
+// the products (grouped_int8_gemm.cpp).
 int64_t groupedInt8Block(int64_t group);
 
 // The panels avx512VnniGroupedGemm reads: integer values v [N, K] within [-128, 127] and one fp32
@@ -31,7 +32,8 @@ GroupedInt8Panels packGroupedInt8(const int8_t* values, int64_t ldv, const float
 // null), for fp32 x [M, K] (row stride ldx). x̂ is x held in two int8 parts per block of b.block
 // columns: with d = max|x| over the block / 127,
 //   x̂ = d · (h + l / 256),  h = round(x / d) ∈ [-127, 127],  l = round(256 · (x / d − h)) ∈ [-128, 127],
-// so |x − x̂| ≤ d / 256 (a tie at l = 128 is clamped to 127). Each block's Σ (256·h + l)·v is an exact
+// so |x − x̂| ≤ d / 256 plus the rounding of x / d (l = 128, where 256·(x / d − h) ≥ 127.5, is clamped
+// to 127). Each block's Σ (256·h + l)·v is an exact
 // int32; it is scaled by s · d / 256 and added to the output in block order, so an output's bits
 // depend on its row and column only. A block holding a NaN or an infinity gives NaN outputs for
 // its row; one whose d is below FLT_MIN (max|x| under about 1.5e-36) counts as zeros. M > 0.

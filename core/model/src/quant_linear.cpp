@@ -302,10 +302,8 @@ GroupedCodes groupedCodes(const at::Tensor& qweight, const quant::QParams& param
     return t.to(at::kFloat).reshape({t.numel() == 1 ? 1 : n, groups}).expand({n, groups});
   };
   const bool fp4 = quant::isFp4(scheme.dtype);
-  at::Tensor values = qweight.to(at::kFloat);
-  if (fp4) {
-    values = quant::fromFp4E2m1(qweight);
-  } else if (hasZeroPoints(params)) {
+  at::Tensor values = fp4 ? quant::fromFp4E2m1(qweight) : qweight.to(at::kFloat);
+  if (!fp4 && hasZeroPoints(params)) {
     values = (values.reshape({n, groups, group}) - perGroup(params.zeroPoint).unsqueeze(2)).reshape({n, k});
   }
   return {values, perGroup(fp4 ? quant::fp4Divisor(params, scheme.dtype) : params.scale).contiguous(), group};
@@ -316,6 +314,8 @@ template <typename Gemm>
 std::optional<at::Tensor> groupedForward(const at::Tensor& x, const at::Tensor& bias, int64_t k, int64_t n,
                                          const Gemm& gemm) {
   if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || recordsGradient(x, bias)) return std::nullopt;
+  QPIPE_CHECK(x.dim() > 0 && x.size(-1) == k, "a weight-only Linear of ", k, " inputs got an input of shape ",
+              x.sizes());
   const at::Tensor rows = x.reshape({-1, k});
   at::Tensor out = at::empty({rows.size(0), n}, x.options());
   if (rows.size(0) > 0) {
@@ -394,8 +394,8 @@ bool GroupedInt8Linear::cpuRuns() {
 GroupedInt8Linear::GroupedInt8Linear(const at::Tensor& qweight, const quant::QParams& params,
                                      const quant::QScheme& scheme) {
   QPIPE_CHECK(supports(scheme, qweight, params),
-              "GroupedInt8Linear takes int8, int4 or FP4 codes [N, K] with groups of a multiple of 4 and every q − z "
-              "within [-128, 127], got ",
+              "GroupedInt8Linear takes int8, int4 or FP4 codes [N, K] with blocks of 16 to 128 inputs dividing the "
+              "group and every q − z within [-128, 127], got ",
               qweight.sizes(), " ", qweight.scalar_type(), " of w ", scheme.name());
   const GroupedCodes codes = groupedCodes(qweight, params, scheme);
   const int64_t n = qweight.size(0), k = qweight.size(1);
@@ -408,7 +408,7 @@ GroupedInt8Linear::GroupedInt8Linear(const at::Tensor& qweight, const quant::QPa
 
 std::optional<at::Tensor> GroupedInt8Linear::forward(const at::Tensor& x, const at::Tensor& bias) const {
   return groupedForward(x, bias, panels_->k, panels_->n, [&](const at::Tensor& rows, const float* b, float* out) {
-    const at::Tensor input = rows.contiguous();
+    const at::Tensor input = rows.stride(1) == 1 ? rows : rows.contiguous();
     quant::detail::avx512VnniGroupedGemm(input.const_data_ptr<float>(), input.stride(0), input.size(0), *panels_, b,
                                          out);
   });

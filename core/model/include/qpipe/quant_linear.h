@@ -148,15 +148,15 @@ class GroupedBf16Linear {
 // |x − x̂| ≤ d/256, and
 //   y[m, n] = b[n] + Σ_blocks s[n, g] · (d / 256) · Σ_{k ∈ block} (256·h + l)[m, k] · v[n, k]
 // with every block's sum an exact int32 and the blocks added in fp32 in one order per output (its
-// bits depend on its row and column only). So y is within Σ_blocks max|x| / 32512 · Σ|w| of the
+// bits depend on its row and column only). So y is within Σ_blocks (max|x| · Σ|w|) / 32512 of the
 // exact product plus fp32 rounding: finer than a bf16 or fp16 activation for every input above
-// 2⁻⁷ (bf16) or 2⁻⁴ (fp16) of its block's largest (docs/quantization.md). Half the instructions
+// about 2⁻⁷ (bf16) or 2⁻⁴ (fp16) of its block's largest (docs/quantization.md). Half the instructions
 // of an fp32 GEMM; the weight takes 1 byte per element.
 class GroupedInt8Linear {
  public:
   // Whether the scheme, codes and parameters are ones it runs (the CPU aside): integer codes in
-  // kChar with every q − z within [-128, 127], or FP4 codes in kByte; groups of a multiple of 4
-  // inputs (quant::detail::groupedInt8Block).
+  // kChar with every q − z within [-128, 127], or FP4 codes in kByte; groups with a divisor of 16 to
+  // 128 inputs that is a multiple of 4 (quant::detail::groupedInt8Block).
   static bool supports(const quant::QScheme& weight, const at::Tensor& qweight, const quant::QParams& params);
   // Whether QuantLinear runs it on this CPU (AMD Zen 4, family 0x19, with AVX512-VNNI). The kernel
   // itself needs AVX512-VNNI: a direct caller checks quant::detail::canRunAvx512VnniGemm().
