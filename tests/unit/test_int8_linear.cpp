@@ -823,6 +823,42 @@ TEST(GroupedInt8Linear, CoversSingleRowsSingleBlocksWideGroupsAndPartialVectors)
   }
 }
 
+// Both grouped GEMMs name an input of the wrong width, and a weight they cannot run.
+TEST(GroupedInt8Linear, NamesAnInputOfTheWrongWidthAndCodesItCannotRun) {
+  const QScheme w4{QDtype::kInt4, QScope::kPerGroup, true, 64};
+  const at::Tensor weight = at::randn({8, 128});
+  const QParams params = quant::computeQParams(weight, w4);
+  const at::Tensor q = quant::quantize(weight, params, w4);
+  const auto message = [](const auto& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string wrongWidth = "a weight-only Linear of 128 inputs got an input of shape [3, 127]";
+  if (quant::detail::canRunAvx512VnniGemm()) {
+    EXPECT_NE(message([&] {
+                GroupedInt8Linear(q, params, w4).forward(at::randn({3, 127}), at::Tensor());
+              }).find(wrongWidth),
+              std::string::npos);
+  }
+  if (quant::detail::canRunAvx512Bf16Gemm()) {
+    EXPECT_NE(message([&] {
+                GroupedBf16Linear(q, params, w4).forward(at::randn({3, 127}), at::Tensor());
+              }).find(wrongWidth),
+              std::string::npos);
+  }
+  const QScheme g12{QDtype::kInt4, QScope::kPerGroup, true, 12};
+  EXPECT_NE(message([&] {
+              GroupedInt8Linear(at::zeros({8, 48}, at::kChar), params, g12);
+            })
+                .find("GroupedInt8Linear takes int8, int4 or FP4 codes [N, K] with blocks of 16 to 128 inputs dividing "
+                      "the group and every q − z within [-128, 127], got [8, 48] Char of w int4_per_group_sym"),
+            std::string::npos);
+}
+
 // What GroupedInt8Linear takes, on any CPU: integer codes whose q − z all lie within [-128, 127],
 // or FP4 codes, with groups that divide K and have a divisor of 16 to 128 that is a multiple of 4.
 TEST(GroupedInt8Linear, SupportsCodesWithinAByteOfTheirZeroPointAndBlocksOf16To128) {
