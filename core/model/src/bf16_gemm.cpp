@@ -17,6 +17,8 @@
 #include <cstring>
 #include <vector>
 
+#include "panel_rows.h"
+
 namespace qpipe::quant::detail {
 
 namespace {
@@ -76,8 +78,7 @@ template <int R>
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b1, av);
     }
   }
-  const auto mask = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1); };
-  const __mmask16 m0 = mask(cols), m1 = mask(cols - 16);
+  const __mmask16 m0 = firstLanes(cols), m1 = firstLanes(cols - 16);
   for (int r = 0; r < R; ++r) {
     float* out = c + r * ldc;
     if (accumulate) {
@@ -120,8 +121,7 @@ template <int R>
 [[gnu::target("avx512f,avx512bf16")]] void groupedMicroKernel(const uint16_t* a, int64_t lda, int64_t k, int64_t group,
                                                               const uint16_t* b, const float* s, const float* bias,
                                                               float* c, int64_t ldc, int64_t cols) {
-  const auto mask = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1); };
-  const __mmask16 m0 = mask(cols), m1 = mask(cols - 16);
+  const __mmask16 m0 = firstLanes(cols), m1 = firstLanes(cols - 16);
   const int64_t groupPairs = group / 2;
   for (int64_t g0 = 0; g0 < k / 2; g0 += groupPairs) {
     __m512 hi[R][2], lo[R][2];
@@ -141,16 +141,8 @@ template <int R>
     const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
     const bool last = g0 + groupPairs >= k / 2;
     for (int r = 0; r < R; ++r) {
-      float* out = c + r * ldc;
-      __m512 y0 = _mm512_add_ps(hi[r][0], lo[r][0]), y1 = _mm512_add_ps(hi[r][1], lo[r][1]);
-      y0 = g0 == 0 ? _mm512_mul_ps(y0, s0) : _mm512_fmadd_ps(y0, s0, _mm512_maskz_loadu_ps(m0, out));
-      y1 = g0 == 0 ? _mm512_mul_ps(y1, s1) : _mm512_fmadd_ps(y1, s1, _mm512_maskz_loadu_ps(m1, out + 16));
-      if (last && bias != nullptr) {
-        y0 = _mm512_add_ps(y0, _mm512_maskz_loadu_ps(m0, bias));
-        y1 = _mm512_add_ps(y1, _mm512_maskz_loadu_ps(m1, bias + 16));
-      }
-      _mm512_mask_storeu_ps(out, m0, y0);
-      _mm512_mask_storeu_ps(out + 16, m1, y1);
+      addGroupToRow(c + r * ldc, _mm512_add_ps(hi[r][0], lo[r][0]), _mm512_add_ps(hi[r][1], lo[r][1]), s0, s1, g0 == 0,
+                    last, bias, m0, m1);
     }
   }
 }

@@ -28,6 +28,8 @@
 #include <cstring>
 #include <limits>
 
+#include "panel_rows.h"
+
 namespace qpipe::quant::detail {
 
 namespace {
@@ -48,11 +50,6 @@ constexpr int64_t kMc = 256;
 // scaling step (one per 4 quads of products at 16, as NVFP4's blocks: 1.23× the fp32 GEMM in a
 // SmolLM2 eval, docs/benchmarks.md).
 constexpr int64_t kMaxBlock = 128, kMinBlock = 16;
-
-// The first n of 16 lanes (none for n ≤ 0).
-__mmask16 firstLanes(int64_t n) {
-  return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1);
-}
 
 // The split input: per row, h [K] then l [K]; per row and block, d / 256 and the correction
 // 128·(256·Σh + Σl).
@@ -159,19 +156,10 @@ template <int R>
     const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
     const bool last = i + 1 == blocks;
     for (int r = 0; r < R; ++r) {
-      float* out = c + r * ldc;
       const __m512 dr = _mm512_set1_ps(d[r * blocks + i]);
       const __m512 t0 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hs[r][0], 8), ls[r][0]));
       const __m512 t1 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hs[r][1], 8), ls[r][1]));
-      __m512 y0 = _mm512_mul_ps(s0, dr), y1 = _mm512_mul_ps(s1, dr);
-      y0 = i == 0 ? _mm512_mul_ps(t0, y0) : _mm512_fmadd_ps(t0, y0, _mm512_maskz_loadu_ps(m0, out));
-      y1 = i == 0 ? _mm512_mul_ps(t1, y1) : _mm512_fmadd_ps(t1, y1, _mm512_maskz_loadu_ps(m1, out + 16));
-      if (last && bias != nullptr) {
-        y0 = _mm512_add_ps(y0, _mm512_maskz_loadu_ps(m0, bias));
-        y1 = _mm512_add_ps(y1, _mm512_maskz_loadu_ps(m1, bias + 16));
-      }
-      _mm512_mask_storeu_ps(out, m0, y0);
-      _mm512_mask_storeu_ps(out + 16, m1, y1);
+      addGroupToRow(c + r * ldc, t0, t1, _mm512_mul_ps(s0, dr), _mm512_mul_ps(s1, dr), i == 0, last, bias, m0, m1);
     }
   }
 }
