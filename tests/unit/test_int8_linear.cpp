@@ -859,6 +859,60 @@ TEST(GroupedInt8Linear, NamesAnInputOfTheWrongWidthAndCodesItCannotRun) {
             std::string::npos);
 }
 
+// Fp4Linear, called on every CPU that can run its kernel (QuantLinear uses it on AMD Zen 4 and
+// later): fake quantization's real numbers, within the fp32 rounding of the block sums, their
+// scaling and the bias; an output's bits independent of the thread count and of the rows around it.
+TEST(Fp4Linear, IsFakeQuantizationsProductWithExactBlockSums) {
+  if (!quant::detail::canRunAvx512VnniGemm()) GTEST_SKIP() << "this CPU has no AVX512-VNNI";
+  const at::Tensor x = groupedInput(), bias = at::randn({67}), weight = at::randn({67, 384}) * 0.05f;
+  for (const QScheme& scheme : {QScheme{QDtype::kNvfp4, QScope::kPerGroup, true, quant::kNvfp4GroupSize},
+                                QScheme{QDtype::kMxfp4, QScope::kPerGroup, true, quant::kMxfp4GroupSize}}) {
+    SCOPED_TRACE(scheme.name());
+    const QParams params = quant::computeQParams(weight, scheme);
+    const at::Tensor q = quant::quantize(weight, params, scheme);
+    ActivationQuant input{scheme, {}};
+    if (scheme.dtype == QDtype::kNvfp4) input.params.globalScale = quant::nvfp4GlobalScale(x.abs().amax() * 0.5);
+    ASSERT_TRUE(Fp4Linear::supports(scheme, q, input));
+    const Fp4Linear gemm(q, params, scheme, input);
+    const at::Tensor y = *gemm.forward(x, bias);
+    EXPECT_EQ(y.sizes(), (std::vector<int64_t>{2, 41, 67}));
+    const at::Tensor xq = input.apply(x).reshape({-1, 384}).to(at::kDouble);
+    const at::Tensor w = quant::dequantize(q, params, scheme).to(at::kDouble);
+    const at::Tensor exact = at::matmul(xq, w.t()) + bias.to(at::kDouble);
+    const at::Tensor magnitude = at::matmul(xq.abs(), w.abs().t()) + bias.to(at::kDouble).abs();
+    const at::Tensor err = (y.reshape({-1, 67}).to(at::kDouble) - exact).abs();
+    const at::Tensor bound = magnitude * ((384 / scheme.groupSize + 4) * std::ldexp(1.0, -24));
+    EXPECT_TRUE((err <= bound).all().item<bool>()) << "worst error / bound " << (err / bound).max().item<double>();
+    EXPECT_TRUE(at::equal(onOneThread([&] { return *gemm.forward(x, bias); }), y));
+    EXPECT_TRUE(at::equal(*gemm.forward(x.slice(1, 2, 9), bias), y.slice(1, 2, 9)));
+    EXPECT_TRUE(at::equal(*gemm.forward(x, at::Tensor()) + bias, y));
+    EXPECT_FALSE(gemm.forward(x.clone().requires_grad_(), bias));
+    // Which formats it pairs: the weight's own, with its group size.
+    const QScheme other{scheme.dtype == QDtype::kNvfp4 ? QDtype::kMxfp4 : QDtype::kNvfp4, QScope::kPerGroup, true,
+                        scheme.dtype == QDtype::kNvfp4 ? quant::kMxfp4GroupSize : quant::kNvfp4GroupSize};
+    EXPECT_FALSE(Fp4Linear::supports(scheme, q, ActivationQuant{other, {}}));
+    EXPECT_FALSE(Fp4Linear::supports(scheme, q, std::nullopt));
+    EXPECT_FALSE(Fp4Linear::supports(QScheme{QDtype::kInt4, QScope::kPerGroup, true, scheme.groupSize},
+                                     at::zeros({67, 384}, at::kChar), input));
+  }
+}
+
+// A W4A4 MXFP4 QuantLinear runs Fp4Linear where the CPU does, fake quantization elsewhere.
+TEST(QuantLinear, W4a4Fp4RunsFp4LinearOnAmdWithVnniAndFakeQuantizationElsewhere) {
+  at::manual_seed(16);
+  Linear linear(at::randn({48, 256}) * 0.05f, at::randn({48}));
+  const QScheme mx{QDtype::kMxfp4, QScope::kPerGroup, true, quant::kMxfp4GroupSize};
+  const QParams params = quant::computeQParams(linear.weight(), mx);
+  const ActivationQuant input{mx, {}};
+  const auto deployed = QuantLinear::fromLinear(linear, params, mx, input);
+  const at::Tensor x = at::randn({3, 17, 256});
+  const at::Tensor expected =
+      Fp4Linear::cpuRuns()
+          ? *Fp4Linear(deployed->parameter("weight"), deployed->weightParams(), mx, input).forward(x, linear.bias())
+          : at::linear(input.apply(x), deployed->dequantizedWeight(), linear.bias());
+  EXPECT_TRUE(at::equal(deployed->forward(x), expected));
+}
+
 // What GroupedInt8Linear takes, on any CPU: integer codes whose q − z all lie within [-128, 127],
 // or FP4 codes, with groups that divide K and have a divisor of 16 to 128 that is a multiple of 4.
 TEST(GroupedInt8Linear, SupportsCodesWithinAByteOfTheirZeroPointAndBlocksOf16To128) {

@@ -241,6 +241,23 @@ TEST(QuantFp4, TheOnePassActivationKernelGivesTheTensorOpsBits) {
     const at::Tensor expected =
         fakeQuantize(x, nv ? computeQParams(x, scheme, global) : computeQParams(x, scheme), scheme);
     EXPECT_TRUE(at::equal(fakeQuantizeFp4Dynamic(x, scheme, nv ? global : at::Tensor()), expected));
+    // The same numbers as integer codes (twice the E2M1 value) and half divisors, exactly.
+    const Fp4Codes codes = fp4CodesDynamic(x.reshape({21, 256}), scheme, nv ? global : at::Tensor());
+    EXPECT_EQ(codes.codes.scalar_type(), at::kChar);
+    EXPECT_LE(codes.codes.abs().max().item<int>(), 12);
+    const at::Tensor product =
+        (codes.codes.to(at::kFloat).view({21, -1, scheme.groupSize}) * codes.halfDivisors.unsqueeze(2))
+            .view({3, 7, 256});
+    EXPECT_TRUE(at::equal(product, expected));
+  }
+  try {
+    fp4CodesDynamic(x, kMxfp4);
+    ADD_FAILURE() << "a 3-D input";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("fp4CodesDynamic takes fp32 CPU x [M, K] with K a multiple of the group, got "
+                                         "[3, 7, 256] Float of mxfp4_per_group_sym"),
+              std::string::npos)
+        << e.what();
   }
 }
 

@@ -51,14 +51,6 @@ constexpr int64_t kMc = 256;
 // SmolLM2 eval, docs/benchmarks.md).
 constexpr int64_t kMaxBlock = 128, kMinBlock = 16;
 
-// The split input: per row, h [K] then l [K]; per row and block, d / 256 and the correction
-// 128·(256·Σh + Σl).
-struct SplitInput {
-  std::vector<int8_t> parts;
-  std::vector<float> scales;
-  std::vector<int32_t> offsets;
-};
-
 [[gnu::target("avx512f,avx512bw,avx512vl")]] void splitRow(const float* x, int64_t k, int64_t block, int8_t* h,
                                                            int8_t* l, float* scales, int32_t* offsets) {
   for (int64_t b0 = 0; b0 < k; b0 += block) {
@@ -101,21 +93,6 @@ struct SplitInput {
   }
 }
 
-SplitInput splitInput(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block) {
-  const int64_t blocks = k / block;
-  SplitInput split{std::vector<int8_t>(static_cast<size_t>(m * 2 * k)),
-                   std::vector<float>(static_cast<size_t>(m * blocks)),
-                   std::vector<int32_t>(static_cast<size_t>(m * blocks))};
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      int8_t* row = split.parts.data() + r * 2 * k;
-      splitRow(x + r * ldx, k, block, row, row + k, split.scales.data() + r * blocks,
-               split.offsets.data() + r * blocks);
-    }
-  });
-  return split;
-}
-
 // The four input bytes at `p` in every 32-bit lane, as vpdpbusd's signed operand.
 [[gnu::target("avx512f"), gnu::always_inline]] inline __m512i broadcastQuad(const int8_t* p) {
   int32_t bits;
@@ -123,33 +100,39 @@ SplitInput splitInput(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t
   return _mm512_set1_epi32(bits);
 }
 
-// c[0..R)[0..32) = Σ_blocks s[g] · (d/256)[r] · T[r] (+ bias), for the R rows of the split input at
-// `row`. Only the first `cols` columns of c are written.
-template <int R>
-[[gnu::target("avx512f,avx512bw,avx512vnni")]] void microKernel(const SplitInput& x, int64_t row, int64_t k,
+// c[0..R)[0..32) = Σ_blocks s[g] · scale[r] · T[r] (+ bias), for the R rows of the input at `row`
+// (T = 256·S_h + S_l, or S_h for one part, each less its correction). Only the first `cols`
+// columns of c are written.
+template <int R, int Parts>
+[[gnu::target("avx512f,avx512bw,avx512vnni")]] void microKernel(const GroupedInt8Input& x, int64_t row, int64_t k,
                                                                 const GroupedInt8Panels& b, const uint8_t* values,
                                                                 const float* s, const float* bias, float* c,
                                                                 int64_t ldc, int64_t cols) {
   const __mmask16 m0 = firstLanes(cols), m1 = firstLanes(cols - 16);
   const int64_t block = b.block, blocks = k / block, blockQuads = block / 4;
-  const int8_t* a = x.parts.data() + row * 2 * k;
+  const int8_t* a = x.parts.data() + row * Parts * k;
   const float* d = x.scales.data() + row * blocks;
   const int32_t* off = x.offsets.data() + row * blocks;
   for (int64_t i = 0; i < blocks; ++i) {
+    // With two parts the correction starts the l sums, with one the h sums.
     __m512i hs[R][2], ls[R][2];
     for (int r = 0; r < R; ++r) {
-      hs[r][0] = hs[r][1] = _mm512_setzero_si512();
-      ls[r][0] = ls[r][1] = _mm512_set1_epi32(-off[r * blocks + i]);
+      const __m512i start = _mm512_set1_epi32(-off[r * blocks + i]);
+      hs[r][0] = hs[r][1] = Parts == 2 ? _mm512_setzero_si512() : start;
+      if constexpr (Parts == 2) ls[r][0] = ls[r][1] = start;
     }
     for (int64_t p = i * blockQuads; p < (i + 1) * blockQuads; ++p) {
       const __m512i w0 = _mm512_loadu_si512(values + p * kNr * 4);
       const __m512i w1 = _mm512_loadu_si512(values + p * kNr * 4 + 64);
       for (int r = 0; r < R; ++r) {
-        const __m512i ah = broadcastQuad(a + r * 2 * k + 4 * p), al = broadcastQuad(a + r * 2 * k + k + 4 * p);
+        const __m512i ah = broadcastQuad(a + r * Parts * k + 4 * p);
         hs[r][0] = _mm512_dpbusd_epi32(hs[r][0], w0, ah);
         hs[r][1] = _mm512_dpbusd_epi32(hs[r][1], w1, ah);
-        ls[r][0] = _mm512_dpbusd_epi32(ls[r][0], w0, al);
-        ls[r][1] = _mm512_dpbusd_epi32(ls[r][1], w1, al);
+        if constexpr (Parts == 2) {
+          const __m512i al = broadcastQuad(a + r * 2 * k + k + 4 * p);
+          ls[r][0] = _mm512_dpbusd_epi32(ls[r][0], w0, al);
+          ls[r][1] = _mm512_dpbusd_epi32(ls[r][1], w1, al);
+        }
       }
     }
     const float* scale = s + (i * block / b.group) * kNr;
@@ -157,23 +140,53 @@ template <int R>
     const bool last = i + 1 == blocks;
     for (int r = 0; r < R; ++r) {
       const __m512 dr = _mm512_set1_ps(d[r * blocks + i]);
-      const __m512 t0 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hs[r][0], 8), ls[r][0]));
-      const __m512 t1 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hs[r][1], 8), ls[r][1]));
+      __m512i sum0 = hs[r][0], sum1 = hs[r][1];
+      if constexpr (Parts == 2) {
+        sum0 = _mm512_add_epi32(_mm512_slli_epi32(sum0, 8), ls[r][0]);
+        sum1 = _mm512_add_epi32(_mm512_slli_epi32(sum1, 8), ls[r][1]);
+      }
+      const __m512 t0 = _mm512_cvtepi32_ps(sum0), t1 = _mm512_cvtepi32_ps(sum1);
       addGroupToRow(c + r * ldc, t0, t1, _mm512_mul_ps(s0, dr), _mm512_mul_ps(s1, dr), i == 0, last, bias, m0, m1);
     }
   }
 }
 
-// microKernel<rows> for 1 ≤ rows ≤ R.
-template <int R>
-[[gnu::target("avx512f,avx512bw,avx512vnni")]] void tailRows(int64_t rows, const SplitInput& x, int64_t row, int64_t k,
-                                                             const GroupedInt8Panels& b, const uint8_t* values,
-                                                             const float* s, const float* bias, float* c, int64_t ldc,
-                                                             int64_t cols) {
+// microKernel<rows, Parts> for 1 ≤ rows ≤ R.
+template <int R, int Parts>
+[[gnu::target("avx512f,avx512bw,avx512vnni")]] void tailRows(int64_t rows, const GroupedInt8Input& x, int64_t row,
+                                                             int64_t k, const GroupedInt8Panels& b,
+                                                             const uint8_t* values, const float* s, const float* bias,
+                                                             float* c, int64_t ldc, int64_t cols) {
   if constexpr (R > 1) {
-    if (rows < R) return tailRows<R - 1>(rows, x, row, k, b, values, s, bias, c, ldc, cols);
+    if (rows < R) return tailRows<R - 1, Parts>(rows, x, row, k, b, values, s, bias, c, ldc, cols);
   }
-  microKernel<R>(x, row, k, b, values, s, bias, c, ldc, cols);
+  microKernel<R, Parts>(x, row, k, b, values, s, bias, c, ldc, cols);
+}
+
+// The GEMM over the input's `Parts` parts: each thread takes whole panels and runs them over every
+// row, kMc rows at a time.
+template <int Parts>
+void gemmParts(const GroupedInt8Input& x, const GroupedInt8Panels& b, const float* bias, float* c) {
+  const int64_t m = x.m, n = b.n, k = b.k, panels = (n + kNr - 1) / kNr;
+  const int64_t valuesSize = (k / 4) * kNr * 4, scalesSize = (k / b.group) * kNr;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i0 = 0; i0 < m; i0 += kMc) {
+      for (int64_t panel = begin; panel < end; ++panel) {
+        const uint8_t* values = b.values.data() + panel * valuesSize;
+        const float* scales = b.scales.data() + panel * scalesSize;
+        const float* panelBias = bias == nullptr ? nullptr : bias + panel * kNr;
+        const int64_t rows = std::min(kMc, m - i0), cols = n - panel * kNr;
+        float* out = c + i0 * n + panel * kNr;
+        int64_t r = 0;
+        for (; r + kMr <= rows; r += kMr) {
+          microKernel<kMr, Parts>(x, i0 + r, k, b, values, scales, panelBias, out + r * n, n, cols);
+        }
+        if (r < rows) {
+          tailRows<kMr - 1, Parts>(rows - r, x, i0 + r, k, b, values, scales, panelBias, out + r * n, n, cols);
+        }
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -220,27 +233,51 @@ GroupedInt8Panels packGroupedInt8(const int8_t* values, int64_t ldv, const float
   return packed;
 }
 
-void avx512VnniGroupedGemm(const float* x, int64_t ldx, int64_t m, const GroupedInt8Panels& b, const float* bias,
-                           float* c) {
-  const int64_t n = b.n, k = b.k, panels = (n + kNr - 1) / kNr;
-  const SplitInput split = splitInput(x, ldx, m, k, b.block);
-  const int64_t valuesSize = (k / 4) * kNr * 4, scalesSize = (k / b.group) * kNr;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i0 = 0; i0 < m; i0 += kMc) {
-      for (int64_t panel = begin; panel < end; ++panel) {
-        const uint8_t* values = b.values.data() + panel * valuesSize;
-        const float* scales = b.scales.data() + panel * scalesSize;
-        const float* panelBias = bias == nullptr ? nullptr : bias + panel * kNr;
-        const int64_t rows = std::min(kMc, m - i0), cols = n - panel * kNr;
-        float* out = c + i0 * n + panel * kNr;
-        int64_t r = 0;
-        for (; r + kMr <= rows; r += kMr) {
-          microKernel<kMr>(split, i0 + r, k, b, values, scales, panelBias, out + r * n, n, cols);
-        }
-        if (r < rows) tailRows<kMr - 1>(rows - r, split, i0 + r, k, b, values, scales, panelBias, out + r * n, n, cols);
+GroupedInt8Input splitGroupedInt8(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block) {
+  const int64_t blocks = k / block;
+  GroupedInt8Input split{std::vector<int8_t>(static_cast<size_t>(m * 2 * k)),
+                         std::vector<float>(static_cast<size_t>(m * blocks)),
+                         std::vector<int32_t>(static_cast<size_t>(m * blocks)),
+                         m,
+                         k,
+                         block,
+                         2};
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int8_t* row = split.parts.data() + r * 2 * k;
+      splitRow(x + r * ldx, k, block, row, row + k, split.scales.data() + r * blocks,
+               split.offsets.data() + r * blocks);
+    }
+  });
+  return split;
+}
+
+GroupedInt8Input groupedInt8Codes(const int8_t* codes, int64_t ldc, const float* scales, int64_t m, int64_t k,
+                                  int64_t block) {
+  const int64_t blocks = k / block;
+  GroupedInt8Input input{std::vector<int8_t>(static_cast<size_t>(m * k)),
+                         std::vector<float>(scales, scales + m * blocks),
+                         std::vector<int32_t>(static_cast<size_t>(m * blocks)),
+                         m,
+                         k,
+                         block,
+                         1};
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      std::memcpy(input.parts.data() + r * k, codes + r * ldc, static_cast<size_t>(k));
+      for (int64_t i = 0; i < blocks; ++i) {
+        int32_t sum = 0;
+        for (int64_t j = i * block; j < (i + 1) * block; ++j) sum += codes[r * ldc + j];
+        input.offsets[r * blocks + i] = 128 * sum;
       }
     }
   });
+  return input;
+}
+
+void avx512VnniGroupedGemm(const GroupedInt8Input& x, const GroupedInt8Panels& b, const float* bias, float* c) {
+  if (x.count == 2) return gemmParts<2>(x, b, bias, c);
+  gemmParts<1>(x, b, bias, c);
 }
 
 }  // namespace qpipe::quant::detail

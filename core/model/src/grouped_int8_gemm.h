@@ -28,16 +28,34 @@ struct GroupedInt8Panels {
 GroupedInt8Panels packGroupedInt8(const int8_t* values, int64_t ldv, const float* scales, int64_t lds, int64_t n,
                                   int64_t k, int64_t group);
 
-// c [M, N] (row stride N) = Σ_g s[n, g] · Σ_{k ∈ g} x̂[m, k] · v[n, k] (+ bias[n] when bias is not
-// null), for fp32 x [M, K] (row stride ldx). x̂ is x held in two int8 parts per block of b.block
-// columns: with d = max|x| over the block / 127,
+// An input for avx512VnniGroupedGemm: per row its `count` int8 parts of K, side by side; per row and
+// block of `block` columns the scale of one unit of the combined part and the correction
+// 128·Σ(combined part), which the kernel subtracts for the weight's +128.
+struct GroupedInt8Input {
+  std::vector<int8_t> parts;
+  std::vector<float> scales;
+  std::vector<int32_t> offsets;
+  int64_t m = 0, k = 0, block = 0;
+  int count = 2;
+};
+
+// fp32 x [M, K] (row stride ldx) in two int8 parts per block: with d = max|x| over the block / 127,
 //   x̂ = d · (h + l / 256),  h = round(x / d) ∈ [-127, 127],  l = round(256 · (x / d − h)) ∈ [-128, 127],
 // so |x − x̂| ≤ d / 256 plus the rounding of x / d (l = 128, where 256·(x / d − h) ≥ 127.5, is clamped
-// to 127). Each block's Σ (256·h + l)·v is an exact
-// int32; it is scaled by s · d / 256 and added to the output in block order, so an output's bits
-// depend on its row and column only. A block holding a NaN or an infinity gives NaN outputs for
-// its row; one whose d is below FLT_MIN (max|x| under about 1.5e-36) counts as zeros. M > 0.
-void avx512VnniGroupedGemm(const float* x, int64_t ldx, int64_t m, const GroupedInt8Panels& b, const float* bias,
-                           float* c);
+// to 127). The combined part is 256·h + l, its unit d / 256. A block holding a NaN or an infinity
+// gets a NaN scale (NaN outputs for its row); one whose d is below FLT_MIN (max|x| under about
+// 1.5e-36) counts as zeros.
+GroupedInt8Input splitGroupedInt8(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block);
+// Integer codes [M, K] (row stride ldc) within [-127, 127], each block's unit scales[m, block]
+// (contiguous [M, K / block]): an input already quantized, one part.
+GroupedInt8Input groupedInt8Codes(const int8_t* codes, int64_t ldc, const float* scales, int64_t m, int64_t k,
+                                  int64_t block);
+
+// c [M, N] (row stride N) = Σ_blocks s[n, g] · unit[m, block] · Σ_{k ∈ block} part[m, k] · v[n, k]
+// (+ bias[n] when bias is not null), part the input's combined part, with x.block == b.block and
+// x.k == b.k. Each block's sum is an exact int32 (|part| ≤ 32640 and a block of at most 128: below
+// 2³¹); it is scaled and added to the output in block order, so an output's bits depend on its row
+// and column only. M > 0.
+void avx512VnniGroupedGemm(const GroupedInt8Input& x, const GroupedInt8Panels& b, const float* bias, float* c);
 
 }  // namespace qpipe::quant::detail

@@ -1089,6 +1089,15 @@ inline float e2m1Value(float u) {
   return std::signbit(u) ? -kE2m1Values[index] : kE2m1Values[index];
 }
 
+// Twice e2m1Value(u), as an integer: its thresholds, each adding the grid's step there (1 up to
+// 4, then 2, 2 and 4), with no table to look up, so a block's loop vectorizes.
+inline int32_t e2m1Code(float u) {
+  const float a = std::abs(u);
+  const int32_t code =
+      (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + 2 * (a > 2.5f) + 2 * (a >= 3.5f) + 4 * (a > 5.0f);
+  return std::signbit(u) ? -code : code;
+}
+
 // One block's divisor from its absmax: NVFP4's E4M3(clamp(global · (absmax / 6))) (0.125 for
 // a zero block) over global, MXFP4's power of two (mxfp4Scale's arithmetic on the fp32 bits).
 inline float fp4Divisor(float absmax, QDtype dtype, float global) {
@@ -1105,20 +1114,16 @@ inline float fp4Divisor(float absmax, QDtype dtype, float global) {
 
 }  // namespace
 
-at::Tensor fakeQuantizeFp4Dynamic(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale) {
-  QPIPE_CHECK(isFp4(scheme.dtype) && scheme.scope == QScope::kPerGroup, "fakeQuantizeFp4Dynamic of ", scheme.name());
-  const bool nvfp4 = scheme.dtype == QDtype::kNvfp4;
+namespace {
+
+// visit(b, v, divisor) for each block b of `group` inputs v of an fp32 CPU x, in parallel, with the
+// block's FP4 divisor (computeQParams' arithmetic on its absmax).
+template <typename Visit>
+void forEachFp4Block(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale, const Visit& visit) {
+  const float global = scheme.dtype == QDtype::kNvfp4 ? globalScale.to(at::kFloat).item<float>() : 1.0f;
   const int64_t group = scheme.groupSize;
-  if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || x.dim() == 0 || x.size(-1) % group != 0) {
-    const QParams params = nvfp4 ? computeQParams(x, scheme, globalScale) : computeQParams(x, scheme);
-    return fakeQuantize(x, params, scheme);
-  }
-  const float global = nvfp4 ? globalScale.to(at::kFloat).item<float>() : 1.0f;
-  const at::Tensor input = x.contiguous();
-  at::Tensor out = at::empty_like(input);
-  const float* in = input.const_data_ptr<float>();
-  float* o = out.mutable_data_ptr<float>();
-  at::parallel_for(0, input.numel() / group, std::max<int64_t>(1, 16384 / group), [&](int64_t begin, int64_t end) {
+  const float* in = x.const_data_ptr<float>();
+  at::parallel_for(0, x.numel() / group, std::max<int64_t>(1, 16384 / group), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const float* v = in + b * group;
       float lo = 0.0f, hi = 0.0f;
@@ -1126,9 +1131,44 @@ at::Tensor fakeQuantizeFp4Dynamic(const at::Tensor& x, const QScheme& scheme, co
         lo = std::min(lo, v[i]);
         hi = std::max(hi, v[i]);
       }
-      const float divisor = fp4Divisor(std::max(-lo, hi), scheme.dtype, global);
-      for (int64_t i = 0; i < group; ++i) o[b * group + i] = e2m1Value(v[i] / divisor) * divisor;
+      visit(b, v, fp4Divisor(std::max(-lo, hi), scheme.dtype, global));
     }
+  });
+}
+
+}  // namespace
+
+at::Tensor fakeQuantizeFp4Dynamic(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale) {
+  QPIPE_CHECK(isFp4(scheme.dtype) && scheme.scope == QScope::kPerGroup, "fakeQuantizeFp4Dynamic of ", scheme.name());
+  const int64_t group = scheme.groupSize;
+  if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || x.dim() == 0 || x.size(-1) % group != 0) {
+    const QParams params =
+        scheme.dtype == QDtype::kNvfp4 ? computeQParams(x, scheme, globalScale) : computeQParams(x, scheme);
+    return fakeQuantize(x, params, scheme);
+  }
+  const at::Tensor input = x.contiguous();
+  at::Tensor out = at::empty_like(input);
+  float* o = out.mutable_data_ptr<float>();
+  forEachFp4Block(input, scheme, globalScale, [&](int64_t b, const float* v, float divisor) {
+    for (int64_t i = 0; i < group; ++i) o[b * group + i] = e2m1Value(v[i] / divisor) * divisor;
+  });
+  return out;
+}
+
+Fp4Codes fp4CodesDynamic(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale) {
+  const int64_t group = scheme.groupSize;
+  QPIPE_CHECK(isFp4(scheme.dtype) && scheme.scope == QScope::kPerGroup && x.scalar_type() == at::kFloat &&
+                  x.device().is_cpu() && x.dim() == 2 && x.size(1) % group == 0,
+              "fp4CodesDynamic takes fp32 CPU x [M, K] with K a multiple of the group, got ", x.sizes(), " ",
+              x.scalar_type(), " of ", scheme.name());
+  const at::Tensor input = x.contiguous();
+  Fp4Codes out{at::empty(input.sizes(), x.options().dtype(at::kChar)),
+               at::empty({input.size(0), input.size(1) / group}, x.options())};
+  int8_t* codes = out.codes.mutable_data_ptr<int8_t>();
+  float* halves = out.halfDivisors.mutable_data_ptr<float>();
+  forEachFp4Block(input, scheme, globalScale, [&](int64_t b, const float* v, float divisor) {
+    for (int64_t i = 0; i < group; ++i) codes[b * group + i] = static_cast<int8_t>(e2m1Code(v[i] / divisor));
+    halves[b] = divisor * 0.5f;
   });
   return out;
 }

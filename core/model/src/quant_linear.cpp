@@ -325,6 +325,19 @@ std::optional<at::Tensor> groupedForward(const at::Tensor& x, const at::Tensor& 
   return shapedAs(x, out, n);
 }
 
+// The int8 GEMM's panels of integer or FP4 codes: FP4's E2M1 values doubled, with half the scale.
+std::shared_ptr<const quant::detail::GroupedInt8Panels> int8Panels(const at::Tensor& qweight,
+                                                                   const quant::QParams& params,
+                                                                   const quant::QScheme& scheme) {
+  const GroupedCodes codes = groupedCodes(qweight, params, scheme);
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  const bool fp4 = quant::isFp4(scheme.dtype);
+  const at::Tensor values = (fp4 ? codes.values * 2 : codes.values).to(at::kChar).contiguous();
+  const at::Tensor scales = fp4 ? (codes.scales * 0.5).contiguous() : codes.scales;
+  return std::make_shared<const quant::detail::GroupedInt8Panels>(quant::detail::packGroupedInt8(
+      values.const_data_ptr<int8_t>(), k, scales.const_data_ptr<float>(), k / codes.group, n, k, codes.group));
+}
+
 // The family in CPUID leaf 1: Zen 4 is 0x19, Zen 5 0x1A; 0 off AMD.
 unsigned amdFamily() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
@@ -397,20 +410,48 @@ GroupedInt8Linear::GroupedInt8Linear(const at::Tensor& qweight, const quant::QPa
               "GroupedInt8Linear takes int8, int4 or FP4 codes [N, K] with blocks of 16 to 128 inputs dividing the "
               "group and every q − z within [-128, 127], got ",
               qweight.sizes(), " ", qweight.scalar_type(), " of w ", scheme.name());
-  const GroupedCodes codes = groupedCodes(qweight, params, scheme);
-  const int64_t n = qweight.size(0), k = qweight.size(1);
-  const bool fp4 = quant::isFp4(scheme.dtype);
-  const at::Tensor values = (fp4 ? codes.values * 2 : codes.values).to(at::kChar).contiguous();
-  const at::Tensor scales = fp4 ? (codes.scales * 0.5).contiguous() : codes.scales;
-  panels_ = std::make_shared<const quant::detail::GroupedInt8Panels>(quant::detail::packGroupedInt8(
-      values.const_data_ptr<int8_t>(), k, scales.const_data_ptr<float>(), k / codes.group, n, k, codes.group));
+  panels_ = int8Panels(qweight, params, scheme);
 }
 
 std::optional<at::Tensor> GroupedInt8Linear::forward(const at::Tensor& x, const at::Tensor& bias) const {
   return groupedForward(x, bias, panels_->k, panels_->n, [&](const at::Tensor& rows, const float* b, float* out) {
     const at::Tensor input = rows.stride(1) == 1 ? rows : rows.contiguous();
-    quant::detail::avx512VnniGroupedGemm(input.const_data_ptr<float>(), input.stride(0), input.size(0), *panels_, b,
-                                         out);
+    quant::detail::avx512VnniGroupedGemm(quant::detail::splitGroupedInt8(input.const_data_ptr<float>(), input.stride(0),
+                                                                         input.size(0), panels_->k, panels_->block),
+                                         *panels_, b, out);
+  });
+}
+
+bool Fp4Linear::supports(const quant::QScheme& weight, const at::Tensor& qweight,
+                         const std::optional<ActivationQuant>& input) {
+  return quant::isFp4(weight.dtype) && input && input->scheme.dtype == weight.dtype &&
+         input->scheme.scope == quant::QScope::kPerGroup && input->scheme.groupSize == weight.groupSize &&
+         codesGroup(weight, qweight) == weight.groupSize &&
+         quant::detail::groupedInt8Block(weight.groupSize) == weight.groupSize;
+}
+
+bool Fp4Linear::cpuRuns() {
+  static const bool runs = quant::detail::canRunAvx512VnniGemm() && amdFamily() >= 0x19;
+  return runs;
+}
+
+Fp4Linear::Fp4Linear(const at::Tensor& qweight, const quant::QParams& params, const quant::QScheme& scheme,
+                     const ActivationQuant& input)
+    : input_(input) {
+  QPIPE_CHECK(supports(scheme, qweight, input),
+              "Fp4Linear takes FP4 codes [N, K] per group and an input of the same format and group, got ",
+              qweight.sizes(), " ", qweight.scalar_type(), " of w ", scheme.name(), " and a ", input.scheme.name());
+  panels_ = int8Panels(qweight, params, scheme);
+}
+
+std::optional<at::Tensor> Fp4Linear::forward(const at::Tensor& x, const at::Tensor& bias) const {
+  return groupedForward(x, bias, panels_->k, panels_->n, [&](const at::Tensor& rows, const float* b, float* out) {
+    const quant::Fp4Codes codes = quant::fp4CodesDynamic(rows, input_.scheme, input_.params.globalScale);
+    quant::detail::avx512VnniGroupedGemm(
+        quant::detail::groupedInt8Codes(codes.codes.const_data_ptr<int8_t>(), codes.codes.stride(0),
+                                        codes.halfDivisors.const_data_ptr<float>(), rows.size(0), panels_->k,
+                                        panels_->block),
+        *panels_, b, out);
   });
 }
 
@@ -424,32 +465,37 @@ std::variant<Int8Linear, Fp8Linear> makeGemm(const at::Tensor& qweight, const at
   return Fp8Linear(qweight, scale);
 }
 
-// The GEMM of a weight-only fp32 Linear on the CPU, if one pays here, unless
-// QPIPE_WEIGHT_ONLY_FP32=1 asks for the fp32 GEMM of the dequantized weight. bf16x3 makes three
-// times the products of one fp32 GEMM, so it pays only where bf16 GEMMs run several times faster:
-// with AMX. With AVX512-BF16 alone, at about 2× on Zen 4, a W4A16 eval ran at 0.75× the fp32
-// GEMM's speed; integer and FP4 codes then take GroupedBf16Linear (two bf16 products) where that
-// kernel runs about 4× (Zen 5), GroupedInt8Linear (two int8 products, each a quarter of an FMA's
-// cost) on Zen 4, and the fp32 GEMM elsewhere (docs/benchmarks.md).
-std::optional<WeightOnlyGemm> weightOnlyGemm(const at::Tensor& qweight, const quant::QParams& params,
-                                             const quant::QScheme& scheme, const std::optional<ActivationQuant>& input,
-                                             at::ScalarType computeDtype) {
+// The GEMM of an fp32 Linear of codes on the CPU that QuantGemm does not run, if one pays here.
+// W4A4 FP4: Fp4Linear on AMD CPUs with VNNI (exact products in place of fake quantization's fp32
+// GEMM). Weight-only, unless QPIPE_WEIGHT_ONLY_FP32=1 asks for the fp32 GEMM of the dequantized
+// weight: bf16x3 makes three times the products of one fp32 GEMM, so it pays only where bf16 GEMMs
+// run several times faster: with AMX. With AVX512-BF16 alone, at about 2× on Zen 4, a W4A16 eval
+// ran at 0.75× the fp32 GEMM's speed; integer and FP4 codes then take GroupedBf16Linear (two bf16
+// products) where that kernel runs about 4× (Zen 5), GroupedInt8Linear (two int8 products, each a
+// quarter of an FMA's cost) on Zen 4, and the fp32 GEMM elsewhere (docs/benchmarks.md).
+std::optional<CodesGemm> codesGemm(const at::Tensor& qweight, const quant::QParams& params,
+                                   const quant::QScheme& scheme, const std::optional<ActivationQuant>& input,
+                                   at::ScalarType computeDtype) {
   static const bool fp32 = [] {
     const char* env = std::getenv("QPIPE_WEIGHT_ONLY_FP32");
     return env != nullptr && std::string_view(env) == "1";
   }();
-  if (fp32 || (input && input->scheme.dtype != quant::QDtype::kFloat) || computeDtype != at::kFloat ||
-      !qweight.device().is_cpu()) {
+  if (computeDtype != at::kFloat || !qweight.device().is_cpu()) return std::nullopt;
+  if (input && input->scheme.dtype != quant::QDtype::kFloat) {
+    if (Fp4Linear::cpuRuns() && Fp4Linear::supports(scheme, qweight, input)) {
+      return CodesGemm(std::in_place_type<Fp4Linear>, qweight, params, scheme, *input);
+    }
     return std::nullopt;
   }
+  if (fp32) return std::nullopt;
   if (quant::bf16MatmulKernel() == quant::Bf16Kernel::kAmx) {
-    return WeightOnlyGemm(std::in_place_type<Bf16x3Linear>, quant::dequantize(qweight, params, scheme));
+    return CodesGemm(std::in_place_type<Bf16x3Linear>, quant::dequantize(qweight, params, scheme));
   }
   if (GroupedBf16Linear::cpuRuns() && GroupedBf16Linear::supports(scheme, qweight, params)) {
-    return WeightOnlyGemm(std::in_place_type<GroupedBf16Linear>, qweight, params, scheme);
+    return CodesGemm(std::in_place_type<GroupedBf16Linear>, qweight, params, scheme);
   }
   if (GroupedInt8Linear::cpuRuns() && GroupedInt8Linear::supports(scheme, qweight, params)) {
-    return WeightOnlyGemm(std::in_place_type<GroupedInt8Linear>, qweight, params, scheme);
+    return CodesGemm(std::in_place_type<GroupedInt8Linear>, qweight, params, scheme);
   }
   return std::nullopt;
 }
@@ -582,15 +628,15 @@ at::Tensor QuantLinear::forward(const at::Tensor& input) {
   if (gemm_) {
     if (std::optional<at::Tensor> y = gemm_->forward(input, *input_, bias())) return *y;
   }
-  // Decided once the weight is on the CPU, where the bf16 GEMMs run.
-  if (!weightOnlyChecked_ && parameter("weight").device().is_cpu()) {
-    weightOnlyGemm_ = weightOnlyGemm(parameter("weight"), weightParams(), weightScheme_, input_, computeDtype_);
-    weightOnlyChecked_ = true;
+  // Decided once the weight is on the CPU, where these GEMMs run.
+  if (!codesGemmChecked_ && parameter("weight").device().is_cpu()) {
+    codesGemm_ = codesGemm(parameter("weight"), weightParams(), weightScheme_, input_, computeDtype_);
+    codesGemmChecked_ = true;
   }
-  if (weightOnlyGemm_) {
+  if (codesGemm_) {
     const at::Tensor b = bias();
     if (std::optional<at::Tensor> y =
-            std::visit([&](const auto& gemm) { return gemm.forward(input, b); }, *weightOnlyGemm_)) {
+            std::visit([&](const auto& gemm) { return gemm.forward(input, b); }, *codesGemm_)) {
       return *y;
     }
   }

@@ -117,6 +117,14 @@ at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QSchem
 // pass instead of some thirty tensor ops, with the same IEEE operations and so the same bits
 // (for finite inputs).
 at::Tensor fakeQuantizeFp4Dynamic(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale = {});
+// fakeQuantizeFp4Dynamic's numbers as integers: for fp32 CPU x [M, K] (K a multiple of the group)
+// the codes 2·e (e each input's E2M1 value, so within ±12) as int8 [M, K] and half of each block's
+// divisor as fp32 [M, K / group], from the same one pass: fakeQuantizeFp4Dynamic(x) = codes ·
+// halfDivisors, exactly (where that product does not underflow).
+struct Fp4Codes {
+  at::Tensor codes, halfDivisors;
+};
+Fp4Codes fp4CodesDynamic(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale = {});
 // computeQParams(w) and quantize(w) of a weight: {params, codes}. For fp32 CPU [out, in] weights
 // with int8/int4 per_channel or per_group symmetric schemes each row (group) is reduced and
 // quantized while it is in cache, one pass over memory instead of two, with the same bits.

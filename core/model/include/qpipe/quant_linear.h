@@ -170,8 +170,37 @@ class GroupedInt8Linear {
   std::shared_ptr<const quant::detail::GroupedInt8Panels> panels_;
 };
 
-// The GEMM a weight-only Linear runs where one pays on this CPU.
-using WeightOnlyGemm = std::variant<Bf16x3Linear, GroupedBf16Linear, GroupedInt8Linear>;
+// The GEMM of a Linear whose weight and input are both FP4 of one format (W4A4 NVFP4 or MXFP4,
+// the input's blocks computed from each input as fake quantization does), for fp32 inputs on AMD
+// CPUs with AVX512-VNNI (Zen 4 and later), where MKL's fp32 GEMM runs its AVX2 code. Both sides'
+// E2M1 values doubled are integers within ±12, so with d the blocks' divisors
+//   y[m, n] = b[n] + Σ_blocks (d_x[m, b] / 2)·(d_w[n, b] / 2) · Σ_{k ∈ b} (2·e_x[m, k])·(2·e_w[n, k])
+// with every block's sum an exact int32 (one int8 part, quant::detail::groupedInt8Codes): fake
+// quantization's real numbers, which its fp32 GEMM of x̂ = e_x·d_x and ŵ = e_w·d_w rounds at every
+// product's addition, summed in fp32 over the blocks only. An output's bits depend on its row and
+// column only.
+class Fp4Linear {
+ public:
+  // FP4 codes (kByte) per group for the weight, and input quantization of the same format and
+  // group size.
+  static bool supports(const quant::QScheme& weight, const at::Tensor& qweight,
+                       const std::optional<ActivationQuant>& input);
+  // Whether QuantLinear runs it on this CPU: AMD family 0x19 (Zen 4) or later with AVX512-VNNI.
+  static bool cpuRuns();
+  // Requires supports(scheme, qweight, input); params as QuantLinear holds them.
+  Fp4Linear(const at::Tensor& qweight, const quant::QParams& params, const quant::QScheme& scheme,
+            const ActivationQuant& input);
+  // Empty when x is not an fp32 CPU tensor, or where autograd records x or the bias.
+  std::optional<at::Tensor> forward(const at::Tensor& x, const at::Tensor& bias) const;
+
+ private:
+  std::shared_ptr<const quant::detail::GroupedInt8Panels> panels_;
+  ActivationQuant input_;
+};
+
+// The GEMM of a Linear of integer or FP4 codes that is neither an Int8Linear nor an Fp8Linear,
+// where one pays on this CPU: the weight-only GEMMs and W4A4 FP4.
+using CodesGemm = std::variant<Bf16x3Linear, GroupedBf16Linear, GroupedInt8Linear, Fp4Linear>;
 
 // Whichever of Int8Linear and Fp8Linear runs a quantized Linear's weight and input schemes.
 class QuantGemm {
@@ -240,9 +269,10 @@ bool sameActivationQuant(const std::optional<ActivationQuant>& a, const std::opt
 //   input_zero_point   int32 [1]; static asymmetric activations only
 //   bias               compute dtype; when the layer has one
 // forward: y = actQuant(x) · dequantize(weight)ᵀ + b in the compute dtype; by QuantGemm where it
-// applies, and for weight-only fp32 Linears by GroupedBf16Linear or Bf16x3Linear where the CPU runs
-// them fast (unless QPIPE_WEIGHT_ONLY_FP32=1). The dequantized weight is cached on first use (it is not a
-// parameter, so savers never see it).
+// applies, for weight-only fp32 Linears by GroupedBf16Linear, GroupedInt8Linear or Bf16x3Linear
+// where the CPU runs them fast (unless QPIPE_WEIGHT_ONLY_FP32=1), and for W4A4 FP4 by Fp4Linear
+// there. The dequantized weight is cached on first use (it is not a parameter, so savers never see
+// it).
 class QuantLinear : public Module, public InputSharing {
  public:
   QuantLinear(at::Tensor qweight, quant::QParams weightParams, quant::QScheme weightScheme,
@@ -274,8 +304,8 @@ class QuantLinear : public Module, public InputSharing {
   at::Tensor dequantized_;
   std::optional<QuantGemm> gemm_;               // made on the first forward where QuantGemm::supports
   // Made on the first forward where one applies.
-  std::optional<WeightOnlyGemm> weightOnlyGemm_;
-  bool weightOnlyChecked_ = false;
+  std::optional<CodesGemm> codesGemm_;
+  bool codesGemmChecked_ = false;
   std::optional<SharedInputGemm> shared_;       // made by forwardSiblings, for the siblings it names
 };
 
