@@ -837,7 +837,7 @@ TEST(GroupedInt8Linear, NamesAnInputOfTheWrongWidthAndCodesItCannotRun) {
     }
     return std::string("no error");
   };
-  const std::string wrongWidth = "a weight-only Linear of 128 inputs got an input of shape [3, 127]";
+  const std::string wrongWidth = "a quantized Linear of 128 inputs got an input of shape [3, 127]";
   if (quant::detail::canRunAvx512VnniGemm()) {
     EXPECT_NE(message([&] {
                 GroupedInt8Linear(q, params, w4).forward(at::randn({3, 127}), at::Tensor());
@@ -897,20 +897,26 @@ TEST(Fp4Linear, IsFakeQuantizationsProductWithExactBlockSums) {
   }
 }
 
-// A W4A4 MXFP4 QuantLinear runs Fp4Linear where the CPU does, fake quantization elsewhere.
+// A W4A4 MXFP4 QuantLinear runs Fp4Linear where the CPU does, fake quantization elsewhere; a W4A4
+// NVFP4 one fake quantization everywhere (its input's calibrated global scale must see the inputs
+// QAT's differentiable forward computes).
 TEST(QuantLinear, W4a4Fp4RunsFp4LinearOnAmdWithVnniAndFakeQuantizationElsewhere) {
   at::manual_seed(16);
   Linear linear(at::randn({48, 256}) * 0.05f, at::randn({48}));
-  const QScheme mx{QDtype::kMxfp4, QScope::kPerGroup, true, quant::kMxfp4GroupSize};
-  const QParams params = quant::computeQParams(linear.weight(), mx);
-  const ActivationQuant input{mx, {}};
-  const auto deployed = QuantLinear::fromLinear(linear, params, mx, input);
   const at::Tensor x = at::randn({3, 17, 256});
-  const at::Tensor expected =
-      Fp4Linear::cpuRuns()
-          ? *Fp4Linear(deployed->parameter("weight"), deployed->weightParams(), mx, input).forward(x, linear.bias())
-          : at::linear(input.apply(x), deployed->dequantizedWeight(), linear.bias());
-  EXPECT_TRUE(at::equal(deployed->forward(x), expected));
+  for (const QScheme& scheme : {QScheme{QDtype::kNvfp4, QScope::kPerGroup, true, quant::kNvfp4GroupSize},
+                                QScheme{QDtype::kMxfp4, QScope::kPerGroup, true, quant::kMxfp4GroupSize}}) {
+    SCOPED_TRACE(scheme.name());
+    const QParams params = quant::computeQParams(linear.weight(), scheme);
+    ActivationQuant input{scheme, {}};
+    if (scheme.dtype == QDtype::kNvfp4) input.params.globalScale = quant::nvfp4GlobalScale(x.abs().amax());
+    const auto deployed = QuantLinear::fromLinear(linear, params, scheme, input);
+    const bool fp4 = Fp4Linear::cpuRuns() && scheme.dtype == QDtype::kMxfp4;
+    const at::Tensor expected = fp4 ? *Fp4Linear(deployed->parameter("weight"), deployed->weightParams(), scheme, input)
+                                           .forward(x, linear.bias())
+                                    : at::linear(input.apply(x), deployed->dequantizedWeight(), linear.bias());
+    EXPECT_TRUE(at::equal(deployed->forward(x), expected));
+  }
 }
 
 // What GroupedInt8Linear takes, on any CPU: integer codes whose q − z all lie within [-128, 127],

@@ -1,4 +1,5 @@
-// The grouped int8 GEMM of weight-only Linears (GroupedInt8Linear) on CPUs with AVX512-VNNI.
+// The grouped int8 GEMM of weight-only Linears (GroupedInt8Linear) and of W4A4 FP4 ones
+// (Fp4Linear) on CPUs with AVX512-VNNI.
 //
 // Why: on AMD CPUs MKL's fp32 GEMM runs its AVX2 code, and on Zen 4 a bf16 dot product (vdpbf16ps)
 // is only twice an fp32 FMA, so an input split into two bf16 parts gains nothing there. vpdpbusd
@@ -12,7 +13,8 @@
 // so T = 256·S_h + S_l − 128·(256·Σh + Σl) = Σ (256·h + l)·v, whose magnitude is at most
 // 128 · 32640 · 128 < 2³¹ for a block of 128 columns; no partial sum leaves int32 either
 // (|256·S_h| ≤ 1.07e9, |S_l − 128·(256·Σh + Σl)| ≤ 5.4e8). The correction, subtracted, starts the
-// l sums; T is scaled by s · d / 256 and added to the output in fp32.
+// l sums; T is scaled by s · d / 256 and added to the output in fp32. An input of one part (FP4
+// codes) has T = S_h − 128·Σh, the correction starting the h sums.
 // GCC 12.2 warns that the "undefined" register behind several AVX-512 intrinsics (_mm512_cvtepi32_ps,
 // _mm512_roundscale_ps, …) may be used uninitialized: its bug 105593, fixed in 12.3. The pragma has
 // to precede the intrinsics' header.
@@ -29,6 +31,7 @@
 #include <limits>
 
 #include "panel_rows.h"
+#include "qpipe/error.h"
 
 namespace qpipe::quant::detail {
 
@@ -42,8 +45,8 @@ constexpr int64_t kNr = 32;
 // registers, 16 for 4 rows. 5 or 6 rows ran no faster on Zen 4 (38.5–39 ms against 38 for
 // 4096 × 576 × 1536, one thread).
 constexpr int64_t kMr = 4;
-// Rows of the split input kept in L2 while a thread walks its panels (256 × 2K bytes: 768 KiB at
-// K = 1536).
+// Rows of the input kept in L2 while a thread walks its panels (256 × 2K bytes for two parts: 768
+// KiB at K = 1536).
 constexpr int64_t kMc = 256;
 
 // The widest block whose sums stay within int32 (above); the narrowest worth its per-block
@@ -276,6 +279,7 @@ GroupedInt8Input groupedInt8Codes(const int8_t* codes, int64_t ldc, const float*
 }
 
 void avx512VnniGroupedGemm(const GroupedInt8Input& x, const GroupedInt8Panels& b, const float* bias, float* c) {
+  QPIPE_CHECK(x.count == 1 || x.count == 2, "a grouped int8 input of ", x.count, " parts");
   if (x.count == 2) return gemmParts<2>(x, b, bias, c);
   gemmParts<1>(x, b, bias, c);
 }

@@ -1,5 +1,6 @@
-// The AVX512-VNNI GEMM behind GroupedInt8Linear: fp32 input split into two int8 parts, integer
-// weight codes, exact int32 sums. Private to core/model (and its unit test and bench).
+// The AVX512-VNNI GEMM behind GroupedInt8Linear (an fp32 input split into two int8 parts) and
+// Fp4Linear (FP4 input codes, one part): integer weight codes, exact int32 sums per block. Private
+// to core/model (and its unit test and bench).
 #pragma once
 
 #include <cstdint>
@@ -36,7 +37,7 @@ struct GroupedInt8Input {
   std::vector<float> scales;
   std::vector<int32_t> offsets;
   int64_t m = 0, k = 0, block = 0;
-  int count = 2;
+  int count = 0;  // 1 or 2
 };
 
 // fp32 x [M, K] (row stride ldx) in two int8 parts per block: with d = max|x| over the block / 127,

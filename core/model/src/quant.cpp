@@ -1112,10 +1112,6 @@ inline float fp4Divisor(float absmax, QDtype dtype, float global) {
   return std::bit_cast<float>(byte == 0 ? kTwoToMinus127Bits : byte << 23);
 }
 
-}  // namespace
-
-namespace {
-
 // visit(b, v, divisor) for each block b of `group` inputs v of an fp32 CPU x, in parallel, with the
 // block's FP4 divisor (computeQParams' arithmetic on its absmax).
 template <typename Visit>

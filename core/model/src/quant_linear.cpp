@@ -231,9 +231,9 @@ std::optional<at::Tensor> Fp8Linear::forward(const at::Tensor& x, const Activati
 
 namespace {
 
-// The bf16 GEMMs below write their output through raw pointers, which records no autograd history:
-// where a forward is being recorded (QAT's end2end step through weight-only layers it does not
-// train), the caller's differentiable path runs instead.
+// The GEMMs of codes below write their output through raw pointers, which records no autograd
+// history: where a forward is being recorded (QAT's end2end step through quantized layers it does
+// not train), the caller's differentiable path runs instead.
 bool recordsGradient(const at::Tensor& x, const at::Tensor& bias) {
   return at::GradMode::is_enabled() && (x.requires_grad() || (bias.defined() && bias.requires_grad()));
 }
@@ -267,7 +267,7 @@ std::optional<at::Tensor> Bf16x3Linear::forward(const at::Tensor& x, const at::T
 
 namespace {
 
-// A weight-only Linear's codes and scheme as exact values and one scale per row and group of inputs,
+// A Linear's integer or FP4 codes and scheme as exact values and one scale per row and group of inputs,
 // w[n, k] = s[n, g] · v[n, k]: an integer code minus its zero point, or an FP4 code's E2M1 value with
 // its block's divisor. group is 0 where the scheme has no such form.
 struct GroupedCodes {
@@ -309,13 +309,13 @@ GroupedCodes groupedCodes(const at::Tensor& qweight, const quant::QParams& param
   return {values, perGroup(fp4 ? quant::fp4Divisor(params, scheme.dtype) : params.scale).contiguous(), group};
 }
 
-// The GroupedBf16Linear and GroupedInt8Linear kernels write their output through raw pointers.
+// The forward of GroupedBf16Linear, GroupedInt8Linear and Fp4Linear, whose kernels write their
+// output through raw pointers.
 template <typename Gemm>
 std::optional<at::Tensor> groupedForward(const at::Tensor& x, const at::Tensor& bias, int64_t k, int64_t n,
                                          const Gemm& gemm) {
   if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || recordsGradient(x, bias)) return std::nullopt;
-  QPIPE_CHECK(x.dim() > 0 && x.size(-1) == k, "a weight-only Linear of ", k, " inputs got an input of shape ",
-              x.sizes());
+  QPIPE_CHECK(x.dim() > 0 && x.size(-1) == k, "a quantized Linear of ", k, " inputs got an input of shape ", x.sizes());
   const at::Tensor rows = x.reshape({-1, k});
   at::Tensor out = at::empty({rows.size(0), n}, x.options());
   if (rows.size(0) > 0) {
@@ -466,23 +466,29 @@ std::variant<Int8Linear, Fp8Linear> makeGemm(const at::Tensor& qweight, const at
 }
 
 // The GEMM of an fp32 Linear of codes on the CPU that QuantGemm does not run, if one pays here.
-// W4A4 FP4: Fp4Linear on AMD CPUs with VNNI (exact products in place of fake quantization's fp32
-// GEMM). Weight-only, unless QPIPE_WEIGHT_ONLY_FP32=1 asks for the fp32 GEMM of the dequantized
-// weight: bf16x3 makes three times the products of one fp32 GEMM, so it pays only where bf16 GEMMs
-// run several times faster: with AMX. With AVX512-BF16 alone, at about 2× on Zen 4, a W4A16 eval
-// ran at 0.75× the fp32 GEMM's speed; integer and FP4 codes then take GroupedBf16Linear (two bf16
-// products) where that kernel runs about 4× (Zen 5), GroupedInt8Linear (two int8 products, each a
-// quarter of an FMA's cost) on Zen 4, and the fp32 GEMM elsewhere (docs/benchmarks.md).
+// W4A4 MXFP4: Fp4Linear on AMD CPUs with VNNI (exact products in place of fake quantization's fp32
+// GEMM), unless QPIPE_FP4_FAKE_QUANT=1 asks for fake quantization. Not NVFP4: its input's global
+// scale is calibrated on the inputs that the forward through earlier Linears computes, and QAT's
+// differentiable forward (fake quantization) must see the same inputs for its zero-learning-rate
+// run to be linear_quant's checkpoint bit for bit; MXFP4's block scales come from each input and
+// its checkpoint from the weights alone. Weight-only, unless QPIPE_WEIGHT_ONLY_FP32=1 asks
+// for the fp32 GEMM of the dequantized weight: bf16x3 makes three times the products of one fp32 GEMM, so it pays only
+// where bf16 GEMMs run several times faster: with AMX. With AVX512-BF16 alone, at about 2× on Zen 4, a W4A16 eval ran
+// at 0.75× the fp32 GEMM's speed; integer and FP4 codes then take GroupedBf16Linear (two bf16 products) where that
+// kernel runs about 4× (Zen 5), GroupedInt8Linear (two int8 products, each a quarter of an FMA's cost) on Zen 4, and
+// the fp32 GEMM elsewhere (docs/benchmarks.md).
 std::optional<CodesGemm> codesGemm(const at::Tensor& qweight, const quant::QParams& params,
                                    const quant::QScheme& scheme, const std::optional<ActivationQuant>& input,
                                    at::ScalarType computeDtype) {
-  static const bool fp32 = [] {
-    const char* env = std::getenv("QPIPE_WEIGHT_ONLY_FP32");
+  const auto envIsOne = [](const char* name) {
+    const char* env = std::getenv(name);
     return env != nullptr && std::string_view(env) == "1";
-  }();
+  };
+  static const bool fp32 = envIsOne("QPIPE_WEIGHT_ONLY_FP32"), fakeFp4 = envIsOne("QPIPE_FP4_FAKE_QUANT");
   if (computeDtype != at::kFloat || !qweight.device().is_cpu()) return std::nullopt;
   if (input && input->scheme.dtype != quant::QDtype::kFloat) {
-    if (Fp4Linear::cpuRuns() && Fp4Linear::supports(scheme, qweight, input)) {
+    if (!fakeFp4 && scheme.dtype == quant::QDtype::kMxfp4 && Fp4Linear::cpuRuns() &&
+        Fp4Linear::supports(scheme, qweight, input)) {
       return CodesGemm(std::in_place_type<Fp4Linear>, qweight, params, scheme, *input);
     }
     return std::nullopt;

@@ -120,7 +120,8 @@ at::Tensor fakeQuantizeFp4Dynamic(const at::Tensor& x, const QScheme& scheme, co
 // fakeQuantizeFp4Dynamic's numbers as integers: for fp32 CPU x [M, K] (K a multiple of the group)
 // the codes 2·e (e each input's E2M1 value, so within ±12) as int8 [M, K] and half of each block's
 // divisor as fp32 [M, K / group], from the same one pass: fakeQuantizeFp4Dynamic(x) = codes ·
-// halfDivisors, exactly (where that product does not underflow).
+// halfDivisors in value, wherever half a divisor is exact (always for MXFP4; for NVFP4 unless the
+// divisor is below 2⁻¹²⁵).
 struct Fp4Codes {
   at::Tensor codes, halfDivisors;
 };

@@ -172,20 +172,24 @@ class GroupedInt8Linear {
 
 // The GEMM of a Linear whose weight and input are both FP4 of one format (W4A4 NVFP4 or MXFP4,
 // the input's blocks computed from each input as fake quantization does), for fp32 inputs on AMD
-// CPUs with AVX512-VNNI (Zen 4 and later), where MKL's fp32 GEMM runs its AVX2 code. Both sides'
+// CPUs with AVX512-VNNI (Zen 4 and later), where MKL's fp32 GEMM runs its AVX2 code. QuantLinear
+// runs it for MXFP4 only (quant_linear.cpp says why). Both sides'
 // E2M1 values doubled are integers within ±12, so with d the blocks' divisors
 //   y[m, n] = b[n] + Σ_blocks (d_x[m, b] / 2)·(d_w[n, b] / 2) · Σ_{k ∈ b} (2·e_x[m, k])·(2·e_w[n, k])
-// with every block's sum an exact int32 (one int8 part, quant::detail::groupedInt8Codes): fake
-// quantization's real numbers, which its fp32 GEMM of x̂ = e_x·d_x and ŵ = e_w·d_w rounds at every
-// product's addition, summed in fp32 over the blocks only. An output's bits depend on its row and
-// column only.
+// with every block's sum an exact int32 (one int8 part, quant::detail::groupedInt8Codes), summed in
+// fp32 over the blocks only: within that rounding of the exact Σ x̂·ŵ of fake quantization's
+// values (x̂ = e_x·d_x, ŵ = e_w·d_w, each exact in fp32 for MXFP4; NVFP4's d_w·e_w and fake
+// quantization's own products round once more), which fake quantization's fp32 GEMM rounds at every
+// addition. An output's bits depend on its row and column only. QPIPE_FP4_FAKE_QUANT=1 keeps fake
+// quantization.
 class Fp4Linear {
  public:
   // FP4 codes (kByte) per group for the weight, and input quantization of the same format and
   // group size.
   static bool supports(const quant::QScheme& weight, const at::Tensor& qweight,
                        const std::optional<ActivationQuant>& input);
-  // Whether QuantLinear runs it on this CPU: AMD family 0x19 (Zen 4) or later with AVX512-VNNI.
+  // Whether QuantLinear runs it (for MXFP4) on this CPU: AMD family 0x19 (Zen 4) or later with
+  // AVX512-VNNI.
   static bool cpuRuns();
   // Requires supports(scheme, qweight, input); params as QuantLinear holds them.
   Fp4Linear(const at::Tensor& qweight, const quant::QParams& params, const quant::QScheme& scheme,
