@@ -898,8 +898,8 @@ TEST(Fp4Linear, IsFakeQuantizationsProductWithExactBlockSums) {
 }
 
 // A W4A4 MXFP4 QuantLinear runs Fp4Linear where the CPU does, fake quantization elsewhere; a W4A4
-// NVFP4 one fake quantization everywhere (its input's calibrated global scale must see the inputs
-// QAT's differentiable forward computes).
+// NVFP4 one fake quantization, unless it is inference-only (its input's calibrated global scale
+// must see the inputs QAT's differentiable forward computes).
 TEST(QuantLinear, W4a4Fp4RunsFp4LinearOnAmdWithVnniAndFakeQuantizationElsewhere) {
   at::manual_seed(16);
   Linear linear(at::randn({48, 256}) * 0.05f, at::randn({48}));
@@ -911,11 +911,16 @@ TEST(QuantLinear, W4a4Fp4RunsFp4LinearOnAmdWithVnniAndFakeQuantizationElsewhere)
     ActivationQuant input{scheme, {}};
     if (scheme.dtype == QDtype::kNvfp4) input.params.globalScale = quant::nvfp4GlobalScale(x.abs().amax());
     const auto deployed = QuantLinear::fromLinear(linear, params, scheme, input);
-    const bool fp4 = Fp4Linear::cpuRuns() && scheme.dtype == QDtype::kMxfp4;
-    const at::Tensor expected = fp4 ? *Fp4Linear(deployed->parameter("weight"), deployed->weightParams(), scheme, input)
-                                           .forward(x, linear.bias())
-                                    : at::linear(input.apply(x), deployed->dequantizedWeight(), linear.bias());
-    EXPECT_TRUE(at::equal(deployed->forward(x), expected));
+    const at::Tensor fake = at::linear(input.apply(x), deployed->dequantizedWeight(), linear.bias());
+    const at::Tensor kernel = Fp4Linear::cpuRuns()
+                                  ? *Fp4Linear(deployed->parameter("weight"), deployed->weightParams(), scheme, input)
+                                         .forward(x, linear.bias())
+                                  : fake;
+    EXPECT_TRUE(at::equal(deployed->forward(x), scheme.dtype == QDtype::kMxfp4 ? kernel : fake));
+    // After the first forward, too.
+    deployed->setInferenceOnly();
+    EXPECT_TRUE(at::equal(deployed->forward(x), kernel));
+    if (Fp4Linear::cpuRuns()) EXPECT_FALSE(at::equal(kernel, fake));
   }
 }
 

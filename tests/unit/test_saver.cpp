@@ -171,6 +171,31 @@ TEST(CompressedTensorsSaver, W8A8DynamicRoundTrip) {
   EXPECT_FALSE(safetensors::Checkpoint::open(out).contains("model.layers.0.self_attn.q_proj.input_scale"));
 }
 
+// A W4A4 NVFP4 checkpoint (of the tiny Qwen3, whose widths are whole groups) loads as
+// inference-only QuantLinears (qpipe eval): the in-memory model's forward once its QuantLinears
+// are inference-only, bit for bit. Where the CPU runs Fp4Linear that is not fake quantization's
+// forward, which the quantization run computed.
+TEST(CompressedTensorsSaver, W4a4Nvfp4LoadsAsInferenceOnlyLinears) {
+  const QScheme nvfp4{.dtype = QDtype::kNvfp4, .scope = QScope::kPerGroup, .groupSize = quant::kNvfp4GroupSize};
+  auto lm = CausalLM::open(test::tinyQwen3("w4a4-nvfp4-src"));
+  std::vector<QuantLinear*> linears;
+  test::replaceLinears(*lm, [&](const std::string&, Linear& linear) -> std::shared_ptr<Module> {
+    ActivationQuant input{nvfp4, {}};
+    input.params.globalScale = quant::nvfp4GlobalScale(at::tensor({2.5f}));
+    auto deployed = QuantLinear::fromLinear(linear, quant::computeQParams(linear.weight(), nvfp4), nvfp4, input);
+    linears.push_back(deployed.get());
+    return deployed;
+  });
+  const at::Tensor fake = lm->forward(ids());
+  const fs::path out = test::testDir() / "w4a4-nvfp4-out";
+  fs::remove_all(out);
+  test::saveCheckpoint(*lm, out);
+  for (QuantLinear* linear : linears) linear->setInferenceOnly();
+  const at::Tensor expected = lm->forward(ids());
+  EXPECT_TRUE(at::equal(CausalLM::open(out)->forward(ids()), expected));
+  EXPECT_EQ(at::equal(expected, fake), !Fp4Linear::cpuRuns());
+}
+
 TEST(CompressedTensorsSaver, Int8AsymmetricZeroPointsAreInt8) {
   const QScheme weight{.dtype = QDtype::kInt8, .scope = QScope::kPerTensor, .symmetric = false};
   const QScheme input{.dtype = QDtype::kInt8, .scope = QScope::kPerTensor, .symmetric = false};

@@ -536,7 +536,10 @@ std::shared_ptr<Module> CausalLM::linear(const std::string& name, bool bias) {
     const auto stored = [this](const std::string& tensor) { return this->stored(tensor).to(options_.device); };
     const auto has = [this](const std::string& tensor) { return checkpoint_.contains(tensor); };
     bias = bias || undeclaredBias(name);
-    if (auto quantized = quantized_->linear(name, bias, stored, has, options_.dtype)) return quantized;
+    if (auto quantized = quantized_->linear(name, bias, stored, has, options_.dtype)) {
+      quantized->setInferenceOnly();
+      return quantized;
+    }
     // An int8 or FP8 weight that no scheme claims (a quantization_config edited by hand) would
     // reach the GEMM unscaled. validateCheckpoint refuses them where there is no quantization_config.
     const std::string held = checkpoint_.contains(weightName) ? weightName : name + ".weight_packed";

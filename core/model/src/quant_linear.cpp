@@ -467,11 +467,11 @@ std::variant<Int8Linear, Fp8Linear> makeGemm(const at::Tensor& qweight, const at
 
 // The GEMM of an fp32 Linear of codes on the CPU that QuantGemm does not run, if one pays here.
 // W4A4 MXFP4: Fp4Linear on AMD CPUs with VNNI (exact products in place of fake quantization's fp32
-// GEMM), unless QPIPE_FP4_FAKE_QUANT=1 asks for fake quantization. Not NVFP4: its input's global
-// scale is calibrated on the inputs that the forward through earlier Linears computes, and QAT's
-// differentiable forward (fake quantization) must see the same inputs for its zero-learning-rate
-// run to be linear_quant's checkpoint bit for bit; MXFP4's block scales come from each input and
-// its checkpoint from the weights alone. Weight-only, unless QPIPE_WEIGHT_ONLY_FP32=1 asks
+// GEMM), unless QPIPE_FP4_FAKE_QUANT=1 asks for fake quantization. NVFP4 only in an inference-only
+// Linear: its input's global scale is calibrated on the inputs that the forward through earlier
+// Linears computes, and QAT's differentiable forward (fake quantization) must see the same inputs
+// for its zero-learning-rate run to be linear_quant's checkpoint bit for bit; MXFP4's block scales
+// come from each input and its checkpoint from the weights alone. Weight-only, unless QPIPE_WEIGHT_ONLY_FP32=1 asks
 // for the fp32 GEMM of the dequantized weight: bf16x3 makes three times the products of one fp32 GEMM, so it pays only
 // where bf16 GEMMs run several times faster: with AMX. With AVX512-BF16 alone, at about 2× on Zen 4, a W4A16 eval ran
 // at 0.75× the fp32 GEMM's speed; integer and FP4 codes then take GroupedBf16Linear (two bf16 products) where that
@@ -479,7 +479,7 @@ std::variant<Int8Linear, Fp8Linear> makeGemm(const at::Tensor& qweight, const at
 // the fp32 GEMM elsewhere (docs/benchmarks.md).
 std::optional<CodesGemm> codesGemm(const at::Tensor& qweight, const quant::QParams& params,
                                    const quant::QScheme& scheme, const std::optional<ActivationQuant>& input,
-                                   at::ScalarType computeDtype) {
+                                   at::ScalarType computeDtype, bool inferenceOnly) {
   const auto envIsOne = [](const char* name) {
     const char* env = std::getenv(name);
     return env != nullptr && std::string_view(env) == "1";
@@ -487,8 +487,8 @@ std::optional<CodesGemm> codesGemm(const at::Tensor& qweight, const quant::QPara
   static const bool fp32 = envIsOne("QPIPE_WEIGHT_ONLY_FP32"), fakeFp4 = envIsOne("QPIPE_FP4_FAKE_QUANT");
   if (computeDtype != at::kFloat || !qweight.device().is_cpu()) return std::nullopt;
   if (input && input->scheme.dtype != quant::QDtype::kFloat) {
-    if (!fakeFp4 && scheme.dtype == quant::QDtype::kMxfp4 && Fp4Linear::cpuRuns() &&
-        Fp4Linear::supports(scheme, qweight, input)) {
+    const bool fp4 = scheme.dtype == quant::QDtype::kMxfp4 || (inferenceOnly && scheme.dtype == quant::QDtype::kNvfp4);
+    if (!fakeFp4 && fp4 && Fp4Linear::cpuRuns() && Fp4Linear::supports(scheme, qweight, input)) {
       return CodesGemm(std::in_place_type<Fp4Linear>, qweight, params, scheme, *input);
     }
     return std::nullopt;
@@ -627,6 +627,12 @@ at::Tensor QuantLinear::dequantizedWeight() {
   return dequantized_;
 }
 
+void QuantLinear::setInferenceOnly() {
+  inferenceOnly_ = true;
+  codesGemmChecked_ = false;
+  codesGemm_.reset();
+}
+
 at::Tensor QuantLinear::forward(const at::Tensor& input) {
   if (!gemm_ && QuantGemm::supports(weightScheme_, input_) && parameter("weight").device().is_cpu()) {
     gemm_.emplace(parameter("weight"), parameter("weight_scale"), weightScheme_, input_);
@@ -636,7 +642,7 @@ at::Tensor QuantLinear::forward(const at::Tensor& input) {
   }
   // Decided once the weight is on the CPU, where these GEMMs run.
   if (!codesGemmChecked_ && parameter("weight").device().is_cpu()) {
-    codesGemm_ = codesGemm(parameter("weight"), weightParams(), weightScheme_, input_, computeDtype_);
+    codesGemm_ = codesGemm(parameter("weight"), weightParams(), weightScheme_, input_, computeDtype_, inferenceOnly_);
     codesGemmChecked_ = true;
   }
   if (codesGemm_) {

@@ -173,8 +173,8 @@ class GroupedInt8Linear {
 // The GEMM of a Linear whose weight and input are both FP4 of one format (W4A4 NVFP4 or MXFP4,
 // the input's blocks computed from each input as fake quantization does), for fp32 inputs on AMD
 // CPUs with AVX512-VNNI (Zen 4 and later), where MKL's fp32 GEMM runs its AVX2 code. QuantLinear
-// runs it for MXFP4 only (quant_linear.cpp says why). Both sides'
-// E2M1 values doubled are integers within ±12, so with d the blocks' divisors
+// runs it for MXFP4, and for NVFP4 where it is inference-only (quant_linear.cpp says why). Both
+// sides' E2M1 values doubled are integers within ±12, so with d the blocks' divisors
 //   y[m, n] = b[n] + Σ_blocks (d_x[m, b] / 2)·(d_w[n, b] / 2) · Σ_{k ∈ b} (2·e_x[m, k])·(2·e_w[n, k])
 // with every block's sum an exact int32 (one int8 part, quant::detail::groupedInt8Codes), summed in
 // fp32 over the blocks only: within that rounding of the exact Σ x̂·ŵ of fake quantization's
@@ -275,8 +275,8 @@ bool sameActivationQuant(const std::optional<ActivationQuant>& a, const std::opt
 // forward: y = actQuant(x) · dequantize(weight)ᵀ + b in the compute dtype; by QuantGemm where it
 // applies, for weight-only fp32 Linears by GroupedBf16Linear, GroupedInt8Linear or Bf16x3Linear
 // where the CPU runs them fast (unless QPIPE_WEIGHT_ONLY_FP32=1), and for W4A4 FP4 by Fp4Linear
-// there. The dequantized weight is cached on first use (it is not a parameter, so savers never see
-// it).
+// there (NVFP4 only once setInferenceOnly() was called). The dequantized weight is cached on first
+// use (it is not a parameter, so savers never see it).
 class QuantLinear : public Module, public InputSharing {
  public:
   QuantLinear(at::Tensor qweight, quant::QParams weightParams, quant::QScheme weightScheme,
@@ -300,6 +300,11 @@ class QuantLinear : public Module, public InputSharing {
   at::Tensor bias();
   // The weight as the forward uses it: dequantized, in the compute dtype.
   at::Tensor dequantizedWeight();
+  // Marks a Linear whose forward need not be fake quantization's bit for bit: one the model loader
+  // made from a quantized checkpoint (qpipe eval), not a quantizer's deploy, whose forward
+  // linear_quant's calibration and QAT's zero-rate run must compute alike. W4A4 NVFP4 then runs
+  // through Fp4Linear too where the CPU runs it.
+  void setInferenceOnly();
 
  private:
   quant::QScheme weightScheme_;
@@ -310,6 +315,7 @@ class QuantLinear : public Module, public InputSharing {
   // Made on the first forward where one applies.
   std::optional<CodesGemm> codesGemm_;
   bool codesGemmChecked_ = false;
+  bool inferenceOnly_ = false;
   std::optional<SharedInputGemm> shared_;       // made by forwardSiblings, for the siblings it names
 };
 
