@@ -1112,24 +1112,49 @@ inline float fp4Divisor(float absmax, QDtype dtype, float global) {
   return std::bit_cast<float>(byte == 0 ? kTwoToMinus127Bits : byte << 23);
 }
 
-// visit(b, v, divisor) for each block b of `group` inputs v of an fp32 CPU x, in parallel, with the
-// block's FP4 divisor (computeQParams' arithmetic on its absmax).
-template <typename Visit>
-void forEachFp4Block(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale, const Visit& visit) {
+// max|v| over a block's non-NaN inputs (0 for none), as the largest of their magnitudes' bits: an
+// integer maximum, which vectorizes (a float one would need reassociation).
+[[gnu::always_inline]] inline float blockAbsMax(const float* v, int64_t n) {
+  constexpr uint32_t kInfBits = 0x7F800000u;
+  uint32_t largest = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = std::bit_cast<uint32_t>(v[i]) & 0x7FFFFFFFu;
+    largest = std::max(largest, bits > kInfBits ? 0u : bits);
+  }
+  return std::bit_cast<float>(largest);
+}
+
+// blocks(in, begin, end, global) over the blocks of `group` inputs of an fp32 CPU x, in parallel
+// ranges; `global` is NVFP4's global scale (1 for MXFP4). A block's divisor is then
+// fp4Divisor(blockAbsMax(...)): computeQParams' arithmetic on its absmax.
+template <typename Blocks>
+void forFp4BlockRanges(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale,
+                       const Blocks& blocks) {
   const float global = scheme.dtype == QDtype::kNvfp4 ? globalScale.to(at::kFloat).item<float>() : 1.0f;
   const int64_t group = scheme.groupSize;
   const float* in = x.const_data_ptr<float>();
-  at::parallel_for(0, x.numel() / group, std::max<int64_t>(1, 16384 / group), [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const float* v = in + b * group;
-      float lo = 0.0f, hi = 0.0f;
-      for (int64_t i = 0; i < group; ++i) {
-        lo = std::min(lo, v[i]);
-        hi = std::max(hi, v[i]);
-      }
-      visit(b, v, fp4Divisor(std::max(-lo, hi), scheme.dtype, global));
-    }
-  });
+  at::parallel_for(0, x.numel() / group, std::max<int64_t>(1, 16384 / group),
+                   [&](int64_t begin, int64_t end) { blocks(in, begin, end, global); });
+}
+
+// fp4CodesDynamic's blocks [begin, end) of its format's kGroup inputs each; a constant block size
+// lets each block's loops vectorize.
+template <int64_t kGroup>
+[[gnu::always_inline]] inline void fp4CodeBlocksOf(const float* in, int64_t begin, int64_t end, QDtype dtype,
+                                                   float global, int8_t* codes, float* halves) {
+  for (int64_t b = begin; b < end; ++b) {
+    const float* v = in + b * kGroup;
+    const float divisor = fp4Divisor(blockAbsMax(v, kGroup), dtype, global);
+    for (int64_t i = 0; i < kGroup; ++i) codes[b * kGroup + i] = static_cast<int8_t>(e2m1Code(v[i] / divisor));
+    halves[b] = divisor * 0.5f;
+  }
+}
+
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void fp4CodeBlocks(const float* in, int64_t begin,
+                                                                               int64_t end, QDtype dtype, float global,
+                                                                               int8_t* codes, float* halves) {
+  if (dtype == QDtype::kNvfp4) return fp4CodeBlocksOf<kNvfp4GroupSize>(in, begin, end, dtype, global, codes, halves);
+  fp4CodeBlocksOf<kMxfp4GroupSize>(in, begin, end, dtype, global, codes, halves);
 }
 
 }  // namespace
@@ -1145,26 +1170,30 @@ at::Tensor fakeQuantizeFp4Dynamic(const at::Tensor& x, const QScheme& scheme, co
   const at::Tensor input = x.contiguous();
   at::Tensor out = at::empty_like(input);
   float* o = out.mutable_data_ptr<float>();
-  forEachFp4Block(input, scheme, globalScale, [&](int64_t b, const float* v, float divisor) {
-    for (int64_t i = 0; i < group; ++i) o[b * group + i] = e2m1Value(v[i] / divisor) * divisor;
+  forFp4BlockRanges(input, scheme, globalScale, [&](const float* in, int64_t begin, int64_t end, float global) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* v = in + b * group;
+      const float divisor = fp4Divisor(blockAbsMax(v, group), scheme.dtype, global);
+      for (int64_t i = 0; i < group; ++i) o[b * group + i] = e2m1Value(v[i] / divisor) * divisor;
+    }
   });
   return out;
 }
 
 Fp4Codes fp4CodesDynamic(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale) {
   const int64_t group = scheme.groupSize;
-  QPIPE_CHECK(isFp4(scheme.dtype) && scheme.scope == QScope::kPerGroup && x.scalar_type() == at::kFloat &&
-                  x.device().is_cpu() && x.dim() == 2 && x.size(1) % group == 0,
+  QPIPE_CHECK(isFp4(scheme.dtype) && scheme.scope == QScope::kPerGroup &&
+                  group == (scheme.dtype == QDtype::kNvfp4 ? kNvfp4GroupSize : kMxfp4GroupSize) &&
+                  x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() == 2 && x.size(1) % group == 0,
               "fp4CodesDynamic takes fp32 CPU x [M, K] with K a multiple of the group, got ", x.sizes(), " ",
-              x.scalar_type(), " of ", scheme.name());
+              x.scalar_type(), " of ", scheme.name(), " in groups of ", group);
   const at::Tensor input = x.contiguous();
   Fp4Codes out{at::empty(input.sizes(), x.options().dtype(at::kChar)),
                at::empty({input.size(0), input.size(1) / group}, x.options())};
   int8_t* codes = out.codes.mutable_data_ptr<int8_t>();
   float* halves = out.halfDivisors.mutable_data_ptr<float>();
-  forEachFp4Block(input, scheme, globalScale, [&](int64_t b, const float* v, float divisor) {
-    for (int64_t i = 0; i < group; ++i) codes[b * group + i] = static_cast<int8_t>(e2m1Code(v[i] / divisor));
-    halves[b] = divisor * 0.5f;
+  forFp4BlockRanges(input, scheme, globalScale, [&](const float* in, int64_t begin, int64_t end, float global) {
+    fp4CodeBlocks(in, begin, end, scheme.dtype, global, codes, halves);
   });
   return out;
 }
