@@ -1080,22 +1080,22 @@ at::Tensor fakeQuantize(const at::Tensor& x, const QParams& params, const QSchem
 
 namespace {
 
-constexpr std::array<float, 8> kE2m1Values{0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-
-// The E2M1 grid value of u: toFp4E2m1's thresholds and sign, fromFp4E2m1's value.
-inline float e2m1Value(float u) {
-  const float a = std::abs(u);
-  const int index = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-  return std::signbit(u) ? -kE2m1Values[index] : kE2m1Values[index];
+// Twice the E2M1 grid magnitude of |u| = a, as an integer: its thresholds (toFp4E2m1's), each
+// adding the grid's step there (1 up to 4, then 2, 2 and 4), with no table to look up, so a block's
+// loop vectorizes.
+inline int32_t e2m1Steps(float a) {
+  return (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + 2 * (a > 2.5f) + 2 * (a >= 3.5f) + 4 * (a > 5.0f);
 }
 
-// Twice e2m1Value(u), as an integer: its thresholds, each adding the grid's step there (1 up to
-// 4, then 2, 2 and 4), with no table to look up, so a block's loop vectorizes.
+// The E2M1 grid value of u, its sign included (fromFp4E2m1's value of toFp4E2m1's code).
+inline float e2m1Value(float u) {
+  return std::copysign(0.5f * static_cast<float>(e2m1Steps(std::abs(u))), u);
+}
+
+// Twice e2m1Value(u), as an integer.
 inline int32_t e2m1Code(float u) {
-  const float a = std::abs(u);
-  const int32_t code =
-      (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + 2 * (a > 2.5f) + 2 * (a >= 3.5f) + 4 * (a > 5.0f);
-  return std::signbit(u) ? -code : code;
+  const int32_t steps = e2m1Steps(std::abs(u));
+  return std::signbit(u) ? -steps : steps;
 }
 
 // One block's divisor from its absmax: NVFP4's E4M3(clamp(global · (absmax / 6))) (0.125 for
@@ -1137,24 +1137,36 @@ void forFp4BlockRanges(const at::Tensor& x, const QScheme& scheme, const at::Ten
                    [&](int64_t begin, int64_t end) { blocks(in, begin, end, global); });
 }
 
-// fp4CodesDynamic's blocks [begin, end) of its format's kGroup inputs each; a constant block size
-// lets each block's loops vectorize.
+// The block size of an FP4 format.
+constexpr int64_t fp4Group(QDtype dtype) {
+  return dtype == QDtype::kNvfp4 ? kNvfp4GroupSize : kMxfp4GroupSize;
+}
+
+// The blocks [begin, end) of the format's kGroup inputs each: fake quantization's values into
+// `values` where it is not null, else the codes (twice the E2M1 value) and half divisors. A constant
+// block size lets each block's loops vectorize.
 template <int64_t kGroup>
-[[gnu::always_inline]] inline void fp4CodeBlocksOf(const float* in, int64_t begin, int64_t end, QDtype dtype,
-                                                   float global, int8_t* codes, float* halves) {
+[[gnu::always_inline]] inline void fp4BlocksOf(const float* in, int64_t begin, int64_t end, QDtype dtype, float global,
+                                               float* values, int8_t* codes, float* halves) {
   for (int64_t b = begin; b < end; ++b) {
     const float* v = in + b * kGroup;
     const float divisor = fp4Divisor(blockAbsMax(v, kGroup), dtype, global);
-    for (int64_t i = 0; i < kGroup; ++i) codes[b * kGroup + i] = static_cast<int8_t>(e2m1Code(v[i] / divisor));
-    halves[b] = divisor * 0.5f;
+    if (values != nullptr) {
+      for (int64_t i = 0; i < kGroup; ++i) values[b * kGroup + i] = e2m1Value(v[i] / divisor) * divisor;
+    } else {
+      for (int64_t i = 0; i < kGroup; ++i) codes[b * kGroup + i] = static_cast<int8_t>(e2m1Code(v[i] / divisor));
+      halves[b] = divisor * 0.5f;
+    }
   }
 }
 
-[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void fp4CodeBlocks(const float* in, int64_t begin,
-                                                                               int64_t end, QDtype dtype, float global,
-                                                                               int8_t* codes, float* halves) {
-  if (dtype == QDtype::kNvfp4) return fp4CodeBlocksOf<kNvfp4GroupSize>(in, begin, end, dtype, global, codes, halves);
-  fp4CodeBlocksOf<kMxfp4GroupSize>(in, begin, end, dtype, global, codes, halves);
+[[gnu::target_clones("arch=x86-64-v4", "avx2", "default")]] void fp4Blocks(const float* in, int64_t begin, int64_t end,
+                                                                           QDtype dtype, float global, float* values,
+                                                                           int8_t* codes, float* halves) {
+  if (dtype == QDtype::kNvfp4) {
+    return fp4BlocksOf<kNvfp4GroupSize>(in, begin, end, dtype, global, values, codes, halves);
+  }
+  fp4BlocksOf<kMxfp4GroupSize>(in, begin, end, dtype, global, values, codes, halves);
 }
 
 }  // namespace
@@ -1162,28 +1174,24 @@ template <int64_t kGroup>
 at::Tensor fakeQuantizeFp4Dynamic(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale) {
   QPIPE_CHECK(isFp4(scheme.dtype) && scheme.scope == QScope::kPerGroup, "fakeQuantizeFp4Dynamic of ", scheme.name());
   const int64_t group = scheme.groupSize;
-  if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || x.dim() == 0 || x.size(-1) % group != 0) {
+  if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || x.dim() == 0 || group != fp4Group(scheme.dtype) ||
+      x.size(-1) % group != 0) {
     const QParams params =
         scheme.dtype == QDtype::kNvfp4 ? computeQParams(x, scheme, globalScale) : computeQParams(x, scheme);
     return fakeQuantize(x, params, scheme);
   }
   const at::Tensor input = x.contiguous();
   at::Tensor out = at::empty_like(input);
-  float* o = out.mutable_data_ptr<float>();
+  float* values = out.mutable_data_ptr<float>();
   forFp4BlockRanges(input, scheme, globalScale, [&](const float* in, int64_t begin, int64_t end, float global) {
-    for (int64_t b = begin; b < end; ++b) {
-      const float* v = in + b * group;
-      const float divisor = fp4Divisor(blockAbsMax(v, group), scheme.dtype, global);
-      for (int64_t i = 0; i < group; ++i) o[b * group + i] = e2m1Value(v[i] / divisor) * divisor;
-    }
+    fp4Blocks(in, begin, end, scheme.dtype, global, values, nullptr, nullptr);
   });
   return out;
 }
 
 Fp4Codes fp4CodesDynamic(const at::Tensor& x, const QScheme& scheme, const at::Tensor& globalScale) {
   const int64_t group = scheme.groupSize;
-  QPIPE_CHECK(isFp4(scheme.dtype) && scheme.scope == QScope::kPerGroup &&
-                  group == (scheme.dtype == QDtype::kNvfp4 ? kNvfp4GroupSize : kMxfp4GroupSize) &&
+  QPIPE_CHECK(isFp4(scheme.dtype) && scheme.scope == QScope::kPerGroup && group == fp4Group(scheme.dtype) &&
                   x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() == 2 && x.size(1) % group == 0,
               "fp4CodesDynamic takes fp32 CPU x [M, K] with K a multiple of the group, got ", x.sizes(), " ",
               x.scalar_type(), " of ", scheme.name(), " in groups of ", group);
@@ -1193,7 +1201,7 @@ Fp4Codes fp4CodesDynamic(const at::Tensor& x, const QScheme& scheme, const at::T
   int8_t* codes = out.codes.mutable_data_ptr<int8_t>();
   float* halves = out.halfDivisors.mutable_data_ptr<float>();
   forFp4BlockRanges(input, scheme, globalScale, [&](const float* in, int64_t begin, int64_t end, float global) {
-    fp4CodeBlocks(in, begin, end, scheme.dtype, global, codes, halves);
+    fp4Blocks(in, begin, end, scheme.dtype, global, nullptr, codes, halves);
   });
   return out;
 }
