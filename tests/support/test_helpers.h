@@ -10,10 +10,19 @@
 #include <functional>
 #include <iterator>
 #include <string>
+#include <string_view>
 
 #include "qpipe/error.h"
+#include "qpipe/quant_linear.h"
 
 namespace qpipe::test {
+
+// Whether QuantLinear runs W4A4 FP4 Linears (those it may) through Fp4Linear here: the CPU runs
+// it and QPIPE_FP4_FAKE_QUANT=1 does not ask for fake quantization.
+inline bool fp4LinearRuns() {
+  const char* fake = std::getenv("QPIPE_FP4_FAKE_QUANT");
+  return Fp4Linear::cpuRuns() && !(fake != nullptr && std::string_view(fake) == "1");
+}
 
 // Runs `body`, expects qpipe::Error with `code`, and returns its message.
 inline std::string errorOf(const std::function<void()>& body, ErrorCode code) {

@@ -911,8 +911,9 @@ TEST(QuantLinear, W4a4Fp4RunsFp4LinearOnAmdWithVnniAndFakeQuantizationElsewhere)
     ActivationQuant input{scheme, {}};
     if (scheme.dtype == QDtype::kNvfp4) input.params.globalScale = quant::nvfp4GlobalScale(x.abs().amax());
     const auto deployed = QuantLinear::fromLinear(linear, params, scheme, input);
+    EXPECT_FALSE(deployed->inferenceOnly());
     const at::Tensor fake = at::linear(input.apply(x), deployed->dequantizedWeight(), linear.bias());
-    const at::Tensor kernel = Fp4Linear::cpuRuns()
+    const at::Tensor kernel = test::fp4LinearRuns()
                                   ? *Fp4Linear(deployed->parameter("weight"), deployed->weightParams(), scheme, input)
                                          .forward(x, linear.bias())
                                   : fake;
@@ -920,7 +921,10 @@ TEST(QuantLinear, W4a4Fp4RunsFp4LinearOnAmdWithVnniAndFakeQuantizationElsewhere)
     // After the first forward, too.
     deployed->setInferenceOnly();
     EXPECT_TRUE(at::equal(deployed->forward(x), kernel));
-    if (Fp4Linear::cpuRuns()) EXPECT_FALSE(at::equal(kernel, fake));
+    EXPECT_TRUE(deployed->inferenceOnly());
+    if (test::fp4LinearRuns()) {
+      EXPECT_FALSE(at::equal(kernel, fake));
+    }
   }
 }
 

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -225,6 +227,83 @@ TEST(QuantMxfp4, RoundTripsBitForBitAndActivationsScalePerInput) {
   const QParams a = computeQParams(x, kMxfp4);
   EXPECT_EQ(a.scale.sizes(), at::IntArrayRef({2, 3, 2}));
   EXPECT_TRUE(at::equal(a.scale, mxfp4Scale(x.reshape({2, 3, 2, 32}).abs().amax(-1))));
+}
+
+// The one-pass kernels against a scalar oracle written apart from them: a block's divisor from the
+// largest |v| of its non-NaN inputs (0 for none; the format's scale arithmetic), then each input's
+// nearest E2M1 grid value by distance (a tie to the even code, 6 from there up), with the input's
+// sign (a NaN is a zero of its sign). Blocks of -0 (the signs kept), NaN, ±inf, subnormals, exact
+// ties and saturation, compared bit for bit.
+TEST(QuantFp4, SpecialInputsGiveTheScalarOraclesBits) {
+  constexpr float kNan = std::numeric_limits<float>::quiet_NaN(), kInf = std::numeric_limits<float>::infinity();
+  const std::vector<float> specials{-0.0f, kNan,  -kNan, 1.0f,  -2.0f, 0.3f, kInf,   -kInf,   1e-40f, -3e-41f, 6.0f,
+                                    0.25f, 0.75f, 1.25f, 1.75f, 2.5f,  3.5f, 5.0f,   -0.25f,  -1.25f, -2.5f,   -5.0f,
+                                    7.0f,  -0.1f, 0.5f,  4.0f,  -3.0f, 2.9f, 1e-39f, -1e-45f, 0.0f,   -6.5f};
+  // Every tie of the grid, in blocks whose largest is 6: a divisor of 1 for both formats here.
+  const std::vector<float> ties{6.0f,   0.25f,  0.75f,  1.25f,  1.75f, 2.5f,  3.5f,  5.0f,
+                                -0.25f, -0.75f, -1.25f, -1.75f, -2.5f, -3.5f, -5.0f, -6.0f};
+  at::Tensor x = at::empty({5, 64});
+  x[0].fill_(-0.0f);                                              // blocks of -0 only
+  x[1].copy_(at::tensor(specials).repeat({2}));                   // every special, in each block
+  x[2].copy_(at::tensor(specials).repeat({2}) * 1e-39f);          // subnormal magnitudes
+  x[3].copy_(at::tensor(specials).repeat({2}).flip({0}) * 3.0f);  // other divisors, other places
+  x[3][5] = kNan;
+  x[4].copy_(at::tensor(ties).repeat({4}));
+  const std::array<float, 8> grid{0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const auto nearest = [&](float u) {
+    if (std::isnan(u)) return std::copysign(0.0f, u);
+    const float a = std::abs(u);
+    size_t best = grid.size() - 1;
+    if (a < grid.back()) {
+      for (size_t i = 0; i + 1 < grid.size(); ++i) {
+        const float below = a - grid[i], above = grid[i + 1] - a;
+        if (below >= 0 && above >= 0) {
+          best = below < above || (below == above && i % 2 == 0) ? i : i + 1;
+          break;
+        }
+      }
+    }
+    return std::copysign(grid[best], u);
+  };
+  const float global = 0.75f;
+  for (const QScheme& scheme : {kNvfp4, kMxfp4}) {
+    SCOPED_TRACE(scheme.name());
+    const bool nv = scheme.dtype == QDtype::kNvfp4;
+    const int64_t group = scheme.groupSize;
+    at::Tensor values = at::empty_like(x), codes = at::empty(x.sizes(), at::kChar), halves = at::empty({5, 64 / group});
+    for (int64_t r = 0; r < 5; ++r) {
+      for (int64_t b = 0; b < 64 / group; ++b) {
+        float absmax = 0.0f;
+        for (int64_t i = b * group; i < (b + 1) * group; ++i) {
+          const float v = x[r][i].item<float>();
+          if (!std::isnan(v)) absmax = std::max(absmax, std::abs(v));
+        }
+        float divisor = 0;
+        if (nv) {
+          const float scaled = std::min(global * (absmax / 6.0f), 448.0f);
+          const float block = static_cast<float>(c10::Float8_e4m3fn(scaled));
+          divisor = (block == 0.0f ? 0.125f : block) / global;
+        } else {
+          divisor = mxfp4Scale(at::tensor({absmax})).item<float>();
+        }
+        halves[r][b] = divisor / 2;
+        for (int64_t i = b * group; i < (b + 1) * group; ++i) {
+          const float e = nearest(x[r][i].item<float>() / divisor);
+          values[r][i] = e * divisor;
+          codes[r][i] = static_cast<int8_t>(2 * e);
+        }
+      }
+    }
+    const at::Tensor globalScale = nv ? at::tensor({global}) : at::Tensor();
+    const at::Tensor fake = fakeQuantizeFp4Dynamic(x, scheme, globalScale);
+    EXPECT_TRUE(at::equal(fake.view(at::kInt), values.view(at::kInt)))
+        << "first difference at " << (fake.view(at::kInt) != values.view(at::kInt)).nonzero()[0];
+    EXPECT_TRUE(std::signbit(fake[0][3].item<float>()));
+    EXPECT_EQ(halves[4][0].item<float>(), 0.5f);
+    const Fp4Codes computed = fp4CodesDynamic(x, scheme, globalScale);
+    EXPECT_TRUE(at::equal(computed.codes, codes));
+    EXPECT_TRUE(at::equal(computed.halfDivisors.view(at::kInt), halves.view(at::kInt)));
+  }
 }
 
 TEST(QuantFp4, TheOnePassActivationKernelGivesTheTensorOpsBits) {

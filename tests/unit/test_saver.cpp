@@ -171,11 +171,12 @@ TEST(CompressedTensorsSaver, W8A8DynamicRoundTrip) {
   EXPECT_FALSE(safetensors::Checkpoint::open(out).contains("model.layers.0.self_attn.q_proj.input_scale"));
 }
 
-// A W4A4 NVFP4 checkpoint (of the tiny Qwen3, whose widths are whole groups) loads as
-// inference-only QuantLinears (qpipe eval): the in-memory model's forward once its QuantLinears
-// are inference-only, bit for bit. Where the CPU runs Fp4Linear that is not fake quantization's
-// forward, which the quantization run computed.
-TEST(CompressedTensorsSaver, W4a4Nvfp4LoadsAsInferenceOnlyLinears) {
+// A W4A4 NVFP4 checkpoint (of the tiny Qwen3, whose widths are whole groups) opened to infer
+// (ModelOptions::inferenceOnly: qpipe eval) holds inference-only QuantLinears, whose forward is the
+// in-memory model's once its QuantLinears are inference-only, bit for bit: Fp4Linear's where it
+// runs, and then not fake quantization's, which the quantization run computed. Opened as qpipe
+// quant opens it, and deployed by a quantizer, they keep fake quantization's forward.
+TEST(CompressedTensorsSaver, W4a4Nvfp4LoadsAsInferenceOnlyLinearsOnlyToInfer) {
   const QScheme nvfp4{.dtype = QDtype::kNvfp4, .scope = QScope::kPerGroup, .groupSize = quant::kNvfp4GroupSize};
   auto lm = CausalLM::open(test::tinyQwen3("w4a4-nvfp4-src"));
   std::vector<QuantLinear*> linears;
@@ -190,10 +191,28 @@ TEST(CompressedTensorsSaver, W4a4Nvfp4LoadsAsInferenceOnlyLinears) {
   const fs::path out = test::testDir() / "w4a4-nvfp4-out";
   fs::remove_all(out);
   test::saveCheckpoint(*lm, out);
-  for (QuantLinear* linear : linears) linear->setInferenceOnly();
-  const at::Tensor expected = lm->forward(ids());
-  EXPECT_TRUE(at::equal(CausalLM::open(out)->forward(ids()), expected));
-  EXPECT_EQ(at::equal(expected, fake), !Fp4Linear::cpuRuns());
+  const auto toInfer = CausalLM::open(out, {.inferenceOnly = true});
+  const auto toCalibrate = CausalLM::open(out);
+  const at::Tensor inferred = toInfer->forward(ids());
+  EXPECT_TRUE(at::equal(toCalibrate->forward(ids()), fake));
+  for (QuantLinear* linear : linears) {
+    EXPECT_FALSE(linear->inferenceOnly());
+    linear->setInferenceOnly();
+  }
+  EXPECT_TRUE(at::equal(inferred, lm->forward(ids())));
+  EXPECT_EQ(at::equal(inferred, fake), !test::fp4LinearRuns());
+  for (const auto& [loaded, inferenceOnly] : {std::pair{toInfer.get(), true}, std::pair{toCalibrate.get(), false}}) {
+    size_t quantized = 0;
+    for (int64_t i = 0; i < loaded->config().numLayers; ++i) {
+      for (const auto& [name, module] : loaded->layer(i).namedModules(loaded->layerName(i))) {
+        if (const auto* linear = dynamic_cast<const QuantLinear*>(module)) {
+          EXPECT_EQ(linear->inferenceOnly(), inferenceOnly) << name;
+          ++quantized;
+        }
+      }
+    }
+    EXPECT_EQ(quantized, linears.size());
+  }
 }
 
 TEST(CompressedTensorsSaver, Int8AsymmetricZeroPointsAreInt8) {

@@ -15,7 +15,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   c10::InferenceMode inference;
-  auto model = qpipe::CausalLM::open(argv[1]);
+  auto model = qpipe::CausalLM::open(argv[1], {.inferenceOnly = true});
   const int64_t seq = std::atoll(argv[2]);
   const int iterations = std::atoi(argv[3]);
   for (int a = 4; a < argc; ++a) {

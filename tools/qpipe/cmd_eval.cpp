@@ -48,9 +48,9 @@ void evaluate(const EvalOptions& options) {
     QPIPE_REQUIRE(std::filesystem::is_directory(out.parent_path()), ErrorCode::kIo, "--output_json '",
                   options.outputJson, "': no folder '", out.parent_path().string(), "' to write it in");
   }
-  auto lm = CausalLM::open(
-      model, {.device = device,
-              .checkFinite = !options.allowNonFinite});  // first: a broken checkpoint fails before any tokenizing
+  auto lm = CausalLM::open(model, {.device = device,
+                                   .checkFinite = !options.allowNonFinite,
+                                   .inferenceOnly = true});  // first: a broken checkpoint fails before any tokenizing
   const Tokenizer tokenizer = Tokenizer::fromFile(model / "tokenizer.json");
   const TokenStream stream = encodeDataset(options.data, tokenizer, {.maxSamples = options.maxSamples});
   const std::vector<int64_t>& ids = stream.ids;

@@ -537,7 +537,7 @@ std::shared_ptr<Module> CausalLM::linear(const std::string& name, bool bias) {
     const auto has = [this](const std::string& tensor) { return checkpoint_.contains(tensor); };
     bias = bias || undeclaredBias(name);
     if (auto quantized = quantized_->linear(name, bias, stored, has, options_.dtype)) {
-      quantized->setInferenceOnly();
+      if (options_.inferenceOnly) quantized->setInferenceOnly();
       return quantized;
     }
     // An int8 or FP8 weight that no scheme claims (a quantization_config edited by hand) would

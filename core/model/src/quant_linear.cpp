@@ -628,6 +628,7 @@ at::Tensor QuantLinear::dequantizedWeight() {
 }
 
 void QuantLinear::setInferenceOnly() {
+  if (inferenceOnly_) return;
   inferenceOnly_ = true;
   codesGemmChecked_ = false;
   codesGemm_.reset();

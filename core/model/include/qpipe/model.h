@@ -99,6 +99,11 @@ struct ModelOptions {
   // Every floating-point tensor read from the checkpoint is checked for NaN and Inf as it is read
   // (Error(kInput) naming it), and the savers check what they write; false skips both.
   bool checkFinite = true;
+  // The forward only infers (qpipe eval): every QuantLinear loaded from a quantized checkpoint is
+  // QuantLinear::setInferenceOnly() (W4A4 NVFP4 then runs Fp4Linear where the CPU runs it). Off
+  // where the forward calibrates (qpipe quant of a quantized checkpoint), so that what it writes
+  // does not depend on the CPU.
+  bool inferenceOnly = false;
 };
 
 class CausalLM {

@@ -300,11 +300,13 @@ class QuantLinear : public Module, public InputSharing {
   at::Tensor bias();
   // The weight as the forward uses it: dequantized, in the compute dtype.
   at::Tensor dequantizedWeight();
-  // Marks a Linear whose forward need not be fake quantization's bit for bit: one the model loader
-  // made from a quantized checkpoint (qpipe eval), not a quantizer's deploy, whose forward
-  // linear_quant's calibration and QAT's zero-rate run must compute alike. W4A4 NVFP4 then runs
-  // through Fp4Linear too where the CPU runs it.
+  // Marks a Linear whose forward only infers and so need not be fake quantization's bit for bit:
+  // one the model loader made from a quantized checkpoint for qpipe eval
+  // (ModelOptions::inferenceOnly), never a quantizer's deploy, whose forward linear_quant's
+  // calibration and QAT's zero-rate run must compute alike. W4A4 NVFP4 then runs through Fp4Linear
+  // too where the CPU runs it. Call it before the first forward, never beside one.
   void setInferenceOnly();
+  bool inferenceOnly() const { return inferenceOnly_; }
 
  private:
   quant::QScheme weightScheme_;
