@@ -119,7 +119,7 @@ spec:
   EXPECT_EQ(msmodelslim.exitCode, 0) << msmodelslim.err;
   // In the order of the file, though the pipeline's own check (calib_dataset) runs first.
   size_t previous = 0;
-  for (const std::string& expected :
+  for (const char* expected :
        {":7:82: spec.process[0].qconfig.weight.ext.group_size: applies to scope per_group only; ignored",
         ":8:18: spec.calib_dataset: msmodelslim does not read it, and neither does qpipe"}) {
     const size_t at = msmodelslim.err.find("[warning] " + practice.string() + expected);

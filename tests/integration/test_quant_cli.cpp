@@ -407,8 +407,8 @@ TEST(QuantCli, ACoreBusyWithOtherWorkIsLeftToIt) {
   const pid_t spinner = fork();
   ASSERT_GE(spinner, 0);
   if (spinner == 0) {
-    for (volatile unsigned long n = 0;; n = n + 1) {
-    }
+    volatile unsigned long n = 0;
+    for (;;) n = n + 1;
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const fs::path out = qpipe::test::testDir() / "busy", given = qpipe::test::testDir() / "busy-given";

@@ -297,7 +297,9 @@ TEST(Runner, NonLayerModulesNoStepActsOnGoToTheSinkFirst) {
     LayerWiseRunner(*model, processors, {.nonLayerFirst = true})
         .run(samples(2), [&](int64_t index, const std::string& name, Module& module) {
           sunk.emplace_back(index, name);
-          if (index == CheckpointSaver::kNonLayer) EXPECT_EQ(&module, &model->root());
+          if (index == CheckpointSaver::kNonLayer) {
+            EXPECT_EQ(&module, &model->root());
+          }
         });
     using Sunk = std::vector<std::pair<int64_t, std::string>>;
     Sunk expected{{0, "model.layers.0"}, {1, "model.layers.1"}};
