@@ -208,26 +208,21 @@ GroupedBf16Panels packGroupedBf16(const c10::BFloat16* values, int64_t ldv, cons
 void avx512Bf16GroupedGemm(const c10::BFloat16* a, int64_t lda, int64_t m, const GroupedBf16Panels& b,
                            const float* bias, float* c) {
   const auto* a16 = reinterpret_cast<const uint16_t*>(a);
-  const int64_t n = b.n, k = b.k, panels = (n + kNr - 1) / kNr;
+  const int64_t n = b.n, k = b.k;
   const int64_t valuesSize = (k / 2) * kNr * 2, scalesSize = (k / b.group) * kNr;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i0 = 0; i0 < m; i0 += kMc) {
-      for (int64_t panel = begin; panel < end; ++panel) {
-        const uint16_t* values = b.values.data() + panel * valuesSize;
-        const float* scales = b.scales.data() + panel * scalesSize;
-        const float* panelBias = bias == nullptr ? nullptr : bias + panel * kNr;
-        const int64_t rows = std::min(kMc, m - i0), cols = n - panel * kNr;
-        float* out = c + i0 * n + panel * kNr;
-        int64_t r = 0;
-        for (; r + kGroupedMr <= rows; r += kGroupedMr) {
-          groupedMicroKernel<kGroupedMr>(a16 + (i0 + r) * lda, lda, k, b.group, values, scales, panelBias, out + r * n,
-                                         n, cols);
-        }
-        if (r < rows) {
-          groupedTailRows<kGroupedMr - 1>(rows - r, a16 + (i0 + r) * lda, lda, k, b.group, values, scales, panelBias,
-                                          out + r * n, n, cols);
-        }
-      }
+  forEachPanelRowBlock(m, n, kNr, kMc, [&](int64_t panel, int64_t i0, int64_t rows, int64_t cols) {
+    const uint16_t* values = b.values.data() + panel * valuesSize;
+    const float* scales = b.scales.data() + panel * scalesSize;
+    const float* panelBias = bias == nullptr ? nullptr : bias + panel * kNr;
+    float* out = c + i0 * n + panel * kNr;
+    int64_t r = 0;
+    for (; r + kGroupedMr <= rows; r += kGroupedMr) {
+      groupedMicroKernel<kGroupedMr>(a16 + (i0 + r) * lda, lda, k, b.group, values, scales, panelBias, out + r * n, n,
+                                     cols);
+    }
+    if (r < rows) {
+      groupedTailRows<kGroupedMr - 1>(rows - r, a16 + (i0 + r) * lda, lda, k, b.group, values, scales, panelBias,
+                                      out + r * n, n, cols);
     }
   });
 }

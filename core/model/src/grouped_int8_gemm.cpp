@@ -166,29 +166,21 @@ template <int R, int Parts>
   microKernel<R, Parts>(x, row, k, b, values, s, bias, c, ldc, cols);
 }
 
-// The GEMM over the input's `Parts` parts: each thread takes whole panels and runs them over every
-// row, kMc rows at a time.
+// The GEMM over the input's `Parts` parts.
 template <int Parts>
 void gemmParts(const GroupedInt8Input& x, const GroupedInt8Panels& b, const float* bias, float* c) {
-  const int64_t m = x.m, n = b.n, k = b.k, panels = (n + kNr - 1) / kNr;
+  const int64_t n = b.n, k = b.k;
   const int64_t valuesSize = (k / 4) * kNr * 4, scalesSize = (k / b.group) * kNr;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i0 = 0; i0 < m; i0 += kMc) {
-      for (int64_t panel = begin; panel < end; ++panel) {
-        const uint8_t* values = b.values.data() + panel * valuesSize;
-        const float* scales = b.scales.data() + panel * scalesSize;
-        const float* panelBias = bias == nullptr ? nullptr : bias + panel * kNr;
-        const int64_t rows = std::min(kMc, m - i0), cols = n - panel * kNr;
-        float* out = c + i0 * n + panel * kNr;
-        int64_t r = 0;
-        for (; r + kMr <= rows; r += kMr) {
-          microKernel<kMr, Parts>(x, i0 + r, k, b, values, scales, panelBias, out + r * n, n, cols);
-        }
-        if (r < rows) {
-          tailRows<kMr - 1, Parts>(rows - r, x, i0 + r, k, b, values, scales, panelBias, out + r * n, n, cols);
-        }
-      }
+  forEachPanelRowBlock(x.m, n, kNr, kMc, [&](int64_t panel, int64_t i0, int64_t rows, int64_t cols) {
+    const uint8_t* values = b.values.data() + panel * valuesSize;
+    const float* scales = b.scales.data() + panel * scalesSize;
+    const float* panelBias = bias == nullptr ? nullptr : bias + panel * kNr;
+    float* out = c + i0 * n + panel * kNr;
+    int64_t r = 0;
+    for (; r + kMr <= rows; r += kMr) {
+      microKernel<kMr, Parts>(x, i0 + r, k, b, values, scales, panelBias, out + r * n, n, cols);
     }
+    if (r < rows) tailRows<kMr - 1, Parts>(rows - r, x, i0 + r, k, b, values, scales, panelBias, out + r * n, n, cols);
   });
 }
 
