@@ -407,13 +407,32 @@ class FlexAwqSsz final : public SmoothingProcessor {
           tokens_(in.tokens),
           qconfig_(qconfig),
           weight_(stackedRows(searchedWeights(in))),
-          error_(tokens_, weight_) {}
+          error_(tokens_, weight_),
+          exactInt8_(exactInt8(qconfig, weight_)) {}
 
     at::Tensor productWeight() const override { return weight_; }
     void setProduct(std::vector<at::Tensor> product) override { error_.setReference(std::move(product)); }
 
     double loss(int, int candidate) const override {
-      const at::Tensor s = scalesFor(candidate * kSearchStep).consumer.unsqueeze(0);
+      const at::Tensor consumer = scalesFor(candidate * kSearchStep).consumer;
+      if (exactInt8_) {
+        // What the deployed QuantLinear computes (its Int8Linear), bit for bit, without the
+        // QuantLinear or the [tokens, out] product written and read back (docs/smoothing.md).
+        const quant::QConfig& w = qconfig_.weight;
+        quant::QParams params;
+        at::Tensor codes;
+        if (w.method == quant::QMethod::kSsz) {
+          const at::Tensor scaled = weight_ * consumer.unsqueeze(0);
+          params = quant::sszSearch(scaled, w.scheme, w.sszSteps);
+          codes = quant::quantize(scaled, params, w.scheme);
+        } else {
+          std::tie(params, codes) = quant::quantizeScaledWeight(weight_, consumer, w.scheme);
+        }
+        const Int8Linear linear(codes, params.scale);
+        const auto [tokenParams, tokenCodes] = quant::quantizeDividedTokens(tokens_, consumer, qconfig_.act.scheme);
+        return error_(linear, tokenCodes, tokenParams);
+      }
+      const at::Tensor s = consumer.unsqueeze(0);
       Linear scaled(weight_ * s);
       LinearQuantizer quantizer(scaled, qconfig_);
       const at::Tensor x = tokens_ / s;
@@ -437,6 +456,16 @@ class FlexAwqSsz final : public SmoothingProcessor {
     }
 
    private:
+    // Whether the deployed consumers are an Int8Linear fed dynamic per-token codes (msmodelslim's
+    // W4A8/W8A8 dynamic practices), whose loss the search can take from the codes directly.
+    static bool exactInt8(const quant::LinearQConfig& qconfig, const at::Tensor& weight) {
+      const quant::QConfig& act = qconfig.act;
+      const quant::QMethod method = qconfig.weight.method;
+      return (method == quant::QMethod::kSsz || method == quant::QMethod::kMinMax) && act.enabled() &&
+             act.isDynamic() && act.scheme.scope == quant::QScope::kPerToken &&
+             Int8Linear::supports(qconfig.weight.scheme, ActivationQuant{act.scheme, {}}) &&
+             weight.size(1) <= Int8Linear::kMaxInt8K;
+    }
     // msmodelslim's rule: norm-linear with more than three consumers searches on the first two.
     static std::vector<at::Tensor> searchedWeights(const SubgraphInput& in) {
       if (in.graph.type == SubgraphType::kNormLinear && in.weights.size() > 3) return {in.weights[0], in.weights[1]};
@@ -456,6 +485,7 @@ class FlexAwqSsz final : public SmoothingProcessor {
     const quant::LinearQConfig& qconfig_;
     at::Tensor weight_;
     RelativeError error_;
+    bool exactInt8_;
     double best_ = std::numeric_limits<double>::infinity(), alpha_ = 0;
   };
 

@@ -23,6 +23,7 @@
 #include "qpipe/log.h"
 #include "qpipe/model.h"
 #include "qpipe/plugin.h"
+#include "qpipe/quant.h"
 #include "save_checkpoint.h"
 #include "smoothing.h"
 #include "test_helpers.h"
@@ -277,28 +278,50 @@ TEST_F(Smoothing, FlexSmoothQuantPicksTheLowestInt8LossOfTheTwoPhaseGrid) {
 
 TEST_F(Smoothing, FlexAwqSszPicksTheAlphaOfTheLowestQuantizedError) {
   // s = mean|X|^α over the q/k/v inputs of layer 0; the error is that of q, k and v quantized as
-  // the qconfig says (int8 per-channel weights, int8 per-token activations), recomputed here in
-  // double for α = 0, 0.05, …, 1; a later α wins a tie.
+  // the qconfig says, recomputed here in double for α = 0, 0.05, …, 1; a later α wins a tie.
+  // Dynamic per-token activations with int8 per-channel weights (min-max) or int4 ones (SSZ)
+  // take the search's int8 path (the loss from the codes); static per-tensor activations,
+  // calibrated on X/s, the deployed QuantLinear.
   const fs::path dir = test::tinyLlama("smooth_awq");
   const auto [x, w] = qkvCalibration(dir);
   const at::Tensor mean = x.abs().mean(0), y = at::matmul(x, w.t());
-  double best = std::numeric_limits<double>::infinity(), alpha = 0;
-  for (int i = 0; i <= 20; ++i) {
-    const at::Tensor s = mean.pow(i * 0.05).clamp_min(1e-5);
-    const at::Tensor yq = at::matmul(fakeQuantRows(x / s), fakeQuantRows(w * s).t());
-    if (const double l = ((yq - y).square().mean().sqrt() / y.square().mean().sqrt()).item<double>(); l <= best) {
-      std::tie(best, alpha) = std::tuple(l, i * 0.05);
+  const quant::QScheme int4{quant::QDtype::kInt4, quant::QScope::kPerChannel, true, 0};
+  const auto sszRows = [&](const at::Tensor& scaled) {
+    const at::Tensor rows = scaled.to(at::kFloat);
+    const at::Tensor scale = quant::sszSearch(rows, int4, 10).scale.to(at::kDouble);
+    return at::round(rows.to(at::kDouble) / scale).clamp(-8, 7) * scale;
+  };
+  const auto perTensor = [](const at::Tensor& t) {
+    const at::Tensor scale = t.abs().max() / 127.0;
+    return at::round(t / scale).clamp(-128, 127) * scale;
+  };
+  using Quantized = std::function<at::Tensor(const at::Tensor&)>;
+  const std::vector<std::tuple<std::string, Quantized, Quantized>> qconfigs = {
+      {"{act: {dtype: int8, scope: per_token}, weight: {dtype: int8}}", fakeQuantRows, fakeQuantRows},
+      {"{act: {dtype: int8, scope: per_token}, weight: {dtype: int4, method: ssz, ext: {step: 10}}}", fakeQuantRows,
+       sszRows},
+      {"{act: {dtype: int8, scope: per_tensor}, weight: {dtype: int8}}", perTensor, fakeQuantRows}};
+  for (const auto& [qconfig, act, weight] : qconfigs) {
+    SCOPED_TRACE(qconfig);
+    double best = std::numeric_limits<double>::infinity(), alpha = 0;
+    for (int i = 0; i <= 20; ++i) {
+      const at::Tensor s = mean.pow(i * 0.05).clamp_min(1e-5);
+      const at::Tensor yq = at::matmul(act(x / s), weight(w * s).t());
+      if (const double l = ((yq - y).square().mean().sqrt() / y.square().mean().sqrt()).item<double>(); l <= best) {
+        std::tie(best, alpha) = std::tuple(l, i * 0.05);
+      }
     }
+    QuantReport report;
+    smoothed(
+        "    - {type: flex_awq_ssz, enable_subgraph_type: [norm-linear], include: ['*.0.input_layernorm'], "
+        "qconfig: " +
+            qconfig + "}\n",
+        dir, &report);
+    std::map<std::string, double> values;
+    for (const ReportValue& v : report.layers.front().values) values[v.key] = v.value;
+    EXPECT_DOUBLE_EQ(values.at("alpha"), alpha);
+    EXPECT_NEAR(values.at("loss"), best, 1e-5 * best);
   }
-  QuantReport report;
-  smoothed(
-      "    - {type: flex_awq_ssz, enable_subgraph_type: [norm-linear], include: ['*.0.input_layernorm'], "
-      "qconfig: {act: {dtype: int8, scope: per_token}, weight: {dtype: int8}}}\n",
-      dir, &report);
-  std::map<std::string, double> values;
-  for (const ReportValue& v : report.layers.front().values) values[v.key] = v.value;
-  EXPECT_DOUBLE_EQ(values.at("alpha"), alpha);
-  EXPECT_NEAR(values.at("loss"), best, 1e-5 * best);
 }
 
 TEST_F(Smoothing, AsymmetricIterSmoothCentresNormLinearInputsByHand) {
