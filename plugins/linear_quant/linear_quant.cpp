@@ -39,7 +39,7 @@ class LinearQuant final : public Processor {
     pending_.clear();
     forEach<Linear>(request, *filter_, [&](const std::string& path, const std::string& name, Linear& linear) {
       qconfig_.checkFits(name, linear.inFeatures());
-      Pending& p = pending_.emplace_back(Pending{path, name, nullptr});
+      Pending& p = pending_.emplace_back(Pending{path, name, static_cast<double>(linear.weight().numel()), nullptr});
       if (isDataFree()) return;  // nothing observes: the quantizer is made from the Linear at postprocess
       p.quantizer = std::make_shared<LinearQuantizer>(linear, qconfig_, LinearQuantizer::Weights::kDeferred);
       if (request.staged) {
@@ -113,12 +113,13 @@ class LinearQuant final : public Processor {
   struct Pending {
     std::string path;  // below the unit
     std::string name;  // full HF name
+    double cost;       // its weight's elements: an SSZ search's time is about proportional
     std::shared_ptr<LinearQuantizer> quantizer;
   };
 
   // One task per quantizer (docs/scheduler.md): each solves its weights. SSZ searches are spread
-  // over the ranks and their solutions sent to every rank (LinearQuantizer::syncTensors); minmax
-  // solves run on every rank, in a local wave.
+  // over the ranks, the largest weights first, and their solutions sent to every rank
+  // (LinearQuantizer::syncTensors); minmax solves run on every rank, in a local wave.
   void solveWeights(LayerRequest& request) {
     std::vector<std::pair<std::string, LinearQuantizer*>> quantizers;
     for (const Pending& p : pending_) quantizers.emplace_back(p.name, p.quantizer.get());
@@ -135,7 +136,8 @@ class LinearQuant final : public Processor {
                     .dependencies = {p.path},
                     // A minmax solve is recomputed by every rank's sync anyway: splitting it would
                     // only add collectives.
-                    .parallel = qconfig_.weight.method == quant::QMethod::kSsz});
+                    .parallel = qconfig_.weight.method == quant::QMethod::kSsz,
+                    .cost = p.cost});
     }
     const std::vector<TaskRecord> records = tasks.run();
     for (size_t i = 0; i < records.size(); ++i) scheduler::reportTask(request, pending_[i].name, records[i]);

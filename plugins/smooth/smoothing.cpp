@@ -63,6 +63,16 @@ void addBias(Module& module, const at::Tensor& delta) {
   bias = (bias.to(at::kFloat) + delta.to(bias.device())).to(bias.scalar_type());
 }
 
+// The consumers' weight elements: a search task's time is about proportional to them times its
+// tokens (the scheduler hands the costliest out first).
+double consumerElements(LayerRequest& request, const Subgraph& graph) {
+  double elements = 0;
+  for (const std::string& target : graph.targets) {
+    elements += static_cast<double>(request.module->getSubmodule(target).parameter("weight").numel());
+  }
+  return elements;
+}
+
 // A candidate's loss as a task result: JSON has no NaN or infinity, so those travel as text.
 ConfigNode lossNode(double loss) {
   if (std::isfinite(loss)) return ConfigNode::number(loss);
@@ -319,7 +329,8 @@ void SmoothingProcessor::submitProducts(LayerRequest& request, const std::vector
                  }
                  return std::vector<at::Tensor>{rows};
                },
-           .syncName = "smooth.product"});
+           .syncName = "smooth.product",
+           .cost = static_cast<double>(productChunkRows(count, c)) * consumerElements(request, w->graph)});
       submitted(w, concat("p", c), true);
     }
   }
@@ -399,7 +410,8 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
                                                  {"candidate", ConfigNode::integer(c)}}),
                         .sync = [w, round, c](const TaskRecord& record,
                                               SyncContext&) { w->losses[round][c] = lossOf(record.result); },
-                        .syncName = "smooth.loss"});
+                        .syncName = "smooth.loss",
+                        .cost = static_cast<double>(w->allTokens.size(0)) * consumerElements(request, w->graph)});
           submitted.push_back({w, concat("r", round, "c", c), true});
         }
       }

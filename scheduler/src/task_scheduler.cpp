@@ -7,9 +7,11 @@
 #include <atomic>
 #include <bit>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <iomanip>
 #include <map>
+#include <numeric>
 #include <sstream>
 #include <string_view>
 #include <utility>
@@ -119,7 +121,8 @@ std::string describe(const Task& task) {
   std::string dependencies;
   for (const std::string& d : task.dependencies) dependencies += (dependencies.empty() ? "" : ",") + d;
   return task.name + " " + flow(task.args) + " on [" + dependencies + "]" +
-         (task.sync || task.syncTensors ? " sync " + task.syncName : "");
+         (task.sync || task.syncTensors ? " sync " + task.syncName : "") +
+         (task.cost != 0 ? " cost " + flow(ConfigNode::number(task.cost)) : "");
 }
 
 uint64_t fnv1aBytes(const void* data, size_t size, uint64_t hash) {
@@ -160,10 +163,11 @@ uint64_t hashNode(const ConfigNode& node, uint64_t hash) {
   return hash;
 }
 
-// What the ranks compare, as describe() spells it: name, arguments, dependencies, sync name.
+// What the ranks compare, as describe() spells it: name, arguments, dependencies, sync name, cost.
 uint64_t hashTask(const Task& task, uint64_t hash) {
   hash = hashNode(task.args, fnv1a(task.name + '\0', hash));
   for (const std::string& d : task.dependencies) hash = fnv1a(d + '\0', hash);
+  hash = fnv1aBytes(&task.cost, sizeof task.cost, hash);
   return fnv1a(task.sync || task.syncTensors ? "sync " + task.syncName : "-", hash);
 }
 
@@ -429,11 +433,17 @@ struct DistributedTaskScheduler::Impl {
       claimEnd = std::min(seen, n);
       return claimed < claimEnd ? claimed++ : n;
     };
+    // The wave's positions in the order they are handed out: most costly first, stable.
+    std::vector<size_t> order(wave.tasks.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return tasks[wave.tasks[a]].cost > tasks[wave.tasks[b]].cost; });
     Json mine = Json::array();
     std::map<size_t, std::vector<at::Tensor>> made;  // by wave position: this rank's syncTensors
     SyncContext context{root, group};
-    for (int64_t i = take(); i < n; i = take()) {
-      const size_t index = wave.tasks[static_cast<size_t>(i)];
+    for (int64_t claim = take(); claim < n; claim = take()) {
+      const size_t i = order[static_cast<size_t>(claim)];
+      const size_t index = wave.tasks[i];
       const std::string id = taskId(w, index);
       Json outcome = {{"i", i}};
       const auto start = Clock::now();
@@ -446,7 +456,7 @@ struct DistributedTaskScheduler::Impl {
           executed.taskId = id;
           executed.wave = static_cast<int64_t>(w);
           executed.executorRank = group.rank();
-          std::vector<at::Tensor>& tensors = made[static_cast<size_t>(i)];
+          std::vector<at::Tensor>& tensors = made[i];
           tensors = tasks[index].syncTensors(executed, context);
           int64_t bytes = 0;
           for (const at::Tensor& t : tensors) bytes += static_cast<int64_t>(t.nbytes());
@@ -608,6 +618,8 @@ void DistributedTaskScheduler::submit(Task task) {
   QPIPE_REQUIRE(static_cast<bool>(task.fn), ErrorCode::kPlugin, label, " has no function");
   QPIPE_REQUIRE((!task.sync && !task.syncTensors) || !task.syncName.empty(), ErrorCode::kPlugin, label,
                 " has a sync function but no syncName");
+  QPIPE_REQUIRE(std::isfinite(task.cost) && task.cost >= 0, ErrorCode::kPlugin, label, " has cost ", task.cost,
+                "; a cost is a finite estimate, 0 or more");
   for (const std::string& dependency : task.dependencies) {
     QPIPE_REQUIRE(!dependency.empty(), ErrorCode::kPlugin, label,
                   " has an empty dependency; name the modules the task changes");
@@ -642,6 +654,7 @@ std::vector<TaskRecord> DistributedTaskScheduler::run() {
   for (size_t i = 0; i < s.tasks.size(); ++i) {
     records[i].name = s.tasks[i].name;
     records[i].dependencies = s.tasks[i].dependencies;
+    records[i].cost = s.tasks[i].cost;
   }
   const auto logger = log::logger();
   if (std::any_of(s.waves.begin(), s.waves.end(), [](const Wave& wave) { return wave.parallel; })) {

@@ -461,6 +461,26 @@ void schedulerTaskFails() {
   std::cout << "unexpected: ran" << std::endl;
 }
 
+// Round-robin over four tasks whose costs are 1, 4, 0, 4 (the last rank gives the third 2 when
+// `disagree`): handed out as t1, t3, t0, t2, the i-th of them to rank i mod W.
+void schedulerCosts(bool disagree) {
+  ProcessGroup& group = world();
+  auto root = schedulerModel();
+  dts::DistributedTaskScheduler scheduler(*root, group, {.name = "test", .assignment = dts::Assignment::kRoundRobin});
+  const bool last = group.rank() == group.worldSize() - 1;
+  const std::vector<double> costs = {1, 4, disagree && last ? 2.0 : 0.0, 4};
+  for (size_t i = 0; i < costs.size(); ++i) {
+    scheduler.submit({.name = "noop",
+                      .fn = [](const qpipe::ConfigNode&) { return qpipe::ConfigNode::null({}); },
+                      .args = qpipe::ConfigNode::map({{"k", qpipe::ConfigNode::integer(static_cast<int64_t>(i))}}),
+                      .cost = costs[i]});
+  }
+  for (const qpipe::TaskRecord& record : scheduler.run()) {
+    std::cout << "record " << record.taskId << " executor " << record.executorRank << " cost " << record.cost << "\n";
+  }
+  std::cout << "done" << std::endl;
+}
+
 // Split layers' mechanics: four parallel tasks, each running a scheduler of its own (whose waves
 // are then local: no collective, every task here) and passing a running sum to the next task
 // through the store, as the runner's probe chain does.
@@ -540,6 +560,10 @@ int main(int argc, char** argv) {
       schedulerCollective();
     } else if (scenario == "dts_task_fails") {
       schedulerTaskFails();
+    } else if (scenario == "dts_costs") {
+      schedulerCosts(false);
+    } else if (scenario == "dts_costs_disagree") {
+      schedulerCosts(true);
     } else if (scenario == "dts_nested_chain") {
       schedulerNestedAndChained();
     } else {

@@ -97,6 +97,21 @@ TEST_P(Scheduler, NestedSchedulersRunLocallyAndTasksChainThroughTheStore) {
   }
 }
 
+// Longest processing time first: the costliest tasks are handed out first, equal ones in submit
+// order; records stay in submit order.
+TEST_P(Scheduler, TasksAreHandedOutMostCostlyFirst) {
+  const int w = GetParam();
+  const auto results = run(world("dts_costs", w));
+  for (int r = 0; r < w; ++r) {
+    const std::string& out = results[r].out;
+    ASSERT_EQ(results[r].exitCode, 0) << "rank " << r << ": " << out;
+    const std::string expected = "record w0_t0 executor " + std::to_string(2 % w) + " cost 1\n" +
+                                 "record w0_t1 executor 0 cost 4\n" + "record w0_t2 executor " + std::to_string(3 % w) +
+                                 " cost 0\n" + "record w0_t3 executor 1 cost 4\n";
+    EXPECT_NE(out.find(expected), std::string::npos) << out;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, Scheduler, ::testing::Values(2, 3));
 
 TEST(SchedulerOneRank, EndsInTheSameState) {
@@ -129,6 +144,13 @@ TEST(SchedulerErrors, RanksAgreeOnEveryParallelWaveBeforeAnyTaskRuns) {
                        "scheduler 'test': the ranks disagree on parallel wave 2 (rank 0 has 1 tasks, rank 1 has 1): "
                        "task 0 is 'noop {} on [b]' on rank 0 and 'other {} on [b]' on rank 1; every rank must submit "
                        "the same parallel tasks");
+}
+
+TEST(SchedulerErrors, RanksThatGiveATaskAnotherCostFailTogether) {
+  expectEveryRankFails("dts_costs_disagree", 2, 7,
+                       "scheduler 'test': the ranks disagree on parallel wave 0 (rank 0 has 4 tasks, rank 1 has 4): "
+                       "task 2 is 'noop {k: 2} on []' on rank 0 and 'noop {k: 2} on [] cost 2' on rank 1; every rank "
+                       "must submit the same parallel tasks");
 }
 
 TEST(SchedulerErrors, ACollectiveInsideAParallelTaskIsAnErrorNotAHang) {

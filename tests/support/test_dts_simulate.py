@@ -88,6 +88,17 @@ groups = dts_simulate.waves(search(False))
 setup, bases, carriers = dts_simulate.setups(groups)
 check(len(carriers) == 3 and abs(setup[group] - (0.05 + 0.05 + 0.04) / 3) < 1e-9, f"older report: setup {setup}")
 
+# A wave's tasks replay in the order the scheduler hands them out: descending cost, then submit
+# order (the report lists them in its own order).
+values = {}
+for index, cost in [(3, 4.0), (0, 1.0), (2, 0.0), (1, 4.0)]:
+    key = f"dts:sched.candidate#c{index}:"
+    values[key + "seconds"], values[key + "wave"], values[key + "parallel"] = 0.01 * (index + 1), 0, 1
+    values[key + "executor_rank"], values[key + "submit_index"], values[key + "cost"] = 0, index, cost
+tasks = dts_simulate.waves({"layers": [{"name": "model.layers.0", "values": {"m": values}}]})[
+    ("model.layers.0", "sched", 0)][1]
+check([t.index for t in tasks] == [1, 3, 0, 2], f"replay order {[t.index for t in tasks]}")
+
 # The script end to end: the fitted figures in its first line, the exchange's fixed cost shared by
 # its two collectives (2 settled collectives a layer, one exchange each: point to point), and the
 # fallback (settled collectives less the bytes at the given bandwidth) when --bandwidth_gbs is

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -96,6 +97,13 @@ TEST(Scheduler, SubmitErrorsNameTheTaskAndThePath) {
   tensorsWithoutName.syncTensors = [](const TaskRecord&, SyncContext&) { return std::vector<at::Tensor>{}; };
   EXPECT_EQ(test::errorOf([&] { s.submit(tensorsWithoutName); }, ErrorCode::kPlugin),
             "scheduler 'flex_smooth_quant': task 'noop' has a sync function but no syncName");
+  for (const double cost : {-1.0, std::numeric_limits<double>::quiet_NaN()}) {
+    Task badCost = noop("a", &ran);
+    badCost.cost = cost;
+    EXPECT_EQ(test::errorOf([&] { s.submit(badCost); }, ErrorCode::kPlugin),
+              "scheduler 'flex_smooth_quant': task 'noop' has cost " + std::string(cost < 0 ? "-1" : "nan") +
+                  "; a cost is a finite estimate, 0 or more");
+  }
 }
 
 // Guided chunks of ceil(left / 4W), shrinking to 1; claimLimit caps them.

@@ -18,7 +18,8 @@ way. A report without a settled exchange (no wave synced tensors) needs --latenc
 tools/bench/collective_latency.py measures both figures on this host.
 
 A local wave (every rank runs its tasks, no collective) costs the sum of its tasks on any N.
-Each parallel wave of each scheduler run is replayed on N ranks:
+Each parallel wave of each scheduler run is replayed on N ranks, its tasks in the order the
+scheduler hands them out (descending `:cost` where the submitter gave one, then submit order):
   dynamic      the rank that is free first claims the next ceil(left / 4N) tasks in submit order
                (the scheduler's guided chunks), paying one store round trip (a tenth of a
                collective) per claim;
@@ -51,8 +52,9 @@ import math
 import statistics
 from collections import defaultdict, namedtuple
 
-# A task as the report recorded it (executor and index None where it did not).
-Task = namedtuple("Task", "seconds bytes group executor index")
+# A task as the report recorded it (executor and index None where it did not; cost 0 where its
+# submitter gave none).
+Task = namedtuple("Task", "seconds bytes group executor index cost")
 
 
 def waves(report):
@@ -81,7 +83,14 @@ def waves(report):
                 index = values.get(f"dts:{task}:submit_index")
                 out.setdefault(wave, (parallel, []))[1].append(
                     Task(seconds, values.get(f"dts:{task}:sync_bytes", 0.0), group,
-                         None if rank is None else int(rank), None if index is None else int(index)))
+                         None if rank is None else int(rank), None if index is None else int(index),
+                         values.get(f"dts:{task}:cost", 0.0)))
+    # Each wave's tasks in the order the scheduler hands them out: descending cost, then submit
+    # order (the report's module order where it has no submit index).
+    for _, tasks in out.values():
+        if all(t.index is not None for t in tasks):
+            tasks.sort(key=lambda t: t.index)
+        tasks.sort(key=lambda t: -t.cost)
     return dict(sorted(out.items(), key=lambda item: (item[0][0], item[0][1], item[0][2])))
 
 

@@ -29,6 +29,7 @@ struct TaskRecord {
   double execSeconds = 0;  // on the executor
   double syncSeconds = 0;  // on this rank
   int64_t syncBytes = 0;   // the tensors its sync sent (levels 2 and 3, or its own; 0 in a local wave)
+  double cost = 0;         // the submitter's estimate (scheduler::Task::cost)
 };
 
 struct SyncContext {

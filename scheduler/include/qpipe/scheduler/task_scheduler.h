@@ -16,7 +16,8 @@
 //             naming the first task that differs. A parallel wave then:
 //               1. each task runs once, on the rank that claims it from a counter in the c10d
 //                  store (dynamic: guided chunks of ceil(left / 4W) tasks per claim), or on rank
-//                  index mod W (round-robin); a collective inside it is
+//                  index mod W (round-robin), the tasks in descending Task::cost (submit order
+//                  among equals); a collective inside it is
 //                  Error(kPlugin) naming the task and the call; a task that throws fails the run
 //                  on every rank, naming the task and its rank;
 //               2. on every rank, in submit order, exactly one sync level per task or module: the
@@ -69,6 +70,11 @@ struct Task {
   std::function<std::vector<at::Tensor>(const TaskRecord& record, SyncContext& context)> syncTensors;
   std::string syncName;  // required with `sync` or `syncTensors`: in the hash
   bool parallel = true;
+  // An estimate of the task's time relative to the other tasks of its wave (its multiply-adds,
+  // say; 0: none, as cheap as any). A parallel wave hands its tasks out most costly first, in
+  // submit order among equals (longest processing time first), so that the cheap ones even out
+  // the ranks at the wave's end. In the hash: every rank must hand them out in the same order.
+  double cost = 0;
 };
 
 enum class Assignment { kDynamic, kRoundRobin };
@@ -159,6 +165,7 @@ void reportTask(Request& request, const std::string& module, const TaskRecord& r
   request.report(module, key + "parallel", record.parallel ? 1.0 : 0.0);
   request.report(module, key + "sync_bytes", static_cast<double>(record.syncBytes));
   request.report(module, key + "sync_seconds", record.syncSeconds);
+  if (record.cost > 0) request.report(module, key + "cost", record.cost);
 }
 
 // A tensor as a task argument: {shape, dtype, device} (no values).
