@@ -397,6 +397,8 @@ class FlexAwqSsz final : public SmoothingProcessor {
     return std::make_unique<AlphaSearch>(in, qconfig_);
   }
 
+  size_t searchedConsumers(const Subgraph& graph) const override { return searchedCount(graph); }
+
  private:
   class AlphaSearch final : public Search {
    public:
@@ -466,10 +468,8 @@ class FlexAwqSsz final : public SmoothingProcessor {
              Int8Linear::supports(qconfig.weight.scheme, ActivationQuant{act.scheme, {}}) &&
              weight.size(1) <= Int8Linear::kMaxInt8K;
     }
-    // msmodelslim's rule: norm-linear with more than three consumers searches on the first two.
     static std::vector<at::Tensor> searchedWeights(const SubgraphInput& in) {
-      if (in.graph.type == SubgraphType::kNormLinear && in.weights.size() > 3) return {in.weights[0], in.weights[1]};
-      return in.weights;
+      return {in.weights.begin(), in.weights.begin() + static_cast<std::ptrdiff_t>(searchedCount(in.graph))};
     }
     Scales scalesFor(double alpha) const {
       // The formula reads no weight statistic.
@@ -488,6 +488,11 @@ class FlexAwqSsz final : public SmoothingProcessor {
     bool exactInt8_;
     double best_ = std::numeric_limits<double>::infinity(), alpha_ = 0;
   };
+
+  // msmodelslim's rule: norm-linear with more than three consumers searches on the first two.
+  static size_t searchedCount(const Subgraph& graph) {
+    return graph.type == SubgraphType::kNormLinear && graph.targets.size() > 3 ? 2 : graph.targets.size();
+  }
 
   quant::LinearQConfig qconfig_;
 };

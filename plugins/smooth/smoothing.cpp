@@ -63,12 +63,12 @@ void addBias(Module& module, const at::Tensor& delta) {
   bias = (bias.to(at::kFloat) + delta.to(bias.device())).to(bias.scalar_type());
 }
 
-// The consumers' weight elements: a search task's time is about proportional to them times its
-// tokens (the scheduler hands the costliest out first).
-double consumerElements(LayerRequest& request, const Subgraph& graph) {
+// The first `count` consumers' weight elements: a search task's time is about proportional to
+// those it multiplies times its tokens (the scheduler hands the costliest out first).
+double consumerElements(LayerRequest& request, const Subgraph& graph, size_t count) {
   double elements = 0;
-  for (const std::string& target : graph.targets) {
-    elements += static_cast<double>(request.module->getSubmodule(target).parameter("weight").numel());
+  for (size_t t = 0; t < std::min(count, graph.targets.size()); ++t) {
+    elements += static_cast<double>(request.module->getSubmodule(graph.targets[t]).parameter("weight").numel());
   }
   return elements;
 }
@@ -330,7 +330,8 @@ void SmoothingProcessor::submitProducts(LayerRequest& request, const std::vector
                  return std::vector<at::Tensor>{rows};
                },
            .syncName = "smooth.product",
-           .cost = static_cast<double>(productChunkRows(count, c)) * consumerElements(request, w->graph)});
+           .cost = static_cast<double>(productChunkRows(count, c)) *
+                   consumerElements(request, w->graph, searchedConsumers(w->graph))});
       submitted(w, concat("p", c), true);
     }
   }
@@ -411,7 +412,8 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
                         .sync = [w, round, c](const TaskRecord& record,
                                               SyncContext&) { w->losses[round][c] = lossOf(record.result); },
                         .syncName = "smooth.loss",
-                        .cost = static_cast<double>(w->allTokens.size(0)) * consumerElements(request, w->graph)});
+                        .cost = static_cast<double>(w->allTokens.size(0)) *
+                                consumerElements(request, w->graph, searchedConsumers(w->graph))});
           submitted.push_back({w, concat("r", round, "c", c), true});
         }
       }

@@ -128,6 +128,8 @@ class SmoothingProcessor : public Processor {
   // The subgraph's search, made on every rank once the subgraphs before it that share a module
   // are smoothed; `input` (what it refers to) outlives the search.
   virtual std::unique_ptr<Search> search(const SubgraphInput& input) const = 0;
+  // How many of the subgraph's consumers (the first ones) its search multiplies: its tasks' cost.
+  virtual size_t searchedConsumers(const Subgraph& graph) const { return graph.targets.size(); }
   // `formula` applied to per-channel statistics, with ov's KV-group reduction; `weight` may be
   // undefined where the formula reads no weight statistic.
   static Scales grouped(const Subgraph& graph, const at::Tensor& activation, const at::Tensor& weight,

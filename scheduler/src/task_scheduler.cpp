@@ -620,6 +620,7 @@ void DistributedTaskScheduler::submit(Task task) {
                 " has a sync function but no syncName");
   QPIPE_REQUIRE(std::isfinite(task.cost) && task.cost >= 0, ErrorCode::kPlugin, label, " has cost ", task.cost,
                 "; a cost is a finite estimate, 0 or more");
+  task.cost += 0.0;  // -0 as +0: the hash reads the bits, the description prints both as 0
   for (const std::string& dependency : task.dependencies) {
     QPIPE_REQUIRE(!dependency.empty(), ErrorCode::kPlugin, label,
                   " has an empty dependency; name the modules the task changes");

@@ -20,10 +20,14 @@
 #include "qpipe/host/registry.h"
 #include "qpipe/host/report.h"
 #include "qpipe/host/runner.h"
+#include "qpipe/linear_quantizer.h"
 #include "qpipe/log.h"
 #include "qpipe/model.h"
 #include "qpipe/plugin.h"
+#include "qpipe/qconfig.h"
 #include "qpipe/quant.h"
+#include "qpipe/quant_linear.h"
+#include "qpipe/schema.h"
 #include "save_checkpoint.h"
 #include "smoothing.h"
 #include "test_helpers.h"
@@ -321,6 +325,45 @@ TEST_F(Smoothing, FlexAwqSszPicksTheAlphaOfTheLowestQuantizedError) {
     for (const ReportValue& v : report.layers.front().values) values[v.key] = v.value;
     EXPECT_DOUBLE_EQ(values.at("alpha"), alpha);
     EXPECT_NEAR(values.at("loss"), best, 1e-5 * best);
+  }
+}
+
+// flex_awq_ssz's codes path (smooth.cpp, AlphaSearch::loss) rests on these: for the qconfigs it
+// takes, the weight's and the divided tokens' codes through Int8Linear, row by row, are the
+// product of the QuantLinear a LinearQuantizer of the scaled weight deploys, bit for bit.
+TEST(SmoothingCodesPath, IsTheDeployedQuantLinearsProductBitForBit) {
+  at::manual_seed(3);
+  const at::Tensor w = at::randn({96, 64}) * 0.05;
+  at::Tensor tokens = at::randn({40, 64});
+  tokens.select(1, 5).mul_(30);  // an outlier channel, as smoothing sees them
+  const at::Tensor s = at::rand({64}) * 2 + 0.1;
+  for (const char* yaml :
+       {"act: {dtype: int8, scope: per_token}\nweight: {dtype: int8}\n",
+        "act: {dtype: int8, scope: per_token}\nweight: {dtype: int4, method: ssz, ext: {step: 10}}\n",
+        "act: {dtype: int8, scope: per_token, symmetric: False}\nweight: {dtype: int8, method: ssz}\n"}) {
+    SCOPED_TRACE(yaml);
+    const quant::LinearQConfig q = quant::parseLinearQConfig(
+        quant::linearQConfigSchema().validate(ConfigNode::parseYaml(yaml, "q.yaml"), "qconfig"), "qconfig");
+    const at::Tensor scaled = w * s.unsqueeze(0);
+    Linear linear(scaled);
+    const at::Tensor expected = LinearQuantizer(linear, q).deploy("m")->forward(tokens / s.unsqueeze(0));
+
+    quant::QParams params;
+    at::Tensor codes;
+    if (q.weight.method == quant::QMethod::kSsz) {
+      params = quant::sszSearch(scaled, q.weight.scheme, q.weight.sszSteps);
+      codes = quant::quantize(scaled, params, q.weight.scheme);
+    } else {
+      std::tie(params, codes) = quant::quantizeScaledWeight(w, s, q.weight.scheme);
+    }
+    const Int8Linear int8(codes, params.scale);
+    const auto [tokenParams, tokenCodes] = quant::quantizeDividedTokens(tokens, s, q.act.scheme);
+    EXPECT_TRUE(at::equal(int8.forwardCodes(tokenCodes, tokenParams, at::Tensor()), expected));
+    at::Tensor rows = at::empty_like(expected);
+    int8.forwardCodesRows(tokenCodes, tokenParams, at::Tensor(), [&](int64_t m, const float* y) {
+      std::copy(y, y + rows.size(1), rows[m].data_ptr<float>());
+    });
+    EXPECT_TRUE(at::equal(rows, expected));
   }
 }
 

@@ -20,7 +20,7 @@ tools/bench/collective_latency.py measures both figures on this host.
 A local wave (every rank runs its tasks, no collective) costs the sum of its tasks on any N.
 Each parallel wave of each scheduler run is replayed on N ranks, its tasks in the order the
 scheduler hands them out (descending `:cost` where the submitter gave one, then submit order):
-  dynamic      the rank that is free first claims the next ceil(left / 4N) tasks in submit order
+  dynamic      the rank that is free first claims the next ceil(left / 4N) tasks in that order
                (the scheduler's guided chunks), paying one store round trip (a tenth of a
                collective) per claim;
   round-robin  task i runs on rank i mod N;
@@ -199,8 +199,9 @@ def rebased(task, bases, carriers):
 
 
 def makespan(tasks, ranks, dynamic, take, setup, seen):
-    """The wave's wall time on `ranks`; tasks are (seconds, group) in submit order. A rank's first
-    task of a group with a setup pays it (seen[rank]: the groups it set up earlier in the run)."""
+    """The wave's wall time on `ranks`; tasks are (seconds, group) in the order the scheduler hands
+    them out. A rank's first task of a group with a setup pays it (seen[rank]: the groups it set
+    up earlier in the run)."""
     def cost(rank, seconds, group):
         if group in setup and group not in seen[rank]:
             seen[rank].add(group)
