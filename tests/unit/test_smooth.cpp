@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -307,14 +308,13 @@ TEST_F(Smoothing, FlexAwqSszPicksTheAlphaOfTheLowestQuantizedError) {
       {"{act: {dtype: int8, scope: per_tensor}, weight: {dtype: int8}}", perTensor, fakeQuantRows}};
   for (const auto& [qconfig, act, weight] : qconfigs) {
     SCOPED_TRACE(qconfig);
-    double best = std::numeric_limits<double>::infinity(), alpha = 0;
+    std::vector<double> losses;
     for (int i = 0; i <= 20; ++i) {
       const at::Tensor s = mean.pow(i * 0.05).clamp_min(1e-5);
       const at::Tensor yq = at::matmul(act(x / s), weight(w * s).t());
-      if (const double l = ((yq - y).square().mean().sqrt() / y.square().mean().sqrt()).item<double>(); l <= best) {
-        std::tie(best, alpha) = std::tuple(l, i * 0.05);
-      }
+      losses.push_back(((yq - y).square().mean().sqrt() / y.square().mean().sqrt()).item<double>());
     }
+    const double best = *std::min_element(losses.begin(), losses.end());
     QuantReport report;
     smoothed(
         "    - {type: flex_awq_ssz, enable_subgraph_type: [norm-linear], include: ['*.0.input_layernorm'], "
@@ -323,7 +323,13 @@ TEST_F(Smoothing, FlexAwqSszPicksTheAlphaOfTheLowestQuantizedError) {
         dir, &report);
     std::map<std::string, double> values;
     for (const ReportValue& v : report.layers.front().values) values[v.key] = v.value;
-    EXPECT_DOUBLE_EQ(values.at("alpha"), alpha);
+    // The chosen α is one whose loss here is the lowest to this test's precision (fp32 against
+    // double: an α within 1e-5 of the best may win a near-tie).
+    const double alpha = values.at("alpha");
+    const auto step = static_cast<size_t>(std::lround(alpha / 0.05));
+    ASSERT_LT(step, losses.size());
+    EXPECT_DOUBLE_EQ(alpha, static_cast<double>(step) * 0.05);
+    EXPECT_LE(losses[step], best * (1 + 1e-5)) << "α " << alpha;
     EXPECT_NEAR(values.at("loss"), best, 1e-5 * best);
   }
 }
