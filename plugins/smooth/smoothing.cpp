@@ -307,6 +307,7 @@ void SmoothingProcessor::submitProducts(LayerRequest& request, const std::vector
   }
   for (Watched* w : shared) {
     const int64_t count = w->allTokens.size(0), chunks = (count + kProductChunk - 1) / kProductChunk;
+    const double elements = consumerElements(request, w->graph, searchedConsumers(w->graph));
     w->product.assign(static_cast<size_t>(chunks), at::Tensor());
     for (int64_t c = 0; c < chunks; ++c) {
       tasks.submit(
@@ -330,8 +331,7 @@ void SmoothingProcessor::submitProducts(LayerRequest& request, const std::vector
                  return std::vector<at::Tensor>{rows};
                },
            .syncName = "smooth.product",
-           .cost = static_cast<double>(productChunkRows(count, c)) *
-                   consumerElements(request, w->graph, searchedConsumers(w->graph))});
+           .cost = static_cast<double>(productChunkRows(count, c)) * elements});
       submitted(w, concat("p", c), true);
     }
   }
@@ -398,6 +398,8 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
       const int round = static_cast<int>(r);
       for (Watched* w : stage) {
         w->losses[r].assign(rounds[r], std::numeric_limits<double>::quiet_NaN());
+        const double cost = static_cast<double>(w->allTokens.size(0)) *
+                            consumerElements(request, w->graph, searchedConsumers(w->graph));
         for (int c = 0; c < rounds[r]; ++c) {
           tasks.submit({.name = type_ + ".candidate",
                         .fn =
@@ -412,8 +414,7 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
                         .sync = [w, round, c](const TaskRecord& record,
                                               SyncContext&) { w->losses[round][c] = lossOf(record.result); },
                         .syncName = "smooth.loss",
-                        .cost = static_cast<double>(w->allTokens.size(0)) *
-                                consumerElements(request, w->graph, searchedConsumers(w->graph))});
+                        .cost = cost});
           submitted.push_back({w, concat("r", round, "c", c), true});
         }
       }
