@@ -382,6 +382,20 @@ TEST(QuantCli, ProbeTokensZeroSkipsTheErrorProbeButNotTheCheckpoint) {
   EXPECT_NE(r.out.find(" modules replaced,"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("worst modules"), std::string::npos) << r.out;
 
+  // Split over two ranks, a layer's executor names its replaced modules for rank 0's report.
+  const fs::path split = qpipe::test::testDir() / "unprobed-split";
+  fs::remove_all(split);
+  const CommandResult two = qpipe(common + " --save_path " + quote(split) + " --probe_tokens 0 --device cpu:0,1");
+  ASSERT_EQ(two.exitCode, 0) << two.err;
+  EXPECT_NE(two.err.find("split over 2 ranks"), std::string::npos) << two.err;
+  const Json splitReport = readJson(split / "quant_report.json");
+  for (const Json& layer : without["layers"]) {
+    const auto same = std::find_if(splitReport["layers"].begin(), splitReport["layers"].end(),
+                                   [&](const Json& entry) { return entry["name"] == layer["name"]; });
+    ASSERT_NE(same, splitReport["layers"].end()) << layer["name"] << splitReport.dump(2);
+    EXPECT_EQ((*same)["modules"], layer["modules"]) << (*same)["modules"].dump(2);
+  }
+
   const fs::path staticOut = qpipe::test::testDir() / "static-unprobed";
   fs::remove_all(staticOut);
   const CommandResult calibrated =

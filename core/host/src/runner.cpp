@@ -316,16 +316,32 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     report.syncBytes = after.bytes - before.bytes;
     report.syncSeconds = after.seconds - before.seconds;
   };
-  // Runs the unit; returns whether a calibration forward ran.
-  const auto runUnit = [&](const UnitRun& unit, LayerReport& report, Probe* unitProbe) {
-    LayerRequest& request = unit.request;
-    if (unitProbe) unitProbe->recordFloat(*request.module, request.name, unit.probeForward);
-    std::map<std::string, Module*> linears;  // the unit's Linears, to name those replaced when nothing probes
-    if (options_.report != nullptr && !probes) {
-      for (auto& [name, module] : request.module->namedModules(request.name)) {
-        if (module->typeName() == "Linear") linears.emplace(name, module);
+  // A unit's Linears by name, taken before its steps, so that the report can name those a step
+  // replaced where no probe measures them.
+  const auto linearsOf = [](Module& unit, const std::string& prefix) {
+    std::map<std::string, Module*> linears;
+    for (auto& [name, module] : unit.namedModules(prefix)) {
+      if (module->typeName() == "Linear") linears.emplace(name, module);
+    }
+    return linears;
+  };
+  const auto listReplaced = [](Module& unit, const std::string& prefix, const std::map<std::string, Module*>& linears,
+                               LayerReport& report) {
+    for (auto& [name, module] : unit.namedModules(prefix)) {
+      const auto it = linears.find(name);
+      if (it != linears.end() && it->second != module) {
+        report.modules.push_back({name, QuantReport::describe(*module), kNotProbed});
       }
     }
+  };
+  // Rank 0's units are reported; where nothing probes them, their replaced Linears are listed.
+  const bool listsReplaced = options_.report != nullptr && !probes;
+  // Runs the unit; returns whether a calibration forward ran.
+  const auto runUnit = [&](const UnitRun& unit, LayerReport& report, Probe* unitProbe, bool listing) {
+    LayerRequest& request = unit.request;
+    if (unitProbe) unitProbe->recordFloat(*request.module, request.name, unit.probeForward);
+    const std::map<std::string, Module*> linears =
+        listing ? linearsOf(*request.module, request.name) : std::map<std::string, Module*>();
     bool forwarded = false;
     const bool onWholeModel = request.wholeModel;
     for (size_t i = 0; i < processors_.size(); ++i) {
@@ -346,14 +362,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       report.processorSeconds.push_back(secondsSince(start));
     }
     if (unitProbe) unitProbe->compare(*request.module, request.name, unit.probeForward, unit.propagateProbe, report);
-    if (!linears.empty()) {
-      for (auto& [name, module] : request.module->namedModules(request.name)) {
-        const auto it = linears.find(name);
-        if (it != linears.end() && it->second != module) {
-          report.modules.push_back({name, QuantReport::describe(*module), kNotProbed});
-        }
-      }
-    }
+    if (listing) listReplaced(*request.module, request.name, linears, report);
     report.values = std::move(request.reportValues);
     return forwarded;
   };
@@ -424,7 +433,10 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
     try {
       DecoderLayer& layer = model_.layer(index);
       LayerRequest request = layerRequest(layer, index, {});
-      runUnit(layerUnit(request, layer), report, nullptr);
+      // Any rank may execute the layer, and rank 0 reports it: where the probe is off, this rank
+      // names the replaced Linears itself.
+      const std::map<std::string, Module*> linears = linearsOf(layer, name);
+      runUnit(layerUnit(request, layer), report, nullptr, false);
       // The segment first: the layer before passes its position on before its probe, and while
       // this layer is written, that probe may still be on its way.
       const SegmentChain chain{.start = [&] { return fromLayerBefore(segmentKey(index)).substr(1); },
@@ -438,6 +450,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       if (entering == kProbeOff) {
         group.storeSet(probeKey(index + 1), std::string(kProbeOff));
         passedOn = true;
+        listReplaced(layer, name, linears, report);
       } else {
         Probe layerProbe(probeInput(model_, entering));
         const at::Tensor output = [&] {
@@ -537,7 +550,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       DecoderLayer& layer = model_.layer(index);
       LayerRequest request = layerRequest(layer, index, std::move(inputs));
       LayerReport report{.name = request.name};
-      const bool forwarded = runUnit(layerUnit(request, layer), report, probe ? &*probe : nullptr);
+      const bool forwarded = runUnit(layerUnit(request, layer), report, probe ? &*probe : nullptr, listsReplaced);
       if (sink && !wholeModel) sink(index, request.name, layer);
       // Lock-step: no rank runs ahead of rank 0's writing by more than one layer.
       group.barrier();
@@ -592,7 +605,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       return module.getSubmodule("lm_head")(module.getSubmodule("model.norm")(input[0]));
     };
     LayerReport report{.name = std::string(kNonLayerReportName)};
-    runUnit({request, probeForward, false}, report, acted && probe ? &*probe : nullptr);
+    runUnit({request, probeForward, false}, report, acted && probe ? &*probe : nullptr, listsReplaced);
     if (splitSummary) {
       for (const auto& [key, value] : splitSummary->reportValues()) report.values.push_back({"", key, value});
     }
@@ -628,7 +641,7 @@ void LayerWiseRunner::run(const std::vector<at::Tensor>& samples, const LayerSin
       for (const TensorList& input : r.inputs) r.outputs.push_back({model_.forward(input[0])});
     };
     LayerReport report{.name = std::string(kWholeModelReportName)};
-    runUnit({request, {}, false}, report, nullptr);
+    runUnit({request, {}, false}, report, nullptr, listsReplaced);
     report.seconds = secondsSince(unitStart);
     if (probes) {
       // The layers' module errors as the unit left them: each layer against a float copy from the
