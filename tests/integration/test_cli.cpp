@@ -298,16 +298,39 @@ TEST(Cli, OptionsSayWhatTheyTakeAndWhatTheyGot) {
   for (const auto& [args, message] : cases) {
     const CommandResult r = qpipe(args);
     EXPECT_EQ(r.exitCode, 2) << args;
-    EXPECT_EQ(r.err, "qpipe: usage error: " + message + " (see 'qpipe --help')\n") << args;
+    EXPECT_EQ(r.err,
+              "qpipe: usage error: " + message + " (see 'qpipe " + args.substr(0, args.find(' ')) + " --help')\n")
+        << args;
   }
 }
 
 // CLI11 lists unexpected arguments last first ("1 --bogus"); the message names the first unknown
-// option, or the first stray argument.
+// option, or the first stray argument, and points to the help of the subcommand given.
 TEST(Cli, UnknownOptionAndStrayArgumentAreNamed) {
   EXPECT_EQ(qpipe("check --config_path x.yaml --bogus 1").err,
-            "qpipe: usage error: unknown option '--bogus' (see 'qpipe --help')\n");
-  EXPECT_EQ(qpipe("compare a b c").err, "qpipe: usage error: unexpected argument 'c' (see 'qpipe --help')\n");
+            "qpipe: usage error: unknown option '--bogus' (see 'qpipe check --help')\n");
+  EXPECT_EQ(qpipe("compare a b c").err, "qpipe: usage error: unexpected argument 'c' (see 'qpipe compare --help')\n");
+}
+
+// CLI11 checks required options first: a misspelled one was reported as missing.
+TEST(Cli, AMisspelledOptionIsNamedWithTheOneMeant) {
+  EXPECT_EQ(qpipe("quant --model-path m --save_path s --quant_type w8a8").err,
+            "qpipe: usage error: unknown option '--model-path' (did you mean '--model_path'?) (see 'qpipe quant "
+            "--help')\n");
+  EXPECT_EQ(qpipe("eval --modelpath m --data d.jsonl").err,
+            "qpipe: usage error: unknown option '--modelpath' (did you mean '--model_path'?) (see 'qpipe eval "
+            "--help')\n");
+  EXPECT_EQ(qpipe("check --Config-Path x.yaml").err,
+            "qpipe: usage error: unknown option '--Config-Path' (did you mean '--config_path'?) (see 'qpipe check "
+            "--help')\n");
+  EXPECT_EQ(qpipe("--version").err,
+            "qpipe: usage error: unknown option '--version' (did you mean the subcommand 'version'?) (see 'qpipe "
+            "--help')\n");
+  const CommandResult r = qpipe("quant --log-level debug");
+  EXPECT_EQ(r.exitCode, 2);
+  EXPECT_EQ(r.err,
+            "qpipe: usage error: unknown option '--log-level' (did you mean '--log_level'?) (see 'qpipe quant "
+            "--help')\n");
 }
 
 TEST(Cli, UnknownSubcommandIsNamed) {
@@ -315,6 +338,23 @@ TEST(Cli, UnknownSubcommandIsNamed) {
   EXPECT_EQ(r.err,
             "qpipe: usage error: unknown subcommand 'frobnicate'; use one of: check, compare, convert, eval, plugins, "
             "quant, version (see 'qpipe --help')\n");
+  EXPECT_EQ(qpipe("convert foo").err,
+            "qpipe: usage error: unknown subcommand 'foo' of 'qpipe convert'; use one of: gguf (see 'qpipe convert "
+            "--help')\n");
+  EXPECT_EQ(qpipe("convert").err,
+            "qpipe: usage error: 'qpipe convert' needs a subcommand: gguf (see 'qpipe convert --help')\n");
+}
+
+// `qpipe help [command]` is `qpipe [command] --help`.
+TEST(Cli, HelpAsASubcommandShowsTheCommandsHelp) {
+  for (const auto& [args, usage] :
+       std::vector<std::pair<std::string, std::string>>{{"help", "Usage: qpipe [OPTIONS] SUBCOMMAND"},
+                                                        {"help quant", "Usage: qpipe quant [OPTIONS]"},
+                                                        {"help convert gguf", "Usage: qpipe convert gguf [OPTIONS]"}}) {
+    const CommandResult r = qpipe(args);
+    EXPECT_EQ(r.exitCode, 0) << args << ": " << r.err;
+    EXPECT_NE(r.out.find(usage), std::string::npos) << args << ": " << r.out;
+  }
 }
 
 TEST(Cli, MissingPipelineFileIsAnIoError) {

@@ -344,9 +344,10 @@ TEST(QuantCli, QuantTypeAndConfigPathTogetherOrNeitherAreUsageErrors) {
       "quant --model_path " + quote(configOnlyModel()) + " --save_path " + quote(qpipe::test::testDir() / "quantized");
   const fs::path practice = kSource / "configs" / "default" / "w8a8.yaml";
   expectOneLineError(qpipe(common + " --quant_type w8a8 --config_path " + quote(practice)), code(ErrorCode::kUsage),
-                     "qpipe: usage error: --quant_type excludes --config_path (see 'qpipe --help')");
+                     "qpipe: usage error: --quant_type excludes --config_path (see 'qpipe quant --help')");
   expectOneLineError(qpipe(common), code(ErrorCode::kUsage),
-                     "qpipe: usage error: one of --quant_type or --config_path is required (see 'qpipe --help')");
+                     "qpipe: usage error: one of --quant_type or --config_path is required (see 'qpipe quant "
+                     "--help')");
 }
 
 // --probe_tokens 0: the same checkpoint, a report listing every replaced module without errors,

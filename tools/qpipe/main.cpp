@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -21,19 +22,65 @@
 
 namespace {
 
-// CLI11 reports an unknown subcommand as a missing one, and lists unexpected arguments last
-// first ("1 --bogus"); name the subcommand or the first unknown option instead.
+// The deepest subcommand the parse reached: `app` itself, `quant`, or `convert gguf`.
+CLI::App& reached(CLI::App& app) {
+  CLI::App* at = &app;
+  while (!at->get_subcommands().empty()) at = at->get_subcommands().front();
+  return *at;
+}
+
+// The command whose --help lists what `at` takes: "qpipe", "qpipe quant", "qpipe convert gguf".
+std::string commandOf(const CLI::App& at) {
+  return at.get_parent() == nullptr ? at.get_name() : commandOf(*at.get_parent()) + " " + at.get_name();
+}
+
+// " (did you mean '--model_path'?)" for an option that `at` knows spelled with '-' for '_', without
+// '_' or in another case, or " (did you mean the subcommand 'version'?)".
+std::string suggestion(const CLI::App& at, const std::string& given) {
+  const auto key = [](const std::string& name) {
+    std::string out;
+    for (const char c :
+         name.substr(name.find_first_not_of('-') == std::string::npos ? name.size() : name.find_first_not_of('-'))) {
+      if (c != '-' && c != '_') out += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    }
+    return out;
+  };
+  for (const CLI::App* scope = &at; scope != nullptr; scope = scope->get_parent()) {
+    for (const CLI::Option* option : scope->get_options()) {
+      for (const std::string& name : option->get_lnames()) {
+        if (key(name) == key(given)) return " (did you mean '--" + name + "'?)";
+      }
+    }
+  }
+  for (const CLI::App* sub : at.get_subcommands({})) {
+    if (key(sub->get_name()) == key(given)) return " (did you mean the subcommand '" + sub->get_name() + "'?)";
+  }
+  return "";
+}
+
+// What went wrong, in the user's terms. CLI11 reports a missing required option before an
+// unknown one (so `--model-path` read as "--model_path is required") and an unknown subcommand
+// as a missing one, and lists unexpected arguments last first ("1 --bogus"): the message names
+// the first unknown option, else the unknown subcommand, else the first stray argument.
 std::string usageMessage(CLI::App& app, const CLI::ParseError& e) {
   const std::vector<std::string> extras = app.remaining(/*recurse=*/true);
-  if (!extras.empty() && !extras.front().starts_with("-") && app.get_subcommands().empty()) {
+  CLI::App& at = reached(app);
+  const auto option =
+      std::find_if(extras.begin(), extras.end(), [](const std::string& a) { return a.starts_with("-"); });
+  if (option != extras.end()) return "unknown option '" + *option + "'" + suggestion(at, *option);
+  const std::vector<CLI::App*> subs = at.get_subcommands({});
+  if (!subs.empty()) {
     std::string names;
-    for (const CLI::App* sub : app.get_subcommands({})) names += (names.empty() ? "" : ", ") + sub->get_name();
-    return "unknown subcommand '" + extras.front() + "'; use one of: " + names;
+    for (const CLI::App* sub : subs) names += (names.empty() ? "" : ", ") + sub->get_name();
+    if (!extras.empty()) {
+      return "unknown subcommand '" + extras.front() + "'" + (&at == &app ? "" : " of '" + commandOf(at) + "'") +
+             "; use one of: " + names;
+    }
+    if (dynamic_cast<const CLI::RequiredError*>(&e) != nullptr)
+      return "'" + commandOf(at) + "' needs a subcommand: " + names;
   }
   if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr && !extras.empty()) {
-    const auto option =
-        std::find_if(extras.begin(), extras.end(), [](const std::string& a) { return a.starts_with("-"); });
-    return option != extras.end() ? "unknown option '" + *option + "'" : "unexpected argument '" + extras.front() + "'";
+    return "unexpected argument '" + extras.front() + "'";
   }
   return e.what();
 }
@@ -80,14 +127,22 @@ int run(int argc, char** argv) {
       cli::setupPlugins(app), cli::setupQuant(app),   cli::setupVersion(app),
   };
 
+  // `qpipe help [command…]` is `qpipe [command…] --help`.
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (!args.empty() && args.front() == "help") {
+    args.erase(args.begin());
+    args.emplace_back("--help");
+  }
+  std::reverse(args.begin(), args.end());  // CLI11 takes them last first
   try {
-    app.parse(argc, argv);
+    app.parse(args);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::cerr << "qpipe: usage error: " << usageMessage(app, e) << " (see 'qpipe --help')\n";
+    std::cerr << "qpipe: usage error: " << usageMessage(app, e) << " (see '" << commandOf(reached(app))
+              << " --help')\n";
     return static_cast<int>(ErrorCode::kUsage);
   }
 
