@@ -678,6 +678,36 @@ spec:
 // ---------------------------------------------------------------------------------------------
 // Refusals.
 
+// A folder that is not a model (the wrong --model_path) is an input error that names what a model
+// folder holds, at whichever file the command needs first, not an I/O error about that file.
+TEST(QuantCli, AFolderWithoutAModelsFilesIsAnInputErrorSayingWhatItNeeds) {
+  const fs::path empty = qpipe::test::testDir() / "not-a-model", noTokenizer = qpipe::test::testDir() / "no-tokenizer";
+  fs::remove_all(empty);
+  fs::remove_all(noTokenizer);
+  fs::create_directories(empty);
+  fs::copy(qpipe::test::tinyLlama("float"), noTokenizer, fs::copy_options::recursive);
+  fs::remove(noTokenizer / "tokenizer.json");
+  const auto missing = [](const fs::path& folder, const std::string& file) {
+    return "qpipe: input error: model folder '" + folder.string() + "' has no " + file +
+           "; a Hugging Face model folder holds config.json, its *.safetensors and tokenizer.json (a GGUF file "
+           "converts to one with 'qpipe convert gguf')";
+  };
+  const std::string out = " --save_path " + quote(qpipe::test::testDir() / "not-saved");
+  const int input = code(ErrorCode::kInput);
+  expectOneLineError(qpipe("quant --model_path " + quote(empty) + out + " --quant_type w8a8"), input,
+                     missing(empty, "config.json"));
+  expectOneLineError(qpipe("quant --model_path " + quote(empty) + out + " --config_path " +
+                           quote(kSource / "configs" / "default" / "w8a8.yaml")),
+                     input, missing(empty, "config.json"));
+  expectOneLineError(
+      qpipe("--log_level error quant --model_path " + quote(noTokenizer) + out + " --quant_type w8a8" + kTinyCalib),
+      input, missing(noTokenizer, "tokenizer.json"));
+  expectOneLineError(
+      qpipe("eval --model_path " + quote(noTokenizer) + " --data " + quote(kSource / "data" / "eval.jsonl")), input,
+      missing(noTokenizer, "tokenizer.json"));
+  EXPECT_FALSE(fs::exists(qpipe::test::testDir() / "not-saved"));
+}
+
 // spec.runner: model_wise keeps the model resident and writes what layer_wise writes; an unknown
 // runner names the file, the line and the known ones.
 TEST(QuantCli, RunnersWriteTheSameCheckpointAndAnUnknownOneIsAConfigError) {

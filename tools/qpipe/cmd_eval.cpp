@@ -13,6 +13,7 @@
 #include "qpipe/dataset.h"
 #include "qpipe/device.h"
 #include "qpipe/error.h"
+#include "qpipe/input_file.h"
 #include "qpipe/log.h"
 #include "qpipe/model.h"
 #include "qpipe/perplexity.h"
@@ -51,7 +52,7 @@ void evaluate(const EvalOptions& options) {
   auto lm = CausalLM::open(model, {.device = device,
                                    .checkFinite = !options.allowNonFinite,
                                    .inferenceOnly = true});  // first: a broken checkpoint fails before any tokenizing
-  const Tokenizer tokenizer = Tokenizer::fromFile(model / "tokenizer.json");
+  const Tokenizer tokenizer = Tokenizer::fromFile(modelFile(model, "tokenizer.json"));
   const TokenStream stream = encodeDataset(options.data, tokenizer, {.maxSamples = options.maxSamples});
   const std::vector<int64_t>& ids = stream.ids;
   logger->info(options.data, ": ", stream.texts, " texts, ", ids.size(), " tokens");

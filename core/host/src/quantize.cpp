@@ -8,14 +8,15 @@
 #include <cstdio>
 
 #include "qpipe/dataset.h"
-#include "qpipe/sft.h"
 #include "qpipe/error.h"
 #include "qpipe/host/pipeline.h"
 #include "qpipe/host/practice.h"
 #include "qpipe/host/registry.h"
 #include "qpipe/host/runner.h"
+#include "qpipe/input_file.h"
 #include "qpipe/log.h"
 #include "qpipe/model.h"
+#include "qpipe/sft.h"
 #include "qpipe/tokenizer.h"
 
 namespace qpipe {
@@ -72,7 +73,7 @@ class JoinedLater final : public ProcessGroup {
 fs::path resolvePipeline(const QuantizeOptions& options) {
   if (!options.configPath.empty()) return options.configPath;
   const std::string modelType = options.modelType.empty()
-                                    ? ModelConfig::fromFile(options.modelPath / "config.json").modelType
+                                    ? ModelConfig::fromFile(modelFile(options.modelPath, "config.json")).modelType
                                     : options.modelType;
   const PracticeMatch match = findPractice(options.practiceDir, modelType, parseQuantType(options.quantType));
   log::logger()->info("--quant_type ", options.quantType, ": practice ", match.file.string(), " (",
@@ -189,7 +190,7 @@ QuantizeResult quantize(const QuantizeOptions& options) {
   const bool readsData = calibrates || wholeModel || (probesOnly && saves);
   const bool readsWindows = readsData && !probesOnly;
   const std::optional<Tokenizer> tokenizer =
-      readsData ? std::optional(Tokenizer::fromFile(options.modelPath / "tokenizer.json")) : std::nullopt;
+      readsData ? std::optional(Tokenizer::fromFile(modelFile(options.modelPath, "tokenizer.json"))) : std::nullopt;
   std::vector<at::Tensor> samples, labels;
   std::vector<DataSample> records;
   if (wholeModel) records = loadDataset(prepared.calibData);

@@ -13,6 +13,7 @@
 
 #include "fused_rows.h"
 #include "qpipe/error.h"
+#include "qpipe/input_file.h"
 #include "qpipe/quantized_checkpoint.h"
 
 namespace qpipe {
@@ -339,7 +340,7 @@ std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, 
   lm->options_ = options;
   QPIPE_REQUIRE(std::filesystem::is_directory(modelDir), ErrorCode::kInput, "model folder '", modelDir.string(),
                 "' does not exist");
-  lm->config_ = ModelConfig::fromFile(modelDir / "config.json");
+  lm->config_ = ModelConfig::fromFile(modelFile(modelDir, "config.json"));
   lm->quantized_ = detail::QuantizedCheckpoint::detect(modelDir);
   lm->checkpoint_ = safetensors::Checkpoint::open(modelDir, lm->quantized_ ? lm->quantized_->weightsPrefix() : "model");
   validateCheckpoint(modelDir, lm->config_, lm->checkpoint_, lm->quantized_ != nullptr);

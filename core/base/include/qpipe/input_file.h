@@ -16,4 +16,9 @@ void requireRegularFile(const std::filesystem::path& path);
 // The whole of a regular file (requireRegularFile first).
 std::string readInputFile(const std::filesystem::path& path);
 
+// `dir`/`name` of a model folder (config.json, tokenizer.json), which must exist there: otherwise
+// Error(kInput) naming the folder and what a model folder holds, where the missing file alone
+// would read as an I/O error about a path the user never typed.
+std::filesystem::path modelFile(const std::filesystem::path& dir, const std::string& name);
+
 }  // namespace qpipe
