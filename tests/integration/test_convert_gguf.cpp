@@ -111,7 +111,7 @@ TEST(ConvertGguf, ANonFiniteOrNonPositiveHyperparameterIsOneLineAndWritesNothing
   }
 }
 
-TEST(ConvertGguf, TruncatedFileAndExistingOutputAreOneLineErrors) {
+TEST(ConvertGguf, TruncatedFileAndExistingOrUnwritableOutputAreOneLineErrors) {
   const Fixture f = tinyLlama();
   const auto file = qpipe::gguf::File::open(f.gguf);
   const qpipe::gguf::TensorInfo& first = file->tensors().front();
@@ -140,6 +140,18 @@ TEST(ConvertGguf, TruncatedFileAndExistingOutputAreOneLineErrors) {
   r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string() + " --dtype int8");
   EXPECT_EQ(r.exitCode, 2);
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+
+  // The folder is written beside --output and renamed; where it cannot be made, --output is named.
+  const fs::path notFolder = testDir() / "a-file";
+  std::ofstream(notFolder) << "not a folder\n";
+  r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + (notFolder / "hf").string());
+  EXPECT_EQ(r.exitCode, 6);
+  EXPECT_EQ(r.err.rfind("qpipe: I/O error: cannot write --output '" + (notFolder / "hf").string() +
+                            "': creating the folder '" + (notFolder / ".hf.partial-").string(),
+                        0),
+            0u)
+      << r.err;
+  EXPECT_TRUE(r.err.ends_with("' beside it failed: Not a directory\n")) << r.err;
 }
 
 // The real model: tools/setup.sh puts its GGUF in .cache (about 20 s).

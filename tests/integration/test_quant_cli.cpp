@@ -770,6 +770,19 @@ TEST(QuantCli, NonEmptySavePathIsRefused) {
   EXPECT_EQ(qpipe::test::slurp(out / "keep.txt"), "mine\n");
 }
 
+// The checkpoint is written in a folder beside --save_path; where that cannot be made, the
+// message names the path the user gave.
+TEST(QuantCli, AnUnwritableSavePathIsNamed) {
+  const fs::path file = qpipe::test::testDir() / "a-file";
+  std::ofstream(file) << "not a folder\n";
+  const fs::path out = file / "out";
+  const CommandResult r = qpipe("--log_level warn quant --model_path " + quote(qpipe::test::tinyLlama("float")) +
+                                " --save_path " + quote(out) + " --quant_type w8a8" + kTinyCalib);
+  expectOneLineError(r, code(ErrorCode::kIo),
+                     "qpipe: I/O error: cannot write --save_path '" + out.string() + "': creating the folder '" +
+                         (file / ".out.qpipe-partial").string() + "' beside it failed: Not a directory");
+}
+
 TEST(QuantCli, MissingModelFolderIsOneLine) {
   const fs::path missing = qpipe::test::testDir() / "no-such-model";
   const CommandResult r = qpipe("quant --model_path " + quote(missing) + " --save_path " +

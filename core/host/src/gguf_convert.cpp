@@ -371,7 +371,8 @@ ConvertSummary convertToHf(const fs::path& input, const fs::path& outputDir, con
   std::error_code ec;
   fs::remove_all(partial, ec);
   fs::create_directories(partial, ec);
-  QPIPE_REQUIRE(!ec, ErrorCode::kIo, partial.string(), ": cannot create folder: ", ec.message());
+  QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot write --output '", target.string(), "': creating the folder '",
+                partial.string(), "' beside it failed: ", ec.message());
 
   ConvertSummary summary;
   try {

@@ -142,7 +142,9 @@ SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::pat
     QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot remove '", temporary_.string(), "': ", ec.message());
   }
   fs::create_directories(temporary_, ec);
-  QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot create folder '", temporary_.string(), "': ", ec.message());
+  // The checkpoint is written beside the save path and renamed into place.
+  QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot write --save_path '", final_.string(), "': creating the folder '",
+                temporary_.string(), "' beside it failed: ", ec.message());
   writer_.emplace(temporary_, writerOptions_);
 }
 
