@@ -448,7 +448,7 @@ struct DistributedTaskScheduler::Impl {
       Json outcome = {{"i", i}};
       const auto start = Clock::now();
       try {
-        const ParallelTaskScope scope(id + " (" + tasks[index].name + ")");
+        const ParallelTaskScope scope(tasks[index].name + " " + flow(tasks[index].args));
         records[index].result = tasks[index].fn(tasks[index].args);
         if (tasks[index].syncTensors) {
           // Taken now, so that every rank knows their size from the outcomes.
@@ -505,7 +505,7 @@ struct DistributedTaskScheduler::Impl {
       if (o.error.empty()) continue;
       const size_t index = wave.tasks[i];
       throw Error(static_cast<ErrorCode>(o.code),
-                  concat(where(), ": task ", taskId(w, index), " (", describe(tasks[index]), ") failed on rank ",
+                  concat(where(), ": task ", tasks[index].name, " ", flow(tasks[index].args), " failed on rank ",
                          o.executor, ": ", o.error));
     }
     return outcomes;

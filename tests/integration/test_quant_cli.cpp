@@ -255,7 +255,9 @@ TEST_P(QuantPractice, QuantizesSavesAndEvaluates) {
                            (wholeModel ? "(whole model)" : "(model.layers.0)") +
                            ": model.layers.0.self_attn.q_proj: in_features 16 is not a "
                            "multiple of group_size " +
-                           std::to_string(group) + "; choose a group_size that divides it or exclude the module");
+                           std::to_string(group) +
+                           "; give the weight's qconfig an ext: {group_size: N} that divides it (in a --config_path "
+                           "pipeline) or exclude the module");
     EXPECT_FALSE(fs::exists(out));
     practice = qpipe::test::writeTempFile(
         "group8.yaml", std::regex_replace(yaml, std::regex(R"(group_size:\s*\d+)"), "group_size: 8"));

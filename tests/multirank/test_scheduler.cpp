@@ -155,14 +155,14 @@ TEST(SchedulerErrors, RanksThatGiveATaskAnotherCostFailTogether) {
 
 TEST(SchedulerErrors, ACollectiveInsideAParallelTaskIsAnErrorNotAHang) {
   expectEveryRankFails("dts_collective", 2, 4,
-                       "scheduler 'test': task w0_t0 (reduce {} on [a]) failed on rank 0: task w0_t0 (reduce) called "
+                       "scheduler 'test': task reduce {} failed on rank 0: task reduce {} called "
                        "allReduce inside a parallel task, where the other ranks run other tasks and would never join "
                        "it; submit it with parallel = false or move the collective into its sync");
 }
 
 TEST(SchedulerErrors, AFailingTaskFailsEveryRankNamingTheTaskAndItsRank) {
   expectEveryRankFails("dts_task_fails", 2, 5,
-                       "scheduler 'test': task w0_t2 (maybe_fail {module: c} on [c]) failed on rank 0: module c: "
+                       "scheduler 'test': task maybe_fail {module: c} failed on rank 0: module c: "
                        "weights are NaN");
 }
 

@@ -552,7 +552,8 @@ TEST_F(LinearQuantPlugin, GroupSizeThatDoesNotDivideLmHeadNamesIt) {
                 ErrorCode::kConfig),
             "processor 'linear_quant' (plugin 'linear_quant') failed in preprocess(non-layer modules): lm_head: "
             "in_features 16 is not a "
-            "multiple of group_size 32; choose a group_size that divides it or exclude the module");
+            "multiple of group_size 32; give the weight's qconfig an ext: {group_size: N} that divides it (in a "
+            "--config_path pipeline) or exclude the module");
 }
 
 // Every shipped practice on the tiny Qwen3 (whose widths fit every group size): the layers are

@@ -130,11 +130,12 @@ TEST(Scheduler, ACollectiveInsideAParallelTaskScopeIsRefused) {
   const auto single = ProcessGroup::single();
   ProcessGroup& group = *single;
   group.allReduce(t, ReduceOp::kSum);  // fine outside
-  const ParallelTaskScope scope("w3_t7 (flex_smooth_quant.subgraph)");
-  EXPECT_EQ(test::errorOf([&] { group.barrier(); }, ErrorCode::kPlugin),
-            "task w3_t7 (flex_smooth_quant.subgraph) called barrier inside a parallel task, where the other ranks run "
-            "other tasks and would never join it; submit it with parallel = false or move the collective into its "
-            "sync");
+  const ParallelTaskScope scope("flex_smooth_quant.candidate {round: 0}");
+  EXPECT_EQ(
+      test::errorOf([&] { group.barrier(); }, ErrorCode::kPlugin),
+      "task flex_smooth_quant.candidate {round: 0} called barrier inside a parallel task, where the other ranks run "
+      "other tasks and would never join it; submit it with parallel = false or move the collective into its "
+      "sync");
   EXPECT_EQ(group.counterAdd("k", 2), 2);  // the store counter is not a collective
   EXPECT_EQ(group.counterAdd("k", 1), 3);
   EXPECT_TRUE(ParallelTaskScope::active());

@@ -291,7 +291,8 @@ void LinearQConfig::checkFits(const std::string& moduleName, int64_t inFeatures)
   const int64_t group = weight.scheme.groupSize;
   QPIPE_REQUIRE(group == 0 || inFeatures % group == 0, ErrorCode::kConfig, moduleName, ": in_features ", inFeatures,
                 " is not a multiple of group_size ", group,
-                "; choose a group_size that divides it or exclude the module");
+                "; give the weight's qconfig an ext: {group_size: N} that divides it (in a --config_path pipeline) or "
+                "exclude the module");
 }
 
 }  // namespace qpipe::quant
