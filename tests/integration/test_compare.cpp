@@ -50,12 +50,18 @@ TEST(QpipeCompare, IdenticalRunsAgreeAndOtherPracticesDiffer) {
   EXPECT_NE(r.out.find("0 different; "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("(quant_report.json not compared)"), std::string::npos) << r.out;
 
-  // Static checkpoints carry input scales the dynamic one lacks.
+  // Static checkpoints carry input scales the dynamic one lacks; both folders' tensors are counted.
   r = runQpipe("compare " + quoted(outputs.first) + " " + quoted(outputs.other));
   EXPECT_EQ(r.exitCode, static_cast<int>(qpipe::ErrorCode::kInput)) << r.out;
   EXPECT_NE(r.err.find("differ: tensor model.layers.0.mlp.down_proj.input_scale only in " + outputs.first.string()),
             std::string::npos)
       << r.err;
+  EXPECT_NE(r.out.find(" only in " + outputs.first.string() + ", 0 only in " + outputs.other.string() + ")"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("difference"), std::string::npos) << "a table without rows: " << r.out;
+  r = runQpipe("compare " + quoted(outputs.other) + " " + quoted(outputs.first));
+  EXPECT_NE(r.out.find(", 0 only in " + outputs.other.string() + ", "), std::string::npos) << r.out;
 }
 
 TEST(QpipeCompare, ToleranceAcceptsSmallFloatDifferencesAndNamesLargerOnes) {
@@ -82,8 +88,18 @@ TEST(QpipeCompare, ToleranceAcceptsSmallFloatDifferencesAndNamesLargerOnes) {
 
   auto r = runQpipe("compare " + quoted(outputs.first) + " " + quoted(outputs.again));
   EXPECT_EQ(r.exitCode, static_cast<int>(qpipe::ErrorCode::kInput)) << r.out;
-  EXPECT_NE(r.err.find("differ: tensor model.layers.0.mlp.down_proj.weight_scale differs"), std::string::npos) << r.err;
-  EXPECT_NE(r.out.find("model.layers.0.mlp.down_proj.weight_scale"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("differ: tensor model.layers.0.mlp.down_proj.weight_scale differs ("), std::string::npos)
+      << r.err;
+  EXPECT_TRUE(r.err.ends_with("e-08, over --tolerance 0)\n")) << r.err;
+  // Listed once, in the table, with its verdict.
+  const size_t row = r.out.find("model.layers.0.mlp.down_proj.weight_scale");
+  ASSERT_NE(row, std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("model.layers.0.mlp.down_proj.weight_scale", row + 1), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("e-08    over\n", row), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" 0 within --tolerance 0, 1 different (1 over the tolerance, 0 of another dtype or shape, 0 "
+                       "only in "),
+            std::string::npos)
+      << r.out;
 
   r = runQpipe("compare " + quoted(outputs.first) + " " + quoted(outputs.again) + " --tolerance 1e-6");
   EXPECT_EQ(r.exitCode, 0) << r.out << r.err;

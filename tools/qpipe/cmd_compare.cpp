@@ -104,24 +104,33 @@ double difference(const at::Tensor& a, const at::Tensor& b) {
 void compare(const CompareOptions& options) {
   const Folder left = scan(options.left);
   const Folder right = scan(options.right);
-  std::vector<std::string> problems;
-  int64_t identical = 0;
-  int64_t withinTolerance = 0;
+  // Every difference in name order, tensors first; those of values are listed in the table, the
+  // others below the summary. The first is the error's.
+  struct Problem {
+    std::string text;
+    bool inTable = false;
+  };
+  std::vector<Problem> problems;
+  int64_t identical = 0, withinTolerance = 0, overTolerance = 0, otherLayout = 0, onlyLeft = 0, onlyRight = 0;
+  const std::string tolerance = (std::ostringstream() << options.tolerance).str();
   std::ostringstream table;
   table << std::left << std::setw(56) << "tensor" << std::setw(10) << "dtype" << std::setw(20) << "shape"
-        << "difference\n";
+        << std::setw(12) << "difference"
+        << "--tolerance " << tolerance << "\n";
 
   for (const auto& [name, file] : left.tensors) {
     const auto other = right.tensors.find(name);
     if (other == right.tensors.end()) {
-      problems.push_back("tensor " + name + " only in " + options.left);
+      ++onlyLeft;
+      problems.push_back({"tensor " + name + " only in " + options.left});
       continue;
     }
     const safetensors::TensorInfo& a = *file->find(name);
     const safetensors::TensorInfo& b = *other->second->find(name);
     if (a.dtype != b.dtype || a.shape != b.shape) {
-      problems.push_back("tensor " + name + ": " + a.dtype + shapeText(a.shape) + " vs " + b.dtype +
-                         shapeText(b.shape));
+      ++otherLayout;
+      problems.push_back(
+          {"tensor " + name + ": " + a.dtype + shapeText(a.shape) + " vs " + b.dtype + shapeText(b.shape)});
       continue;
     }
     const at::Tensor x = file->tensor(name);
@@ -131,39 +140,52 @@ void compare(const CompareOptions& options) {
       continue;
     }
     const double diff = difference(x, y);
-    table << std::setw(56) << name << std::setw(10) << a.dtype << std::setw(20) << shapeText(a.shape)
-          << std::setprecision(3) << diff << "\n";
-    if (diff <= options.tolerance) {
+    const bool within = diff <= options.tolerance;
+    std::ostringstream value;
+    value << std::setprecision(3) << diff;
+    table << std::setw(56) << name << std::setw(10) << a.dtype << std::setw(20) << shapeText(a.shape) << std::setw(12)
+          << value.str() << (within ? "within" : "over") << "\n";
+    if (within) {
       ++withinTolerance;
     } else {
-      problems.push_back("tensor " + name + " differs (" + std::to_string(diff) + ")");
+      ++overTolerance;
+      problems.push_back(
+          {"tensor " + name + " differs (" + value.str() + ", over --tolerance " + tolerance + ")", true});
     }
   }
   for (const auto& [name, file] : right.tensors) {
-    if (!left.tensors.contains(name)) problems.push_back("tensor " + name + " only in " + options.right);
+    if (left.tensors.contains(name)) continue;
+    ++onlyRight;
+    problems.push_back({"tensor " + name + " only in " + options.right});
   }
   int64_t sameFiles = 0;
   for (const std::string& name : left.files) {
     if (!right.files.contains(name)) {
-      problems.push_back("file " + name + " only in " + options.left);
+      problems.push_back({"file " + name + " only in " + options.left});
     } else if (sameFile(left.dir / name, right.dir / name)) {
       ++sameFiles;
     } else {
-      problems.push_back("file " + name + " differs");
+      problems.push_back({"file " + name + " differs"});
     }
   }
   for (const std::string& name : right.files) {
-    if (!left.files.contains(name)) problems.push_back("file " + name + " only in " + options.right);
+    if (!left.files.contains(name)) problems.push_back({"file " + name + " only in " + options.right});
   }
 
-  if (withinTolerance > 0 || !problems.empty()) std::cout << table.str();
-  std::cout << left.tensors.size() << " tensors: " << identical << " byte-identical, " << withinTolerance
-            << " within --tolerance " << options.tolerance << ", "
-            << left.tensors.size() - static_cast<size_t>(identical + withinTolerance) << " different; " << sameFiles
-            << " other files equal (quant_report.json not compared)\n";
-  for (const std::string& problem : problems) std::cout << "  " << problem << "\n";
+  if (withinTolerance + overTolerance > 0) std::cout << table.str();
+  const int64_t different = overTolerance + otherLayout + onlyLeft + onlyRight;
+  std::cout << identical + withinTolerance + different << " tensors: " << identical << " byte-identical, "
+            << withinTolerance << " within --tolerance " << tolerance << ", " << different << " different";
+  if (different > 0) {
+    std::cout << " (" << overTolerance << " over the tolerance, " << otherLayout << " of another dtype or shape, "
+              << onlyLeft << " only in " << options.left << ", " << onlyRight << " only in " << options.right << ")";
+  }
+  std::cout << "; " << sameFiles << " other files equal (quant_report.json not compared)\n";
+  for (const Problem& problem : problems) {
+    if (!problem.inTable) std::cout << "  " << problem.text << "\n";
+  }
   QPIPE_REQUIRE(problems.empty(), ErrorCode::kInput, options.left, " and ", options.right,
-                " differ: ", problems.front(), problems.size() > 1 ? " (and more, listed above)" : "");
+                " differ: ", problems.front().text, problems.size() > 1 ? " (and more, listed above)" : "");
 }
 
 }  // namespace
