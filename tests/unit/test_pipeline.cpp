@@ -114,7 +114,7 @@ TEST_F(PipelineTest, DocumentLevelErrors) {
       loadError("spec: {process: [{type: log_layers}]}\n").find(":1:1: document: missing required field 'apiversion'"),
       std::string::npos);
   EXPECT_NE(loadError("apiversion: modelslim_v1\nspce: {process: []}\n")
-                .find(":2:7: spce: unknown top-level field; expected apiversion, metadata, spec"),
+                .find(":2:7: spce: unknown top-level field; did you mean 'spec'?; expected apiversion, metadata, spec"),
             std::string::npos);
   EXPECT_NE(loadError("apiversion: modelslim_v1\nspec: {process: []}\n")
                 .find(":2:17: spec.process: the list of processors is empty"),

@@ -176,6 +176,16 @@ ConfigNode checkValue(const FieldSpec& field, const ConfigNode& value, const std
 
 }  // namespace
 
+std::string Schema::closest(std::string_view name) const {
+  std::string out;
+  size_t best = 3;  // suggest only near misses
+  for (const auto& field : fields_) {
+    const size_t distance = editDistance(name, field.name);
+    if (distance < best) best = distance, out = field.name;
+  }
+  return out;
+}
+
 std::string joinNames(const std::vector<std::string>& items) {
   std::string out;
   for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
@@ -194,15 +204,10 @@ ConfigNode Schema::validate(const ConfigNode& node, std::string_view path) const
   for (const auto& [key, value] : node.entries()) {
     if (find(key) != nullptr) continue;
     std::vector<std::string> names;
-    std::string closest;
-    size_t best = 3;  // suggest only near misses
-    for (const auto& field : fields_) {
-      names.push_back(field.name);
-      const size_t distance = editDistance(key, field.name);
-      if (distance < best) best = distance, closest = field.name;
-    }
+    for (const auto& field : fields_) names.push_back(field.name);
+    const std::string meant = closest(key);
     failAt(value, fieldPath(path, key),
-           concat("unknown field", closest.empty() ? "" : "; did you mean '" + closest + "'?",
+           concat("unknown field", meant.empty() ? "" : "; did you mean '" + meant + "'?",
                   names.empty() ? std::string("; no fields are accepted here")
                                 : "; expected one of: " + joinNames(names)));
   }

@@ -272,9 +272,11 @@ ConfigNode validateDocument(const std::filesystem::path& file) {
     if (documentSchema().find(key) != nullptr) {
       known.set(key, value);
     } else if (!value.hasAnchor()) {
+      const std::string meant = documentSchema().closest(key);
       failAt(value, key,
-             "unknown top-level field; expected apiversion, metadata, spec (other top-level keys "
-             "may only define YAML anchors, e.g. 'w8a8: &w8a8 {...}')");
+             concat("unknown top-level field", meant.empty() ? "" : "; did you mean '" + meant + "'?",
+                    "; expected apiversion, metadata, spec (other top-level keys may only define YAML anchors, e.g. "
+                    "'w8a8: &w8a8 {...}')"));
     }
   }
   return documentSchema().validate(known, "");

@@ -51,6 +51,8 @@ class Schema {
 
   const std::vector<FieldSpec>& fields() const { return fields_; }
   const FieldSpec* find(std::string_view name) const;
+  // The field `name` most likely misspells (within two edits), or empty.
+  std::string closest(std::string_view name) const;
 
  private:
   std::vector<FieldSpec> fields_;
