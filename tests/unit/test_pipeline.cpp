@@ -126,6 +126,13 @@ TEST_F(PipelineTest, DocumentLevelErrors) {
                 .find(":2:18: spec.process[0]: missing required field 'type'"),
             std::string::npos);
   EXPECT_NE(loadError("[1, 2]\n").find(":1:1: document: expected a pipeline mapping"), std::string::npos);
+  for (const char* empty : {"", "# nothing but a comment\n"}) {
+    EXPECT_NE(loadError(empty).find(
+                  ": document: expected a pipeline mapping (apiversion, metadata, spec), got an empty file (no YAML "
+                  "document, or only comments)"),
+              std::string::npos)
+        << loadError(empty);
+  }
 }
 
 TEST_F(PipelineTest, SaverErrors) {

@@ -263,7 +263,8 @@ ConfigNode validateDocument(const std::filesystem::path& file) {
   if (!document.isMap()) {
     failAt(document, "document",
            concat("expected a pipeline mapping (apiversion, metadata, spec), got ",
-                  ConfigNode::kindName(document.kind())));
+                  document.isNull() ? std::string("an empty file (no YAML document, or only comments)")
+                                    : ConfigNode::kindName(document.kind())));
   }
   // Top-level keys outside the schema are allowed only as holders of YAML anchors, the way
   // msmodelslim's practice files define reusable qconfig blocks.
