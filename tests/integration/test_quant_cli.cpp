@@ -341,6 +341,25 @@ TEST(QuantCli, QuantTypeWithoutPracticeIsAUsageErrorListingWhatExists) {
   EXPECT_NE(r.err.find(" (or pass --config_path)\n"), std::string::npos) << r.err;
 }
 
+// --model_type picks the practice (msmodelslim's argument); the model is still read as its
+// config.json says, and a different name is worth a warning.
+TEST(QuantCli, AModelTypeOtherThanTheModelsIsWarnedAbout) {
+  const fs::path out = qpipe::test::testDir() / "typed";
+  fs::remove_all(out);
+  const CommandResult r = qpipe("quant --model_path " + quote(qpipe::test::tinyLlama("float")) + " --save_path " +
+                                quote(out) + " --quant_type w8a8 --model_type qwen9" + kTinyCalib);
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find("] [warning] --model_type qwen9 picks the practice only; the model is read as its "
+                       "config.json's llama\n"),
+            std::string::npos)
+      << r.err;
+  fs::remove_all(out);
+  const CommandResult same = qpipe("quant --model_path " + quote(qpipe::test::tinyLlama("float")) + " --save_path " +
+                                   quote(out) + " --quant_type w8a8 --model_type llama" + kTinyCalib);
+  EXPECT_EQ(same.exitCode, 0) << same.err;
+  EXPECT_EQ(same.err.find("[warning]"), std::string::npos) << same.err;
+}
+
 TEST(QuantCli, QuantTypeAndConfigPathTogetherOrNeitherAreUsageErrors) {
   const std::string common =
       "quant --model_path " + quote(configOnlyModel()) + " --save_path " + quote(qpipe::test::testDir() / "quantized");

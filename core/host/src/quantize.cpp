@@ -72,9 +72,12 @@ class JoinedLater final : public ProcessGroup {
 
 fs::path resolvePipeline(const QuantizeOptions& options) {
   if (!options.configPath.empty()) return options.configPath;
-  const std::string modelType = options.modelType.empty()
-                                    ? ModelConfig::fromFile(modelFile(options.modelPath, "config.json")).modelType
-                                    : options.modelType;
+  const std::string ownType = ModelConfig::fromFile(modelFile(options.modelPath, "config.json")).modelType;
+  const std::string modelType = options.modelType.empty() ? ownType : options.modelType;
+  if (modelType != ownType) {
+    log::logger()->warn("--model_type ", modelType, " picks the practice only; the model is read as its config.json's ",
+                        ownType);
+  }
   const PracticeMatch match = findPractice(options.practiceDir, modelType, parseQuantType(options.quantType));
   log::logger()->info("--quant_type ", options.quantType, ": practice ", match.file.string(), " (",
                       match.metadata.configId, ", score ", match.metadata.score, ")");
