@@ -111,6 +111,18 @@ TEST(ConvertGguf, ANonFiniteOrNonPositiveHyperparameterIsOneLineAndWritesNothing
   }
 }
 
+// --input as every command's input file: missing is an I/O error, a folder an input error.
+TEST(ConvertGguf, AMissingOrFolderInputIsNamedAsOtherCommandsNameTheirs) {
+  const fs::path missing = testDir() / "missing.gguf", out = testDir() / "hf-never";
+  CommandResult r = qpipe("convert gguf --input " + missing.string() + " --output " + out.string());
+  EXPECT_EQ(r.exitCode, 6);
+  EXPECT_EQ(r.err, "qpipe: I/O error: cannot open '" + missing.string() + "': no such file\n");
+  r = qpipe("convert gguf --input " + testDir().string() + " --output " + out.string());
+  EXPECT_EQ(r.exitCode, 5);
+  EXPECT_EQ(r.err, "qpipe: input error: '" + testDir().string() + "' is not a regular file (a directory)\n");
+  EXPECT_FALSE(fs::exists(out));
+}
+
 TEST(ConvertGguf, TruncatedFileAndExistingOrUnwritableOutputAreOneLineErrors) {
   const Fixture f = tinyLlama();
   const auto file = qpipe::gguf::File::open(f.gguf);

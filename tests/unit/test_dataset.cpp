@@ -130,7 +130,8 @@ TEST(Dataset, FileErrors) {
   EXPECT_EQ(loadError(noExtension, ErrorCode::kIo), noExtension.string() + ": no such data file");
   const auto dir = writeTempFile("placeholder", "").parent_path() / "folder.jsonl";
   std::filesystem::create_directories(dir);
-  EXPECT_EQ(loadError(dir, ErrorCode::kIo), dir.string() + ": is a directory; expected a .jsonl, .json or .txt file");
+  EXPECT_EQ(loadError(dir, ErrorCode::kInput),
+            dir.string() + ": is a directory; expected a .jsonl, .json or .txt file");
   // Found by the data loader, which names the data file (the tokenizer could only name its own).
   const auto latin1 = writeTempFile("latin1.txt", "first line\ncaf\xe9 au lait\n");
   EXPECT_EQ(loadError(latin1), latin1.string() + ":2:4: byte 0xE9 is not valid UTF-8; save the file as UTF-8");

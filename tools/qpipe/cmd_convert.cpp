@@ -37,7 +37,7 @@ Subcommand setupConvert(CLI::App& parent) {
       "A llama.cpp GGUF (Llama architecture, byte-level BPE tokenizer) to config.json, model.safetensors "
       "and tokenizer files");
   auto options = std::make_shared<ConvertGgufOptions>();
-  gguf->add_option("--input", options->input, "GGUF file to read")->required()->check(CLI::ExistingFile);
+  gguf->add_option("--input", options->input, "GGUF file to read")->required()->check(path());
   gguf->add_option("--output", options->output, "Folder to create (written under a temporary name, then renamed)")
       ->required()
       ->check(path());

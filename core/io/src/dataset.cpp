@@ -232,7 +232,7 @@ std::vector<DataSample> loadDataset(const std::filesystem::path& path, const Dat
                 "the maximum number of samples must be >= 0 (0 = all), got ", options.maxSamples);
   // A missing path is reported as missing, whatever its extension.
   QPIPE_REQUIRE(std::filesystem::exists(path), ErrorCode::kIo, name, ": no such data file");
-  QPIPE_REQUIRE(!std::filesystem::is_directory(path), ErrorCode::kIo, name,
+  QPIPE_REQUIRE(!std::filesystem::is_directory(path), ErrorCode::kInput, name,
                 ": is a directory; expected a .jsonl, .json or .txt file");
   std::string extension = path.extension().string();
   std::transform(extension.begin(), extension.end(), extension.begin(),
