@@ -333,6 +333,13 @@ TEST(Cli, AMisspelledOptionIsNamedWithTheOneMeant) {
             "--help')\n");
 }
 
+TEST(Cli, AnOptionGivenTwiceOrWithoutItsValueIsSaidPlainly) {
+  EXPECT_EQ(qpipe("quant --model_path a --model_path b --save_path s --quant_type w8a8").err,
+            "qpipe: usage error: --model_path is given more than once; give it once (see 'qpipe quant --help')\n");
+  EXPECT_EQ(qpipe("quant --save_path s --quant_type w8a8 --model_path").err,
+            "qpipe: usage error: --model_path needs a value (see 'qpipe quant --help')\n");
+}
+
 TEST(Cli, UnknownSubcommandIsNamed) {
   const CommandResult r = qpipe("frobnicate");
   EXPECT_EQ(r.err,

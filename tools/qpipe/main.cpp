@@ -82,7 +82,15 @@ std::string usageMessage(CLI::App& app, const CLI::ParseError& e) {
   if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr && !extras.empty()) {
     return "unexpected argument '" + extras.front() + "'";
   }
-  return e.what();
+  // CLI11's "--model_path: At Most 1 required but received 2" and "--model_path: 1 required TEXT
+  // missing", in plain words.
+  const std::string what = e.what();
+  if (dynamic_cast<const CLI::ArgumentMismatch*>(&e) != nullptr && what.find(": ") != std::string::npos) {
+    const std::string option = what.substr(0, what.find(": "));
+    if (what.find("At Most") != std::string::npos) return option + " is given more than once; give it once";
+    if (what.find("missing") != std::string::npos) return option + " needs a value";
+  }
+  return what;
 }
 
 // glibc serves an allocation above its mmap threshold (128 KiB, raised dynamically up to 32 MiB)
