@@ -331,6 +331,15 @@ TEST(Cli, AMisspelledOptionIsNamedWithTheOneMeant) {
   EXPECT_EQ(r.err,
             "qpipe: usage error: unknown option '--log-level' (did you mean '--log_level'?) (see 'qpipe quant "
             "--help')\n");
+  EXPECT_EQ(qpipe("eval --model-path=m --data d.jsonl").err,
+            "qpipe: usage error: unknown option '--model-path=m' (did you mean '--model_path'?) (see 'qpipe eval "
+            "--help')\n");
+  // Spelled right but before its subcommand.
+  EXPECT_EQ(qpipe("--model_path m quant --save_path s --quant_type w8a8").err,
+            "qpipe: usage error: unknown option '--model_path'; it is an option of 'qpipe quant', given before it "
+            "(see 'qpipe quant --help')\n");
+  // A negative number is a stray argument.
+  EXPECT_EQ(qpipe("compare a b -5").err, "qpipe: usage error: unexpected argument '-5' (see 'qpipe compare --help')\n");
 }
 
 TEST(Cli, AnOptionGivenTwiceOrWithoutItsValueIsSaidPlainly) {
@@ -357,7 +366,8 @@ TEST(Cli, HelpAsASubcommandShowsTheCommandsHelp) {
   for (const auto& [args, usage] :
        std::vector<std::pair<std::string, std::string>>{{"help", "Usage: qpipe [OPTIONS] SUBCOMMAND"},
                                                         {"help quant", "Usage: qpipe quant [OPTIONS]"},
-                                                        {"help convert gguf", "Usage: qpipe convert gguf [OPTIONS]"}}) {
+                                                        {"help convert gguf", "Usage: qpipe convert gguf [OPTIONS]"},
+                                                        {"help quant --model_path", "Usage: qpipe quant [OPTIONS]"}}) {
     const CommandResult r = qpipe(args);
     EXPECT_EQ(r.exitCode, 0) << args << ": " << r.err;
     EXPECT_NE(r.out.find(usage), std::string::npos) << args << ": " << r.out;

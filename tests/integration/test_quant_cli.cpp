@@ -341,8 +341,8 @@ TEST(QuantCli, QuantTypeWithoutPracticeIsAUsageErrorListingWhatExists) {
   EXPECT_NE(r.err.find(" (or pass --config_path)\n"), std::string::npos) << r.err;
 }
 
-// --model_type picks the practice (msmodelslim's argument); the model is still read as its
-// config.json says, and a different name is worth a warning.
+// --model_type picks the practice (msmodelslim's argument, in any case); the model is still read
+// as its config.json says, and a different name is worth a warning.
 TEST(QuantCli, AModelTypeOtherThanTheModelsIsWarnedAbout) {
   const fs::path out = qpipe::test::testDir() / "typed";
   fs::remove_all(out);
@@ -355,7 +355,7 @@ TEST(QuantCli, AModelTypeOtherThanTheModelsIsWarnedAbout) {
       << r.err;
   fs::remove_all(out);
   const CommandResult same = qpipe("quant --model_path " + quote(qpipe::test::tinyLlama("float")) + " --save_path " +
-                                   quote(out) + " --quant_type w8a8 --model_type llama" + kTinyCalib);
+                                   quote(out) + " --quant_type w8a8 --model_type LLaMA" + kTinyCalib);
   EXPECT_EQ(same.exitCode, 0) << same.err;
   EXPECT_EQ(same.err.find("[warning]"), std::string::npos) << same.err;
 }
@@ -411,6 +411,12 @@ TEST(QuantCli, ProbeTokensZeroSkipsTheErrorProbeButNotTheCheckpoint) {
   ASSERT_EQ(two.exitCode, 0) << two.err;
   EXPECT_NE(two.err.find("split over 2 ranks"), std::string::npos) << two.err;
   const Json splitReport = readJson(split / "quant_report.json");
+  // The fix is tested only where the other rank executed a layer.
+  ASSERT_TRUE(std::any_of(splitReport["layers"].begin(), splitReport["layers"].end(), [](const Json& layer) {
+    const Json values = layer.value("values", Json::object());
+    const auto own = values.find(layer["name"].get<std::string>());
+    return own != values.end() && own->value("dts:runner:executor_rank", 0.0) == 1.0;
+  })) << splitReport.dump(2);
   for (const Json& layer : without["layers"]) {
     const auto same = std::find_if(splitReport["layers"].begin(), splitReport["layers"].end(),
                                    [&](const Json& entry) { return entry["name"] == layer["name"]; });

@@ -126,10 +126,10 @@ TEST_F(PipelineTest, DocumentLevelErrors) {
                 .find(":2:18: spec.process[0]: missing required field 'type'"),
             std::string::npos);
   EXPECT_NE(loadError("[1, 2]\n").find(":1:1: document: expected a pipeline mapping"), std::string::npos);
-  for (const char* empty : {"", "# nothing but a comment\n"}) {
+  for (const char* empty : {"", "# nothing but a comment\n", "~\n"}) {
     EXPECT_NE(loadError(empty).find(
-                  ": document: expected a pipeline mapping (apiversion, metadata, spec), got an empty file (no YAML "
-                  "document, or only comments)"),
+                  ": document: expected a pipeline mapping (apiversion, metadata, spec), got an empty document (an "
+                  "empty file, only comments, or null)"),
               std::string::npos)
         << loadError(empty);
   }

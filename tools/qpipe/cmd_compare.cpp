@@ -104,8 +104,8 @@ double difference(const at::Tensor& a, const at::Tensor& b) {
 void compare(const CompareOptions& options) {
   const Folder left = scan(options.left);
   const Folder right = scan(options.right);
-  // Every difference in name order, tensors first; those of values are listed in the table, the
-  // others below the summary. The first is the error's.
+  // Every difference: A's tensors in name order, then those only in B, then the other files. Those
+  // of values are listed in the table, the others below the summary; the first is the error's.
   struct Problem {
     std::string text;
     bool inTable = false;

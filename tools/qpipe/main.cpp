@@ -35,12 +35,14 @@ std::string commandOf(const CLI::App& at) {
 }
 
 // " (did you mean '--model_path'?)" for an option that `at` knows spelled with '-' for '_', without
-// '_' or in another case, or " (did you mean the subcommand 'version'?)".
+// '_' or in another case; "; it is an option of 'qpipe quant', given before it" where it is spelled
+// right; or " (did you mean the subcommand 'version'?)".
 std::string suggestion(const CLI::App& at, const std::string& given) {
+  const std::string typed = given.substr(0, given.find('='));
   const auto key = [](const std::string& name) {
     std::string out;
-    for (const char c :
-         name.substr(name.find_first_not_of('-') == std::string::npos ? name.size() : name.find_first_not_of('-'))) {
+    const size_t start = name.find_first_not_of('-');
+    for (const char c : name.substr(start == std::string::npos ? name.size() : start)) {
       if (c != '-' && c != '_') out += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     }
     return out;
@@ -48,12 +50,13 @@ std::string suggestion(const CLI::App& at, const std::string& given) {
   for (const CLI::App* scope = &at; scope != nullptr; scope = scope->get_parent()) {
     for (const CLI::Option* option : scope->get_options()) {
       for (const std::string& name : option->get_lnames()) {
-        if (key(name) == key(given)) return " (did you mean '--" + name + "'?)";
+        if ("--" + name == typed) return "; it is an option of '" + commandOf(*scope) + "', given before it";
+        if (key(name) == key(typed)) return " (did you mean '--" + name + "'?)";
       }
     }
   }
   for (const CLI::App* sub : at.get_subcommands({})) {
-    if (key(sub->get_name()) == key(given)) return " (did you mean the subcommand '" + sub->get_name() + "'?)";
+    if (key(sub->get_name()) == key(typed)) return " (did you mean the subcommand '" + sub->get_name() + "'?)";
   }
   return "";
 }
@@ -65,8 +68,11 @@ std::string suggestion(const CLI::App& at, const std::string& given) {
 std::string usageMessage(CLI::App& app, const CLI::ParseError& e) {
   const std::vector<std::string> extras = app.remaining(/*recurse=*/true);
   CLI::App& at = reached(app);
-  const auto option =
-      std::find_if(extras.begin(), extras.end(), [](const std::string& a) { return a.starts_with("-"); });
+  // A negative number is a stray argument, not an option.
+  const auto option = std::find_if(extras.begin(), extras.end(), [](const std::string& a) {
+    return a.starts_with("-") &&
+           !(a.size() > 1 && (std::isdigit(static_cast<unsigned char>(a[1])) != 0 || a[1] == '.'));
+  });
   if (option != extras.end()) return "unknown option '" + *option + "'" + suggestion(at, *option);
   const std::vector<CLI::App*> subs = at.get_subcommands({});
   if (!subs.empty()) {
@@ -135,10 +141,13 @@ int run(int argc, char** argv) {
       cli::setupPlugins(app), cli::setupQuant(app),   cli::setupVersion(app),
   };
 
-  // `qpipe help [command…]` is `qpipe [command…] --help`.
+  // `qpipe help [command…] [options]` is `qpipe [command…] --help`, whatever the options.
   std::vector<std::string> args(argv + 1, argv + argc);
   if (!args.empty() && args.front() == "help") {
     args.erase(args.begin());
+    const auto options =
+        std::find_if(args.begin(), args.end(), [](const std::string& a) { return a.starts_with("-"); });
+    args.erase(options, args.end());
     args.emplace_back("--help");
   }
   std::reverse(args.begin(), args.end());  // CLI11 takes them last first

@@ -263,7 +263,7 @@ ConfigNode validateDocument(const std::filesystem::path& file) {
   if (!document.isMap()) {
     failAt(document, "document",
            concat("expected a pipeline mapping (apiversion, metadata, spec), got ",
-                  document.isNull() ? std::string("an empty file (no YAML document, or only comments)")
+                  document.isNull() ? std::string("an empty document (an empty file, only comments, or null)")
                                     : ConfigNode::kindName(document.kind())));
   }
   // Top-level keys outside the schema are allowed only as holders of YAML anchors, the way

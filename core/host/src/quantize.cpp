@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 
@@ -74,7 +75,9 @@ fs::path resolvePipeline(const QuantizeOptions& options) {
   if (!options.configPath.empty()) return options.configPath;
   const std::string ownType = ModelConfig::fromFile(modelFile(options.modelPath, "config.json")).modelType;
   const std::string modelType = options.modelType.empty() ? ownType : options.modelType;
-  if (modelType != ownType) {
+  // Practice folders are looked up whatever the case.
+  const auto caseless = [](unsigned char a, unsigned char b) { return std::tolower(a) == std::tolower(b); };
+  if (!std::equal(modelType.begin(), modelType.end(), ownType.begin(), ownType.end(), caseless)) {
     log::logger()->warn("--model_type ", modelType, " picks the practice only; the model is read as its config.json's ",
                         ownType);
   }
