@@ -363,11 +363,13 @@ TEST(Cli, UnknownSubcommandIsNamed) {
 
 // `qpipe help [command]` is `qpipe [command] --help`.
 TEST(Cli, HelpAsASubcommandShowsTheCommandsHelp) {
-  for (const auto& [args, usage] :
-       std::vector<std::pair<std::string, std::string>>{{"help", "Usage: qpipe [OPTIONS] SUBCOMMAND"},
-                                                        {"help quant", "Usage: qpipe quant [OPTIONS]"},
-                                                        {"help convert gguf", "Usage: qpipe convert gguf [OPTIONS]"},
-                                                        {"help quant --model_path", "Usage: qpipe quant [OPTIONS]"}}) {
+  for (const auto& [args, usage] : std::vector<std::pair<std::string, std::string>>{
+           {"help", "Usage: qpipe [OPTIONS] SUBCOMMAND"},
+           {"help quant", "Usage: qpipe quant [OPTIONS]"},
+           {"help convert gguf", "Usage: qpipe convert gguf [OPTIONS]"},
+           {"help quant --model_path", "Usage: qpipe quant [OPTIONS]"},
+           {"--log_level debug help eval", "Usage: qpipe eval [OPTIONS]"},
+           {"--log_level=warn help compare", "Usage: qpipe compare [OPTIONS]"}}) {
     const CommandResult r = qpipe(args);
     EXPECT_EQ(r.exitCode, 0) << args << ": " << r.err;
     EXPECT_NE(r.out.find(usage), std::string::npos) << args << ": " << r.out;

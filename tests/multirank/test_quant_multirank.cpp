@@ -701,7 +701,7 @@ TEST(QuantMultirank, AStaticRunNeedsACalibrationSampleOnEveryRank) {
   const std::string line = lastLine(r.err);
   EXPECT_TRUE(line.starts_with("qpipe: usage error: rank ")) << r.err;
   EXPECT_TRUE(
-      line.ends_with(" failed: 1 calibration samples for 2 ranks: every rank needs one; give "
+      line.ends_with(" failed: 1 calibration sample for 2 ranks: every rank needs one; give "
                      "--calib_samples 2 or more, or use fewer devices"))
       << r.err;
   expectNothingSaved(out);

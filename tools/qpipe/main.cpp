@@ -141,13 +141,17 @@ int run(int argc, char** argv) {
       cli::setupPlugins(app), cli::setupQuant(app),   cli::setupVersion(app),
   };
 
-  // `qpipe help [command…] [options]` is `qpipe [command…] --help`, whatever the options.
+  // `qpipe [--log_level L] help [command…] [options]` is `qpipe [command…] --help`, whatever the
+  // options.
   std::vector<std::string> args(argv + 1, argv + argc);
-  if (!args.empty() && args.front() == "help") {
-    args.erase(args.begin());
-    const auto options =
-        std::find_if(args.begin(), args.end(), [](const std::string& a) { return a.starts_with("-"); });
+  auto help = args.begin();
+  while (help != args.end() && help->starts_with("--log_level")) {
+    help += help->find('=') == std::string::npos && help + 1 != args.end() ? 2 : 1;
+  }
+  if (help != args.end() && *help == "help") {
+    const auto options = std::find_if(help + 1, args.end(), [](const std::string& a) { return a.starts_with("-"); });
     args.erase(options, args.end());
+    args.erase(help);
     args.emplace_back("--help");
   }
   std::reverse(args.begin(), args.end());  // CLI11 takes them last first

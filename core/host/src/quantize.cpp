@@ -233,8 +233,9 @@ QuantizeResult quantize(const QuantizeOptions& options) {
     }
     // Every rank settles each observer at the same points of a staged forward (qpipe/staged.h),
     // which a rank without samples never reaches. All ranks see the same count and stop together.
-    QPIPE_REQUIRE(!calibrates || !share.empty(), ErrorCode::kUsage, samples.size(), " calibration samples for ",
-                  group.worldSize(), " ranks: every rank needs one; give --calib_samples ", group.worldSize(),
+    QPIPE_REQUIRE(!calibrates || !share.empty(), ErrorCode::kUsage, samples.size(),
+                  samples.size() == 1 ? " calibration sample for " : " calibration samples for ", group.worldSize(),
+                  " ranks: every rank needs one; give --calib_samples ", group.worldSize(),
                   " or more, or use fewer devices");
   } else if (readsWindows && labels.empty()) {
     logger->info("calibration: ", samples.size(), " samples x ", options.seqLen, " tokens from ",
