@@ -176,6 +176,7 @@ struct SmoothingProcessor::Watched {
   std::unique_ptr<Search> search;
   std::vector<std::vector<double>> losses;
   std::vector<at::Tensor> product;  // the search's float product, chunk by chunk, until it has it
+  double searchedElements = 0;      // of the consumers its search multiplies: its tasks' cost per token
 };
 
 Schema& SmoothingProcessor::addCommonFields(Schema& schema, const std::vector<SubgraphType>& defaults) {
@@ -307,7 +308,6 @@ void SmoothingProcessor::submitProducts(LayerRequest& request, const std::vector
   }
   for (Watched* w : shared) {
     const int64_t count = w->allTokens.size(0), chunks = (count + kProductChunk - 1) / kProductChunk;
-    const double elements = consumerElements(request, w->graph, searchedConsumers(w->graph));
     w->product.assign(static_cast<size_t>(chunks), at::Tensor());
     for (int64_t c = 0; c < chunks; ++c) {
       tasks.submit(
@@ -331,7 +331,7 @@ void SmoothingProcessor::submitProducts(LayerRequest& request, const std::vector
                  return std::vector<at::Tensor>{rows};
                },
            .syncName = "smooth.product",
-           .cost = static_cast<double>(productChunkRows(count, c)) * elements});
+           .cost = static_cast<double>(productChunkRows(count, c)) * w->searchedElements});
       submitted(w, concat("p", c), true);
     }
   }
@@ -354,11 +354,13 @@ void SmoothingProcessor::submitProducts(LayerRequest& request, const std::vector
 // module form a stage, whose candidates share a wave; a stage ends at the first subgraph sharing
 // a module with one in it, which then searches on the smoothed weights (msmodelslim's order).
 void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
+  const std::vector<int> rounds = searchRounds();
   std::vector<Watched*> live;
   std::map<const Watched*, std::vector<std::string>> members;  // source, then targets
   for (const auto& w : watched_) {
     if (!smoothable(request, *w)) continue;
     live.push_back(w.get());
+    if (!rounds.empty()) w->searchedElements = consumerElements(request, w->graph, searchedConsumers(w->graph));
     std::vector<std::string>& paths = members[w.get()];
     paths.push_back(w->graph.source);
     paths.insert(paths.end(), w->graph.targets.begin(), w->graph.targets.end());
@@ -370,7 +372,6 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
                          [&](const std::string& q) { return scheduler::pathsOverlap(p, q); });
     });
   };
-  const std::vector<int> rounds = searchRounds();
   scheduler::DistributedTaskScheduler tasks(*request.module, *context_.group, {.name = type_});
   // Per submitted task: its subgraph, which of the subgraph's tasks it is in the report
   // ("p<chunk>" for a chunk of the float product, "p" for the whole, "r<round>c<candidate>",
@@ -398,8 +399,7 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
       const int round = static_cast<int>(r);
       for (Watched* w : stage) {
         w->losses[r].assign(rounds[r], std::numeric_limits<double>::quiet_NaN());
-        const double cost = static_cast<double>(w->allTokens.size(0)) *
-                            consumerElements(request, w->graph, searchedConsumers(w->graph));
+        const double cost = static_cast<double>(w->allTokens.size(0)) * w->searchedElements;
         for (int c = 0; c < rounds[r]; ++c) {
           tasks.submit({.name = type_ + ".candidate",
                         .fn =

@@ -47,16 +47,17 @@ std::string suggestion(const CLI::App& at, const std::string& given) {
     }
     return out;
   };
+  const std::string wanted = key(typed);
   for (const CLI::App* scope = &at; scope != nullptr; scope = scope->get_parent()) {
     for (const CLI::Option* option : scope->get_options()) {
       for (const std::string& name : option->get_lnames()) {
         if ("--" + name == typed) return "; it is an option of '" + commandOf(*scope) + "', given before it";
-        if (key(name) == key(typed)) return " (did you mean '--" + name + "'?)";
+        if (key(name) == wanted) return " (did you mean '--" + name + "'?)";
       }
     }
   }
   for (const CLI::App* sub : at.get_subcommands({})) {
-    if (key(sub->get_name()) == key(typed)) return " (did you mean the subcommand '" + sub->get_name() + "'?)";
+    if (key(sub->get_name()) == wanted) return " (did you mean the subcommand '" + sub->get_name() + "'?)";
   }
   return "";
 }
