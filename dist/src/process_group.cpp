@@ -23,6 +23,7 @@
 #include <sstream>
 #include <thread>
 
+#include "host_channel.h"
 #include "nccl_abi.h"
 #include "qpipe/error.h"
 
@@ -134,11 +135,13 @@ detail::CreateNcclBackend ncclFactory() {
 
 class C10dGroup final : public ProcessGroup {
  public:
-  C10dGroup(const GroupOptions& options, c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> gloo)
-      : options_(options), store_(std::move(store)), gloo_(std::move(gloo)) {}
+  C10dGroup(const GroupOptions& options, c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> gloo,
+            std::unique_ptr<HostChannel> channel)
+      : options_(options), store_(std::move(store)), gloo_(std::move(gloo)), channel_(std::move(channel)) {}
 
   int rank() const override { return options_.rank; }
   int worldSize() const override { return options_.worldSize; }
+  bool sharesHostMemory() const { return channel_ != nullptr; }
 
   void allReduce(at::Tensor& tensor, ReduceOp op) override {
     ParallelTaskScope::check("allReduce");
@@ -201,7 +204,7 @@ class C10dGroup final : public ProcessGroup {
   // parts, which Gloo aborts on in its own thread: the callers derive the slot from what every
   // rank saw alike.
   std::vector<std::string> allGatherBytesWithin(const std::string& bytes, int64_t slot) override {
-    ParallelTaskScope::check("allGatherBytes");
+    ParallelTaskScope::check("allGatherBytesWithin");
     QPIPE_CHECK(slot >= 0, "allGatherBytesWithin: negative slot ", slot);
     constexpr int64_t kHead = sizeof(int64_t);
     const auto size = static_cast<int64_t>(bytes.size());
@@ -211,7 +214,7 @@ class C10dGroup final : public ProcessGroup {
       auto* data = static_cast<char*>(local.data_ptr());
       std::memcpy(data, &size, kHead);
       std::memcpy(data + kHead, bytes.data(), static_cast<size_t>(std::min(size, slot)));
-      const std::vector<at::Tensor> parts = gatherEqual(local, "allGatherBytes");
+      const std::vector<at::Tensor> parts = gatherEqual(local, "allGatherBytesWithin");
       std::vector<int64_t> sizes(result.size());
       int64_t overflow = 0;
       for (size_t r = 0; r < result.size(); ++r) {
@@ -223,7 +226,7 @@ class C10dGroup final : public ProcessGroup {
       if (overflow == 0) return;
       at::Tensor rest = at::zeros({overflow}, at::kByte);
       if (size > slot) std::memcpy(rest.data_ptr(), bytes.data() + slot, static_cast<size_t>(size - slot));
-      const std::vector<at::Tensor> more = gatherEqual(rest, "allGatherBytes");
+      const std::vector<at::Tensor> more = gatherEqual(rest, "allGatherBytesWithin");
       for (size_t r = 0; r < result.size(); ++r) {
         if (sizes[r] > slot) {
           result[r].append(static_cast<const char*>(more[r].data_ptr()), static_cast<size_t>(sizes[r] - slot));
@@ -243,32 +246,53 @@ class C10dGroup final : public ProcessGroup {
     const int world = worldSize();
     QPIPE_CHECK(static_cast<int>(parts.size()) == world, "exchangeInPlace: ", parts.size(), " parts for ", world,
                 " ranks");
-    at::Tensor view = at::empty({world + 1}, at::kLong);
+    // Each part's bytes, whether every tensor is on the CPU, and each part's layout (its tensors'
+    // dtypes and shapes, hashed in order): equal totals split otherwise would pair up messages of
+    // other sizes, or fill a tensor with another dtype's bytes.
+    at::Tensor view = at::empty({2 * world + 1}, at::kLong);
     auto* mine = view.data_ptr<int64_t>();
     bool cpu = true;
     for (int r = 0; r < world; ++r) {
       mine[r] = 0;
+      uint64_t layout = 1469598103934665603ULL;
+      const auto mix = [&layout](int64_t value) {
+        layout = (layout ^ static_cast<uint64_t>(value)) * 1099511628211ULL;
+      };
       for (const at::Tensor& t : parts[static_cast<size_t>(r)]) {
         mine[r] += static_cast<int64_t>(t.nbytes());
         cpu = cpu && t.is_cpu();
+        mix(static_cast<int64_t>(t.scalar_type()));
+        mix(t.dim());
+        for (const int64_t size : t.sizes()) mix(size);
       }
+      mine[world + 1 + r] = static_cast<int64_t>(layout);
     }
     mine[world] = cpu ? 1 : 0;
     bool everyCpu = true;
     timed(0, [&] {
       const std::vector<at::Tensor> views = gatherEqual(view, "exchangeInPlace");
+      constexpr const char* kSame = "; every rank must give each part the same tensors (dtypes and shapes)";
       for (int r = 0; r < world; ++r) {
-        const int64_t sent = views[static_cast<size_t>(r)].const_data_ptr<int64_t>()[r];
+        const int64_t* sender = views[static_cast<size_t>(r)].const_data_ptr<int64_t>();
         for (int q = 0; q < world; ++q) {
-          const int64_t expected = views[static_cast<size_t>(q)].const_data_ptr<int64_t>()[r];
-          QPIPE_CHECK(expected == sent, "rank ", r, " sends ", sent, " bytes of tensors, rank ", q, " expects ",
-                      expected);
+          const int64_t* receiver = views[static_cast<size_t>(q)].const_data_ptr<int64_t>();
+          QPIPE_REQUIRE(receiver[r] == sender[r], ErrorCode::kDistributed, "exchangeInPlace: rank ", r, " sends ",
+                        sender[r], " bytes of tensors, rank ", q, " expects ", receiver[r], kSame);
+          QPIPE_REQUIRE(receiver[world + 1 + r] == sender[world + 1 + r], ErrorCode::kDistributed,
+                        "exchangeInPlace: rank ", r, " sends ", sender[r], " bytes of tensors that rank ", q,
+                        " expects in other dtypes or shapes", kSame);
         }
       }
       for (const at::Tensor& v : views) everyCpu = everyCpu && v.const_data_ptr<int64_t>()[world] == 1;
     });
     if (!everyCpu) return false;
-    timed(mine[rank()], [&] { sendAndReceive(parts); });
+    timed(mine[rank()], [&] {
+      if (channel_) {
+        exchangeThroughHost(parts);
+      } else {
+        sendAndReceive(parts);
+      }
+    });
     return true;
   }
 
@@ -277,6 +301,7 @@ class C10dGroup final : public ProcessGroup {
       // A rank that failed because a peer did is not a cause: its report would hide the peer's.
       if (!peerLost_) {
         store_->set(failedKey(rank()), bytes(firstLine(message)));
+        if (channel_) channel_->markFailed();
         // Closing the connections now makes the peers' pending collectives fail at once rather
         // than at their timeout; the group is unusable after a failure anyway.
         gloo_.reset();
@@ -314,6 +339,76 @@ class C10dGroup final : public ProcessGroup {
     return plan;
   }
   static at::Tensor bytesOf(const at::Tensor& contiguous) { return contiguous.reshape({-1}).view(at::kByte); }
+
+  // What a wait in the host channel checks: a peer that failed or exited, the timeout.
+  HostChannel::Check hostCheck(const char* collective) {
+    return [this, collective](Clock::duration waited) {
+      if (const std::optional<std::string> gone = channel_->peerGone()) {
+        peerLost_ = true;
+        throw Error(ErrorCode::kDistributed, peerFailure(collective, *gone));
+      }
+      if (waited >= options_.timeout) {
+        peerLost_ = true;
+        throw Error(ErrorCode::kDistributed, concat("lost contact with a peer rank during ", collective,
+                                                    ": no answer within ", seconds(options_.timeout)));
+      }
+    };
+  }
+
+  // exchangeInPlace through the host channel: every rank's part as one run of bytes (its tensors
+  // in order), a slot's worth a round, copied by its sender into the shared slot and by every
+  // other rank out of it into the part's tensors (through a staging copy where one is not
+  // contiguous): a memcpy each way instead of Gloo's loopback sockets.
+  void exchangeThroughHost(const std::vector<std::vector<at::Tensor>>& parts) {
+    struct Piece {
+      char* data;
+      int64_t bytes;
+    };
+    const int world = worldSize(), me = rank();
+    std::vector<std::vector<Piece>> pieces(static_cast<size_t>(world));
+    std::vector<at::Tensor> held;  // this rank's tensors that were not contiguous, made so
+    std::vector<std::pair<at::Tensor, const at::Tensor*>> staged;
+    int64_t largest = 0;
+    for (int r = 0; r < world; ++r) {
+      int64_t total = 0;
+      for (const at::Tensor& t : parts[static_cast<size_t>(r)]) {
+        at::Tensor bytes = t;
+        if (!t.is_contiguous()) {
+          bytes = r == me ? held.emplace_back(t.contiguous())
+                          : staged.emplace_back(at::empty(t.sizes(), t.options()), &t).first;
+        }
+        pieces[static_cast<size_t>(r)].push_back(
+            {static_cast<char*>(bytes.data_ptr()), static_cast<int64_t>(t.nbytes())});
+        total += static_cast<int64_t>(t.nbytes());
+      }
+      largest = std::max(largest, total);
+    }
+    // copy(piece bytes, count, offset in the slot) for the bytes [offset, offset + kPartBytes) of a part.
+    const auto within = [](const std::vector<Piece>& part, int64_t offset, const auto& copy) {
+      int64_t start = 0;
+      for (const Piece& piece : part) {
+        const int64_t from = std::max(offset, start);
+        const int64_t to = std::min(offset + HostChannel::kPartBytes, start + piece.bytes);
+        if (from < to) copy(piece.data + (from - start), static_cast<size_t>(to - from), from - offset);
+        start += piece.bytes;
+      }
+    };
+    const HostChannel::Check check = hostCheck("exchangeInPlace");
+    for (int64_t offset = 0; offset < largest; offset += HostChannel::kPartBytes) {
+      channel_->step(
+          [&](char* slot) {
+            within(pieces[static_cast<size_t>(me)], offset,
+                   [slot](const char* data, size_t n, int64_t at) { std::memcpy(slot + at, data, n); });
+          },
+          [&](int r, const char* slot) {
+            if (r == me) return;
+            within(pieces[static_cast<size_t>(r)], offset,
+                   [slot](char* data, size_t n, int64_t at) { std::memcpy(data, slot + at, n); });
+          },
+          check);
+    }
+    for (const auto& [buffer, slot] : staged) slot->copy_(buffer);
+  }
 
   void sendAndReceive(const std::vector<std::vector<at::Tensor>>& parts) {
     const int world = worldSize(), me = rank();
@@ -434,8 +529,18 @@ class C10dGroup final : public ProcessGroup {
     }
   }
 
-  // Every rank's tensor with equal shapes (what the backends support).
+  // Every rank's tensor with equal shapes (what the backends support). Small CPU parts go through
+  // the host channel where the ranks share one: every rank decides alike, the shapes being equal.
   std::vector<at::Tensor> gatherEqual(const at::Tensor& tensor, const char* collective) {
+    if (channel_ && tensor.is_cpu() && static_cast<int64_t>(tensor.nbytes()) <= HostChannel::kPartBytes) {
+      const at::Tensor part = tensor.contiguous();
+      at::Tensor all = at::empty({worldSize(), part.numel()}, part.options());
+      channel_->gather(part.const_data_ptr(), static_cast<int64_t>(part.nbytes()), all.mutable_data_ptr(),
+                       hostCheck(collective));
+      std::vector<at::Tensor> parts;
+      for (int r = 0; r < worldSize(); ++r) parts.push_back(all[r].view(part.sizes()));
+      return parts;
+    }
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int r = 0; r < worldSize(); ++r) outputs[0].push_back(at::empty_like(tensor));
     std::vector<at::Tensor> inputs{tensor};
@@ -503,6 +608,9 @@ class C10dGroup final : public ProcessGroup {
   Traffic traffic() const override { return traffic_; }
 
   int64_t counterAdd(const std::string& key, int64_t delta) override {
+    if (channel_) {
+      if (const std::optional<int64_t> value = channel_->counterAdd(key, delta)) return *value;
+    }
     try {
       return store_->add(kCounterPrefix + key, delta);
     } catch (const std::exception& e) {
@@ -580,6 +688,7 @@ class C10dGroup final : public ProcessGroup {
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<c10d::Backend> nccl_;
+  std::unique_ptr<HostChannel> channel_;  // null unless every rank is on this host
   Traffic traffic_;
   bool peerLost_ = false;   // a collective failed because of a peer
   bool peerNamed_ = false;  // ... which had reported its failure
@@ -807,7 +916,20 @@ std::shared_ptr<ProcessGroup> connect(const GroupOptions& options) {
     throw Error(ErrorCode::kDistributed,
                 "rank " + std::to_string(options.rank) + " cannot connect to its peers over Gloo: " + oneLine(error));
   }
-  return std::make_shared<C10dGroup>(options, std::move(store), std::move(gloo));
+  std::unique_ptr<HostChannel> channel;
+  try {
+    channel = HostChannel::open(*store, options);
+  } catch (const std::exception& error) {
+    throw Error(ErrorCode::kDistributed,
+                "rank " + std::to_string(options.rank) +
+                    " cannot agree with its peers on a shared-memory channel: " + oneLine(error));
+  }
+  return std::make_shared<C10dGroup>(options, std::move(store), std::move(gloo), std::move(channel));
+}
+
+bool sharesHostMemory(const ProcessGroup& group) {
+  const auto* c10d = dynamic_cast<const C10dGroup*>(&group);
+  return c10d != nullptr && c10d->sharesHostMemory();
 }
 
 }  // namespace qpipe::dist

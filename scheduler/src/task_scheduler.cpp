@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <iomanip>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <sstream>
@@ -56,7 +57,8 @@ uint64_t fnv1a(const std::string& text, uint64_t hash = 1469598103934665603ULL) 
   return hash;
 }
 
-// A task's result travels as JSON (doubles exact to the bit).
+// A task's result travels as JSON (doubles exact to the bit; JSON has no NaN or infinity, which
+// travel as {"float": "nan" | "inf" | "-inf"}).
 Json toJson(const ConfigNode& node) {
   switch (node.kind()) {
     case ConfigNode::Kind::kNull:
@@ -65,8 +67,11 @@ Json toJson(const ConfigNode& node) {
       return node.asBool();
     case ConfigNode::Kind::kInt:
       return node.asInt();
-    case ConfigNode::Kind::kFloat:
-      return node.asFloat();
+    case ConfigNode::Kind::kFloat: {
+      const double value = node.asFloat();
+      if (std::isfinite(value)) return value;
+      return {{"float", std::isnan(value) ? "nan" : (value > 0 ? "inf" : "-inf")}};
+    }
     case ConfigNode::Kind::kString:
       return node.asString();
     case ConfigNode::Kind::kList: {
@@ -94,6 +99,12 @@ ConfigNode fromJson(const Json& json) {
     std::vector<ConfigNode> items;
     for (const Json& item : json) items.push_back(fromJson(item));
     return ConfigNode::list(std::move(items));
+  }
+  if (json.contains("float")) {
+    const std::string special = json["float"].get<std::string>();
+    if (special == "nan") return ConfigNode::number(std::numeric_limits<double>::quiet_NaN());
+    return ConfigNode::number(special == "inf" ? std::numeric_limits<double>::infinity()
+                                               : -std::numeric_limits<double>::infinity());
   }
   std::vector<ConfigNode::Entry> entries;
   for (const Json& entry : json["map"]) entries.emplace_back(entry[0].get<std::string>(), fromJson(entry[1]));
@@ -227,16 +238,13 @@ at::Tensor slotFor(Module& module, bool parameter, const std::string& name, at::
 // rank whose view of a part differs (a DistributedSync returning other shapes on another rank)
 // ends in the error below, not in mismatched collectives. One broadcast per executor cost W
 // collectives a wave instead: 66 a wave at 64 ranks, most of a wave's time in the projection
-// (docs/benchmarks.md). Returns the collectives it took: 0 where no rank had a tensor to send.
+// (docs/benchmarks.md). Returns the collectives it took.
 int exchangeTogether(ProcessGroup& group, const std::vector<std::vector<at::Tensor>>& fromRank, int64_t slot) {
   const auto bytesOf = [](const std::vector<at::Tensor>& tensors) {
     int64_t total = 0;
     for (const at::Tensor& t : tensors) total += static_cast<int64_t>(t.nbytes());
     return total;
   };
-  int64_t largest = 0;
-  for (const auto& tensors : fromRank) largest = std::max(largest, bytesOf(tensors));
-  if (largest == 0) return 0;
   if (group.exchangeInPlace(fromRank)) return 2;
   const auto me = static_cast<size_t>(group.rank());
   std::string flat(static_cast<size_t>(bytesOf(fromRank[me])), '\0');
@@ -264,7 +272,9 @@ int exchangeTogether(ProcessGroup& group, const std::vector<std::vector<at::Tens
       offset += n;
     }
   }
-  return largest > slot ? 2 : 1;
+  size_t largest = 0;
+  for (const std::string& part : parts) largest = std::max(largest, part.size());
+  return static_cast<int64_t>(largest) > slot ? 2 : 1;
 }
 
 }  // namespace
@@ -351,12 +361,10 @@ struct DistributedTaskScheduler::Impl {
       hash = fnv1a(std::to_string(wave.tasks.size()), hash);
       for (size_t index : wave.tasks) hash = hashTask(tasks[index], hash);
     }
-    // One all-reduce decides: the maxima of h and of ~h are this rank's own h and ~h on every rank
-    // exactly when every rank has the same h (else the rank of the largest h sees a larger ~h).
-    const at::Tensor mine = at::tensor({std::bit_cast<int64_t>(hash), std::bit_cast<int64_t>(~hash)}, at::kLong);
-    at::Tensor largest = mine.clone();
-    group.allReduce(largest, ReduceOp::kMax);
-    if (at::equal(largest, mine)) return;
+    // One gather of every rank's hash decides, alike on every rank.
+    const std::string mine(reinterpret_cast<const char*>(&hash), sizeof(hash));
+    const std::vector<std::string> hashes = group.allGatherBytesWithin(mine, sizeof(hash));
+    if (std::all_of(hashes.begin(), hashes.end(), [&](const std::string& h) { return h == hashes[0]; })) return;
     // Each parallel wave as a line "wave <index>" and its tasks' lines, on every rank.
     std::string joined;
     for (size_t w = 0; w < waves.size(); ++w) {
@@ -450,6 +458,14 @@ struct DistributedTaskScheduler::Impl {
       try {
         const ParallelTaskScope scope(tasks[index].name + " " + flow(tasks[index].args));
         records[index].result = tasks[index].fn(tasks[index].args);
+        if (!records[index].result.isNull()) {
+          try {
+            outcome["r"] = toJson(records[index].result);
+            outcome["r"].dump();
+          } catch (const Json::type_error&) {
+            throw Error(ErrorCode::kPlugin, "its result holds a string that is not UTF-8 (results travel as JSON)");
+          }
+        }
         if (tasks[index].syncTensors) {
           // Taken now, so that every rank knows their size from the outcomes.
           TaskRecord executed = records[index];
@@ -472,13 +488,15 @@ struct DistributedTaskScheduler::Impl {
       outcome["s"] = since(start);
       const bool failed = outcome.contains("e");
       if (!failed && !tasks[index].sync && !tasks[index].syncTensors) outcome["t"] = defaultTensors(tasks[index]);
-      if (!failed && !records[index].result.isNull()) outcome["r"] = toJson(records[index].result);
+      if (failed) outcome.erase("r");
       mine.push_back(std::move(outcome));
       // The others go on with the tasks left; the run fails once every rank has reported.
       if (failed) break;
     }
     std::vector<Outcome> outcomes(static_cast<size_t>(n));
-    const std::vector<std::string> all = group.allGatherBytesWithin(mine.dump(), outcomeSlot);
+    // An error message may quote bytes that are not UTF-8 (a path): replaced, not thrown on.
+    const std::vector<std::string> all =
+        group.allGatherBytesWithin(mine.dump(-1, ' ', false, Json::error_handler_t::replace), outcomeSlot);
     // The next wave's slot from this one's largest outcomes, which every rank saw alike.
     size_t largest = 0;
     for (const std::string& bytes : all) largest = std::max(largest, bytes.size());
@@ -586,7 +604,12 @@ struct DistributedTaskScheduler::Impl {
     }
     const auto start = Clock::now();
     const int64_t slot = *std::max_element(agreed.begin(), agreed.end()) + ownTensorsSlot;
-    if (const int collectives = exchangeTogether(group, fromRank, slot)) {
+    // Whether to exchange at all comes from what every rank knows alike (the announced bytes, the
+    // modules with a sync of their own), never from this rank's own DistributedSync tensors: a
+    // rank whose module returned none still meets the others, and the exchange names the mismatch.
+    const bool exchange =
+        !own.empty() || std::any_of(agreed.begin(), agreed.end(), [](int64_t bytes) { return bytes > 0; });
+    if (const int collectives = exchange ? exchangeTogether(group, fromRank, slot) : 0) {
       // Each rank's part as it sent it: exchangeTogether checked that every rank's view agrees.
       summary.settledCollectiveSeconds += since(start);
       summary.settledCollectives += collectives;
@@ -645,6 +668,13 @@ void DistributedTaskScheduler::submit(Task task) {
 
 std::vector<TaskRecord> DistributedTaskScheduler::run() {
   Impl& s = *impl_;
+  struct Emptied {
+    Impl& s;
+    ~Emptied() {
+      s.tasks.clear();
+      s.waves.clear();
+    }
+  } emptied{s};
   const auto start = Clock::now();
   s.summary = {.name = s.options.name,
                .tasks = static_cast<int64_t>(s.tasks.size()),
@@ -658,7 +688,9 @@ std::vector<TaskRecord> DistributedTaskScheduler::run() {
     records[i].cost = s.tasks[i].cost;
   }
   const auto logger = log::logger();
-  if (std::any_of(s.waves.begin(), s.waves.end(), [](const Wave& wave) { return wave.parallel; })) {
+  // Every rank agrees, even one whose waves are all local (it submitted nothing parallel, or
+  // disabled parallel): otherwise the others would wait in a collective it never makes.
+  if (s.group.worldSize() > 1 && !ParallelTaskScope::active()) {
     const auto agreeing = Clock::now();
     s.agree();
     s.summary.agreeSeconds = since(agreeing);
@@ -686,8 +718,6 @@ std::vector<TaskRecord> DistributedTaskScheduler::run() {
     logger->debug(s.where(), ": syncing took ", s.summary.syncSeconds, " s, more than the ",
                   s.summary.execSeconds - s.summary.myExecSeconds, " s of tasks other ranks ran: not worth splitting");
   }
-  s.tasks.clear();
-  s.waves.clear();
   return records;
 }
 

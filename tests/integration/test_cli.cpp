@@ -84,7 +84,7 @@ TEST(Cli, CheckAcceptsAValidPipelineAndPrintsItResolved) {
   const CommandResult r = qpipe("check --config_path " + kPipelines + "log_layers.yaml --plugin_dir " + kExample);
   EXPECT_EQ(r.exitCode, 0) << r.err;
   EXPECT_NE(r.out.find("type: group"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("prefix: \"attn \""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("prefix: \"first \""), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("part_file_size: 2"), std::string::npos) << r.out;
   EXPECT_NE(r.err.find("valid (3 processors, 1 savers)"), std::string::npos) << r.err;
 }

@@ -5,10 +5,13 @@
 #include <ATen/Functions.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -128,12 +131,13 @@ void collectives() {
 }
 
 // Rank r's part of an exchange, as its sender holds it (`values`) or as a receiver's slots: small
-// tensors (one message), an empty one, a large one whose size depends on r and a large and a
-// small one whose slots are not contiguous.
+// tensors (one message), an empty one, a large one whose size depends on r (rank 2's part spans
+// two of the host channel's rounds) and a large and a small one whose slots are not contiguous
+// (the small one sent from a tensor that is not contiguous either).
 std::vector<at::Tensor> exchangePart(int r, bool values) {
   const auto filled = [&](at::Tensor slot, const at::Tensor& value) { return values ? value : slot; };
   const at::Tensor wide = at::arange(20000, at::kFloat).reshape({100, 200}).add(r);
-  const at::Tensor narrow = at::arange(8, at::kFloat).reshape({2, 4}).add(100 * r);
+  const at::Tensor narrow = at::arange(8, at::kFloat).reshape({2, 4}).add(100 * r).t().contiguous().t();
   return {
       filled(at::empty({3}), at::full({3}, r + 0.5)),
       filled(at::empty({2}, at::kDouble), at::full({2}, 10.0 * r, at::kDouble)),
@@ -160,10 +164,15 @@ void exchange() {
   std::cout << "done" << std::endl;
 }
 
-// Rank 1 takes rank 0's part for two floats, rank 0 sends three.
-void exchangeMismatch() {
+// Rank 1 takes rank 0's part for two floats, rank 0 sends three; or, with `layout`, the same four
+// floats as one tensor on rank 0 and as two on rank 1.
+void exchangeMismatch(bool layout) {
   ProcessGroup& group = world();
   std::vector<std::vector<at::Tensor>> parts{{at::zeros({group.rank() == 1 ? 2 : 3})}, {}};
+  if (layout) {
+    parts[0] = group.rank() == 1 ? std::vector<at::Tensor>{at::zeros({2}), at::zeros({2})}
+                                 : std::vector<at::Tensor>{at::zeros({4})};
+  }
   group.exchangeInPlace(parts);
 }
 
@@ -197,16 +206,60 @@ void distHelper() {
   std::cout << "done" << std::endl;
 }
 
-// The last rank fails in its own code while the others wait in a collective.
-void peerFails(bool report) {
+// The last rank fails in its own code while the others wait in a collective: an all-reduce
+// (Gloo), or a small gather (the host channel where the ranks share one).
+void peerFails(bool report, bool gather = false) {
   ProcessGroup& group = world();
   if (group.rank() == group.worldSize() - 1) {
     if (!report) ::raise(SIGKILL);
     throw qpipe::Error(qpipe::ErrorCode::kInput, "layer 3: calibration sample 7 is empty");
   }
+  if (gather) {
+    group.allGatherBytesWithin("x", 8);
+    std::cout << "unexpected: gathered" << std::endl;
+    return;
+  }
   at::Tensor t = at::ones({4});
   group.allReduce(t, ReduceOp::kSum);
   std::cout << "unexpected: " << values(t) << std::endl;
+}
+
+// Many small gathers in a row, parts of other sizes on every rank and some past the slot or past
+// the host channel's part (the second gather, over Gloo), each byte checked; then concurrent
+// claims from one counter (each value handed out once) and from one whose key the channel's table
+// cannot hold (the store's).
+void hostChannel() {
+  ProcessGroup& group = world();
+  std::cout << "host channel: " << sharesHostMemory(group) << "\n";
+  const auto partOf = [](int r, int i) {
+    const size_t size = static_cast<size_t>((i * 37 + r * 11) % 700) + (i % 97 == r ? 300000 : 0);
+    std::string part(size, '\0');
+    for (size_t k = 0; k < size; ++k) part[k] = static_cast<char>((r * 31 + i + k) % 251);
+    return part;
+  };
+  int wrong = 0;
+  constexpr int kGathers = 2000;
+  for (int i = 0; i < kGathers; ++i) {
+    const std::vector<std::string> all = group.allGatherBytesWithin(partOf(group.rank(), i), 512);
+    for (int r = 0; r < group.worldSize(); ++r) wrong += all[static_cast<size_t>(r)] == partOf(r, i) ? 0 : 1;
+  }
+  std::cout << "gathers: " << kGathers << " wrong " << wrong << "\n";
+  for (const std::string& key : std::vector<std::string>{"claims", std::string(80, 'k')}) {
+    constexpr int kClaims = 300;
+    std::string mine;
+    for (int i = 0; i < kClaims; ++i) mine += std::to_string(group.counterAdd(key, 1)) + " ";
+    std::vector<int> seen(static_cast<size_t>(kClaims * group.worldSize()) + 1, 0);
+    for (const std::string& part : group.allGatherBytes(mine)) {
+      std::istringstream in(part);
+      for (int64_t value = 0; in >> value;) {
+        if (value >= 1 && value < static_cast<int64_t>(seen.size())) ++seen[static_cast<size_t>(value)];
+      }
+    }
+    std::cout << "claims of a " << key.size() << "-byte key: each once "
+              << (std::count(seen.begin() + 1, seen.end(), 1) == kClaims * group.worldSize()) << "\n";
+  }
+  group.barrier();
+  std::cout << "done" << std::endl;
 }
 
 // The last rank stops answering (stuck, not dead) for ten times the timeout.
@@ -424,6 +477,80 @@ void schedulerDisagreeLater() {
   scheduler.run();
 }
 
+// The last rank submits nothing parallel (its task is local): it still meets the others in the
+// agreement, and every rank fails there instead of waiting for it.
+void schedulerNothingParallelOnOneRank() {
+  ProcessGroup& group = world();
+  auto root = schedulerModel();
+  dts::DistributedTaskScheduler scheduler(*root, group, {.name = "test"});
+  const bool last = group.rank() == group.worldSize() - 1;
+  scheduler.submit({.name = "noop",
+                    .fn = [](const qpipe::ConfigNode&) { return qpipe::ConfigNode::null({}); },
+                    .dependencies = {"a"},
+                    .parallel = !last});
+  scheduler.run();
+  std::cout << "unexpected: ran" << std::endl;
+}
+
+// A module whose own sync returns its tensors on the executor only: the other ranks still enter
+// the exchange, which names the mismatch on every rank.
+class SyncedOnExecutorOnly final : public qpipe::Module, public qpipe::DistributedSync {
+ public:
+  SyncedOnExecutorOnly() : Module("SyncedOnExecutorOnly") { addParameter("value", at::zeros({3})); }
+  std::vector<at::Tensor> syncTensors(const qpipe::TaskRecord& record, qpipe::SyncContext& context) override {
+    if (record.executorRank != context.group.rank()) return {};
+    return {parameter("value")};
+  }
+};
+
+void schedulerOwnSyncOnExecutorOnly() {
+  ProcessGroup& group = world();
+  auto root = std::make_shared<qpipe::Module>("Root");
+  root->addChild("c", std::make_shared<SyncedOnExecutorOnly>());
+  dts::DistributedTaskScheduler scheduler(*root, group, {.name = "test", .assignment = dts::Assignment::kRoundRobin});
+  scheduler.submit({.name = "set_c",
+                    .fn = [](const qpipe::ConfigNode&) { return qpipe::ConfigNode::null({}); },
+                    .dependencies = {"c"}});
+  scheduler.run();
+  std::cout << "unexpected: ran" << std::endl;
+}
+
+// Results JSON cannot hold (NaN, infinities, also inside a list and a map) reach every rank as the
+// executor has them.
+void schedulerSpecialResults() {
+  ProcessGroup& group = world();
+  auto root = schedulerModel();
+  dts::DistributedTaskScheduler scheduler(*root, group, {.name = "test", .assignment = dts::Assignment::kRoundRobin});
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  const std::vector<qpipe::ConfigNode> results{
+      qpipe::ConfigNode::number(nan), qpipe::ConfigNode::number(inf), qpipe::ConfigNode::number(-inf),
+      qpipe::ConfigNode::map(
+          {{"loss", qpipe::ConfigNode::number(nan)},
+           {"grid", qpipe::ConfigNode::list({qpipe::ConfigNode::number(0.25), qpipe::ConfigNode::number(-inf)})}})};
+  for (size_t i = 0; i < results.size(); ++i) {
+    scheduler.submit({.name = "special",
+                      .fn = [result = results[i]](const qpipe::ConfigNode&) { return result; },
+                      .dependencies = {std::string(1, static_cast<char>('a' + i))}});
+  }
+  for (const qpipe::TaskRecord& record : scheduler.run()) {
+    std::cout << "result " << record.taskId << " executor " << record.executorRank << ": " << record.result.toYaml()
+              << "\n";
+  }
+  std::cout << "done" << std::endl;
+}
+
+// A task's result holds bytes that are not UTF-8: its executor fails it, naming it.
+void schedulerResultNotUtf8() {
+  ProcessGroup& group = world();
+  auto root = schedulerModel();
+  dts::DistributedTaskScheduler scheduler(*root, group, {.name = "test", .assignment = dts::Assignment::kRoundRobin});
+  scheduler.submit({.name = "latin1",
+                    .fn = [](const qpipe::ConfigNode&) { return qpipe::ConfigNode::string("caf\xe9"); },
+                    .dependencies = {"a"}});
+  scheduler.run();
+  std::cout << "unexpected: ran" << std::endl;
+}
+
 // A parallel task calls a collective.
 void schedulerCollective() {
   ProcessGroup& group = world();
@@ -535,13 +662,21 @@ int main(int argc, char** argv) {
     } else if (scenario == "exchange") {
       exchange();
     } else if (scenario == "exchange_mismatch") {
-      exchangeMismatch();
+      exchangeMismatch(false);
+    } else if (scenario == "exchange_layout_mismatch") {
+      exchangeMismatch(true);
     } else if (scenario == "dist_helper") {
       distHelper();
     } else if (scenario == "peer_reports") {
       peerFails(true);
     } else if (scenario == "peer_killed") {
       peerFails(false);
+    } else if (scenario == "peer_reports_in_gather") {
+      peerFails(true, true);
+    } else if (scenario == "peer_killed_in_gather") {
+      peerFails(false, true);
+    } else if (scenario == "host_channel") {
+      hostChannel();
     } else if (scenario == "peer_hangs") {
       peerHangs();
     } else if (scenario == "master_fails") {
@@ -558,6 +693,14 @@ int main(int argc, char** argv) {
       schedulerDisagreeLater();
     } else if (scenario == "dts_collective") {
       schedulerCollective();
+    } else if (scenario == "dts_nothing_parallel_on_one_rank") {
+      schedulerNothingParallelOnOneRank();
+    } else if (scenario == "dts_own_sync_on_executor_only") {
+      schedulerOwnSyncOnExecutorOnly();
+    } else if (scenario == "dts_special_results") {
+      schedulerSpecialResults();
+    } else if (scenario == "dts_result_not_utf8") {
+      schedulerResultNotUtf8();
     } else if (scenario == "dts_task_fails") {
       schedulerTaskFails();
     } else if (scenario == "dts_costs") {

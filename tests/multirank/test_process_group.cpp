@@ -92,9 +92,7 @@ TEST_P(Multirank, CollectivesAndDistOps) {
 
 // Each part's small tensors in one message, the large ones each in their own, received in place
 // or, where a slot is not contiguous, through a copy: every rank gets every part exactly.
-TEST_P(Multirank, ExchangeInPlace) {
-  const int w = GetParam();
-  const auto results = run(world("exchange", w));
+void expectExchanged(int w, const std::vector<RankResult>& results) {
   std::string parts;
   for (int r = 0; r < w; ++r) {
     std::ostringstream os;
@@ -107,6 +105,17 @@ TEST_P(Multirank, ExchangeInPlace) {
   for (int r = 0; r < w; ++r) {
     EXPECT_EQ(results[r].exitCode, 0) << "rank " << r << ":\n" << results[r].out;
     EXPECT_EQ(results[r].out, connected(r, w) + "in place: 1\n" + parts + "done\n") << "rank " << r;
+  }
+}
+
+// Through the host channel (in rounds of its slot) and, with QPIPE_DIST_SHM=0, over Gloo.
+TEST_P(Multirank, ExchangeInPlace) {
+  const int w = GetParam();
+  for (const bool shared : {true, false}) {
+    SCOPED_TRACE(shared ? "shared memory" : "QPIPE_DIST_SHM=0");
+    Launch launch = world("exchange", w);
+    if (!shared) launch.env.push_back("QPIPE_DIST_SHM=0");
+    expectExchanged(w, run(launch));
   }
 }
 
@@ -130,6 +139,27 @@ TEST_P(Multirank, DistHelperSharedAndLocalOnly) {
     expected += "\ndone\n";
     EXPECT_EQ(results[r].exitCode, 0) << "rank " << r;
     EXPECT_EQ(results[r].out, expected) << "rank " << r;
+  }
+}
+
+// Ranks on one host share memory for the small gathers and the store's counters: thousands of
+// gathers of parts of other sizes (some past the slot, some past the channel, over Gloo) arrive
+// byte for byte, and concurrent claims hand out each value once, also for a key the channel's
+// table cannot hold (the store's). QPIPE_DIST_SHM=0 turns the channel off: the same results.
+TEST_P(Multirank, HostChannelGathersAndCounters) {
+  const int w = GetParam();
+  for (const bool shared : {true, false}) {
+    SCOPED_TRACE(shared ? "shared memory" : "QPIPE_DIST_SHM=0");
+    Launch launch = world("host_channel", w);
+    if (!shared) launch.env.push_back("QPIPE_DIST_SHM=0");
+    const auto results = run(launch);
+    for (int r = 0; r < w; ++r) {
+      EXPECT_EQ(results[r].exitCode, 0) << "rank " << r << ":\n" << results[r].out;
+      EXPECT_EQ(results[r].out, connected(r, w) + "host channel: " + (shared ? "1" : "0") +
+                                    "\ngathers: 2000 wrong 0\nclaims of a 6-byte key: each once 1\n"
+                                    "claims of a 80-byte key: each once 1\ndone\n")
+          << "rank " << r;
+    }
   }
 }
 
@@ -218,14 +248,37 @@ TEST(MultirankErrors, PeerThatReportsIsNamed) {
 // Two ranks' views of a part's size differ: both fail with the same line, before any tensor
 // moves (a point-to-point receive of the wrong size would fail on one rank only, or hang).
 TEST(MultirankErrors, ExchangeViewsThatDifferFailEveryRank) {
-  const auto results = run(world("exchange_mismatch", 2));
-  const std::string message = "rank 0 sends 12 bytes of tensors, rank 1 expects 8 [check";
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(results[r].exitCode, 1) << "rank " << r;  // ErrorCode::kInternal
-    const std::string expected = connected(r, 2) + "error: " + message;
-    EXPECT_EQ(results[r].out.substr(0, expected.size()), expected) << "rank " << r;
-    EXPECT_LT(results[r].seconds, 10.0) << "rank " << r;
+  const std::string same = "; every rank must give each part the same tensors (dtypes and shapes)\n";
+  for (const auto& [scenario, message] :
+       {std::pair<std::string, std::string>{"exchange_mismatch", "rank 0 sends 12 bytes of tensors, rank 1 expects 8"},
+        {"exchange_layout_mismatch",
+         "rank 0 sends 16 bytes of tensors that rank 1 expects in other dtypes or shapes"}}) {
+    const auto results = run(world(scenario, 2));
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(results[r].exitCode, 7) << "rank " << r;  // ErrorCode::kDistributed
+      EXPECT_EQ(results[r].out, connected(r, 2) + "error: exchangeInPlace: " + message + same) << "rank " << r;
+      EXPECT_LT(results[r].seconds, 10.0) << "rank " << r;
+    }
   }
+}
+
+// A peer that fails while the others wait in a gather through shared memory: named when it
+// reported itself, else found gone, long before the 10 s timeout.
+TEST(MultirankErrors, PeerGoneDuringASharedMemoryGather) {
+  const auto reported = run(world("peer_reports_in_gather", 3));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(reported[r].exitCode, 7) << "rank " << r;
+    EXPECT_EQ(reported[r].out, connected(r, 3) + "error: rank 2 failed: layer 3: calibration sample 7 is empty\n");
+    EXPECT_LT(reported[r].seconds, 5.0) << "rank " << r;
+  }
+  const auto killed = run(world("peer_killed_in_gather", 2));
+  EXPECT_EQ(killed[1].exitCode, -1);
+  EXPECT_EQ(killed[0].exitCode, 7);
+  const std::string expected =
+      connected(0, 2) + "error: lost contact with a peer rank during allGatherBytesWithin: rank 1 (pid ";
+  EXPECT_EQ(killed[0].out.substr(0, expected.size()), expected) << killed[0].out;
+  EXPECT_NE(killed[0].out.find(") exited\n"), std::string::npos) << killed[0].out;
+  EXPECT_LT(killed[0].seconds, 5.0);
 }
 
 TEST(MultirankErrors, MasterThatReportsIsNamed) {

@@ -112,6 +112,21 @@ TEST_P(Scheduler, TasksAreHandedOutMostCostlyFirst) {
   }
 }
 
+// NaN and the infinities, which JSON has no numbers for, reach every rank as the executor has them.
+TEST_P(Scheduler, ResultsThatJsonCannotHoldArriveAsTheyWere) {
+  const int w = GetParam();
+  const auto results = run(world("dts_special_results", w));
+  for (int r = 0; r < w; ++r) {
+    const std::string& out = results[r].out;
+    ASSERT_EQ(results[r].exitCode, 0) << "rank " << r << ": " << out;
+    EXPECT_TRUE(has(out, "result w0_t0 executor 0: .nan")) << out;
+    EXPECT_TRUE(has(out, "result w0_t1 executor 1: .inf")) << out;
+    EXPECT_TRUE(has(out, "result w0_t2 executor " + std::to_string(2 % w) + ": -.inf")) << out;
+    EXPECT_TRUE(has(out, "result w0_t3 executor " + std::to_string(3 % w) + ": loss: .nan\ngrid: [0.25, -.inf]"))
+        << out;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, Scheduler, ::testing::Values(2, 3));
 
 TEST(SchedulerOneRank, EndsInTheSameState) {
@@ -137,6 +152,28 @@ TEST(SchedulerErrors, RanksThatSubmitDifferentTasksFailTogetherNamingTheFirstDif
                        "scheduler 'test': the ranks disagree on parallel wave 0 (rank 0 has 2 tasks, rank 2 has 2): "
                        "task 1 is 'noop {k: 1} on [b]' on rank 0 and 'noop {k: 2} on [b]' on rank 2; every rank must "
                        "submit the same parallel tasks");
+}
+
+// A rank whose waves are all local still meets the others in the agreement.
+TEST(SchedulerErrors, ARankWithNothingParallelFailsWithTheOthers) {
+  expectEveryRankFails("dts_nothing_parallel_on_one_rank", 3, 7,
+                       "scheduler 'test': the ranks disagree on parallel wave 0 (rank 0 has 1 tasks, rank 2 has 0): "
+                       "task 0 is 'noop {} on [a]' on rank 0 and none on rank 2; every rank must submit the same "
+                       "parallel tasks");
+}
+
+// A module's own sync that returns its tensors on the executor only: the other ranks still meet it
+// in the exchange, which fails on every rank.
+TEST(SchedulerErrors, AnOwnSyncThatDiffersBetweenRanksFailsOnEveryRank) {
+  expectEveryRankFails("dts_own_sync_on_executor_only", 2, 7,
+                       "exchangeInPlace: rank 0 sends 12 bytes of tensors, rank 1 expects 0; every rank must give "
+                       "each part the same tensors (dtypes and shapes)");
+}
+
+TEST(SchedulerErrors, AResultThatIsNotUtf8FailsItsTask) {
+  expectEveryRankFails("dts_result_not_utf8", 2, 4,
+                       "scheduler 'test': task latin1 {} failed on rank 0: its result holds a string that is not UTF-8 "
+                       "(results travel as JSON)");
 }
 
 TEST(SchedulerErrors, RanksAgreeOnEveryParallelWaveBeforeAnyTaskRuns) {

@@ -36,6 +36,7 @@ struct Launch {
   std::vector<int> worldSizes;  // WORLD_SIZE of each started rank
   std::string timeoutSeconds = "10";
   bool killRestWhenOneExits = false;  // for ranks that would otherwise sleep on
+  std::vector<std::string> env;       // more NAME=value entries for every rank
 };
 
 // Starts the ranks, waits for all (killing them after 60 s) and returns their results.
@@ -46,7 +47,7 @@ inline std::vector<RankResult> run(const Launch& launch) {
     const std::string entry = *variable;
     const std::string name = entry.substr(0, entry.find('='));
     if (name != "RANK" && name != "WORLD_SIZE" && name != "MASTER_ADDR" && name != "MASTER_PORT" &&
-        name != "QPIPE_DIST_TIMEOUT_S" && name != "OMP_NUM_THREADS") {
+        name != "QPIPE_DIST_TIMEOUT_S" && name != "OMP_NUM_THREADS" && name != "QPIPE_DIST_SHM") {
       inherited.push_back(entry);
     }
   }
@@ -60,6 +61,7 @@ inline std::vector<RankResult> run(const Launch& launch) {
     env.push_back("MASTER_PORT=" + std::to_string(launch.port));
     env.push_back("QPIPE_DIST_TIMEOUT_S=" + launch.timeoutSeconds);
     env.push_back("OMP_NUM_THREADS=1");
+    env.insert(env.end(), launch.env.begin(), launch.env.end());
     std::vector<char*> envp;
     for (std::string& entry : env) envp.push_back(entry.data());
     envp.push_back(nullptr);

@@ -73,8 +73,8 @@ TEST_F(PipelineTest, ValidPipelineResolvesAnchorsGroupsMetadataAndSavers) {
   EXPECT_EQ(p.runner, "auto");
   ASSERT_EQ(p.process.size(), 2u);
   EXPECT_EQ(p.process[0].type, "log_layers");
-  EXPECT_EQ(p.process[0].config.at("prefix").asString(), "attn ");  // from the merged anchor
-  EXPECT_EQ(p.process[0].config.at("include").asStringList(), std::vector<std::string>{"*self_attn*"});
+  EXPECT_EQ(p.process[0].config.at("prefix").asString(), "first ");  // from the merged anchor
+  EXPECT_EQ(p.process[0].config.at("include").asStringList(), std::vector<std::string>{"model.layers.{0,1}"});
   EXPECT_EQ(p.process[1].type, "group");
   ASSERT_EQ(p.process[1].children.size(), 2u);
   EXPECT_EQ(p.process[1].children[0].config.at("prefix").asString(), "layer ");  // schema default
@@ -84,7 +84,7 @@ TEST_F(PipelineTest, ValidPipelineResolvesAnchorsGroupsMetadataAndSavers) {
   EXPECT_DOUBLE_EQ(p.save[0].config.at("part_file_size").asFloat(), 2);
 
   const std::string resolved = p.resolved.toYaml();
-  EXPECT_EQ(resolved.find("attention_only"), std::string::npos) << resolved;  // anchor holders dropped
+  EXPECT_EQ(resolved.find("first_layers"), std::string::npos) << resolved;  // anchor holders dropped
   EXPECT_NE(resolved.find("prefix: \"layer \""), std::string::npos) << resolved;
 }
 

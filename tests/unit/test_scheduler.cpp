@@ -75,6 +75,21 @@ TEST(Scheduler, AWaveEndsWhereADependencyOverlapsOrTheParallelFlagChanges) {
   EXPECT_TRUE(s.run().empty());
 }
 
+// A task that throws ends run() with its error, and the scheduler is empty afterwards all the same.
+TEST(Scheduler, ARunThatFailsLeavesTheSchedulerEmpty) {
+  auto root = tree();
+  const auto group = ProcessGroup::single();
+  DistributedTaskScheduler s(*root, *group);
+  std::vector<std::string> ran;
+  s.submit(noop("a", &ran));
+  s.submit({.name = "fails",
+            .fn = [](const ConfigNode&) -> ConfigNode { throw Error(ErrorCode::kInput, "weights are NaN"); },
+            .dependencies = {"b"}});
+  EXPECT_EQ(test::errorOf([&] { s.run(); }, ErrorCode::kInput), "weights are NaN");
+  EXPECT_TRUE(s.run().empty());
+  EXPECT_EQ(ran, std::vector<std::string>{"a"});
+}
+
 TEST(Scheduler, SubmitErrorsNameTheTaskAndThePath) {
   auto root = tree();
   const auto group = ProcessGroup::single();

@@ -38,17 +38,17 @@ struct SyncContext {
 };
 
 // Level 2 of the three-level sync: a module below a parallel task's dependencies that implements
-// it gives the scheduler the tensors that carry its state, instead of the default broadcast of
-// all its parameters and buffers (or recomputes its state and gives none). Called on every rank,
-// in submit order; no collectives. The scheduler broadcasts every rank's tensors from their
-// executor together, one collective per executor and wave, then calls syncDone().
+// it gives the scheduler the tensors that carry its state, instead of the default sync of all
+// its parameters and buffers (or recomputes its state and gives none). Called on every rank, in
+// submit order; no collectives. The scheduler sends every executor's tensors to the other ranks
+// in the wave's one exchange (ProcessGroup::exchangeInPlace), then calls syncDone().
 class DistributedSync {
  public:
   virtual ~DistributedSync() = default;
   // The same tensors, in the same order, with the executor's dtypes and shapes on every rank: a
   // rank that did not run the task allocates them (their values are then overwritten).
   virtual std::vector<at::Tensor> syncTensors(const TaskRecord& record, SyncContext& context) = 0;
-  // After the broadcast: this rank holds the executor's values.
+  // After the exchange: this rank holds the executor's values.
   virtual void syncDone(const TaskRecord& /*record*/, SyncContext& /*context*/) {}
 };
 

@@ -47,4 +47,8 @@ std::optional<GroupOptions> optionsFromEnvironment();
 // be ignored in this process, so that writing to a failed peer's socket is an error, not death.
 std::shared_ptr<ProcessGroup> connect(const GroupOptions& options);
 
+// Whether `group` (from connect) carries its small gathers and counters through memory shared by
+// its ranks, all on this host (QPIPE_DIST_SHM=0 turns that off; docs/multirank.md).
+bool sharesHostMemory(const ProcessGroup& group);
+
 }  // namespace qpipe::dist

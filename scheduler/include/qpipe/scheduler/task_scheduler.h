@@ -10,9 +10,10 @@
 //             or the task's parallel flag differs from the wave's
 //   run()     runs the waves in order. A local wave (parallel = false, one rank, parallel
 //             disabled, or a scheduler inside another's parallel task) runs every task on every
-//             rank, with no collective. Before the first wave, the ranks agree on every
-//             parallel wave at once (task counts and semantic hash: name, arguments,
-//             dependencies, sync name; one all-reduce), else Error(kDistributed) on every rank
+//             rank, with no collective. Before the first wave, on more than one rank and outside
+//             another scheduler's task, the ranks agree on every parallel wave at once (task
+//             counts and semantic hash: name, arguments, dependencies, sync name; one gather,
+//             also where this rank has no parallel wave), else Error(kDistributed) on every rank
 //             naming the first task that differs. A parallel wave then:
 //               1. each task runs once, on the rank that claims it from a counter in the c10d
 //                  store (dynamic: guided chunks of ceil(left / 4W) tasks per claim), or on rank
@@ -26,10 +27,12 @@
 //                  its dependencies the tensors of its
 //                  own DistributedSync (qpipe/distributed_sync.h), else the default, the
 //                  executor's parameters and buffers (names, dtypes and shapes come with step 1's
-//                  outcomes; recreated where this rank's differ). The tensors of levels 2 and 3,
-//                  and the tasks' own, of every executor go in one all-gather.
+//                  outcomes; new tensors on the other ranks). The tensors of levels 2 and 3,
+//                  and the tasks' own, of every executor go in one exchange
+//                  (ProcessGroup::exchangeInPlace).
 //             A parallel wave costs one collective for its outcomes (two when they outgrow the
-//             slot the last wave's set) and one more when its tasks sync tensors.
+//             slot the last wave's set) and two more when its tasks sync tensors (the parts'
+//             sizes and layouts, then the tensors point to point).
 //
 // Arguments are ConfigNode values (numbers, strings, lists, maps; tensorMeta() for a tensor),
 // never pointers: the task function reaches its objects through what it captured, and the
@@ -101,7 +104,7 @@ struct RunSummary {
   double execSeconds = 0;    // Σ over tasks of their time on their executor
   double myExecSeconds = 0;  // this rank's share of it
   double syncSeconds = 0;    // this rank's time in agreement, record exchange and sync
-  double agreeSeconds = 0;   // of it, in the agreement: one collective per run() with a parallel wave
+  double agreeSeconds = 0;   // of it, in the agreement: one collective per run() on several ranks
   // The tensor exchanges of the parallel waves: the ranks enter them together from the outcomes'
   // gather just before, so they time collectives themselves, without a wait for a slower rank
   // (tools/bench/dts_simulate.py); an exchange is one collective, two when a part outgrew its slot.
@@ -130,8 +133,8 @@ class DistributedTaskScheduler {
 
   void submit(Task task);
   // Every submitted task, run and synced; records in submit order. The scheduler is empty again
-  // afterwards. Logs the summary at debug level (the per-wave detail too), with a warning when
-  // syncing cost more than the tasks saved.
+  // afterwards, also after an error. Logs the summary at debug level (the per-wave detail too),
+  // with a note when syncing cost more than the tasks saved.
   std::vector<TaskRecord> run();
   const RunSummary& summary() const;
 

@@ -1,0 +1,285 @@
+#include "host_channel.h"
+
+#include <fcntl.h>
+#include <immintrin.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <thread>
+#include <vector>
+
+#include "qpipe/dist/process_group.h"
+
+namespace qpipe::dist {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr uint64_t kMagic = 0x71706970652d6831ULL;  // "qpipe-h1"
+constexpr int64_t kCounterSlots = 8192;
+constexpr size_t kKeyBytes = 52;
+// A waiting rank spins this long before it sleeps on the futex: a peer that arrives within it
+// costs no system call on either side.
+constexpr std::chrono::microseconds kSpin{50};
+constexpr std::chrono::milliseconds kNap{5};
+
+std::string readFirstLine(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// What makes two processes able to share a mapping and see each other's pids: the machine (its
+// name and boot), the pid namespace. Empty where the channel is switched off.
+std::string identity() {
+  if (const char* off = std::getenv("QPIPE_DIST_SHM"); off != nullptr && std::string(off) == "0") return "";
+  char host[256] = {0};
+  if (::gethostname(host, sizeof(host) - 1) != 0) return "";
+  char ns[128] = {0};
+  if (::readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1) < 0) return "";
+  const std::string boot = readFirstLine("/proc/sys/kernel/random/boot_id");
+  if (boot.empty()) return "";
+  return std::string(host) + "/" + boot + "/" + ns;
+}
+
+// A process that exited: gone, or a zombie its parent has not reaped.
+bool exited(pid_t pid) {
+  if (::kill(pid, 0) != 0) return errno == ESRCH;
+  const std::string stat = readFirstLine(("/proc/" + std::to_string(pid) + "/stat").c_str());
+  const size_t paren = stat.rfind(')');
+  return paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] == 'Z';
+}
+
+void futexWait(uint32_t* word, uint32_t expected, std::chrono::milliseconds timeout) {
+  timespec ts{0, static_cast<long>(std::chrono::nanoseconds(timeout).count())};
+  ::syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futexWakeAll(uint32_t* word) {
+  ::syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+}  // namespace
+
+struct HostChannel::Layout {
+  struct Header {
+    uint64_t magic;
+    int64_t worldSize;
+    int64_t arrivals;  // Σ over gathers of the ranks that reached it: gather n is complete at world · (n + 1)
+    uint32_t wake;     // the futex word: bumped when a gather completes or a rank fails
+    int32_t failed;    // 1 + the rank that marked itself failed; 0 while none has
+  };
+  struct alignas(64) Counter {
+    uint32_t state;  // 0 free, 1 being claimed, 2 holds `key`
+    char key[kKeyBytes];
+    int64_t value;
+  };
+  static_assert(sizeof(Counter) == 64);
+
+  static size_t pidsOffset() { return 64; }
+  static size_t countersOffset(int world) { return (pidsOffset() + sizeof(int64_t) * world + 63) / 64 * 64; }
+  static size_t buffersOffset(int world) { return countersOffset(world) + sizeof(Counter) * kCounterSlots; }
+  static size_t size(int world) { return buffersOffset(world) + 2 * static_cast<size_t>(world) * kPartBytes; }
+
+  static Header& header(void* base) { return *static_cast<Header*>(base); }
+  static int64_t* pids(void* base) { return reinterpret_cast<int64_t*>(static_cast<char*>(base) + pidsOffset()); }
+  static Counter* counters(void* base, int world) {
+    return reinterpret_cast<Counter*>(static_cast<char*>(base) + countersOffset(world));
+  }
+  static char* buffer(void* base, int world, int64_t gather) {
+    return static_cast<char*>(base) + buffersOffset(world) + (gather % 2) * world * kPartBytes;
+  }
+};
+
+std::unique_ptr<HostChannel> HostChannel::open(c10d::Store& store, const GroupOptions& options) {
+  const int world = options.worldSize, rank = options.rank;
+  if (world < 2) return nullptr;
+  const auto text = [](const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); };
+  const auto set = [&](const std::string& key, const std::string& value) {
+    store.set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  };
+  const std::string hostKey = "qpipe/shm/host/";
+  const size_t size = Layout::size(world);
+  set(hostKey + std::to_string(rank), identity());
+
+  void* base = nullptr;
+  const auto map = [&](int fd) {
+    void* mapped = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ::close(fd);
+    base = mapped == MAP_FAILED ? nullptr : mapped;
+  };
+  const auto announce = [&] { std::atomic_ref(Layout::pids(base)[rank]).store(::getpid(), std::memory_order_release); };
+  std::string name;
+  if (rank == 0) {
+    const std::string mine = text(store.get(hostKey + "0"));
+    bool together = !mine.empty();
+    for (int r = 1; r < world && together; ++r) together = text(store.get(hostKey + std::to_string(r))) == mine;
+    if (together) {
+      name = "/qpipe-" + std::to_string(::getpid()) + "-" + std::to_string(options.masterPort) + "-" +
+             std::to_string(Clock::now().time_since_epoch().count());
+      const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      // The pages reserved now: a /dev/shm too small for them (a container's 64 MiB) is a fallback
+      // to Gloo here, not a SIGBUS at the first gather that touches one.
+      if (fd >= 0 && ::ftruncate(fd, static_cast<off_t>(size)) == 0 &&
+          ::posix_fallocate(fd, 0, static_cast<off_t>(size)) == 0) {
+        map(fd);
+      } else if (fd >= 0) {
+        ::close(fd);
+      }
+      if (base != nullptr) {
+        Layout::Header& header = Layout::header(base);
+        header.worldSize = world;
+        std::atomic_ref(header.magic).store(kMagic, std::memory_order_release);
+        announce();
+      } else {
+        if (fd >= 0) ::shm_unlink(name.c_str());
+        name.clear();
+      }
+    }
+    set("qpipe/shm/name", name);
+  } else {
+    name = text(store.get("qpipe/shm/name"));
+    if (!name.empty()) {
+      const int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
+      if (fd >= 0) map(fd);
+      if (base != nullptr && (std::atomic_ref(Layout::header(base).magic).load(std::memory_order_acquire) != kMagic ||
+                              Layout::header(base).worldSize != world)) {
+        ::munmap(base, size);
+        base = nullptr;
+      }
+      if (base != nullptr) announce();
+      set("qpipe/shm/mapped/" + std::to_string(rank), base != nullptr ? "1" : "0");
+    }
+  }
+  std::string use = "0";
+  if (rank == 0) {
+    if (!name.empty()) {
+      use = "1";
+      for (int r = 1; r < world; ++r) {
+        if (text(store.get("qpipe/shm/mapped/" + std::to_string(r))) != "1") use = "0";
+      }
+      // Every rank that will map it has: the name goes, and the mapping lives as long as they do.
+      ::shm_unlink(name.c_str());
+    }
+    set("qpipe/shm/use", use);
+  } else {
+    use = text(store.get("qpipe/shm/use"));
+  }
+  if (use != "1") {
+    if (base != nullptr) ::munmap(base, size);
+    return nullptr;
+  }
+  return std::unique_ptr<HostChannel>(new HostChannel(base, size, rank, world));
+}
+
+HostChannel::HostChannel(void* base, size_t size, int rank, int worldSize)
+    : base_(base), size_(size), rank_(rank), worldSize_(worldSize) {}
+
+HostChannel::~HostChannel() {
+  ::munmap(base_, size_);
+}
+
+void HostChannel::step(const std::function<void(char* slot)>& fill,
+                       const std::function<void(int rank, const char* slot)>& read, const Check& check) {
+  Layout::Header& header = Layout::header(base_);
+  char* buffer = Layout::buffer(base_, worldSize_, steps_);
+  fill(buffer + rank_ * kPartBytes);
+  // Two buffers in turn: a rank fills the next step's slot while a slower one still reads this
+  // step's, and it cannot pass the next step before that one has arrived there, done reading.
+  const int64_t target = worldSize_ * ++steps_;
+  std::atomic_ref arrivals(header.arrivals);
+  std::atomic_ref wake(header.wake);
+  if (arrivals.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
+    wake.fetch_add(1, std::memory_order_release);
+    futexWakeAll(&header.wake);
+  } else {
+    const auto start = Clock::now();
+    auto lastCheck = start;
+    while (arrivals.load(std::memory_order_acquire) < target) {
+      const auto now = Clock::now();
+      if (now - start < kSpin) {
+        _mm_pause();
+        continue;
+      }
+      if (now - lastCheck >= kNap) {
+        check(now - start);
+        lastCheck = now;
+      }
+      const uint32_t seen = wake.load(std::memory_order_acquire);
+      if (arrivals.load(std::memory_order_acquire) >= target) break;
+      futexWait(&header.wake, seen, kNap);
+    }
+  }
+  for (int r = 0; r < worldSize_; ++r) read(r, buffer + r * kPartBytes);
+}
+
+void HostChannel::gather(const void* mine, int64_t bytes, void* all, const Check& check) {
+  const auto n = static_cast<size_t>(bytes);
+  step([&](char* slot) { std::memcpy(slot, mine, n); },
+       [&](int r, const char* slot) { std::memcpy(static_cast<char*>(all) + r * bytes, slot, n); }, check);
+}
+
+std::optional<int64_t> HostChannel::counterAdd(const std::string& key, int64_t delta) {
+  if (key.size() >= kKeyBytes) return std::nullopt;
+  Layout::Counter* counters = Layout::counters(base_, worldSize_);
+  uint64_t hash = 1469598103934665603ULL;
+  for (unsigned char c : key) hash = (hash ^ c) * 1099511628211ULL;
+  // Open addressing; slots are never freed, so a key absent from a full table stays absent on
+  // every rank, and the store then holds it for all of them.
+  for (int64_t probe = 0; probe < kCounterSlots; ++probe) {
+    Layout::Counter& slot = counters[(hash + probe) % kCounterSlots];
+    std::atomic_ref state(slot.state);
+    uint32_t seen = state.load(std::memory_order_acquire);
+    if (seen == 0) {
+      if (state.compare_exchange_strong(seen, 1, std::memory_order_acq_rel)) {
+        std::memcpy(slot.key, key.c_str(), key.size() + 1);
+        state.store(2, std::memory_order_release);
+        return std::atomic_ref(slot.value).fetch_add(delta, std::memory_order_acq_rel) + delta;
+      }
+    }
+    while (seen == 1) {
+      _mm_pause();
+      seen = state.load(std::memory_order_acquire);
+    }
+    if (std::strcmp(slot.key, key.c_str()) == 0) {
+      return std::atomic_ref(slot.value).fetch_add(delta, std::memory_order_acq_rel) + delta;
+    }
+  }
+  return std::nullopt;
+}
+
+void HostChannel::markFailed() noexcept {
+  Layout::Header& header = Layout::header(base_);
+  std::atomic_ref(header.failed).store(rank_ + 1, std::memory_order_release);
+  std::atomic_ref(header.wake).fetch_add(1, std::memory_order_release);
+  futexWakeAll(&header.wake);
+}
+
+std::optional<std::string> HostChannel::peerGone() const {
+  Layout::Header& header = Layout::header(base_);
+  const int failed = std::atomic_ref(header.failed).load(std::memory_order_acquire);
+  if (failed > 0 && failed - 1 != rank_) return "rank " + std::to_string(failed - 1) + " failed";
+  const int64_t* pids = Layout::pids(base_);
+  for (int r = 0; r < worldSize_; ++r) {
+    const auto pid = static_cast<pid_t>(std::atomic_ref(pids[r]).load(std::memory_order_acquire));
+    if (r != rank_ && pid > 0 && exited(pid)) {
+      return "rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ") exited";
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace qpipe::dist
