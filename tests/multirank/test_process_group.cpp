@@ -108,14 +108,19 @@ void expectExchanged(int w, const std::vector<RankResult>& results) {
   }
 }
 
-// Through the host channel (in rounds of its slot) and, with QPIPE_DIST_SHM=0, over Gloo.
+// `scenario` on `w` ranks through the host channel (true) and, with QPIPE_DIST_SHM=0, over Gloo
+// and the store (false).
+std::vector<std::pair<bool, Launch>> withAndWithoutSharedMemory(const std::string& scenario, int w) {
+  Launch gloo = world(scenario, w);
+  gloo.env.push_back("QPIPE_DIST_SHM=0");
+  return {{true, world(scenario, w)}, {false, gloo}};
+}
+
+// Through the host channel (in rounds of its slot) and over Gloo.
 TEST_P(Multirank, ExchangeInPlace) {
-  const int w = GetParam();
-  for (const bool shared : {true, false}) {
+  for (const auto& [shared, launch] : withAndWithoutSharedMemory("exchange", GetParam())) {
     SCOPED_TRACE(shared ? "shared memory" : "QPIPE_DIST_SHM=0");
-    Launch launch = world("exchange", w);
-    if (!shared) launch.env.push_back("QPIPE_DIST_SHM=0");
-    expectExchanged(w, run(launch));
+    expectExchanged(GetParam(), run(launch));
   }
 }
 
@@ -148,10 +153,8 @@ TEST_P(Multirank, DistHelperSharedAndLocalOnly) {
 // table cannot hold (the store's). QPIPE_DIST_SHM=0 turns the channel off: the same results.
 TEST_P(Multirank, HostChannelGathersAndCounters) {
   const int w = GetParam();
-  for (const bool shared : {true, false}) {
+  for (const auto& [shared, launch] : withAndWithoutSharedMemory("host_channel", w)) {
     SCOPED_TRACE(shared ? "shared memory" : "QPIPE_DIST_SHM=0");
-    Launch launch = world("host_channel", w);
-    if (!shared) launch.env.push_back("QPIPE_DIST_SHM=0");
     const auto results = run(launch);
     for (int r = 0; r < w; ++r) {
       EXPECT_EQ(results[r].exitCode, 0) << "rank " << r << ":\n" << results[r].out;
