@@ -1,7 +1,6 @@
 #include "host_channel.h"
 
 #include <fcntl.h>
-#include <immintrin.h>
 #include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -20,6 +19,7 @@
 #include <vector>
 
 #include "qpipe/dist/process_group.h"
+#include "qpipe/error.h"
 
 namespace qpipe::dist {
 
@@ -34,6 +34,25 @@ constexpr size_t kKeyBytes = 52;
 // costs no system call on either side.
 constexpr std::chrono::microseconds kSpin{50};
 constexpr std::chrono::milliseconds kNap{5};
+
+// A spinning core's hint that it waits (x86's pause, Arm's yield).
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// A slot: its header (the bytes and the collective's tag that its rank put there), then the data.
+constexpr int64_t kSlotBytes = int64_t{256} << 10;
+constexpr int64_t kSlotHeader = 64;
+
+uint64_t tagOf(const char* collective) {
+  uint64_t hash = 1469598103934665603ULL;
+  for (const char* c = collective; *c != '\0'; ++c) hash = (hash ^ static_cast<unsigned char>(*c)) * 1099511628211ULL;
+  return hash;
+}
 
 std::string readFirstLine(const char* path) {
   std::ifstream in(path);
@@ -79,8 +98,9 @@ struct HostChannel::Layout {
     uint64_t magic;
     int64_t worldSize;
     int64_t arrivals;  // Σ over gathers of the ranks that reached it: gather n is complete at world · (n + 1)
-    uint32_t wake;     // the futex word: bumped when a gather completes or a rank fails
+    uint32_t wake;     // the futex word: bumped when a step completes or a rank fails or leaves
     int32_t failed;    // 1 + the rank that marked itself failed; 0 while none has
+    int32_t left;      // 1 + a rank whose group was destroyed; 0 while none has
   };
   struct alignas(64) Counter {
     uint32_t state;  // 0 free, 1 being claimed, 2 holds `key`
@@ -92,15 +112,15 @@ struct HostChannel::Layout {
   static size_t pidsOffset() { return 64; }
   static size_t countersOffset(int world) { return (pidsOffset() + sizeof(int64_t) * world + 63) / 64 * 64; }
   static size_t buffersOffset(int world) { return countersOffset(world) + sizeof(Counter) * kCounterSlots; }
-  static size_t size(int world) { return buffersOffset(world) + 2 * static_cast<size_t>(world) * kPartBytes; }
+  static size_t size(int world) { return buffersOffset(world) + 2 * static_cast<size_t>(world) * kSlotBytes; }
 
   static Header& header(void* base) { return *static_cast<Header*>(base); }
   static int64_t* pids(void* base) { return reinterpret_cast<int64_t*>(static_cast<char*>(base) + pidsOffset()); }
   static Counter* counters(void* base, int world) {
     return reinterpret_cast<Counter*>(static_cast<char*>(base) + countersOffset(world));
   }
-  static char* buffer(void* base, int world, int64_t gather) {
-    return static_cast<char*>(base) + buffersOffset(world) + (gather % 2) * world * kPartBytes;
+  static char* slot(void* base, int world, int64_t step, int rank) {
+    return static_cast<char*>(base) + buffersOffset(world) + ((step % 2) * world + rank) * kSlotBytes;
   }
 };
 
@@ -123,6 +143,14 @@ std::unique_ptr<HostChannel> HostChannel::open(c10d::Store& store, const GroupOp
   };
   const auto announce = [&] { std::atomic_ref(Layout::pids(base)[rank]).store(::getpid(), std::memory_order_release); };
   std::string name;
+  // Rank 0's segment name goes once every rank has mapped it, or when this set-up fails.
+  struct Unlink {
+    const std::string& name;
+    bool owner;
+    ~Unlink() {
+      if (owner && !name.empty()) ::shm_unlink(name.c_str());
+    }
+  } unlink{name, rank == 0};
   if (rank == 0) {
     const std::string mine = text(store.get(hostKey + "0"));
     bool together = !mine.empty();
@@ -171,8 +199,7 @@ std::unique_ptr<HostChannel> HostChannel::open(c10d::Store& store, const GroupOp
       for (int r = 1; r < world; ++r) {
         if (text(store.get("qpipe/shm/mapped/" + std::to_string(r))) != "1") use = "0";
       }
-      // Every rank that will map it has: the name goes, and the mapping lives as long as they do.
-      ::shm_unlink(name.c_str());
+      // Every rank that will map it has: the name goes (Unlink), the mapping lives as long as they do.
     }
     set("qpipe/shm/use", use);
   } else {
@@ -188,18 +215,28 @@ std::unique_ptr<HostChannel> HostChannel::open(c10d::Store& store, const GroupOp
 HostChannel::HostChannel(void* base, size_t size, int rank, int worldSize)
     : base_(base), size_(size), rank_(rank), worldSize_(worldSize) {}
 
+// A peer still waiting for this rank learns that it will not come (peerGone).
 HostChannel::~HostChannel() {
+  Layout::Header& header = Layout::header(base_);
+  std::atomic_ref(header.left).store(rank_ + 1, std::memory_order_release);
+  std::atomic_ref(header.wake).fetch_add(1, std::memory_order_release);
+  futexWakeAll(&header.wake);
   ::munmap(base_, size_);
 }
 
-void HostChannel::step(const std::function<void(char* slot)>& fill,
-                       const std::function<void(int rank, const char* slot)>& read, const Check& check) {
+void HostChannel::step(const char* collective, int64_t bytes, const std::function<void(char* data)>& fill,
+                       const std::function<void(int rank, const char* data, int64_t bytes)>& read, const Check& check) {
+  QPIPE_CHECK(bytes >= 0 && bytes <= kPartBytes, collective, ": ", bytes, " bytes in a step of at most ", kPartBytes);
+  const uint64_t tag = tagOf(collective);
+  char* mine = Layout::slot(base_, worldSize_, steps_, rank_);
+  std::memcpy(mine, &bytes, sizeof(bytes));
+  std::memcpy(mine + sizeof(bytes), &tag, sizeof(tag));
+  fill(mine + kSlotHeader);
+  // Two sets of slots in turn: a rank fills the next step's slot while a slower one still reads
+  // this step's, and it cannot pass the next step before that one has arrived there, done reading.
+  const int64_t step = steps_++;
+  const int64_t target = worldSize_ * steps_;
   Layout::Header& header = Layout::header(base_);
-  char* buffer = Layout::buffer(base_, worldSize_, steps_);
-  fill(buffer + rank_ * kPartBytes);
-  // Two buffers in turn: a rank fills the next step's slot while a slower one still reads this
-  // step's, and it cannot pass the next step before that one has arrived there, done reading.
-  const int64_t target = worldSize_ * ++steps_;
   std::atomic_ref arrivals(header.arrivals);
   std::atomic_ref wake(header.wake);
   if (arrivals.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
@@ -211,11 +248,18 @@ void HostChannel::step(const std::function<void(char* slot)>& fill,
     while (arrivals.load(std::memory_order_acquire) < target) {
       const auto now = Clock::now();
       if (now - start < kSpin) {
-        _mm_pause();
+        cpuRelax();
         continue;
       }
       if (now - lastCheck >= kNap) {
-        check(now - start);
+        try {
+          check(now - start);
+        } catch (...) {
+          // The last rank may have arrived, then failed or left, since the loop looked: this step
+          // is complete all the same.
+          if (arrivals.load(std::memory_order_acquire) >= target) break;
+          throw;
+        }
         lastCheck = now;
       }
       const uint32_t seen = wake.load(std::memory_order_acquire);
@@ -223,16 +267,36 @@ void HostChannel::step(const std::function<void(char* slot)>& fill,
       futexWait(&header.wake, seen, kNap);
     }
   }
-  for (int r = 0; r < worldSize_; ++r) read(r, buffer + r * kPartBytes);
+  // Every rank reads every header, so a rank in another collective fails every rank alike.
+  for (int r = 0; r < worldSize_; ++r) {
+    const char* slot = Layout::slot(base_, worldSize_, step, r);
+    uint64_t theirs = 0;
+    std::memcpy(&theirs, slot + sizeof(int64_t), sizeof(theirs));
+    QPIPE_REQUIRE(theirs == tag, ErrorCode::kDistributed, collective, ": rank ", r,
+                  " is in another collective; every rank must call the collectives in the same order");
+  }
+  for (int r = 0; r < worldSize_; ++r) {
+    const char* slot = Layout::slot(base_, worldSize_, step, r);
+    int64_t theirs = 0;
+    std::memcpy(&theirs, slot, sizeof(theirs));
+    read(r, slot + kSlotHeader, theirs);
+  }
 }
 
-void HostChannel::gather(const void* mine, int64_t bytes, void* all, const Check& check) {
+// A size that differs fails every rank: each sees its own size among the others.
+void HostChannel::gather(const char* collective, const void* mine, int64_t bytes, void* all, const Check& check) {
   const auto n = static_cast<size_t>(bytes);
-  step([&](char* slot) { std::memcpy(slot, mine, n); },
-       [&](int r, const char* slot) { std::memcpy(static_cast<char*>(all) + r * bytes, slot, n); }, check);
+  step(
+      collective, bytes, [&](char* data) { std::memcpy(data, mine, n); },
+      [&](int r, const char* data, int64_t theirs) {
+        QPIPE_REQUIRE(theirs == bytes, ErrorCode::kDistributed, collective, ": rank ", r, " passed ", theirs,
+                      " bytes and rank ", rank_, " ", bytes, "; every rank must pass the same size");
+        std::memcpy(static_cast<char*>(all) + r * bytes, data, n);
+      },
+      check);
 }
 
-std::optional<int64_t> HostChannel::counterAdd(const std::string& key, int64_t delta) {
+std::optional<int64_t> HostChannel::counterAdd(const std::string& key, int64_t delta, const Check& check) {
   if (key.size() >= kKeyBytes) return std::nullopt;
   Layout::Counter* counters = Layout::counters(base_, worldSize_);
   uint64_t hash = 1469598103934665603ULL;
@@ -250,9 +314,10 @@ std::optional<int64_t> HostChannel::counterAdd(const std::string& key, int64_t d
         return std::atomic_ref(slot.value).fetch_add(delta, std::memory_order_acq_rel) + delta;
       }
     }
-    while (seen == 1) {
-      _mm_pause();
-      seen = state.load(std::memory_order_acquire);
+    // A peer is writing the key: microseconds, unless it died there.
+    for (auto start = Clock::now(); seen == 1; seen = state.load(std::memory_order_acquire)) {
+      cpuRelax();
+      if (Clock::now() - start >= kNap) check(Clock::now() - start);
     }
     if (std::strcmp(slot.key, key.c_str()) == 0) {
       return std::atomic_ref(slot.value).fetch_add(delta, std::memory_order_acq_rel) + delta;
@@ -272,6 +337,8 @@ std::optional<std::string> HostChannel::peerGone() const {
   Layout::Header& header = Layout::header(base_);
   const int failed = std::atomic_ref(header.failed).load(std::memory_order_acquire);
   if (failed > 0 && failed - 1 != rank_) return "rank " + std::to_string(failed - 1) + " failed";
+  const int left = std::atomic_ref(header.left).load(std::memory_order_acquire);
+  if (left > 0 && left - 1 != rank_) return "rank " + std::to_string(left - 1) + " closed its process group";
   const int64_t* pids = Layout::pids(base_);
   for (int r = 0; r < worldSize_; ++r) {
     const auto pid = static_cast<pid_t>(std::atomic_ref(pids[r]).load(std::memory_order_acquire));

@@ -24,8 +24,9 @@ struct GroupOptions;
 
 class HostChannel {
  public:
-  // The parts gather() carries; a larger part goes over Gloo.
-  static constexpr int64_t kPartBytes = int64_t{256} << 10;
+  // The bytes a rank's slot carries in one step (256 KiB less its header); a larger gathered part
+  // goes over Gloo.
+  static constexpr int64_t kPartBytes = (int64_t{256} << 10) - 64;
 
   // Every rank's channel, or nullptr on every rank where some rank cannot share it: the ranks on
   // different hosts, QPIPE_DIST_SHM=0 on some rank, no /dev/shm, a world of one. The ranks agree
@@ -39,18 +40,22 @@ class HostChannel {
   // failure, the timeout).
   using Check = std::function<void(std::chrono::steady_clock::duration waited)>;
 
-  // One round on every rank: `fill` writes this rank's slot (kPartBytes), and once every rank
-  // has, `read` sees each rank's slot, this rank's included.
-  void step(const std::function<void(char* slot)>& fill, const std::function<void(int rank, const char* slot)>& read,
-            const Check& check);
-  // Every rank's `bytes` bytes (at most kPartBytes), rank by rank, into `all`.
-  void gather(const void* mine, int64_t bytes, void* all, const Check& check);
+  // One round of `collective` on every rank: `fill` writes this rank's `bytes` (at most
+  // kPartBytes) into its slot, and once every rank has, `read` sees each rank's data and byte
+  // count, this rank's included. A rank in another collective (by name) is Error(kDistributed) on
+  // every rank, not bytes of the wrong kind.
+  void step(const char* collective, int64_t bytes, const std::function<void(char* data)>& fill,
+            const std::function<void(int rank, const char* data, int64_t bytes)>& read, const Check& check);
+  // Every rank's `bytes` bytes (at most kPartBytes), rank by rank, into `all`; a rank that passed
+  // another size is Error(kDistributed) on every rank.
+  void gather(const char* collective, const void* mine, int64_t bytes, void* all, const Check& check);
   // The counter's value after adding `delta`; nullopt for a key the table cannot hold (longer
   // than its slots, or the table full), which then lives in the store on every rank alike.
-  std::optional<int64_t> counterAdd(const std::string& key, int64_t delta);
-  // Wakes the ranks waiting in gather(): this rank failed, and check() then finds its report.
+  std::optional<int64_t> counterAdd(const std::string& key, int64_t delta, const Check& check);
+  // Wakes the ranks waiting in step(): this rank failed, and check() then finds its report.
   void markFailed() noexcept;
-  // Why a peer will not arrive, if one will not: it marked itself failed, or its process exited.
+  // Why a peer will not arrive, if one will not: it marked itself failed, closed its group (this
+  // class's destructor), or its process exited.
   std::optional<std::string> peerGone() const;
 
  private:

@@ -368,9 +368,9 @@ class C10dGroup final : public ProcessGroup {
     std::vector<std::vector<Piece>> pieces(static_cast<size_t>(world));
     std::vector<at::Tensor> held;  // this rank's tensors that were not contiguous, made so
     std::vector<std::pair<at::Tensor, const at::Tensor*>> staged;
-    int64_t largest = 0;
+    std::vector<int64_t> totals(static_cast<size_t>(world), 0);
     for (int r = 0; r < world; ++r) {
-      int64_t total = 0;
+      int64_t& total = totals[static_cast<size_t>(r)];
       for (const at::Tensor& t : parts[static_cast<size_t>(r)]) {
         at::Tensor bytes = t;
         if (!t.is_contiguous()) {
@@ -381,8 +381,12 @@ class C10dGroup final : public ProcessGroup {
             {static_cast<char*>(bytes.data_ptr()), static_cast<int64_t>(t.nbytes())});
         total += static_cast<int64_t>(t.nbytes());
       }
-      largest = std::max(largest, total);
     }
+    const int64_t largest = *std::max_element(totals.begin(), totals.end());
+    // Rank r's bytes in the round at `offset`.
+    const auto inRound = [&totals](int r, int64_t offset) {
+      return std::clamp<int64_t>(totals[static_cast<size_t>(r)] - offset, 0, HostChannel::kPartBytes);
+    };
     // copy(piece bytes, count, offset in the slot) for the bytes [offset, offset + kPartBytes) of a part.
     const auto within = [](const std::vector<Piece>& part, int64_t offset, const auto& copy) {
       int64_t start = 0;
@@ -396,11 +400,14 @@ class C10dGroup final : public ProcessGroup {
     const HostChannel::Check check = hostCheck("exchangeInPlace");
     for (int64_t offset = 0; offset < largest; offset += HostChannel::kPartBytes) {
       channel_->step(
+          "exchangeInPlace", inRound(me, offset),
           [&](char* slot) {
             within(pieces[static_cast<size_t>(me)], offset,
                    [slot](const char* data, size_t n, int64_t at) { std::memcpy(slot + at, data, n); });
           },
-          [&](int r, const char* slot) {
+          [&](int r, const char* slot, int64_t bytes) {
+            QPIPE_CHECK(bytes == inRound(r, offset), "exchangeInPlace: rank ", r, " sent ", bytes,
+                        " bytes in a round where its part's size gives ", inRound(r, offset));
             if (r == me) return;
             within(pieces[static_cast<size_t>(r)], offset,
                    [slot](char* data, size_t n, int64_t at) { std::memcpy(data, slot + at, n); });
@@ -535,7 +542,7 @@ class C10dGroup final : public ProcessGroup {
     if (channel_ && tensor.is_cpu() && static_cast<int64_t>(tensor.nbytes()) <= HostChannel::kPartBytes) {
       const at::Tensor part = tensor.contiguous();
       at::Tensor all = at::empty({worldSize(), part.numel()}, part.options());
-      channel_->gather(part.const_data_ptr(), static_cast<int64_t>(part.nbytes()), all.mutable_data_ptr(),
+      channel_->gather(collective, part.const_data_ptr(), static_cast<int64_t>(part.nbytes()), all.mutable_data_ptr(),
                        hostCheck(collective));
       std::vector<at::Tensor> parts;
       for (int r = 0; r < worldSize(); ++r) parts.push_back(all[r].view(part.sizes()));
@@ -609,7 +616,7 @@ class C10dGroup final : public ProcessGroup {
 
   int64_t counterAdd(const std::string& key, int64_t delta) override {
     if (channel_) {
-      if (const std::optional<int64_t> value = channel_->counterAdd(key, delta)) return *value;
+      if (const std::optional<int64_t> value = channel_->counterAdd(key, delta, hostCheck("counterAdd"))) return *value;
     }
     try {
       return store_->add(kCounterPrefix + key, delta);

@@ -224,6 +224,33 @@ void peerFails(bool report, bool gather = false) {
   std::cout << "unexpected: " << values(t) << std::endl;
 }
 
+// The ranks' collectives do not pair up: the last rank passes another slot (`size`), or calls
+// another collective; through shared memory every rank fails, instead of reading bytes that are
+// not what it asked for.
+void collectivesDiffer(bool size) {
+  ProcessGroup& group = world();
+  const bool last = group.rank() == group.worldSize() - 1;
+  if (last && !size) {
+    group.allGather(at::ones({2}));
+  } else {
+    group.allGatherBytesWithin("x", last ? 64 : 8);
+  }
+  std::cout << "unexpected: gathered" << std::endl;
+}
+
+// The last rank closes its group, then lingers: the others, waiting for it in a gather, fail
+// without waiting for the timeout.
+void peerClosesGroup() {
+  ProcessGroup& group = world();
+  if (group.rank() == group.worldSize() - 1) {
+    joined = ProcessGroup::single();
+    std::this_thread::sleep_for(std::chrono::seconds(4));
+    return;
+  }
+  group.allGatherBytesWithin("x", 8);
+  std::cout << "unexpected: gathered" << std::endl;
+}
+
 // Many small gathers in a row, parts of other sizes on every rank and some past the slot or past
 // the host channel's part (the second gather, over Gloo), each byte checked; then concurrent
 // claims from one counter (each value handed out once) and from one whose key the channel's table
@@ -675,6 +702,12 @@ int main(int argc, char** argv) {
       peerFails(true, true);
     } else if (scenario == "peer_killed_in_gather") {
       peerFails(false, true);
+    } else if (scenario == "gather_sizes_differ") {
+      collectivesDiffer(true);
+    } else if (scenario == "collectives_differ") {
+      collectivesDiffer(false);
+    } else if (scenario == "peer_closes_group") {
+      peerClosesGroup();
     } else if (scenario == "host_channel") {
       hostChannel();
     } else if (scenario == "peer_hangs") {

@@ -303,5 +303,37 @@ TEST(MultirankErrors, KilledPeerIsLostContact) {
   EXPECT_LT(results[0].seconds, 10.0);
 }
 
+// Through shared memory, ranks whose collectives do not pair up fail together, each naming what
+// differs (over Gloo, unequal parts abort the process in Gloo's own thread).
+TEST(MultirankErrors, SharedMemoryCollectivesThatDoNotPairUpFailEveryRank) {
+  const auto sizes = run(world("gather_sizes_differ", 2));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(sizes[r].exitCode, 7) << "rank " << r;
+    EXPECT_EQ(sizes[r].out, connected(r, 2) + "error: allGatherBytesWithin: rank " + std::to_string(1 - r) +
+                                " passed " + (r == 0 ? "72" : "16") + " bytes and rank " + std::to_string(r) + " " +
+                                (r == 0 ? "16" : "72") + "; every rank must pass the same size\n");
+  }
+  const auto order = run(world("collectives_differ", 2));
+  EXPECT_EQ(order[0].exitCode, 7);
+  EXPECT_EQ(order[0].out, connected(0, 2) +
+                              "error: allGatherBytesWithin: rank 1 is in another collective; every rank must call the "
+                              "collectives in the same order\n");
+  EXPECT_EQ(order[1].exitCode, 7);
+  EXPECT_EQ(order[1].out, connected(1, 2) +
+                              "error: allGather: rank 0 is in another collective; every rank must call the "
+                              "collectives in the same order\n");
+}
+
+// A rank that closes its group while a peer waits for it in shared memory: the peer fails at once.
+TEST(MultirankErrors, PeerThatClosesItsGroupIsLostContact) {
+  const auto results = run(world("peer_closes_group", 2));
+  EXPECT_EQ(results[0].exitCode, 7);
+  EXPECT_EQ(results[0].out, connected(0, 2) +
+                                "error: lost contact with a peer rank during allGatherBytesWithin: rank 1 closed its "
+                                "process group\n");
+  EXPECT_LT(results[0].seconds, 4.0);
+  EXPECT_EQ(results[1].exitCode, 0);
+}
+
 }  // namespace
 }  // namespace qpipe::test
