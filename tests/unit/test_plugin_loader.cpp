@@ -93,7 +93,8 @@ TEST(PluginLoader, DuplicateTypeRejectsTheSecondPluginWhole) {
                          "processor type 'duplicate_type' is registered by plugin "
                          "'fault_duplicate_b' (" +
                          fault("duplicate_b").string() + ") and already by plugin 'fault_duplicate_a' (" +
-                         fault("duplicate_a").string() + ")");
+                         fault("duplicate_a").string() +
+                         "); so plugin 'fault_duplicate_b' is not loaded, nor any of its types (duplicate_type)");
   ASSERT_EQ(registry.processors().size(), 1u);
   EXPECT_EQ(registry.processors()[0].plugin, "fault_duplicate_a");
   EXPECT_EQ(loader.loaded().size(), 1u);

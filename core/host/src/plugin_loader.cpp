@@ -15,6 +15,7 @@
 #include "qpipe/error.h"
 #include "qpipe/log.h"
 #include "qpipe/plugin.h"
+#include "qpipe/schema.h"
 
 namespace qpipe {
 
@@ -225,7 +226,15 @@ const PluginRecord& PluginLoader::registerDescriptor(const QpipePluginDescriptor
     record.savers.push_back(info.type);
     savers.push_back({{owner, name, origin}, std::move(info)});
   }
-  registry_.add(std::move(processors), std::move(savers));
+  try {
+    registry_.add(std::move(processors), std::move(savers));
+  } catch (const Error& e) {
+    // The whole plugin stays out: say what goes with it, which matters when an earlier plugin in
+    // the search order took one type of a built-in one.
+    std::vector<std::string> types = record.types;
+    types.insert(types.end(), record.savers.begin(), record.savers.end());
+    reject(concat(e.what(), "; so plugin '", name, "' is not loaded, nor any of its types (", joinNames(types), ")"));
+  }
   if (owner) libraries_.push_back(std::move(owner));
   loaded_.push_back(std::move(record));
   log::logger()->debug("loaded plugin ", name, " ", loaded_.back().version, " from ", origin);
