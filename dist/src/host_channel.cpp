@@ -48,9 +48,12 @@ inline void cpuRelax() {
 constexpr int64_t kSlotBytes = int64_t{256} << 10;
 constexpr int64_t kSlotHeader = 64;
 
-uint64_t tagOf(const char* collective) {
+static_assert(HostChannel::kPartBytes == kSlotBytes - kSlotHeader);
+
+// FNV-1a: a collective's tag in its slot, a counter key's first slot in the table.
+uint64_t hashOf(const char* text) {
   uint64_t hash = 1469598103934665603ULL;
-  for (const char* c = collective; *c != '\0'; ++c) hash = (hash ^ static_cast<unsigned char>(*c)) * 1099511628211ULL;
+  for (const char* c = text; *c != '\0'; ++c) hash = (hash ^ static_cast<unsigned char>(*c)) * 1099511628211ULL;
   return hash;
 }
 
@@ -227,7 +230,7 @@ HostChannel::~HostChannel() {
 void HostChannel::step(const char* collective, int64_t bytes, const std::function<void(char* data)>& fill,
                        const std::function<void(int rank, const char* data, int64_t bytes)>& read, const Check& check) {
   QPIPE_CHECK(bytes >= 0 && bytes <= kPartBytes, collective, ": ", bytes, " bytes in a step of at most ", kPartBytes);
-  const uint64_t tag = tagOf(collective);
+  const uint64_t tag = hashOf(collective);
   char* mine = Layout::slot(base_, worldSize_, steps_, rank_);
   std::memcpy(mine, &bytes, sizeof(bytes));
   std::memcpy(mine + sizeof(bytes), &tag, sizeof(tag));
@@ -297,10 +300,9 @@ void HostChannel::gather(const char* collective, const void* mine, int64_t bytes
 }
 
 std::optional<int64_t> HostChannel::counterAdd(const std::string& key, int64_t delta, const Check& check) {
-  if (key.size() >= kKeyBytes) return std::nullopt;
+  if (key.size() >= kKeyBytes || key.find('\0') != std::string::npos) return std::nullopt;
   Layout::Counter* counters = Layout::counters(base_, worldSize_);
-  uint64_t hash = 1469598103934665603ULL;
-  for (unsigned char c : key) hash = (hash ^ c) * 1099511628211ULL;
+  const uint64_t hash = hashOf(key.c_str());
   // Open addressing; slots are never freed, so a key absent from a full table stays absent on
   // every rank, and the store then holds it for all of them.
   for (int64_t probe = 0; probe < kCounterSlots; ++probe) {

@@ -50,7 +50,8 @@ class HostChannel {
   // another size is Error(kDistributed) on every rank.
   void gather(const char* collective, const void* mine, int64_t bytes, void* all, const Check& check);
   // The counter's value after adding `delta`; nullopt for a key the table cannot hold (longer
-  // than its slots, or the table full), which then lives in the store on every rank alike.
+  // than its slots, holding a NUL, or the table full), which then lives in the store on every
+  // rank alike.
   std::optional<int64_t> counterAdd(const std::string& key, int64_t delta, const Check& check);
   // Wakes the ranks waiting in step(): this rank failed, and check() then finds its report.
   void markFailed() noexcept;
