@@ -20,6 +20,7 @@
 
 #include "qpipe/dist/process_group.h"
 #include "qpipe/error.h"
+#include "qpipe/hash.h"
 
 namespace qpipe::dist {
 
@@ -49,13 +50,6 @@ constexpr int64_t kSlotBytes = int64_t{256} << 10;
 constexpr int64_t kSlotHeader = 64;
 
 static_assert(HostChannel::kPartBytes == kSlotBytes - kSlotHeader);
-
-// FNV-1a: a collective's tag in its slot, a counter key's first slot in the table.
-uint64_t hashOf(const char* text) {
-  uint64_t hash = 1469598103934665603ULL;
-  for (const char* c = text; *c != '\0'; ++c) hash = (hash ^ static_cast<unsigned char>(*c)) * 1099511628211ULL;
-  return hash;
-}
 
 std::string readFirstLine(const char* path) {
   std::ifstream in(path);
@@ -230,7 +224,7 @@ HostChannel::~HostChannel() {
 void HostChannel::step(const char* collective, int64_t bytes, const std::function<void(char* data)>& fill,
                        const std::function<void(int rank, const char* data, int64_t bytes)>& read, const Check& check) {
   QPIPE_CHECK(bytes >= 0 && bytes <= kPartBytes, collective, ": ", bytes, " bytes in a step of at most ", kPartBytes);
-  const uint64_t tag = hashOf(collective);
+  const uint64_t tag = fnv1a(collective);
   char* mine = Layout::slot(base_, worldSize_, steps_, rank_);
   std::memcpy(mine, &bytes, sizeof(bytes));
   std::memcpy(mine + sizeof(bytes), &tag, sizeof(tag));
@@ -302,7 +296,7 @@ void HostChannel::gather(const char* collective, const void* mine, int64_t bytes
 std::optional<int64_t> HostChannel::counterAdd(const std::string& key, int64_t delta, const Check& check) {
   if (key.size() >= kKeyBytes || key.find('\0') != std::string::npos) return std::nullopt;
   Layout::Counter* counters = Layout::counters(base_, worldSize_);
-  const uint64_t hash = hashOf(key.c_str());
+  const uint64_t hash = fnv1a(key);
   // Open addressing; slots are never freed, so a key absent from a full table stays absent on
   // every rank, and the store then holds it for all of them.
   for (int64_t probe = 0; probe < kCounterSlots; ++probe) {

@@ -26,6 +26,7 @@
 #include "host_channel.h"
 #include "nccl_abi.h"
 #include "qpipe/error.h"
+#include "qpipe/hash.h"
 
 namespace qpipe::dist {
 
@@ -254,10 +255,8 @@ class C10dGroup final : public ProcessGroup {
     bool cpu = true;
     for (int r = 0; r < world; ++r) {
       mine[r] = 0;
-      uint64_t layout = 1469598103934665603ULL;
-      const auto mix = [&layout](int64_t value) {
-        layout = (layout ^ static_cast<uint64_t>(value)) * 1099511628211ULL;
-      };
+      uint64_t layout = kFnv1aBasis;
+      const auto mix = [&layout](int64_t value) { layout = fnv1aBytes(&value, sizeof value, layout); };
       for (const at::Tensor& t : parts[static_cast<size_t>(r)]) {
         mine[r] += static_cast<int64_t>(t.nbytes());
         cpu = cpu && t.is_cpu();

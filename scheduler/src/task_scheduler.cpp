@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "qpipe/error.h"
+#include "qpipe/hash.h"
 #include "qpipe/module.h"
 
 namespace qpipe::scheduler {
@@ -50,11 +51,6 @@ int64_t slotAfter(int64_t largest) {
 
 double since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-uint64_t fnv1a(const std::string& text, uint64_t hash = 1469598103934665603ULL) {
-  for (unsigned char c : text) hash = (hash ^ c) * 1099511628211ULL;
-  return hash;
 }
 
 // A task's result travels as JSON (doubles exact to the bit; JSON has no NaN or infinity, which
@@ -134,12 +130,6 @@ std::string describe(const Task& task) {
   return task.name + " " + flow(task.args) + " on [" + dependencies + "]" +
          (task.sync || task.syncTensors ? " sync " + task.syncName : "") +
          (task.cost != 0 ? " cost " + flow(ConfigNode::number(task.cost)) : "");
-}
-
-uint64_t fnv1aBytes(const void* data, size_t size, uint64_t hash) {
-  const auto* bytes = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < size; ++i) hash = (hash ^ bytes[i]) * 1099511628211ULL;
-  return hash;
 }
 
 // `node`'s kind and value folded into `hash`: what describe() says, without formatting it (a
@@ -355,7 +345,7 @@ struct DistributedTaskScheduler::Impl {
   // Before the waves, once per run() for all its parallel waves: the same tasks on every rank,
   // else the same error on every rank, before any task runs.
   void agree() {
-    uint64_t hash = fnv1a("");
+    uint64_t hash = kFnv1aBasis;
     for (const Wave& wave : waves) {
       if (!wave.parallel) continue;  // local waves may differ between ranks
       hash = fnv1a(std::to_string(wave.tasks.size()), hash);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "qpipe/hash.h"
 #include "qpipe/linear_quantizer.h"
 #include "qpipe/module.h"
 #include "qpipe/qconfig.h"
@@ -48,6 +49,16 @@ Task noop(const std::string& dependency, std::vector<std::string>* ran, bool par
 }
 
 // A path overlaps the same path, its ancestors and its descendants ("a" and "ab" do not).
+// The agreement's hash (qpipe/hash.h) against FNV-1a's published 64-bit vectors.
+TEST(Scheduler, TheAgreementHashIsFnv1a) {
+  EXPECT_EQ(qpipe::fnv1a(""), 0xcbf29ce484222325ULL);
+  EXPECT_EQ(qpipe::fnv1a("a"), 0xaf63dc4c8601ec8cULL);
+  EXPECT_EQ(qpipe::fnv1a("foobar"), 0x85944171f73967e8ULL);
+  EXPECT_EQ(qpipe::fnv1a("bar", qpipe::fnv1a("foo")), qpipe::fnv1a("foobar"));
+  const char bytes[] = {'f', 'o', 'o', 'b', 'a', 'r'};
+  EXPECT_EQ(qpipe::fnv1aBytes(bytes, sizeof bytes), qpipe::fnv1a("foobar"));
+}
+
 TEST(Scheduler, AWaveEndsWhereADependencyOverlapsOrTheParallelFlagChanges) {
   auto root = tree();
   const auto group = ProcessGroup::single();
