@@ -512,9 +512,12 @@ struct DistributedTaskScheduler::Impl {
       const Outcome& o = outcomes[i];
       if (o.error.empty()) continue;
       const size_t index = wave.tasks[i];
-      throw Error(static_cast<ErrorCode>(o.code),
-                  concat(where(), ": task ", tasks[index].name, " ", flow(tasks[index].args), " failed on rank ",
-                         o.executor, ": ", o.error));
+      const std::string task = concat("task ", tasks[index].name, " ", flow(tasks[index].args));
+      // An error that already starts with the task (ParallelTaskScope's) gets the rank after it.
+      const std::string message = o.error.starts_with(task + " ")
+                                      ? concat(task, " on rank ", o.executor, o.error.substr(task.size()))
+                                      : concat(task, " failed on rank ", o.executor, ": ", o.error);
+      throw Error(static_cast<ErrorCode>(o.code), concat(where(), ": ", message));
     }
     return outcomes;
   }

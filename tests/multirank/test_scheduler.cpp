@@ -192,8 +192,8 @@ TEST(SchedulerErrors, RanksThatGiveATaskAnotherCostFailTogether) {
 
 TEST(SchedulerErrors, ACollectiveInsideAParallelTaskIsAnErrorNotAHang) {
   expectEveryRankFails("dts_collective", 2, 4,
-                       "scheduler 'test': task reduce {} failed on rank 0: task reduce {} called "
-                       "allReduce inside a parallel task, where the other ranks run other tasks and would never join "
+                       "scheduler 'test': task reduce {} on rank 0 called allReduce inside a parallel task, where the "
+                       "other ranks run other tasks and would never join "
                        "it; submit it with parallel = false or move the collective into its sync");
 }
 
