@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -71,7 +72,13 @@ std::string identity() {
   return std::string(host) + "/" + boot + "/" + ns;
 }
 
-// A process that exited: gone, or a zombie its parent has not reaped.
+// Processes share these words through the mapping: only atomics that need no lock (a lock would
+// live in one process) work there.
+static_assert(std::atomic_ref<int64_t>::is_always_lock_free && std::atomic_ref<uint32_t>::is_always_lock_free &&
+              std::atomic_ref<int32_t>::is_always_lock_free);
+
+// A process that exited: gone, or a zombie its parent has not reaped (pidfds' fallback, which a
+// reused pid fools).
 bool exited(pid_t pid) {
   if (::kill(pid, 0) != 0) return errno == ESRCH;
   const std::string stat = readFirstLine(("/proc/" + std::to_string(pid) + "/stat").c_str());
@@ -133,6 +140,14 @@ std::unique_ptr<HostChannel> HostChannel::open(c10d::Store& store, const GroupOp
   set(hostKey + std::to_string(rank), identity());
 
   void* base = nullptr;
+  // A store call that throws (a peer gone during the set-up) leaves no mapping behind.
+  struct Unmap {
+    void*& base;
+    size_t size;
+    ~Unmap() {
+      if (base != nullptr) ::munmap(base, size);
+    }
+  } unmap{base, size};
   const auto map = [&](int fd) {
     void* mapped = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     ::close(fd);
@@ -202,15 +217,22 @@ std::unique_ptr<HostChannel> HostChannel::open(c10d::Store& store, const GroupOp
   } else {
     use = text(store.get("qpipe/shm/use"));
   }
-  if (use != "1") {
-    if (base != nullptr) ::munmap(base, size);
-    return nullptr;
-  }
-  return std::unique_ptr<HostChannel>(new HostChannel(base, size, rank, world));
+  if (use != "1") return nullptr;
+  std::unique_ptr<HostChannel> channel(new HostChannel(base, size, rank, world));
+  base = nullptr;  // the channel's now
+  return channel;
 }
 
+// Every rank announced its pid before it reported the mapping, and rank 0 said "use" only after
+// every report: the table is complete here.
 HostChannel::HostChannel(void* base, size_t size, int rank, int worldSize)
-    : base_(base), size_(size), rank_(rank), worldSize_(worldSize) {}
+    : base_(base), size_(size), rank_(rank), worldSize_(worldSize), pidfds_(static_cast<size_t>(worldSize), -1) {
+  const int64_t* pids = Layout::pids(base_);
+  for (int r = 0; r < worldSize_; ++r) {
+    const int64_t pid = std::atomic_ref(pids[r]).load(std::memory_order_acquire);
+    if (r != rank_ && pid > 0) pidfds_[static_cast<size_t>(r)] = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  }
+}
 
 // A peer still waiting for this rank learns that it will not come (peerGone).
 HostChannel::~HostChannel() {
@@ -219,6 +241,9 @@ HostChannel::~HostChannel() {
   std::atomic_ref(header.wake).fetch_add(1, std::memory_order_release);
   futexWakeAll(&header.wake);
   ::munmap(base_, size_);
+  for (const int fd : pidfds_) {
+    if (fd >= 0) ::close(fd);
+  }
 }
 
 void HostChannel::step(const char* collective, int64_t bytes, const std::function<void(char* data)>& fill,
@@ -310,10 +335,20 @@ std::optional<int64_t> HostChannel::counterAdd(const std::string& key, int64_t d
         return std::atomic_ref(slot.value).fetch_add(delta, std::memory_order_acq_rel) + delta;
       }
     }
-    // A peer is writing the key: microseconds, unless it died there.
-    for (auto start = Clock::now(); seen == 1; seen = state.load(std::memory_order_acquire)) {
-      cpuRelax();
-      if (Clock::now() - start >= kNap) check(Clock::now() - start);
+    // A peer is writing the key: microseconds, unless it was preempted (more ranks than cores) or
+    // died there; past the spin this rank yields its core and looks at its peers every nap.
+    const auto start = Clock::now();
+    for (auto lastCheck = start; seen == 1; seen = state.load(std::memory_order_acquire)) {
+      const auto now = Clock::now();
+      if (now - start < kSpin) {
+        cpuRelax();
+        continue;
+      }
+      std::this_thread::yield();
+      if (now - lastCheck >= kNap) {
+        check(now - start);
+        lastCheck = now;
+      }
     }
     if (std::strcmp(slot.key, key.c_str()) == 0) {
       return std::atomic_ref(slot.value).fetch_add(delta, std::memory_order_acq_rel) + delta;
@@ -335,12 +370,20 @@ std::optional<std::string> HostChannel::peerGone() const {
   if (failed > 0 && failed - 1 != rank_) return "rank " + std::to_string(failed - 1) + " failed";
   const int left = std::atomic_ref(header.left).load(std::memory_order_acquire);
   if (left > 0 && left - 1 != rank_) return "rank " + std::to_string(left - 1) + " closed its process group";
+  // One poll of every pidfd: a wait looks every nap, and /proc at 64 ranks cost a tenth of a core.
+  std::vector<pollfd> watched;
+  for (const int fd : pidfds_) {
+    if (fd >= 0) watched.push_back({fd, POLLIN, 0});
+  }
+  const bool anyExited = !watched.empty() && ::poll(watched.data(), watched.size(), 0) > 0;
   const int64_t* pids = Layout::pids(base_);
   for (int r = 0; r < worldSize_; ++r) {
     const auto pid = static_cast<pid_t>(std::atomic_ref(pids[r]).load(std::memory_order_acquire));
-    if (r != rank_ && pid > 0 && exited(pid)) {
-      return "rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ") exited";
-    }
+    const int fd = pidfds_[static_cast<size_t>(r)];
+    const bool gone = fd >= 0 ? anyExited && std::any_of(watched.begin(), watched.end(),
+                                                         [fd](const pollfd& p) { return p.fd == fd && p.revents != 0; })
+                              : r != rank_ && pid > 0 && exited(pid);
+    if (gone) return "rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ") exited";
   }
   return std::nullopt;
 }

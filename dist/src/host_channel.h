@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace qpipe::dist {
 
@@ -67,6 +68,9 @@ class HostChannel {
   size_t size_;
   int rank_, worldSize_;
   int64_t steps_ = 0;  // this rank's steps so far: the same count on every rank
+  // Each peer's pidfd (readable once it exited; -1 for this rank, or where pidfd_open failed and
+  // peerGone looks the pid up in /proc instead).
+  std::vector<int> pidfds_;
 };
 
 }  // namespace qpipe::dist

@@ -299,8 +299,9 @@ class C10dGroup final : public ProcessGroup {
     try {
       // A rank that failed because a peer did is not a cause: its report would hide the peer's.
       if (!peerLost_) {
-        store_->set(failedKey(rank()), bytes(firstLine(message)));
+        // First the peers waiting in shared memory, which a store that fails or stalls would delay.
         if (channel_) channel_->markFailed();
+        store_->set(failedKey(rank()), bytes(firstLine(message)));
         // Closing the connections now makes the peers' pending collectives fail at once rather
         // than at their timeout; the group is unusable after a failure anyway.
         gloo_.reset();

@@ -253,8 +253,9 @@ void peerClosesGroup() {
 
 // Many small gathers in a row, parts of other sizes on every rank and some past the slot or past
 // the host channel's part (the second gather, over Gloo), each byte checked; then concurrent
-// claims from one counter (each value handed out once) and from ones whose key the channel's table
-// cannot hold (the store's): too long, or holding a NUL.
+// claims from one counter (each value handed out once), from one whose key fills a table slot
+// (51 bytes and the NUL) and from ones whose key the table cannot hold (the store's): one byte
+// longer, much longer, or holding a NUL.
 void hostChannel() {
   ProcessGroup& group = world();
   std::cout << "host channel: " << sharesHostMemory(group) << "\n";
@@ -271,7 +272,8 @@ void hostChannel() {
     for (int r = 0; r < group.worldSize(); ++r) wrong += all[static_cast<size_t>(r)] == partOf(r, i) ? 0 : 1;
   }
   std::cout << "gathers: " << kGathers << " wrong " << wrong << "\n";
-  for (const std::string& key : std::vector<std::string>{"claims", std::string(80, 'k'), std::string("a\0b", 3)}) {
+  for (const std::string& key : std::vector<std::string>{"claims", std::string(51, 'm'), std::string(52, 'n'),
+                                                         std::string(80, 'k'), std::string("a\0b", 3)}) {
     constexpr int kClaims = 300;
     std::string mine;
     for (int i = 0; i < kClaims; ++i) mine += std::to_string(group.counterAdd(key, 1)) + " ";

@@ -160,6 +160,7 @@ TEST_P(Multirank, HostChannelGathersAndCounters) {
       EXPECT_EQ(results[r].exitCode, 0) << "rank " << r << ":\n" << results[r].out;
       EXPECT_EQ(results[r].out, connected(r, w) + "host channel: " + (shared ? "1" : "0") +
                                     "\ngathers: 2000 wrong 0\nclaims of a 6-byte key: each once 1\n"
+                                    "claims of a 51-byte key: each once 1\nclaims of a 52-byte key: each once 1\n"
                                     "claims of a 80-byte key: each once 1\nclaims of a 3-byte key: each once 1\n"
                                     "done\n")
           << "rank " << r;
