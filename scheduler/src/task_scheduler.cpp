@@ -201,6 +201,17 @@ std::vector<std::pair<std::string, Module*>> modulesOf(Module& root, const Task&
   return out;
 }
 
+// Where a rank keeps a tensor the executor's task added to `module`: beside the module's other
+// tensors (each rank's own device), on the CPU for a module that holds none.
+at::Device deviceForNew(Module& module) {
+  for (const auto* list : {&module.ownParameters(), &module.ownBuffers()}) {
+    for (const auto& [name, tensor] : *list) {
+      if (tensor.defined()) return tensor.device();
+    }
+  }
+  return at::Device(at::kCPU);
+}
+
 // This module's own parameter or buffer `name` as the executor holds it; on the other ranks a new
 // tensor of the executor's dtype and shape, for the exchange to fill (never the one held before,
 // whose storage may be shared, e.g. with the checkpoint's mapping).
@@ -212,7 +223,7 @@ at::Tensor slotFor(Module& module, bool parameter, const std::string& name, at::
     QPIPE_CHECK(found != list.end(), "the executor lost ", name, " between its task and the sync");
     return found->second;
   }
-  const at::Device device = found != list.end() ? found->second.device() : at::Device(at::kCPU);
+  const at::Device device = found != list.end() ? found->second.device() : deviceForNew(module);
   const at::Tensor fresh = at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
   if (found == list.end()) return parameter ? module.addParameter(name, fresh) : module.addBuffer(name, fresh);
   found->second = fresh;
