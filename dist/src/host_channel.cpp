@@ -15,6 +15,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <thread>
 #include <vector>
@@ -59,17 +60,47 @@ std::string readFirstLine(const char* path) {
   return line;
 }
 
+// This process's pid namespace ("pid:[4026531836]"), empty where /proc does not say.
+std::string pidNamespace() {
+  char ns[128] = {0};
+  if (::readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1) < 0) return "";
+  return ns;
+}
+
 // What makes two processes able to share a mapping and see each other's pids: the machine (its
 // name and boot), the pid namespace. Empty where the channel is switched off.
 std::string identity() {
   if (const char* off = std::getenv("QPIPE_DIST_SHM"); off != nullptr && std::string(off) == "0") return "";
   char host[256] = {0};
   if (::gethostname(host, sizeof(host) - 1) != 0) return "";
-  char ns[128] = {0};
-  if (::readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1) < 0) return "";
+  const std::string ns = pidNamespace();
   const std::string boot = readFirstLine("/proc/sys/kernel/random/boot_id");
-  if (boot.empty()) return "";
+  if (boot.empty() || ns.empty()) return "";
   return std::string(host) + "/" + boot + "/" + ns;
+}
+
+// The start of this pid namespace's segment names: "qpipe-<namespace inode>-", then rank 0's pid.
+std::string segmentPrefix() {
+  const std::string ns = pidNamespace();
+  const size_t open = ns.find('['), close = ns.find(']');
+  return "qpipe-" + (open < close && close != std::string::npos ? ns.substr(open + 1, close - open - 1) : "0") + "-";
+}
+
+// A rank 0 killed during the set-up (its name is removed only once every rank has mapped the
+// segment) leaves a segment of (W + 1) · 512 KiB in /dev/shm until the host restarts: the next
+// run's rank 0 removes those of this pid namespace whose rank 0 no longer runs. A segment whose
+// run is live is left alone, also one in its set-up.
+void removeStaleSegments() {
+  const std::string prefix = segmentPrefix();
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string file = entry.path().filename().string();
+    if (file.rfind(prefix, 0) != 0) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(file.c_str() + prefix.size(), &end, 10);
+    if (pid <= 0 || end == nullptr || *end != '-') continue;
+    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) ::shm_unlink(("/" + file).c_str());
+  }
 }
 
 // Processes share these words through the mapping: only atomics that need no lock (a lock would
@@ -168,7 +199,8 @@ std::unique_ptr<HostChannel> HostChannel::open(c10d::Store& store, const GroupOp
     bool together = !mine.empty();
     for (int r = 1; r < world && together; ++r) together = text(store.get(hostKey + std::to_string(r))) == mine;
     if (together) {
-      name = "/qpipe-" + std::to_string(::getpid()) + "-" + std::to_string(options.masterPort) + "-" +
+      removeStaleSegments();
+      name = "/" + segmentPrefix() + std::to_string(::getpid()) + "-" + std::to_string(options.masterPort) + "-" +
              std::to_string(Clock::now().time_since_epoch().count());
       const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
       // The pages reserved now: a /dev/shm too small for them (a container's 64 MiB) is a fallback

@@ -13,6 +13,8 @@
 #include <chrono>
 #include <csignal>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -166,6 +168,32 @@ TEST_P(Multirank, HostChannelGathersAndCounters) {
           << "rank " << r;
     }
   }
+}
+
+// A segment name of this pid namespace for a run whose rank 0 is `pid`, as host_channel.cpp
+// names them: qpipe-<namespace inode>-<pid>-<port>-<clock>.
+std::string segmentOf(pid_t pid) {
+  char ns[128] = {0};
+  EXPECT_GT(::readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1), 0);
+  const std::string text(ns);
+  const size_t open = text.find('['), close = text.find(']');
+  return "/dev/shm/qpipe-" + text.substr(open + 1, close - open - 1) + "-" + std::to_string(pid) + "-1-1";
+}
+
+// A run whose rank 0 was killed in the set-up left its segment's name behind: the next run on
+// this host removes it, and leaves alone a segment whose rank 0 still runs (one in its set-up).
+TEST(MultirankHostChannel, AKilledRunsSegmentIsRemovedByTheNextRun) {
+  const pid_t gone = ::fork();
+  if (gone == 0) ::_exit(0);
+  ASSERT_GT(gone, 0);
+  ::waitpid(gone, nullptr, 0);
+  const std::string stale = segmentOf(gone), live = segmentOf(::getpid());
+  for (const std::string& path : {stale, live}) std::ofstream(path) << "segment";
+  const auto results = run(world("connect", 2));
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(results[r].exitCode, 0) << "rank " << r << ":\n" << results[r].out;
+  EXPECT_FALSE(std::filesystem::exists(stale));
+  EXPECT_TRUE(std::filesystem::exists(live));
+  std::filesystem::remove(live);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, Multirank, ::testing::Values(2, 3),
