@@ -175,10 +175,12 @@ template <bool kDifference>
 // The searches' loss: rms(y_q − y) / rms(y) against the float product y = X·Wᵀ: given by the
 // processor (Search::setProduct), else computed at the first call, so that a rank that evaluates
 // none of a subgraph's candidates never computes it. y is held as its chunks of kProductChunk
-// rows (productChunk), never joined: a row of the last dimension at a time, the squares summed in
-// double per row (rows in parallel) and the rows in order, so the bits do not depend on the
-// thread count. The tensor ops' difference, square and mean were three passes and two
-// temporaries of a candidate's output, about a fifth of a search's time (docs/benchmarks.md).
+// rows (productChunk), never joined. The squares are summed per block of kLossBlock output columns
+// (LossBlocks): a row's block in double (rows in parallel), then the block's rows in order, then
+// the blocks in order, so the bits depend neither on the thread count nor on how a candidate is
+// split into pieces of whole blocks (tasks on other ranks). The tensor ops' difference, square and
+// mean were three passes and two temporaries of a candidate's output, about a fifth of a search's
+// time (docs/benchmarks.md).
 class RelativeError {
  public:
   RelativeError(at::Tensor tokens, at::Tensor weight) : tokens_(std::move(tokens)), weight_(std::move(weight)) {}
@@ -196,9 +198,11 @@ class RelativeError {
     }
     chunks_ = std::move(chunks);
     ready_ = true;
-    norm_ = rms(rowSums([&](int64_t m) { return squares(row(m), cols_); }));
+    reference_ = blockSums(0, blocks(), [&](int64_t m, int64_t col, int64_t n) { return squares(row(m) + col, n); });
   }
-  double operator()(const at::Tensor& quantized) const {
+  int64_t blocks() const { return (weight_.size(0) + kLossBlock - 1) / kLossBlock; }
+  // Every block's sums of a full [rows, cols] fp32 product.
+  LossBlocks operator()(const at::Tensor& quantized) const {
     prepare();
     QPIPE_CHECK(quantized.scalar_type() == at::kFloat && quantized.device().is_cpu() &&
                     quantized.sizes() == at::IntArrayRef({rows_, cols_}),
@@ -206,18 +210,45 @@ class RelativeError {
                 quantized.scalar_type());
     const at::Tensor q = quantized.contiguous();
     const float* p = q.const_data_ptr<float>();
-    return relative(rms(rowSums([&](int64_t m) { return squaredDifference(p + m * cols_, row(m), cols_); })));
+    return {blockSums(0, blocks(),
+                      [&](int64_t m, int64_t col, int64_t n) {
+                        return squaredDifference(p + m * cols_ + col, row(m) + col, n);
+                      }),
+            reference_};
   }
-  // The same loss of an Int8Linear's product, each output row compared as it is made, without
-  // the product's [tokens, out] tensor.
-  double operator()(const Int8Linear& linear, const at::Tensor& codes, const quant::QParams& params) const {
+  // The blocks [first, first + count) of an Int8Linear's product, `linear` holding exactly their
+  // output columns, each output row compared as it is made, without the [tokens, out] tensor.
+  LossBlocks operator()(const Int8Linear& linear, const at::Tensor& codes, const quant::QParams& params, int64_t first,
+                        int64_t count) const {
     prepare();
-    QPIPE_CHECK(codes.size(0) == rows_ && linear.outFeatures() == cols_, "the loss compares a [", rows_, ", ", cols_,
-                "] product, got ", codes.size(0), " rows of ", linear.outFeatures(), " outputs");
-    std::vector<double> sums(rows_);
-    linear.forwardCodesRows(codes, params, at::Tensor(),
-                            [&](int64_t m, const float* y) { sums[m] = squaredDifference(y, row(m), cols_); });
-    return relative(rms(sums));
+    const int64_t col = first * kLossBlock, n = std::min(cols_, (first + count) * kLossBlock) - col;
+    QPIPE_CHECK(
+        first >= 0 && count > 0 && first + count <= blocks() && codes.size(0) == rows_ && linear.outFeatures() == n,
+        "the loss compares blocks [", first, ", ", first + count, ") of ", blocks(), " of a [", rows_, ", ", cols_,
+        "] product, got ", codes.size(0), " rows of ", linear.outFeatures(), " outputs");
+    std::vector<double> perRow(static_cast<size_t>(rows_ * count));
+    linear.forwardCodesRows(codes, params, at::Tensor(), [&](int64_t m, const float* y) {
+      for (int64_t b = 0; b < count; ++b) {
+        const int64_t offset = b * kLossBlock;
+        perRow[m * count + b] = squaredDifference(y + offset, row(m) + col + offset, std::min(kLossBlock, n - offset));
+      }
+    });
+    return {ordered(perRow, count), {reference_.begin() + first, reference_.begin() + first + count}};
+  }
+  // rms(y_q − y) / rms(y) from every block's sums, in order.
+  double loss(const LossBlocks& all) const {
+    QPIPE_CHECK(static_cast<int64_t>(all.error.size()) == blocks() && all.reference.size() == all.error.size(),
+                "a loss adds ", blocks(), " blocks, got ", all.error.size(), " and ", all.reference.size());
+    const double elements = static_cast<double>(tokens_.size(0)) * static_cast<double>(weight_.size(0));
+    if (elements == 0) return 0;
+    double error = 0, norm = 0;
+    for (size_t b = 0; b < all.error.size(); ++b) {
+      error += all.error[b];
+      norm += all.reference[b];
+    }
+    error = std::sqrt(error / elements);
+    norm = std::sqrt(norm / elements);
+    return norm > 0 ? error / norm : error;
   }
 
  private:
@@ -227,29 +258,43 @@ class RelativeError {
   const float* row(int64_t m) const {
     return chunks_[static_cast<size_t>(m / kProductChunk)].const_data_ptr<float>() + (m % kProductChunk) * cols_;
   }
-  template <typename RowSum>
-  std::vector<double> rowSums(const RowSum& sum) const {
-    std::vector<double> sums(rows_);
-    if (cols_ == 0) return sums;
-    at::parallel_for(0, rows_, std::max<int64_t>(1, 16384 / cols_), [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) sums[m] = sum(m);
-    });
-    return sums;
+  // Per block b of [first, first + count): Σ over rows m in order of sum(m, column, width).
+  template <typename BlockSum>
+  std::vector<double> blockSums(int64_t first, int64_t count, const BlockSum& sum) const {
+    std::vector<double> perRow(static_cast<size_t>(rows_ * count));
+    if (cols_ > 0) {
+      at::parallel_for(0, rows_, std::max<int64_t>(1, 16384 / cols_), [&](int64_t begin, int64_t end) {
+        for (int64_t m = begin; m < end; ++m) {
+          for (int64_t b = 0; b < count; ++b) {
+            const int64_t col = (first + b) * kLossBlock;
+            perRow[m * count + b] = sum(m, col, std::min(kLossBlock, cols_ - col));
+          }
+        }
+      });
+    }
+    return ordered(perRow, count);
   }
-  double rms(const std::vector<double>& sums) const {
-    if (rows_ * cols_ == 0) return 0;
-    double total = 0;
-    for (const double sum : sums) total += sum;
-    return std::sqrt(total / static_cast<double>(rows_ * cols_));
+  // Row-major [rows, count] sums → each column's, rows in order.
+  std::vector<double> ordered(const std::vector<double>& perRow, int64_t count) const {
+    std::vector<double> out(static_cast<size_t>(count), 0.0);
+    for (int64_t m = 0; m < rows_; ++m) {
+      for (int64_t b = 0; b < count; ++b) out[b] += perRow[m * count + b];
+    }
+    return out;
   }
-  double relative(double error) const { return norm_ > 0 ? error / norm_ : error; }
 
   at::Tensor tokens_, weight_;
   mutable std::vector<at::Tensor> chunks_;
+  mutable std::vector<double> reference_;  // Σ y² per block
   mutable int64_t rows_ = 0, cols_ = 0;
   mutable bool ready_ = false;
-  mutable double norm_ = 0;
 };
+
+// The rows of `weight` [out, in] that give the output columns of loss blocks [first, first + count).
+at::Tensor blockRows(const at::Tensor& weight, int64_t first, int64_t count) {
+  const int64_t begin = first * kLossBlock;
+  return weight.narrow(0, begin, std::min(weight.size(0), (first + count) * kLossBlock) - begin);
+}
 
 // The grid both searches walk: 0, 0.05, …, 1.
 constexpr double kSearchStep = 0.05;
@@ -264,15 +309,18 @@ class SmoothedInt8Loss {
       : tokens_(std::move(tokens)), weight_(std::move(weight)), error_(tokens_, weight_) {}
   const at::Tensor& weight() const { return weight_; }
   void setReference(std::vector<at::Tensor> product) { error_.setReference(std::move(product)); }
+  int64_t blocks() const { return error_.blocks(); }
+  double loss(const LossBlocks& all) const { return error_.loss(all); }
 
-  double operator()(const at::Tensor& consumerScale) const {
+  // The blocks [first, first + count): per output channel, the weight's rows quantize alone.
+  LossBlocks operator()(const at::Tensor& consumerScale, int64_t first, int64_t count) const {
     using quant::QDtype, quant::QScope;
     const quant::QScheme perChannel{QDtype::kInt8, QScope::kPerChannel, true, 0};
     const quant::QScheme perToken{QDtype::kInt8, QScope::kPerToken, true, 0};
-    auto [params, qweight] = quant::quantizeScaledWeight(weight_, consumerScale, perChannel);
+    auto [params, qweight] = quant::quantizeScaledWeight(blockRows(weight_, first, count), consumerScale, perChannel);
     const Int8Linear linear(qweight, params.scale);
     const auto [tokenParams, tokenCodes] = quant::quantizeDividedTokens(tokens_, consumerScale, perToken);
-    return error_(linear, tokenCodes, tokenParams);
+    return error_(linear, tokenCodes, tokenParams, first, count);
   }
 
  private:
@@ -293,6 +341,7 @@ class FlexSmoothQuant final : public SmoothingProcessor {
         alpha_(optionalFraction(config, "alpha")),
         beta_(optionalFraction(config, "beta")) {
     if (!alpha_ || !beta_) keepTokens(config.at("search_tokens").asInt());
+    splitCandidates(config.at("search_split").asInt());
   }
 
  protected:
@@ -305,6 +354,10 @@ class FlexSmoothQuant final : public SmoothingProcessor {
 
   std::unique_ptr<Search> search(const SubgraphInput& in) const override {
     return std::make_unique<PairSearch>(in, alpha_, beta_);
+  }
+
+  int64_t lossBlocks(int64_t outFeatures, int64_t) const override {
+    return (outFeatures + kLossBlock - 1) / kLossBlock;
   }
 
  private:
@@ -325,9 +378,13 @@ class FlexSmoothQuant final : public SmoothingProcessor {
     }
 
     double loss(int round, int candidate) const override {
-      const auto [alpha, beta] = pair(round, candidate);
-      return (*loss_)(scalesFor(alpha, beta).consumer);
+      return loss_->loss(lossPart(round, candidate, 0, loss_->blocks()));
     }
+    LossBlocks lossPart(int round, int candidate, int64_t first, int64_t count) const override {
+      const auto [alpha, beta] = pair(round, candidate);
+      return (*loss_)(scalesFor(alpha, beta).consumer, first, count);
+    }
+    double lossOf(const LossBlocks& blocks) const override { return loss_->loss(blocks); }
 
     at::Tensor productWeight() const override { return loss_ ? loss_->weight() : at::Tensor(); }
     void setProduct(std::vector<at::Tensor> product) override { loss_->setReference(std::move(product)); }
@@ -388,6 +445,7 @@ class FlexAwqSsz final : public SmoothingProcessor {
                                            context.configWarnings.get())) {
     keepTokens(config.at("search_tokens").asInt());
     keepAbsMean();
+    splitCandidates(config.at("search_split").asInt());
   }
 
  protected:
@@ -398,6 +456,10 @@ class FlexAwqSsz final : public SmoothingProcessor {
   }
 
   size_t searchedConsumers(const Subgraph& graph) const override { return searchedCount(graph); }
+
+  int64_t lossBlocks(int64_t outFeatures, int64_t inFeatures) const override {
+    return splits(qconfig_, inFeatures) ? (outFeatures + kLossBlock - 1) / kLossBlock : 0;
+  }
 
  private:
   class AlphaSearch final : public Search {
@@ -410,31 +472,14 @@ class FlexAwqSsz final : public SmoothingProcessor {
           qconfig_(qconfig),
           weight_(stackedRows(searchedWeights(in))),
           error_(tokens_, weight_),
-          exactInt8_(exactInt8(qconfig, weight_)) {}
+          exactInt8_(exactInt8(qconfig, weight_.size(1))) {}
 
     at::Tensor productWeight() const override { return weight_; }
     void setProduct(std::vector<at::Tensor> product) override { error_.setReference(std::move(product)); }
 
-    double loss(int, int candidate) const override {
-      const at::Tensor consumer = scalesFor(candidate * kSearchStep).consumer;
-      if (exactInt8_) {
-        // What the deployed QuantLinear computes (its Int8Linear), bit for bit, without the
-        // QuantLinear or the [tokens, out] product written and read back (docs/smoothing.md).
-        const quant::QConfig& w = qconfig_.weight;
-        quant::QParams params;
-        at::Tensor codes;
-        if (w.method == quant::QMethod::kSsz) {
-          const at::Tensor scaled = weight_ * consumer.unsqueeze(0);
-          params = quant::sszSearch(scaled, w.scheme, w.sszSteps);
-          codes = quant::quantize(scaled, params, w.scheme);
-        } else {
-          std::tie(params, codes) = quant::quantizeScaledWeight(weight_, consumer, w.scheme);
-        }
-        const Int8Linear linear(codes, params.scale);
-        const auto [tokenParams, tokenCodes] = quant::quantizeDividedTokens(tokens_, consumer, qconfig_.act.scheme);
-        return error_(linear, tokenCodes, tokenParams);
-      }
-      const at::Tensor s = consumer.unsqueeze(0);
+    double loss(int round, int candidate) const override {
+      if (exactInt8_) return error_.loss(lossPart(round, candidate, 0, error_.blocks()));
+      const at::Tensor s = scalesFor(candidate * kSearchStep).consumer.unsqueeze(0);
       Linear scaled(weight_ * s);
       LinearQuantizer quantizer(scaled, qconfig_);
       const at::Tensor x = tokens_ / s;
@@ -442,8 +487,32 @@ class FlexAwqSsz final : public SmoothingProcessor {
         quantizer.forward(x);
         quantizer.freeze();
       }
-      return error_(quantizer.deploy(name_)->forward(x));
+      return error_.loss(error_(quantizer.deploy(name_)->forward(x)));
     }
+
+    // What the deployed QuantLinear computes (its Int8Linear), bit for bit, without the
+    // QuantLinear or the [tokens, out] product written and read back (docs/smoothing.md); per
+    // output channel (or group of one), the weight's rows of the blocks quantize alone.
+    LossBlocks lossPart(int, int candidate, int64_t first, int64_t count) const override {
+      QPIPE_CHECK(exactInt8_ && (count == error_.blocks() || splits(qconfig_, weight_.size(1))),
+                  "flex_awq_ssz splits only the loss of Int8Linear consumers with scales per channel or group");
+      const at::Tensor consumer = scalesFor(candidate * kSearchStep).consumer;
+      const at::Tensor rows = blockRows(weight_, first, count);
+      const quant::QConfig& w = qconfig_.weight;
+      quant::QParams params;
+      at::Tensor codes;
+      if (w.method == quant::QMethod::kSsz) {
+        const at::Tensor scaled = rows * consumer.unsqueeze(0);
+        params = quant::sszSearch(scaled, w.scheme, w.sszSteps);
+        codes = quant::quantize(scaled, params, w.scheme);
+      } else {
+        std::tie(params, codes) = quant::quantizeScaledWeight(rows, consumer, w.scheme);
+      }
+      const Int8Linear linear(codes, params.scale);
+      const auto [tokenParams, tokenCodes] = quant::quantizeDividedTokens(tokens_, consumer, qconfig_.act.scheme);
+      return error_(linear, tokenCodes, tokenParams, first, count);
+    }
+    double lossOf(const LossBlocks& blocks) const override { return error_.loss(blocks); }
 
     void choose(int, const std::vector<double>& losses) override {
       for (size_t c = 0; c < losses.size(); ++c) {
@@ -458,16 +527,6 @@ class FlexAwqSsz final : public SmoothingProcessor {
     }
 
    private:
-    // Whether the deployed consumers are an Int8Linear fed dynamic per-token codes (msmodelslim's
-    // W4A8/W8A8 dynamic practices), whose loss the search can take from the codes directly.
-    static bool exactInt8(const quant::LinearQConfig& qconfig, const at::Tensor& weight) {
-      const quant::QConfig& act = qconfig.act;
-      const quant::QMethod method = qconfig.weight.method;
-      return (method == quant::QMethod::kSsz || method == quant::QMethod::kMinMax) && act.enabled() &&
-             act.isDynamic() && act.scheme.scope == quant::QScope::kPerToken &&
-             Int8Linear::supports(qconfig.weight.scheme, ActivationQuant{act.scheme, {}}) &&
-             weight.size(1) <= Int8Linear::kMaxInt8K;
-    }
     static std::vector<at::Tensor> searchedWeights(const SubgraphInput& in) {
       return {in.weights.begin(), in.weights.begin() + static_cast<std::ptrdiff_t>(searchedCount(in.graph))};
     }
@@ -488,6 +547,22 @@ class FlexAwqSsz final : public SmoothingProcessor {
     bool exactInt8_;
     double best_ = std::numeric_limits<double>::infinity(), alpha_ = 0;
   };
+
+  // Whether the deployed consumers are an Int8Linear fed dynamic per-token codes (msmodelslim's
+  // W4A8/W8A8 dynamic practices), whose loss the search can take from the codes directly.
+  static bool exactInt8(const quant::LinearQConfig& qconfig, int64_t inFeatures) {
+    const quant::QConfig& act = qconfig.act;
+    const quant::QMethod method = qconfig.weight.method;
+    return (method == quant::QMethod::kSsz || method == quant::QMethod::kMinMax) && act.enabled() && act.isDynamic() &&
+           act.scheme.scope == quant::QScope::kPerToken &&
+           Int8Linear::supports(qconfig.weight.scheme, ActivationQuant{act.scheme, {}}) &&
+           inFeatures <= Int8Linear::kMaxInt8K;
+  }
+  // Whether a candidate's loss splits by output channels: on the int8 path, with weight scales
+  // per channel or per group (a per-tensor scale reads every row).
+  static bool splits(const quant::LinearQConfig& qconfig, int64_t inFeatures) {
+    return exactInt8(qconfig, inFeatures) && qconfig.weight.scheme.scope != quant::QScope::kPerTensor;
+  }
 
   // msmodelslim's rule: norm-linear with more than three consumers searches on the first two.
   static size_t searchedCount(const Subgraph& graph) {
@@ -556,7 +631,7 @@ void registerProcessors(PluginRegistrar& registrar) {
   alpha.defaultValue.reset();
   FieldSpec beta = fraction("beta", 0, "β; searched when absent");
   beta.defaultValue.reset();
-  flex.add(std::move(alpha)).add(std::move(beta)).add(searchTokens());
+  flex.add(std::move(alpha)).add(std::move(beta)).add(searchTokens()).add(SmoothingProcessor::searchSplitField());
   SmoothingProcessor::addCommonFields(flex, allSubgraphTypes());
   registrar.addProcessor({
       .type = "flex_smooth_quant",
@@ -567,7 +642,8 @@ void registerProcessors(PluginRegistrar& registrar) {
 
   Schema awq;
   awq.nested("qconfig", quant::linearQConfigSchema(), true, "the quantization the α search evaluates (act and weight)")
-      .add(searchTokens());
+      .add(searchTokens())
+      .add(SmoothingProcessor::searchSplitField());
   SmoothingProcessor::addCommonFields(awq, allSubgraphTypes());
   registrar.addProcessor({
       .type = "flex_awq_ssz",

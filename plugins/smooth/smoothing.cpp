@@ -73,6 +73,17 @@ double consumerElements(LayerRequest& request, const Subgraph& graph, size_t cou
   return elements;
 }
 
+// The first `count` consumers' outputs in all, and their inputs: the weight a search stacks.
+std::pair<int64_t, int64_t> consumerShape(LayerRequest& request, const Subgraph& graph, size_t count) {
+  int64_t out = 0, in = 0;
+  for (size_t t = 0; t < std::min(count, graph.targets.size()); ++t) {
+    const at::Tensor& weight = request.module->getSubmodule(graph.targets[t]).parameter("weight");
+    out += weight.size(0);
+    in = weight.size(1);
+  }
+  return {out, in};
+}
+
 // A candidate's loss as a task result: JSON has no NaN or infinity, so those travel as text.
 ConfigNode lossNode(double loss) {
   if (std::isfinite(loss)) return ConfigNode::number(loss);
@@ -116,6 +127,26 @@ void columnStats(const at::Tensor& flat, at::Tensor& min, at::Tensor& max, at::T
   });
 }
 
+// A piece's sums as a task result: its blocks' errors, then their reference sums.
+ConfigNode blocksNode(const LossBlocks& part) {
+  std::vector<ConfigNode> values;
+  for (const std::vector<double>* sums : {&part.error, &part.reference}) {
+    for (const double v : *sums) values.push_back(lossNode(v));
+  }
+  return ConfigNode::list(std::move(values));
+}
+
+// A piece's result into the candidate's blocks [first, first + count).
+void storeBlocks(const ConfigNode& result, int64_t first, int64_t count, LossBlocks& into) {
+  const std::vector<ConfigNode>& values = result.items();
+  QPIPE_CHECK(static_cast<int64_t>(values.size()) == 2 * count, "a loss piece of ", count, " blocks carries ",
+              values.size(), " sums");
+  for (int64_t b = 0; b < count; ++b) {
+    into.error[first + b] = lossOf(values[b]);
+    into.reference[first + b] = lossOf(values[count + b]);
+  }
+}
+
 class ChosenScales final : public Search {
  public:
   ChosenScales(Scales scales, std::vector<std::pair<std::string, double>> report)
@@ -135,6 +166,14 @@ class ChosenScales final : public Search {
 };
 
 }  // namespace
+
+LossBlocks Search::lossPart(int, int, int64_t, int64_t) const {
+  QPIPE_CHECK(false, "this search does not split its candidates");
+}
+
+double Search::lossOf(const LossBlocks&) const {
+  QPIPE_CHECK(false, "this search does not split its candidates");
+}
 
 int64_t productChunkRows(int64_t tokens, int64_t chunk) {
   return std::min(kProductChunk, tokens - chunk * kProductChunk);
@@ -175,9 +214,47 @@ struct SmoothingProcessor::Watched {
   std::unique_ptr<SubgraphInput> input;
   std::unique_ptr<Search> search;
   std::vector<std::vector<double>> losses;
+  // Where its candidates split (SmoothingProcessor::lossBlocks): the blocks, each round's pieces
+  // per candidate, and each round's candidates' sums as the pieces bring them.
+  int64_t lossBlocks = 0;
+  std::vector<int64_t> pieces;
+  std::vector<std::vector<LossBlocks>> blocks;
   std::vector<at::Tensor> product;  // the search's float product, chunk by chunk, until it has it
   double searchedElements = 0;      // of the consumers its search multiplies: its tasks' cost per token
 };
+
+FieldSpec SmoothingProcessor::searchSplitField() {
+  return {.name = "search_split",
+          .type = ValueType::kInt,
+          .help =
+              "pieces per search candidate (whole blocks of 128 outputs), for waves that would leave ranks idle: "
+              "0 picks by the rank count, 1 never splits; the results are the same",
+          .defaultValue = ConfigNode::integer(0),
+          .minimum = 0};
+}
+
+// Pieces per splittable candidate in a round's wave of `candidates` candidates per subgraph of
+// `stage`: the smallest number (up to 16) that fills the ranks' last claims to 90 %, counting
+// tasks, else the fullest. One on one rank, and where the waves run locally.
+int64_t SmoothingProcessor::candidatePieces(const std::vector<Watched*>& stage, int candidates) const {
+  if (searchSplit_ > 0) return searchSplit_;
+  const int64_t world = context_.group->worldSize();
+  if (world <= 1 || ParallelTaskScope::active() || scheduler::DistributedTaskScheduler::globalDisableParallel()) {
+    return 1;
+  }
+  constexpr int64_t kMostPieces = 16;
+  int64_t best = 1;
+  double bestFill = 0;
+  for (int64_t pieces = 1; pieces <= kMostPieces; ++pieces) {
+    int64_t tasks = 0;
+    for (const Watched* w : stage)
+      tasks += candidates * std::clamp<int64_t>(pieces, 1, std::max<int64_t>(w->lossBlocks, 1));
+    const double fill = static_cast<double>(tasks) / static_cast<double>(world * ((tasks + world - 1) / world));
+    if (fill > bestFill) std::tie(best, bestFill) = std::pair(pieces, fill);
+    if (fill >= 0.9) break;
+  }
+  return best;
+}
 
 Schema& SmoothingProcessor::addCommonFields(Schema& schema, const std::vector<SubgraphType>& defaults) {
   return schema
@@ -360,7 +437,11 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
   for (const auto& w : watched_) {
     if (!smoothable(request, *w)) continue;
     live.push_back(w.get());
-    if (!rounds.empty()) w->searchedElements = consumerElements(request, w->graph, searchedConsumers(w->graph));
+    if (!rounds.empty()) {
+      w->searchedElements = consumerElements(request, w->graph, searchedConsumers(w->graph));
+      const auto [out, in] = consumerShape(request, w->graph, searchedConsumers(w->graph));
+      w->lossBlocks = lossBlocks(out, in);
+    }
     std::vector<std::string>& paths = members[w.get()];
     paths.push_back(w->graph.source);
     paths.insert(paths.end(), w->graph.targets.begin(), w->graph.targets.end());
@@ -389,7 +470,11 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
       ++end;
     }
     const std::vector<Watched*> stage(live.begin() + begin, live.begin() + end);
-    for (Watched* w : stage) w->losses.resize(rounds.size());
+    for (Watched* w : stage) {
+      w->losses.resize(rounds.size());
+      w->pieces.resize(rounds.size());
+      w->blocks.resize(rounds.size());
+    }
     if (!rounds.empty()) {
       submitProducts(request, stage, tasks, [&](Watched* w, std::string instance, bool searching) {
         submitted.push_back({w, std::move(instance), searching});
@@ -397,25 +482,57 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
     }
     for (size_t r = 0; r < rounds.size(); ++r) {
       const int round = static_cast<int>(r);
+      const int64_t split = candidatePieces(stage, rounds[r]);
       for (Watched* w : stage) {
-        w->losses[r].assign(rounds[r], std::numeric_limits<double>::quiet_NaN());
+        constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+        w->losses[r].assign(rounds[r], kNaN);
+        const int64_t pieces = std::clamp<int64_t>(split, 1, std::max<int64_t>(w->lossBlocks, 1));
+        w->pieces[r] = pieces;
+        const std::vector<double> unset(static_cast<size_t>(w->lossBlocks), kNaN);
+        w->blocks[r].assign(pieces > 1 ? rounds[r] : 0, LossBlocks{unset, unset});
         const double cost = static_cast<double>(w->allTokens.size(0)) * w->searchedElements;
         for (int c = 0; c < rounds[r]; ++c) {
-          tasks.submit({.name = type_ + ".candidate",
-                        .fn =
-                            [this, &request, w, round, c](const ConfigNode&) {
-                              const double loss = searchOf(request, *w).loss(round, c);
-                              w->losses[round][c] = loss;
-                              return lossNode(loss);
-                            },
-                        .args = ConfigNode::map({{"source", ConfigNode::string(w->name)},
-                                                 {"round", ConfigNode::integer(round)},
-                                                 {"candidate", ConfigNode::integer(c)}}),
-                        .sync = [w, round, c](const TaskRecord& record,
-                                              SyncContext&) { w->losses[round][c] = lossOf(record.result); },
-                        .syncName = "smooth.loss",
-                        .cost = cost});
-          submitted.push_back({w, concat("r", round, "c", c), true});
+          if (pieces == 1) {
+            tasks.submit({.name = type_ + ".candidate",
+                          .fn =
+                              [this, &request, w, round, c](const ConfigNode&) {
+                                const double loss = searchOf(request, *w).loss(round, c);
+                                w->losses[round][c] = loss;
+                                return lossNode(loss);
+                              },
+                          .args = ConfigNode::map({{"source", ConfigNode::string(w->name)},
+                                                   {"round", ConfigNode::integer(round)},
+                                                   {"candidate", ConfigNode::integer(c)}}),
+                          .sync = [w, round, c](const TaskRecord& record,
+                                                SyncContext&) { w->losses[round][c] = lossOf(record.result); },
+                          .syncName = "smooth.loss",
+                          .cost = cost});
+            submitted.push_back({w, concat("r", round, "c", c), true});
+            continue;
+          }
+          // Pieces of whole blocks, as even as the blocks allow; the choice adds them up.
+          for (int64_t piece = 0; piece < pieces; ++piece) {
+            const int64_t first = piece * w->lossBlocks / pieces, count = (piece + 1) * w->lossBlocks / pieces - first;
+            tasks.submit({.name = type_ + ".candidate",
+                          .fn =
+                              [this, &request, w, round, c, first, count](const ConfigNode&) {
+                                const LossBlocks part = searchOf(request, *w).lossPart(round, c, first, count);
+                                const ConfigNode result = blocksNode(part);
+                                storeBlocks(result, first, count, w->blocks[round][c]);
+                                return result;
+                              },
+                          .args = ConfigNode::map(
+                              {{"source", ConfigNode::string(w->name)},
+                               {"round", ConfigNode::integer(round)},
+                               {"candidate", ConfigNode::integer(c)},
+                               {"blocks", ConfigNode::list({ConfigNode::integer(first), ConfigNode::integer(count)})}}),
+                          .sync = [w, round, c, first, count](
+                                      const TaskRecord& record,
+                                      SyncContext&) { storeBlocks(record.result, first, count, w->blocks[round][c]); },
+                          .syncName = "smooth.loss_blocks",
+                          .cost = cost * static_cast<double>(count) / static_cast<double>(w->lossBlocks)});
+            submitted.push_back({w, concat("r", round, "c", c, "b", first), true});
+          }
         }
       }
       for (Watched* w : stage) {
@@ -423,7 +540,11 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
             {.name = type_ + ".choice",
              .fn =
                  [this, &request, w, round](const ConfigNode&) {
-                   searchOf(request, *w).choose(round, w->losses[round]);
+                   Search& search = searchOf(request, *w);
+                   for (size_t c = 0; c < w->blocks[round].size(); ++c) {
+                     w->losses[round][c] = search.lossOf(w->blocks[round][c]);
+                   }
+                   search.choose(round, w->losses[round]);
                    return ConfigNode();
                  },
              .args = ConfigNode::map({{"source", ConfigNode::string(w->name)}, {"round", ConfigNode::integer(round)}}),

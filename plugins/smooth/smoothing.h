@@ -53,6 +53,16 @@ enum class GroupReduction {
   kMeanOfScales,     // apply the formula per head, then average the scales over the group
 };
 
+// A candidate's squared errors and its float product's squares, each summed per block of
+// kLossBlock output columns of the weight the search compares (the stacked consumers' rows). A
+// loss adds the blocks in order, so a candidate split into pieces of whole blocks, tasks on other
+// ranks, gives the loss of one piece bit for bit.
+constexpr int64_t kLossBlock = 128;
+struct LossBlocks {
+  std::vector<double> error;
+  std::vector<double> reference;
+};
+
 // How an algorithm finds one subgraph's scales. A search runs in rounds of candidates whose losses
 // are independent of each other: each candidate is a scheduler task on whichever rank takes it
 // (docs/scheduler.md), and every rank then calls `choose` with the round's losses in candidate
@@ -62,6 +72,10 @@ class Search {
  public:
   virtual ~Search() = default;
   virtual double loss(int round, int candidate) const = 0;
+  // Where the processor splits candidates (SmoothingProcessor::lossBlocks): the sums of blocks
+  // [first, first + count), and the loss from every block's, in order, which equals loss().
+  virtual LossBlocks lossPart(int round, int candidate, int64_t first, int64_t count) const;
+  virtual double lossOf(const LossBlocks& blocks) const;
   virtual void choose(int round, const std::vector<double>& losses) = 0;
   // A search with rounds compares its candidates against the float product X·Wᵀ (productChunks)
   // of its input's tokens X [tokens, channels] and this W [out, channels] (fp32, CPU), which costs
@@ -113,6 +127,8 @@ class SmoothingProcessor : public Processor {
   // The enable_subgraph_type (default `defaults`) and include/exclude fields every smoothing
   // processor accepts.
   static Schema& addCommonFields(Schema& schema, const std::vector<SubgraphType>& defaults);
+  // The search_split field of the processors whose candidates split (splitCandidates).
+  static FieldSpec searchSplitField();
 
  protected:
   // Whether the step smooths subgraphs of `type` (enable_subgraph_type).
@@ -130,6 +146,12 @@ class SmoothingProcessor : public Processor {
   virtual std::unique_ptr<Search> search(const SubgraphInput& input) const = 0;
   // How many of the subgraph's consumers (the first ones) its search multiplies: its tasks' cost.
   virtual size_t searchedConsumers(const Subgraph& graph) const { return graph.targets.size(); }
+  // The kLossBlock blocks a candidate's loss splits into (Search::lossPart) when the searched
+  // consumers have `outFeatures` outputs in all and `inFeatures` inputs; 0 where it does not split.
+  virtual int64_t lossBlocks(int64_t /*outFeatures*/, int64_t /*inFeatures*/) const { return 0; }
+  // `pieces` (the search_split field): every splittable candidate in that many pieces (at most
+  // its blocks); 0 picks by the rank count, 1 never splits. The results do not change.
+  void splitCandidates(int64_t pieces) { searchSplit_ = pieces; }
   // `formula` applied to per-channel statistics, with ov's KV-group reduction; `weight` may be
   // undefined where the formula reads no weight statistic.
   static Scales grouped(const Subgraph& graph, const at::Tensor& activation, const at::Tensor& weight,
@@ -143,6 +165,7 @@ class SmoothingProcessor : public Processor {
   void gatherAbsMean();
   // The subgraphs' searches and fusions as scheduler tasks, their report values and costs.
   void scheduleAndSmooth(LayerRequest& request);
+  int64_t candidatePieces(const std::vector<Watched*>& stage, int candidates) const;
   // The stage's searches' float products as tasks; `submitted` records each (subgraph, report
   // instance, part of the search).
   void submitProducts(LayerRequest& request, const std::vector<Watched*>& stage,
@@ -161,6 +184,7 @@ class SmoothingProcessor : public Processor {
   std::shared_ptr<ModuleFilter> filter_;
   std::vector<std::unique_ptr<Watched>> watched_;
   int64_t searchTokens_ = 0;
+  int64_t searchSplit_ = 1;
   bool absMean_ = false;
   int64_t smoothed_ = 0;
   scheduler::RunSummary scheduled_;  // the subgraph tasks of every unit

@@ -334,6 +334,54 @@ TEST_F(Smoothing, FlexAwqSszPicksTheAlphaOfTheLowestQuantizedError) {
   }
 }
 
+// A candidate split into pieces of whole blocks of outputs (search_split; tasks that other ranks
+// may run) gives the one-piece losses bit for bit, so the same choices and weights: on a model
+// whose projections span several blocks of 128 outputs, every subgraph type, both searches, int4
+// SSZ and int8 min-max weights per channel. A weight scale per tensor reads every row: that loss
+// stays whole.
+TEST_F(Smoothing, SplitCandidatesGiveTheWholeCandidatesLossesBitForBit) {
+  test::detail::TinySpec wide = test::detail::tinyLlamaSpec();
+  wide.hidden = 384;
+  wide.intermediate = 320;
+  wide.headDim = wide.hidden / wide.heads;
+  const fs::path dir = test::detail::writeTinyCheckpoint("smooth_split", wide, {});
+  const std::vector<std::string> steps = {
+      "{type: flex_smooth_quant",
+      "{type: flex_awq_ssz, qconfig: {act: {dtype: int8, scope: per_token}, weight: {dtype: int4, method: ssz, ext: "
+      "{step: 10}}}",
+      "{type: flex_awq_ssz, qconfig: {act: {dtype: int8, scope: per_token}, weight: {dtype: int8}}",
+      "{type: flex_awq_ssz, qconfig: {act: {dtype: int8, scope: per_token}, weight: {dtype: int8, scope: "
+      "per_tensor}}"};
+  for (const std::string& step : steps) {
+    SCOPED_TRACE(step);
+    std::map<std::string, double> values[2];
+    std::unique_ptr<CausalLM> models[2];
+    for (int split = 0; split < 2; ++split) {
+      QuantReport report;
+      models[split] =
+          smoothed("    - " + step + ", search_tokens: 32, search_split: " + (split ? "3" : "1") + "}\n", dir, &report);
+      for (const ReportValue& v : report.layers.front().values) {
+        if (v.key.find("dts:") == std::string::npos && v.key.find("seconds") == std::string::npos) {
+          values[split][v.module + " " + v.key] = v.value;
+        }
+      }
+      const bool pieces =
+          std::any_of(report.layers.front().values.begin(), report.layers.front().values.end(),
+                      [](const ReportValue& v) { return v.key.find("c0b0:seconds") != std::string::npos; });
+      EXPECT_EQ(pieces, split == 1 && step.find("per_tensor") == std::string::npos);
+    }
+    ASSERT_FALSE(values[0].empty());
+    EXPECT_EQ(values[0], values[1]);  // α, β and the loss of every subgraph, exactly
+    const auto others = models[1]->root().namedParameters("");
+    const auto mine = models[0]->root().namedParameters("");
+    ASSERT_EQ(mine.size(), others.size());
+    for (size_t i = 0; i < mine.size(); ++i) {
+      EXPECT_EQ(mine[i].first, others[i].first);
+      EXPECT_TRUE(at::equal(*mine[i].second, *others[i].second)) << mine[i].first;
+    }
+  }
+}
+
 // flex_awq_ssz's codes path (smooth.cpp, AlphaSearch::loss) rests on these: for the qconfigs it
 // takes, the weight's and the divided tokens' codes through Int8Linear, row by row, are the
 // product of the QuantLinear a LinearQuantizer of the scaled weight deploys, bit for bit.
