@@ -70,7 +70,7 @@ std::string pidNamespace() {
 // What makes two processes able to share a mapping and see each other's pids: the machine (its
 // name and boot), the pid namespace. Empty where the channel is switched off.
 std::string identity() {
-  if (const char* off = std::getenv("QPIPE_DIST_SHM"); off != nullptr && std::string(off) == "0") return "";
+  if (!sharedMemoryAllowed()) return "";
   char host[256] = {0};
   if (::gethostname(host, sizeof(host) - 1) != 0) return "";
   const std::string ns = pidNamespace();
@@ -127,6 +127,14 @@ void futexWakeAll(uint32_t* word) {
 }
 
 }  // namespace
+
+bool sharedMemoryAllowed() {
+  const char* value = std::getenv("QPIPE_DIST_SHM");
+  if (value == nullptr || std::string_view(value) == "1") return true;
+  QPIPE_REQUIRE(std::string_view(value) == "0", ErrorCode::kUsage, "QPIPE_DIST_SHM='", value,
+                "' is neither 0 (ranks on one host talk over Gloo) nor 1 (through shared memory, the default)");
+  return false;
+}
 
 struct HostChannel::Layout {
   struct Header {

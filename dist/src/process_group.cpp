@@ -19,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <future>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -349,8 +350,9 @@ class C10dGroup final : public ProcessGroup {
       }
       if (waited >= options_.timeout) {
         peerLost_ = true;
-        throw Error(ErrorCode::kDistributed, concat("lost contact with a peer rank during ", collective,
-                                                    ": no answer within ", seconds(options_.timeout)));
+        throw Error(ErrorCode::kDistributed,
+                    concat("lost contact with a peer rank during ", collective, ": no answer within ",
+                           seconds(options_.timeout), " (--dist_timeout)"));
       }
     };
   }
@@ -532,7 +534,14 @@ class C10dGroup final : public ProcessGroup {
       throw;
     } catch (const std::exception& error) {
       peerLost_ = true;
-      throw Error(ErrorCode::kDistributed, peerFailure(collective, oneLine(error)));
+      // Gloo's own words for a wait that ran out ("Operation timed out!") name no setting.
+      std::string cause = oneLine(error);
+      std::string lower = cause;
+      std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+      if (lower.find("timed out") != std::string::npos) {
+        cause = concat("no answer within ", seconds(options_.timeout), " (--dist_timeout)");
+      }
+      throw Error(ErrorCode::kDistributed, peerFailure(collective, cause));
     }
   }
 
@@ -705,6 +714,20 @@ std::string masterName(const GroupOptions& options) {
   return options.masterAddr + ":" + std::to_string(options.masterPort);
 }
 
+// Why MASTER_ADDR names no host, if it does not: c10d's client would retry until the timeout and
+// then report a socket timeout, with a backtrace per attempt.
+std::optional<std::string> unresolved(const GroupOptions& options) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int status = ::getaddrinfo(options.masterAddr.c_str(), nullptr, &hints, &found);
+  if (found != nullptr) ::freeaddrinfo(found);
+  if (status == 0) return std::nullopt;
+  return concat("MASTER_ADDR '", options.masterAddr, "' names no host this rank can resolve (", ::gai_strerror(status),
+                "); set it to rank 0's host name or address");
+}
+
 // Waits until rank 0's store accepts connections. c10d's client retries past its timeout and
 // logs every failed attempt with a backtrace; this bounds the wait by the timeout, quietly.
 void waitForMaster(const GroupOptions& options) {
@@ -737,14 +760,43 @@ void waitForMaster(const GroupOptions& options) {
       ::freeaddrinfo(found);
       if (reached) return;
     }
-    QPIPE_REQUIRE(Clock::now() < deadline, ErrorCode::kDistributed, "cannot reach the master at ", masterName(options),
-                  " within ", seconds(options.timeout), " (is rank 0 running there?)");
+    if (Clock::now() >= deadline) {
+      if (const std::optional<std::string> why = unresolved(options)) throw Error(ErrorCode::kDistributed, *why);
+      throw Error(ErrorCode::kDistributed, concat("cannot reach the master at ", masterName(options), " within ",
+                                                  seconds(options.timeout), " (is rank 0 running there?)"));
+    }
     backoff.wait();
   }
 }
 
+// c10d's client waits for the server's answer to its first message with no timeout: another
+// program on MASTER_PORT that reads a whole request before it answers (an HTTP server) would hold
+// this rank for ever. The client is made on a thread of its own, and past the timeout the rank
+// gives up on it (that thread stays blocked until the process exits).
+c10::intrusive_ptr<c10d::TCPStore> connectWithin(const GroupOptions& options,
+                                                 const c10d::TCPStoreOptions& storeOptions) {
+  auto made = std::make_shared<std::promise<c10::intrusive_ptr<c10d::TCPStore>>>();
+  std::future<c10::intrusive_ptr<c10d::TCPStore>> store = made->get_future();
+  std::thread([made, host = options.masterAddr, storeOptions] {
+    try {
+      made->set_value(c10::make_intrusive<c10d::TCPStore>(host, storeOptions));
+    } catch (...) {
+      made->set_exception(std::current_exception());
+    }
+  }).detach();
+  QPIPE_REQUIRE(store.wait_for(options.timeout + kReportGrace) == std::future_status::ready, ErrorCode::kDistributed,
+                "the server at ", masterName(options),
+                " accepted this rank but did not answer as rank 0's store within ", seconds(options.timeout),
+                " (another program on MASTER_PORT?)");
+  return store.get();
+}
+
 c10::intrusive_ptr<c10d::TCPStore> openStore(const GroupOptions& options) {
-  if (options.rank != 0) waitForMaster(options);
+  if (options.rank == 0) {
+    if (const std::optional<std::string> why = unresolved(options)) throw Error(ErrorCode::kDistributed, *why);
+  } else {
+    waitForMaster(options);
+  }
   c10d::TCPStoreOptions storeOptions;
   storeOptions.port = static_cast<uint16_t>(options.masterPort);
   storeOptions.isServer = options.rank == 0;
@@ -753,7 +805,10 @@ c10::intrusive_ptr<c10d::TCPStore> openStore(const GroupOptions& options) {
   storeOptions.waitWorkers = false;
   storeOptions.timeout = options.timeout;
   try {
+    if (options.rank != 0) return connectWithin(options, storeOptions);
     return c10::make_intrusive<c10d::TCPStore>(options.masterAddr, storeOptions);
+  } catch (const Error&) {
+    throw;
   } catch (const std::exception& error) {
     const std::string cause = oneLine(error);
     if (options.rank == 0) {
@@ -764,6 +819,11 @@ c10::intrusive_ptr<c10d::TCPStore> openStore(const GroupOptions& options) {
       throw Error(ErrorCode::kDistributed,
                   "cannot start the rendezvous server on " + masterName(options) + ": " + cause);
     }
+    // c10d's check of the server's first answer ("Ping failed, invalid value returned").
+    QPIPE_REQUIRE(cause.find("Ping failed") == std::string::npos, ErrorCode::kDistributed, "the server at ",
+                  masterName(options),
+                  " is not rank 0's store: it answered something else (another program on "
+                  "MASTER_PORT?)");
     throw Error(ErrorCode::kDistributed, "cannot reach the master at " + masterName(options) + " within " +
                                              seconds(options.timeout) + " (is rank 0 running there?)");
   }
@@ -866,11 +926,12 @@ std::optional<std::chrono::milliseconds> timeoutFromEnvironment() {
   const double secondsValue = std::strtod(timeout->c_str(), &end);
   QPIPE_REQUIRE(
       !timeout->empty() && end == timeout->c_str() + timeout->size() && secondsValue > 0 && secondsValue <= 86400.0 * 7,
-      ErrorCode::kDistributed, "QPIPE_DIST_TIMEOUT_S='", *timeout, "' is not a number of seconds in (0, 604800]");
+      ErrorCode::kUsage, "QPIPE_DIST_TIMEOUT_S='", *timeout,
+      "' is not a number of seconds in (0, 604800]; fix it, unset it or pass --dist_timeout");
   return milliseconds(static_cast<int64_t>(secondsValue * 1000.0 + 0.5));
 }
 
-std::optional<GroupOptions> optionsFromEnvironment() {
+std::optional<GroupOptions> optionsFromEnvironment(std::optional<std::chrono::milliseconds> timeout) {
   const auto rank = environment("RANK");
   const auto worldSize = environment("WORLD_SIZE");
   if (!rank && !worldSize) return std::nullopt;
@@ -888,12 +949,15 @@ std::optional<GroupOptions> optionsFromEnvironment() {
   if (const auto port = environment("MASTER_PORT")) {
     options.masterPort = static_cast<int>(parseInteger("MASTER_PORT", *port, 1, 65535));
   }
-  if (const auto timeout = timeoutFromEnvironment()) options.timeout = *timeout;
+  if (!timeout) timeout = timeoutFromEnvironment();
+  if (timeout) options.timeout = *timeout;
   // The ranks on this host: torchrun and our launcher set both; otherwise every rank.
   options.localRank = static_cast<int>(
       environment("LOCAL_RANK") ? parseInteger("LOCAL_RANK", *environment("LOCAL_RANK"), 0, 1 << 20) : options.rank);
   if (const auto local = environment("LOCAL_WORLD_SIZE")) {
     options.localWorldSize = static_cast<int>(parseInteger("LOCAL_WORLD_SIZE", *local, 1, 1 << 20));
+    QPIPE_REQUIRE(options.localRank < *options.localWorldSize, ErrorCode::kDistributed,
+                  "LOCAL_RANK=", options.localRank, " is not below LOCAL_WORLD_SIZE=", *options.localWorldSize);
   }
   return options;
 }

@@ -359,6 +359,9 @@ class FlexSmoothQuant final : public SmoothingProcessor {
   int64_t lossBlocks(int64_t outFeatures, int64_t) const override {
     return (outFeatures + kLossBlock - 1) / kLossBlock;
   }
+  // The tokens' int8 codes are a tenth of a candidate: three pieces cost 18 % more than one on
+  // SmolLM2 (docs/benchmarks.md).
+  double pieceOverhead() const override { return 0.1; }
 
  private:
   static constexpr double kScaleMin = 1e-5;
@@ -460,6 +463,9 @@ class FlexAwqSsz final : public SmoothingProcessor {
   int64_t lossBlocks(int64_t outFeatures, int64_t inFeatures) const override {
     return splits(qconfig_, inFeatures) ? (outFeatures + kLossBlock - 1) / kLossBlock : 0;
   }
+  // An SSZ solve, which splits, is most of a candidate: three pieces cost 8 % more than one on
+  // SmolLM2 (docs/benchmarks.md).
+  double pieceOverhead() const override { return 0.04; }
 
  private:
   class AlphaSearch final : public Search {

@@ -152,6 +152,9 @@ class SmoothingProcessor : public Processor {
   // `pieces` (the search_split field): every splittable candidate in that many pieces (at most
   // its blocks); 0 picks by the rank count, 1 never splits. The results do not change.
   void splitCandidates(int64_t pieces) { searchSplit_ = pieces; }
+  // What each piece of a candidate repeats (the tokens' quantization), as a fraction of a whole
+  // candidate: the price of a split, which the pieces picked by the rank count weigh.
+  virtual double pieceOverhead() const { return 0.1; }
   // `formula` applied to per-channel statistics, with ov's KV-group reduction; `weight` may be
   // undefined where the formula reads no weight statistic.
   static Scales grouped(const Subgraph& graph, const at::Tensor& activation, const at::Tensor& weight,

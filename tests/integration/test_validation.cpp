@@ -153,6 +153,30 @@ TEST(Validation, AQuantizedWeightNoSchemeClaimsIsRefused) {
                                         "quantization description gives 'model.layers.0.self_attn.q_proj' no scheme"));
 }
 
+// A --save_path that is a link to a folder saves into that folder (renaming the finished
+// checkpoint onto the link would fail after the run); a link to nothing fails before the run.
+TEST(Validation, ASavePathThatIsALinkSavesIntoItsFolderOrFailsAtOnce) {
+  const fs::path dir = qpipe::test::testDir() / "linked_save";
+  fs::remove_all(dir);
+  fs::create_directories(dir / "real");
+  fs::create_directory_symlink(dir / "real", dir / "link");
+  fs::create_directory_symlink(dir / "nowhere", dir / "dangling");
+  const auto quant = [&](const fs::path& out) {
+    return qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() +
+                                 " --quant_type w8a8 --save_path " + out.string());
+  };
+  CommandResult r = quant(dir / "link");
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_TRUE(fs::is_symlink(dir / "link"));
+  EXPECT_TRUE(fs::exists(dir / "real" / "model.safetensors"));
+  r = quant(dir / "dangling");
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(lastLine(r.err), inputError("save path '" + (dir / "dangling").string() + "' is a symbolic link to '" +
+                                        (dir / "nowhere").string() +
+                                        "', which does not exist; create that folder or choose another --save_path"));
+  EXPECT_FALSE(fs::exists(dir / "nowhere"));
+}
+
 TEST(Validation, ATensorInTwoShardsIsRefused) {
   const fs::path dir = qpipe::test::tinyLlama("two_shards");
   const auto whole = qpipe::safetensors::File::open(dir / "model.safetensors");

@@ -75,7 +75,8 @@ class DistEnvironment : public ::testing::Test {
     for (const auto& [name, value] : variables) ::setenv(name, value, 1);
     return errorOf([] { optionsFromEnvironment(); }, ErrorCode::kDistributed);
   }
-  static constexpr const char* kNames[] = {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "QPIPE_DIST_TIMEOUT_S"};
+  static constexpr const char* kNames[] = {"RANK",       "WORLD_SIZE",       "MASTER_ADDR",          "MASTER_PORT",
+                                           "LOCAL_RANK", "LOCAL_WORLD_SIZE", "QPIPE_DIST_TIMEOUT_S", "QPIPE_DIST_SHM"};
 };
 
 TEST_F(DistEnvironment, UnsetMeansOneProcess) {
@@ -118,10 +119,37 @@ TEST_F(DistEnvironment, ErrorsNameTheVariable) {
             "MASTER_PORT='70000' is not an integer in [1, 65535]");
   EXPECT_EQ(errorWith({{"MASTER_PORT", "29500"}, {"MASTER_ADDR", ""}}),
             "MASTER_ADDR is empty; set it to rank 0's host");
-  EXPECT_EQ(errorWith({{"MASTER_ADDR", "127.0.0.1"}, {"QPIPE_DIST_TIMEOUT_S", "soon"}}),
-            "QPIPE_DIST_TIMEOUT_S='soon' is not a number of seconds in (0, 604800]");
-  EXPECT_EQ(errorWith({{"QPIPE_DIST_TIMEOUT_S", "0"}}),
-            "QPIPE_DIST_TIMEOUT_S='0' is not a number of seconds in (0, 604800]");
+  SetUp();
+  EXPECT_EQ(errorWith({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"}}),
+            "LOCAL_RANK=3 is not below LOCAL_WORLD_SIZE=2");
+}
+
+// QPIPE_DIST_TIMEOUT_S stands in for --dist_timeout: a bad value is a usage error, as a bad option
+// is, and a --dist_timeout given beside it wins without reading it.
+TEST_F(DistEnvironment, ATimeoutVariableGivesWayToTheOption) {
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "2", 1);
+  for (const char* value : {"soon", "0"}) {
+    ::setenv("QPIPE_DIST_TIMEOUT_S", value, 1);
+    EXPECT_EQ(errorOf([] { optionsFromEnvironment(); }, ErrorCode::kUsage),
+              std::string("QPIPE_DIST_TIMEOUT_S='") + value +
+                  "' is not a number of seconds in (0, 604800]; fix it, unset it or pass --dist_timeout");
+    EXPECT_EQ(optionsFromEnvironment(std::chrono::milliseconds(5000))->timeout.count(), 5000);
+  }
+}
+
+TEST_F(DistEnvironment, SharedMemoryIsOnUnlessTurnedOff) {
+  EXPECT_TRUE(sharedMemoryAllowed());
+  ::setenv("QPIPE_DIST_SHM", "1", 1);
+  EXPECT_TRUE(sharedMemoryAllowed());
+  ::setenv("QPIPE_DIST_SHM", "0", 1);
+  EXPECT_FALSE(sharedMemoryAllowed());
+  for (const char* value : {"false", "2", ""}) {
+    ::setenv("QPIPE_DIST_SHM", value, 1);
+    EXPECT_EQ(errorOf([] { sharedMemoryAllowed(); }, ErrorCode::kUsage),
+              std::string("QPIPE_DIST_SHM='") + value +
+                  "' is neither 0 (ranks on one host talk over Gloo) nor 1 (through shared memory, the default)");
+  }
 }
 
 TEST(ConnectOptions, RankOutsideTheWorld) {

@@ -46,12 +46,13 @@ TEST_P(Equivalence, OneTwoAndThreeRanksWriteTheSameCheckpoint) {
   expectIdentical(qpipe::test::tinyQwen3("equivalence-" + testName(GetParam())), GetParam());
 }
 
-// flex_smooth_quant keeping `searchTokens` search tokens, then int8 per-channel weights and `act`.
-fs::path flexSmoothPipeline(int searchTokens, const std::string& act) {
+// flex_smooth_quant keeping `searchTokens` search tokens (and `more` fields), then int8
+// per-channel weights and `act`.
+fs::path flexSmoothPipeline(int searchTokens, const std::string& act, const std::string& more = "") {
   return qpipe::test::writeTempFile("flex.yaml",
                                     "apiversion: modelslim_v1\nspec:\n  process:\n"
                                     "    - {type: flex_smooth_quant, search_tokens: " +
-                                        std::to_string(searchTokens) +
+                                        std::to_string(searchTokens) + more +
                                         "}\n    - type: linear_quant\n      qconfig:\n        act: " + act +
                                         "\n        weight: {dtype: int8, scope: per_channel}\n");
 }
@@ -64,13 +65,14 @@ TEST(EquivalenceSmoothing, FlexSmoothQuantSearchesTheSameTokensOnAnyNumberOfRank
 }
 
 // Inputs of 384 channels or more share their searches' float products: one parallel task per 64
-// of the 150 search tokens, whose rows every rank receives in the wave's exchange.
+// of the 150 search tokens, whose rows every rank receives in the wave's exchange. Each candidate
+// is three pieces of its outputs (search_split), whose sums every rank adds up.
 TEST(EquivalenceSmoothing, FlexSmoothQuantSharesWideProductsOnAnyNumberOfRanks) {
   qpipe::test::detail::TinySpec wide = qpipe::test::detail::tinyLlamaSpec();
   wide.hidden = wide.intermediate = 384;
   wide.headDim = wide.hidden / wide.heads;
   expectIdentical(qpipe::test::detail::writeTinyCheckpoint("equivalence-flex-wide", wide, {}),
-                  flexSmoothPipeline(150, "{dtype: int8, scope: per_token}"));
+                  flexSmoothPipeline(150, "{dtype: int8, scope: per_token}", ", search_split: 3"));
 }
 
 // flex_awq_ssz on a Qwen3-MoE: one subgraph per expert, experts that a rank routes no token to

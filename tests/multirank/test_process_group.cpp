@@ -228,6 +228,46 @@ TEST(MultirankErrors, MasterUnreachable) {
   EXPECT_LT(results[0].seconds, 4.0);
 }
 
+// Another program on MASTER_PORT that accepts the connection and never answers (an HTTP server
+// waits for a whole request) holds c10d's client for ever: the rank gives up after the timeout.
+TEST(MultirankErrors, AServerThatIsNotRankZeroIsAnErrorWithinTheTimeout) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);  // the kernel completes the connection; nobody answers
+  socklen_t length = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  Launch launch{
+      .scenario = "connect", .port = ntohs(address.sin_port), .ranks = {1}, .worldSizes = {2}, .timeoutSeconds = "1"};
+  const auto results = run(launch);
+  ::close(fd);
+  EXPECT_EQ(results[0].exitCode, 7);
+  EXPECT_EQ(results[0].out, "error: the server at 127.0.0.1:" + std::to_string(launch.port) +
+                                " accepted this rank but did not answer as rank 0's store within 1 s (another program "
+                                "on MASTER_PORT?)\n");
+  EXPECT_LT(results[0].seconds, 8.0);
+}
+
+// A MASTER_ADDR that names no host fails at once, on rank 0 (which would connect to its own
+// server there) and on the others.
+TEST(MultirankErrors, AMasterAddressThatNamesNoHost) {
+  for (int rank : {0, 1}) {
+    Launch launch{.scenario = "connect",
+                  .port = qpipe::test::freePort(),
+                  .ranks = {rank},
+                  .worldSizes = {2},
+                  .timeoutSeconds = "2"};
+    launch.env.push_back("MASTER_ADDR=no-such-host.invalid");
+    const auto results = run(launch);
+    EXPECT_EQ(results[0].exitCode, 7);
+    EXPECT_EQ(results[0].out,
+              "error: MASTER_ADDR 'no-such-host.invalid' names no host this rank can resolve (Name or "
+              "service not known); set it to rank 0's host name or address\n");
+  }
+}
+
 TEST(MultirankErrors, WorldSizeMismatchFailsEveryRank) {
   Launch launch{.scenario = "connect", .port = qpipe::test::freePort(), .ranks = {0, 1}, .worldSizes = {2, 3}};
   const auto results = run(launch);

@@ -659,10 +659,76 @@ TEST(QuantMultirank, DeviceListErrorsAreUsageErrors) {
   r = quant("cpu:0,x");
   EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage));
   EXPECT_EQ(r.err, "qpipe: usage error: --device 'cpu:0,x' is not cpu, cuda, cpu:0,1,… or cuda:N[,M,…]\n");
-  r = qpipe::test::runQpipe(quantArgs(model, out, "--quant_type w8a8 --device cpu:0,1"), "QPIPE_RANK_START=spawn");
+  // Refused before the launcher makes its folder of the ranks' error files.
+  const fs::path temp = qpipe::test::testDir() / "tmp";
+  fs::remove_all(temp);
+  fs::create_directories(temp);
+  r = qpipe::test::runQpipe(quantArgs(model, out, "--quant_type w8a8 --device cpu:0,1"),
+                            "QPIPE_RANK_START=spawn TMPDIR=" + quote(temp));
   EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage));
   EXPECT_EQ(lastLine(r.err), "qpipe: usage error: QPIPE_RANK_START='spawn' is not fork or exec") << r.err;
+  EXPECT_TRUE(fs::is_empty(temp));
+  // The ranks' environment is checked before they start, and a --dist_timeout beside a bad
+  // QPIPE_DIST_TIMEOUT_S wins.
+  r = qpipe::test::runQpipe(quantArgs(model, out, "--quant_type w8a8 --device cpu:0,1"), "QPIPE_DIST_SHM=no");
+  EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage));
+  EXPECT_EQ(lastLine(r.err),
+            "qpipe: usage error: QPIPE_DIST_SHM='no' is neither 0 (ranks on one host talk over Gloo) nor 1 (through "
+            "shared memory, the default)")
+      << r.err;
+  const std::string noTimeout = "quant --model_path " + quote(model) + " --save_path " + quote(out) +
+                                " --quant_type w8a8 --device cpu:0,1 --threads_per_rank 1";
+  r = qpipe::test::runQpipe(noTimeout, "QPIPE_DIST_TIMEOUT_S=soon");
+  EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage));
+  EXPECT_EQ(lastLine(r.err),
+            "qpipe: usage error: QPIPE_DIST_TIMEOUT_S='soon' is not a number of seconds in (0, 604800]; fix it, unset "
+            "it or pass --dist_timeout")
+      << r.err;
   expectNothingSaved(out);
+  r = qpipe::test::runQpipe(quantArgs(model, out, "--quant_type w8a8 --device cpu:0,1"), "QPIPE_DIST_TIMEOUT_S=soon");
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  // A process of a run of one (WORLD_SIZE=1) starts no ranks.
+  fs::remove_all(out);
+  r = qpipe::test::runQpipe(quantArgs(model, out, "--quant_type w8a8 --device cpu:0,1"), "RANK=0 WORLD_SIZE=1");
+  EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage));
+  EXPECT_EQ(lastLine(r.err),
+            "qpipe: usage error: WORLD_SIZE=1 makes this process a run of one, but --device 'cpu:0,1' lists 2 devices; "
+            "unset RANK and WORLD_SIZE to start a rank per device, or give one device")
+      << r.err;
+  expectNothingSaved(out);
+}
+
+// Ranks started the torchrun way are each given their arguments: ranks given another pipeline, or
+// another calibration setting, would each do their share of another run. Every rank refuses,
+// naming the first difference, before the model loads.
+TEST(QuantMultirank, TorchrunStyleRanksGivenOtherArgumentsAreRefused) {
+  const fs::path model = qpipe::test::tinyLlama("llama");
+  const fs::path out = qpipe::test::testDir() / "mixed";
+  for (const auto& [rank1, difference] : std::vector<std::pair<std::string, std::string>>{
+           {"--quant_type w8a16", "the pipeline w8a16.yaml"},
+           {"--quant_type w8a8 --probe_tokens 8", "--probe_tokens 8 and rank 0 32"}}) {
+    SCOPED_TRACE(rank1);
+    fs::remove_all(out);
+    const std::string port = std::to_string(qpipe::test::freePort());
+    std::vector<Process> ranks;
+    for (int rank = 0; rank < 2; ++rank) {
+      ranks.push_back(start("rank" + std::to_string(rank),
+                            quantArgv(model, out, rank == 0 ? "--quant_type w8a8" : rank1),
+                            {"RANK=" + std::to_string(rank), "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
+                             "MASTER_PORT=" + port, "QPIPE_DIST_TIMEOUT_S=30"}));
+    }
+    for (int rank = 0; rank < 2; ++rank) {
+      const std::optional<int> exitCode = waitFor(ranks[rank], std::chrono::seconds(60));
+      const std::string err = qpipe::test::slurp(ranks[rank].err);
+      EXPECT_EQ(exitCode, code(ErrorCode::kUsage)) << err;
+      const std::string line = lastLine(err);
+      EXPECT_TRUE(
+          line.starts_with("qpipe: usage error: [rank " + std::to_string(rank) + "/2] rank 1 was given " + difference))
+          << line;
+      EXPECT_TRUE(line.ends_with("; start every rank with the same arguments")) << line;
+    }
+    expectNothingSaved(out);
+  }
 }
 
 TEST(QuantMultirank, OccupiedSavePathFailsOnRankZeroAndStopsTheOthers) {

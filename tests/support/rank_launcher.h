@@ -54,14 +54,15 @@ inline std::vector<RankResult> run(const Launch& launch) {
   const auto start = Clock::now();
   std::vector<pid_t> pids;
   for (size_t i = 0; i < launch.ranks.size(); ++i) {
-    std::vector<std::string> env = inherited;
+    // Launch.env first: getenv finds the first of two entries, so these override the defaults.
+    std::vector<std::string> env = launch.env;
+    env.insert(env.end(), inherited.begin(), inherited.end());
     env.push_back("RANK=" + std::to_string(launch.ranks[i]));
     env.push_back("WORLD_SIZE=" + std::to_string(launch.worldSizes[i]));
     env.push_back("MASTER_ADDR=127.0.0.1");
     env.push_back("MASTER_PORT=" + std::to_string(launch.port));
     env.push_back("QPIPE_DIST_TIMEOUT_S=" + launch.timeoutSeconds);
     env.push_back("OMP_NUM_THREADS=1");
-    env.insert(env.end(), launch.env.begin(), launch.env.end());
     std::vector<char*> envp;
     for (std::string& entry : env) envp.push_back(entry.data());
     envp.push_back(nullptr);

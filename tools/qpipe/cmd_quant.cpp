@@ -56,17 +56,28 @@ struct Role {
   int localWorldSize = 1;  // the ranks sharing this host's cores
 };
 
+// --dist_timeout, where given.
+std::optional<std::chrono::milliseconds> explicitTimeout(const QuantOptions& options) {
+  if (!options.distTimeoutSeconds) return std::nullopt;
+  return std::chrono::milliseconds(static_cast<int64_t>(*options.distTimeoutSeconds * 1000));
+}
+
 Role roleOf(const QuantOptions& options, const DeviceList& devices) {
   Role role;
-  role.group = dist::optionsFromEnvironment();
-  if (role.group && role.group->worldSize <= 1) role.group.reset();  // a group of one is the one-process path
+  role.group = dist::optionsFromEnvironment(explicitTimeout(options));
+  if (role.group && role.group->worldSize <= 1) {
+    // A group of one is the one-process path; it launches nothing, whatever --device lists.
+    QPIPE_REQUIRE(devices.ranks() <= 1, ErrorCode::kUsage,
+                  "WORLD_SIZE=1 makes this process a run of one, but --device '", devices.text, "' lists ",
+                  devices.ranks(),
+                  " devices; unset RANK and WORLD_SIZE to start a rank per device, or give one device");
+    role.group.reset();
+    return role;
+  }
   if (!role.group) {
     role.launcher = devices.ranks() > 1;
     role.worldSize = devices.ranks();
     return role;
-  }
-  if (options.distTimeoutSeconds) {
-    role.group->timeout = std::chrono::milliseconds(static_cast<int64_t>(*options.distTimeoutSeconds * 1000));
   }
   role.worldSize = role.group->worldSize;
   // LOCAL_WORLD_SIZE (torchrun, our launcher), else the --device list, else every rank.
@@ -75,9 +86,7 @@ Role roleOf(const QuantOptions& options, const DeviceList& devices) {
 }
 
 std::chrono::milliseconds distTimeout(const QuantOptions& options) {
-  if (options.distTimeoutSeconds) {
-    return std::chrono::milliseconds(static_cast<int64_t>(*options.distTimeoutSeconds * 1000));
-  }
+  if (const auto timeout = explicitTimeout(options)) return *timeout;
   return dist::timeoutFromEnvironment().value_or(std::chrono::seconds(60));
 }
 
@@ -140,8 +149,10 @@ void run(const QuantOptions& options) {
                         .rank = rank,
                         .worldSize = role.worldSize};
   if (role.launcher) {
-    // Everything about the pipeline is checked before any rank starts.
+    // Everything about the pipeline, and the environment the ranks inherit, is checked before
+    // any rank starts.
     checkQuantize(quant);
+    dist::sharedMemoryAllowed();
     const bool forked = launchRanks({.worldSize = role.worldSize,
                                      .timeout = distTimeout(options),
                                      .savePath = options.savePath,
@@ -157,6 +168,15 @@ void run(const QuantOptions& options) {
     const int threads = options.threadsPerRank.value_or(std::max(1, usableCores() / role.localWorldSize));
     at::set_num_threads(threads);  // intra-op pool and OpenMP
     logger->info("device ", quant.device.str(), ", ", threads, " threads");
+    // OpenMP's threads spin while they wait for work: more of them than cores, and each rank's
+    // parallel regions wait for threads the other ranks' spinning keeps off the cores (2 ranks of
+    // 2 threads on 2 cores: 9-20x slower than of 1).
+    const int cores = usableCores();
+    if (role.group && role.group->localRank == 0 && threads > 1 && threads * role.localWorldSize > cores) {
+      logger->warn(role.localWorldSize, " ranks x ", threads, " threads on ", cores,
+                   " cores: the ranks will wait for each other's threads, many times slower; give --threads_per_rank ",
+                   std::max(1, cores / role.localWorldSize), " or set OMP_WAIT_POLICY=passive");
+    }
   } else if (const int busy = coresBusyElsewhere(); busy > 0) {
     // A thread whose core another process holds stalls every parallel region of the run: beside
     // one busy process a data-free W8A8 run took 2.4-2.6x its quiet time with two threads, 1.3x

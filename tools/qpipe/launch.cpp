@@ -317,6 +317,8 @@ bool launchRanks(const LaunchOptions& options) {
   if (const fs::path self = fs::read_symlink("/proc/self/exe", ec); !ec) args[0] = self.string();
   std::vector<char*> argv = pointers(args);
 
+  // A bad QPIPE_RANK_START is refused before anything exists to clean up.
+  const bool forkable = forkAllowed();
   const fs::path errorDir = makeErrorDir();
   std::vector<Child> children(options.worldSize);
   std::vector<std::vector<std::string>> envs;
@@ -330,7 +332,7 @@ bool launchRanks(const LaunchOptions& options) {
 
   // A fork needs no second start of LibTorch (0.3–0.4 s of operator registration here), but only
   // a process with one thread can fork without exec safely: CUDA and thread pools start threads.
-  const bool forkOnly = forkAllowed() && options.fork && singleThreaded();
+  const bool forkOnly = forkable && options.fork && singleThreaded();
   std::optional<int> forkedRank;
   std::optional<Failure> failure;
   bool interrupted = false;

@@ -7,9 +7,11 @@
 #include <cctype>
 #include <chrono>
 #include <cstdio>
+#include <sstream>
 
 #include "qpipe/dataset.h"
 #include "qpipe/error.h"
+#include "qpipe/hash.h"
 #include "qpipe/host/pipeline.h"
 #include "qpipe/host/practice.h"
 #include "qpipe/host/registry.h"
@@ -109,13 +111,14 @@ struct Prepared {
   std::vector<std::unique_ptr<Processor>> processors;
   std::vector<std::string> configWarnings;  // the pipeline's and ProcessorContext::warnIfSet's
   RunnerMode mode = RunnerMode::kLayerWise;
+  fs::path pipelineFile;
   fs::path calibData;
 
   explicit Prepared(const QuantizeOptions& options) {
     QPIPE_REQUIRE(fs::is_directory(options.modelPath), ErrorCode::kInput, "--model_path '", options.modelPath.string(),
                   "' is not a folder");
     loadPlugins(loader, options.pluginPath);
-    const fs::path pipelineFile = resolvePipeline(options);
+    pipelineFile = resolvePipeline(options);
     pipeline = loadPipeline(pipelineFile, registry);
     mode = runnerMode(pipeline, options.worldSize);
     group = std::make_shared<JoinedLater>(options.rank, options.worldSize);
@@ -156,6 +159,45 @@ struct Prepared {
 
 }  // namespace
 
+// A file's name and the FNV-1a of its bytes (paths may differ between nodes, the contents not);
+// for a file that may be large, its size instead of the hash.
+std::string fileIdentity(const fs::path& file, bool contents) {
+  if (!fs::is_regular_file(file)) return file.filename().string() + " (absent)";
+  if (!contents) return file.filename().string() + " (" + std::to_string(fs::file_size(file)) + " bytes)";
+  char hash[17];
+  std::snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(fnv1a(readInputFile(file))));
+  return file.filename().string() + " (content " + hash + ")";
+}
+
+// Launched ranks run the launcher's arguments, but ranks started another way (torchrun) are each
+// given their own: ranks quantizing with other settings would each add their layers' or samples'
+// share of another run. What decides the checkpoint is compared once every rank joined, in one
+// gather, and every rank fails alike naming the first difference.
+void agreeOnTheRun(ProcessGroup& group, const QuantizeOptions& options, const Prepared& prepared) {
+  const std::vector<std::pair<std::string, std::string>> items = {
+      {"the pipeline", fileIdentity(prepared.pipelineFile, true)},
+      {"the model's config.json", fileIdentity(options.modelPath / "config.json", true)},
+      {"the calibration data", fileIdentity(prepared.calibData, false)},
+      {"--calib_samples", std::to_string(options.calibSamples)},
+      {"--seq_len", std::to_string(options.seqLen)},
+      {"--probe_tokens", std::to_string(options.probeTokens)},
+      {"--allow_non_finite", options.checkFinite ? "off" : "on"}};
+  std::string mine;
+  for (const auto& [what, value] : items) mine += value + '\n';
+  const std::vector<std::string> all = group.allGatherBytes(mine);
+  for (int r = 1; r < group.worldSize(); ++r) {
+    if (all[static_cast<size_t>(r)] == all[0]) continue;
+    std::istringstream ours(all[0]), theirs(all[static_cast<size_t>(r)]);
+    for (const auto& item : items) {
+      std::string a, b;
+      std::getline(ours, a);
+      std::getline(theirs, b);
+      QPIPE_REQUIRE(a == b, ErrorCode::kUsage, "rank ", r, " was given ", item.first, " ", b, " and rank 0 ", a,
+                    "; start every rank with the same arguments");
+    }
+  }
+}
+
 void checkQuantize(const QuantizeOptions& options) {
   const Prepared prepared(options);
 }
@@ -175,6 +217,7 @@ QuantizeResult quantize(const QuantizeOptions& options) {
     prepared.group->join(options.joinGroup());
     logger->debug("joined ", options.worldSize, " ranks in ",
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - joining).count(), " s");
+    agreeOnTheRun(*prepared.group, options, prepared);
   } else {
     prepared.group->join(ProcessGroup::single());
   }

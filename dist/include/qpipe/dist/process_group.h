@@ -32,14 +32,19 @@ struct GroupOptions {
   std::optional<int> localWorldSize;
 };
 
-// QPIPE_DIST_TIMEOUT_S as a duration; nullopt when unset. A malformed value is
-// Error(kDistributed) naming the variable.
+// QPIPE_DIST_TIMEOUT_S as a duration; nullopt when unset. A malformed value is Error(kUsage)
+// naming the variable.
 std::optional<std::chrono::milliseconds> timeoutFromEnvironment();
 
 // From the torchrun variables MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
-// LOCAL_WORLD_SIZE (and QPIPE_DIST_TIMEOUT_S): the one place they are parsed; nullopt when RANK and WORLD_SIZE are
-// unset. A malformed or inconsistent value is Error(kDistributed) naming the variable.
-std::optional<GroupOptions> optionsFromEnvironment();
+// LOCAL_WORLD_SIZE: the one place they are parsed; nullopt when RANK and WORLD_SIZE are unset. A
+// malformed or inconsistent value is Error(kDistributed) naming the variable. The timeout is
+// `timeout` (--dist_timeout) where given, else QPIPE_DIST_TIMEOUT_S, else the default.
+std::optional<GroupOptions> optionsFromEnvironment(std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+
+// Whether ranks on one host may share memory (QPIPE_DIST_SHM: unset or 1, yes; 0, no); any other
+// value is Error(kUsage) naming the variable.
+bool sharedMemoryAllowed();
 
 // Joins the group (a real one even for a world of one). One-line Error(kDistributed) for: the
 // port in use (rank 0), the master unreachable within the timeout, ranks that disagree on the
