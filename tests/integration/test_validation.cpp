@@ -1,8 +1,11 @@
 // Bad input as a careless or hostile user gives it (issue 17): each is one line naming the problem,
 // before work starts where it can be, and nothing at --save_path. Each test checks the whole line.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <fstream>
 #include <string>
@@ -175,6 +178,34 @@ TEST(Validation, ASavePathThatIsALinkSavesIntoItsFolderOrFailsAtOnce) {
                                         (dir / "nowhere").string() +
                                         "', which does not exist; create that folder or choose another --save_path"));
   EXPECT_FALSE(fs::exists(dir / "nowhere"));
+}
+
+// A run's partial folder is locked while it writes: a second run given the same --save_path
+// stops instead of removing it as an interrupted save's; once unlocked, it is one.
+TEST(Validation, ASecondRunToTheSameSavePathLeavesTheFirstRunsFolderAlone) {
+  const fs::path dir = qpipe::test::testDir() / "busy_save";
+  fs::remove_all(dir);
+  const fs::path out = dir / "out", partial = dir / ".out.qpipe-partial";
+  fs::create_directories(partial);
+  std::ofstream(partial / "layer.bin") << "the first run's bytes";
+  const int lock = ::open(partial.c_str(), O_RDONLY | O_DIRECTORY);
+  ASSERT_GE(lock, 0);
+  ASSERT_EQ(::flock(lock, LOCK_EX | LOCK_NB), 0);
+  const auto quant = [&] {
+    return qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() +
+                                 " --quant_type w8a8 --save_path " + out.string());
+  };
+  CommandResult r = quant();
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(lastLine(r.err),
+            inputError("another qpipe run is writing --save_path '" + out.string() + "' (its partial folder '" +
+                       partial.string() + "'); wait for it or choose another --save_path"));
+  EXPECT_TRUE(fs::exists(partial / "layer.bin"));
+  ::close(lock);
+  r = quant();
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find("removing '" + partial.string() + "', left by an interrupted save"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(partial));
 }
 
 TEST(Validation, ATensorInTwoShardsIsRefused) {

@@ -585,6 +585,17 @@ TEST(QuantMultirank, ProcessorWithoutMultirankSupportIsRefusedBeforeTheModelLoad
   EXPECT_EQ(r.err,
             "qpipe: usage error: spec.process[1] (single_rank_only) does not support multi-rank runs; use one "
             "device\n");
+  // Inside a group, the child is named, not the group.
+  const fs::path grouped = pipelineFile("grouped.yaml",
+                                        "    - type: group\n      configs:\n        - type: "
+                                        "linear_quant\n          qconfig: {weight: {}}\n"
+                                        "        - type: single_rank_only\n");
+  const CommandResult g = qpipe::test::runQpipe(quantArgs(
+      model, out, "--config_path " + quote(grouped) + " --plugin_dir " + quote(kFixturePlugins) + " --device cpu:0,1"));
+  EXPECT_EQ(g.exitCode, code(ErrorCode::kUsage)) << g.err;
+  EXPECT_EQ(g.err,
+            "qpipe: usage error: spec.process[0].configs[1] (single_rank_only) does not support multi-rank runs; use "
+            "one device\n");
   // One device runs it (and gets as far as the missing weights).
   const CommandResult one = qpipe::test::runQpipe(quantArgs(model, out, args + " --device cpu:0"));
   EXPECT_EQ(one.exitCode, code(ErrorCode::kInput)) << one.err;
@@ -748,7 +759,8 @@ TEST(QuantMultirank, OccupiedSavePathFailsOnRankZeroAndStopsTheOthers) {
 
 TEST(QuantMultirank, AStaticRunNeedsACalibrationSampleOnEveryRank) {
   // A rank without samples would never reach the settle points of the staged forward, where the
-  // others wait for its observers: every rank stops before the first layer.
+  // others wait for its observers. --calib_samples below the rank count is refused before any
+  // rank starts; a calibration file shorter than it, by every rank before the first layer.
   const fs::path out = qpipe::test::testDir() / "one_sample";
   const fs::path pipeline = pipelineFile("static.yaml", R"(    - type: linear_quant
       qconfig:
@@ -756,20 +768,25 @@ TEST(QuantMultirank, AStaticRunNeedsACalibrationSampleOnEveryRank) {
         weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}
       include: ["*"]
 )");
+  const std::string message =
+      "1 calibration sample for 2 ranks: every rank needs one; give --calib_samples 2 or more, or use fewer devices";
+  const auto quant = [&](const std::string& more) {
+    return qpipe::test::runQpipe("quant --model_path " + quote(qpipe::test::tinyLlama("llama")) + " --save_path " +
+                                 quote(out) + " --config_path " + quote(pipeline) +
+                                 " --device cpu:0,1 --seq_len 32 --threads_per_rank 1 --dist_timeout 10 " + more);
+  };
+  CommandResult r = quant("--calib_samples 1");
+  EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage)) << r.err;
+  EXPECT_EQ(r.err, "qpipe: usage error: " + message + "\n");
+  const fs::path text = qpipe::test::writeTempFile("short.txt", "A short text: one window of thirty-two tokens.\n");
   const auto begin = Clock::now();
-  const CommandResult r =
-      qpipe::test::runQpipe("quant --model_path " + quote(qpipe::test::tinyLlama("llama")) + " --save_path " +
-                            quote(out) + " --config_path " + quote(pipeline) +
-                            " --device cpu:0,1 --calib_samples 1 --seq_len 32 --threads_per_rank 1 --dist_timeout 10");
+  r = quant("--calib_samples 4 --calib_data " + quote(text));
   EXPECT_LT(Clock::now() - begin, kTimeout);
   EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage)) << r.err;
   // Both ranks stop at the same check; the launcher names the one it heard from first.
   const std::string line = lastLine(r.err);
   EXPECT_TRUE(line.starts_with("qpipe: usage error: rank ")) << r.err;
-  EXPECT_TRUE(
-      line.ends_with(" failed: 1 calibration sample for 2 ranks: every rank needs one; give "
-                     "--calib_samples 2 or more, or use fewer devices"))
-      << r.err;
+  EXPECT_TRUE(line.ends_with(" failed: " + message)) << r.err;
   expectNothingSaved(out);
 }
 

@@ -379,7 +379,21 @@ void checkPlanned(const ProcessStep& step, const Processor& processor, const std
   }
 }
 
+// A step that cannot run on several ranks: a group's own child, not the group.
+void checkMultirankStep(const ProcessStep& step, const Processor& processor) {
+  if (const auto* group = dynamic_cast<const GroupProcessor*>(&processor)) {
+    for (size_t i = 0; i < step.children.size(); ++i) checkMultirankStep(step.children[i], *group->children()[i]);
+    return;
+  }
+  QPIPE_REQUIRE(processor.supportDistributed(), ErrorCode::kUsage, step.path, " (", step.type,
+                ") does not support multi-rank runs; use one device");
+}
+
 }  // namespace
+
+void checkMultirank(const Pipeline& pipeline, const std::vector<std::unique_ptr<Processor>>& processors) {
+  for (size_t i = 0; i < processors.size(); ++i) checkMultirankStep(pipeline.process[i], *processors[i]);
+}
 
 void checkPlannedOutputs(const Pipeline& pipeline, const std::vector<std::unique_ptr<Processor>>& processors,
                          const Registry& registry) {

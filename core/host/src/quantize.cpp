@@ -101,6 +101,13 @@ RunnerMode runnerMode(const Pipeline& pipeline, int worldSize) {
   return runner == "model_wise" ? RunnerMode::kModelWise : RunnerMode::kLayerWise;
 }
 
+// A calibrating run on more ranks than samples: a rank without samples would never reach the
+// settle points where the others wait for its observers.
+std::string tooFewSamples(int64_t samples, int ranks) {
+  return concat(samples, samples == 1 ? " calibration sample for " : " calibration samples for ", ranks,
+                " ranks: every rank needs one; give --calib_samples ", ranks, " or more, or use fewer devices");
+}
+
 // What quantize() builds before it opens the model. The libraries stay loaded while a registry
 // entry, processor or saver made from them is alive.
 struct Prepared {
@@ -133,10 +140,13 @@ struct Prepared {
       throw;
     }
     if (options.worldSize > 1) {
-      for (size_t i = 0; i < processors.size(); ++i) {
-        QPIPE_REQUIRE(processors[i]->supportDistributed(), ErrorCode::kUsage, pipeline.process[i].path, " (",
-                      pipeline.process[i].type, ") does not support multi-rank runs; use one device");
-      }
+      checkMultirank(pipeline, processors);
+      // Known before any rank starts; a calibration set shorter than --calib_samples is found
+      // once it is read.
+      const bool calibrates = std::any_of(processors.begin(), processors.end(),
+                                          [](const auto& processor) { return needsCalibration(*processor); });
+      QPIPE_REQUIRE(!calibrates || options.calibSamples >= options.worldSize, ErrorCode::kUsage,
+                    tooFewSamples(options.calibSamples, options.worldSize));
     }
     calibData = !options.calibData.empty()  ? options.calibData
                 : !pipeline.dataset.empty() ? pipelineDataset(pipeline.dataset, pipelineFile)
@@ -276,10 +286,8 @@ QuantizeResult quantize(const QuantizeOptions& options) {
     }
     // Every rank settles each observer at the same points of a staged forward (qpipe/staged.h),
     // which a rank without samples never reaches. All ranks see the same count and stop together.
-    QPIPE_REQUIRE(!calibrates || !share.empty(), ErrorCode::kUsage, samples.size(),
-                  samples.size() == 1 ? " calibration sample for " : " calibration samples for ", group.worldSize(),
-                  " ranks: every rank needs one; give --calib_samples ", group.worldSize(),
-                  " or more, or use fewer devices");
+    QPIPE_REQUIRE(!calibrates || !share.empty(), ErrorCode::kUsage,
+                  tooFewSamples(static_cast<int64_t>(samples.size()), group.worldSize()));
   } else if (readsWindows && labels.empty()) {
     logger->info("calibration: ", samples.size(), " samples x ", options.seqLen, " tokens from ",
                  prepared.calibData.string());

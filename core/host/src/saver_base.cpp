@@ -1,7 +1,12 @@
 #include <ATen/ATen.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -146,8 +151,21 @@ SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::pat
     QPIPE_REQUIRE(fs::is_empty(final_), ErrorCode::kInput, "save folder '", final_.string(),
                   "' exists and is not empty; choose another --save_path or remove it");
   }
+  // A partial folder whose lock another process holds is that run's, in progress.
+  const auto lockFolder = [this] {
+    lock_ = ::open(temporary_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    QPIPE_REQUIRE(lock_ >= 0, ErrorCode::kIo, "cannot open '", temporary_.string(), "': ", std::strerror(errno));
+    if (::flock(lock_, LOCK_EX | LOCK_NB) == 0) return true;
+    ::close(lock_);
+    lock_ = -1;
+    return false;
+  };
   if (fs::exists(temporary_)) {
+    QPIPE_REQUIRE(lockFolder(), ErrorCode::kInput, "another qpipe run is writing --save_path '", final_.string(),
+                  "' (its partial folder '", temporary_.string(), "'); wait for it or choose another --save_path");
     log::logger()->warn("removing '", temporary_.string(), "', left by an interrupted save");
+    ::close(lock_);
+    lock_ = -1;
     fs::remove_all(temporary_, ec);
     QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot remove '", temporary_.string(), "': ", ec.message());
   }
@@ -155,10 +173,14 @@ SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::pat
   // The checkpoint is written beside the save path and renamed into place.
   QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot write --save_path '", final_.string(), "': creating the folder '",
                 temporary_.string(), "' beside it failed: ", ec.message());
+  // Two runs that created it at once: one holds the lock, the other stops here.
+  QPIPE_REQUIRE(lockFolder(), ErrorCode::kInput, "another qpipe run is writing --save_path '", final_.string(),
+                "' (its partial folder '", temporary_.string(), "'); wait for it or choose another --save_path");
   writer_.emplace(temporary_, writerOptions_);
 }
 
 SaverBase::~SaverBase() {
+  if (lock_ >= 0) ::close(lock_);
   if (finished_ || segmentsOnly_) return;
   writer_.reset();
   std::error_code ignored;

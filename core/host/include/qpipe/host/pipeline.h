@@ -88,4 +88,8 @@ std::vector<std::unique_ptr<Processor>> buildProcessors(const Pipeline& pipeline
 void checkPlannedOutputs(const Pipeline& pipeline, const std::vector<std::unique_ptr<Processor>>& processors,
                          const Registry& registry);
 
+// Error(kUsage) naming the first step (a group's child, not the group) whose processor does not
+// support multi-rank runs (Processor::supportDistributed).
+void checkMultirank(const Pipeline& pipeline, const std::vector<std::unique_ptr<Processor>>& processors);
+
 }  // namespace qpipe
