@@ -199,17 +199,28 @@ TEST(MultirankHostChannel, AKilledRunsSegmentIsRemovedByTheNextRun) {
 INSTANTIATE_TEST_SUITE_P(Ranks, Multirank, ::testing::Values(2, 3),
                          [](const auto& info) { return std::to_string(info.param) + "ranks"; });
 
-TEST(MultirankErrors, PortInUse) {
-  // The test holds the port, listening, as another run would.
+// A socket listening on a free port of `host` (network order), which the kernel picks: -1 if
+// none; `port` gets it. Connections complete in its backlog; nobody accepts them.
+int listeningSocket(uint32_t host, int& port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
   address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_ANY);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  ASSERT_EQ(::listen(fd, 1), 0);
+  address.sin_addr.s_addr = host;
   socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  Launch launch{.scenario = "connect", .port = ntohs(address.sin_port), .ranks = {0}, .worldSizes = {2}};
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 || ::listen(fd, 4) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    return -1;
+  }
+  port = ntohs(address.sin_port);
+  return fd;
+}
+
+TEST(MultirankErrors, PortInUse) {
+  // The test holds the port, listening, as another run would.
+  int port = 0;
+  const int fd = listeningSocket(htonl(INADDR_ANY), port);
+  ASSERT_GE(fd, 0);
+  Launch launch{.scenario = "connect", .port = port, .ranks = {0}, .worldSizes = {2}};
   const auto results = run(launch);
   ::close(fd);
   EXPECT_EQ(results[0].exitCode, 7);
@@ -231,16 +242,10 @@ TEST(MultirankErrors, MasterUnreachable) {
 // Another program on MASTER_PORT that accepts the connection and never answers (an HTTP server
 // waits for a whole request) holds c10d's client for ever: the rank gives up after the timeout.
 TEST(MultirankErrors, AServerThatIsNotRankZeroIsAnErrorWithinTheTimeout) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  ASSERT_EQ(::listen(fd, 4), 0);  // the kernel completes the connection; nobody answers
-  socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  Launch launch{
-      .scenario = "connect", .port = ntohs(address.sin_port), .ranks = {1}, .worldSizes = {2}, .timeoutSeconds = "1"};
+  int port = 0;
+  const int fd = listeningSocket(htonl(INADDR_LOOPBACK), port);
+  ASSERT_GE(fd, 0);
+  Launch launch{.scenario = "connect", .port = port, .ranks = {1}, .worldSizes = {2}, .timeoutSeconds = "1"};
   const auto results = run(launch);
   ::close(fd);
   EXPECT_EQ(results[0].exitCode, 7);

@@ -670,43 +670,35 @@ TEST(QuantMultirank, DeviceListErrorsAreUsageErrors) {
   r = quant("cpu:0,x");
   EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage));
   EXPECT_EQ(r.err, "qpipe: usage error: --device 'cpu:0,x' is not cpu, cuda, cpu:0,1,… or cuda:N[,M,…]\n");
-  // Refused before the launcher makes its folder of the ranks' error files.
+  // The ranks' environment is refused before they start, and before the launcher makes its
+  // folder of their error files; a process of a run of one (WORLD_SIZE=1) starts no ranks.
   const fs::path temp = qpipe::test::testDir() / "tmp";
   fs::remove_all(temp);
   fs::create_directories(temp);
-  r = qpipe::test::runQpipe(quantArgs(model, out, "--quant_type w8a8 --device cpu:0,1"),
-                            "QPIPE_RANK_START=spawn TMPDIR=" + quote(temp));
-  EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage));
-  EXPECT_EQ(lastLine(r.err), "qpipe: usage error: QPIPE_RANK_START='spawn' is not fork or exec") << r.err;
-  EXPECT_TRUE(fs::is_empty(temp));
-  // The ranks' environment is checked before they start, and a --dist_timeout beside a bad
-  // QPIPE_DIST_TIMEOUT_S wins.
-  r = qpipe::test::runQpipe(quantArgs(model, out, "--quant_type w8a8 --device cpu:0,1"), "QPIPE_DIST_SHM=no");
-  EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage));
-  EXPECT_EQ(lastLine(r.err),
-            "qpipe: usage error: QPIPE_DIST_SHM='no' is neither 0 (ranks on one host talk over Gloo) nor 1 (through "
-            "shared memory, the default)")
-      << r.err;
+  const std::string twoRanks = quantArgs(model, out, "--quant_type w8a8 --device cpu:0,1");
   const std::string noTimeout = "quant --model_path " + quote(model) + " --save_path " + quote(out) +
                                 " --quant_type w8a8 --device cpu:0,1 --threads_per_rank 1";
-  r = qpipe::test::runQpipe(noTimeout, "QPIPE_DIST_TIMEOUT_S=soon");
-  EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage));
-  EXPECT_EQ(lastLine(r.err),
-            "qpipe: usage error: QPIPE_DIST_TIMEOUT_S='soon' is not a number of seconds in (0, 604800]; fix it, unset "
-            "it or pass --dist_timeout")
-      << r.err;
-  expectNothingSaved(out);
-  r = qpipe::test::runQpipe(quantArgs(model, out, "--quant_type w8a8 --device cpu:0,1"), "QPIPE_DIST_TIMEOUT_S=soon");
+  const std::vector<std::tuple<std::string, std::string, std::string>> refused = {
+      {"QPIPE_RANK_START=spawn", twoRanks, "QPIPE_RANK_START='spawn' is not fork or exec"},
+      {"QPIPE_DIST_SHM=no", twoRanks,
+       "QPIPE_DIST_SHM='no' is neither 0 (ranks on one host talk over Gloo) nor 1 (through shared memory, the "
+       "default)"},
+      {"QPIPE_DIST_TIMEOUT_S=soon", noTimeout,
+       "QPIPE_DIST_TIMEOUT_S='soon' is not a number of seconds in (0, 604800]; fix it, unset it or pass "
+       "--dist_timeout"},
+      {"RANK=0 WORLD_SIZE=1", twoRanks,
+       "WORLD_SIZE=1 makes this process a run of one, but --device 'cpu:0,1' lists 2 devices; unset RANK and "
+       "WORLD_SIZE to start a rank per device, or give one device"}};
+  for (const auto& [env, command, message] : refused) {
+    r = qpipe::test::runQpipe(command, env + " TMPDIR=" + quote(temp));
+    EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage)) << env;
+    EXPECT_EQ(lastLine(r.err), "qpipe: usage error: " + message) << r.err;
+    EXPECT_TRUE(fs::is_empty(temp)) << env;
+    expectNothingSaved(out);
+  }
+  // --dist_timeout wins over a bad QPIPE_DIST_TIMEOUT_S.
+  r = qpipe::test::runQpipe(twoRanks, "QPIPE_DIST_TIMEOUT_S=soon");
   EXPECT_EQ(r.exitCode, 0) << r.err;
-  // A process of a run of one (WORLD_SIZE=1) starts no ranks.
-  fs::remove_all(out);
-  r = qpipe::test::runQpipe(quantArgs(model, out, "--quant_type w8a8 --device cpu:0,1"), "RANK=0 WORLD_SIZE=1");
-  EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage));
-  EXPECT_EQ(lastLine(r.err),
-            "qpipe: usage error: WORLD_SIZE=1 makes this process a run of one, but --device 'cpu:0,1' lists 2 devices; "
-            "unset RANK and WORLD_SIZE to start a rank per device, or give one device")
-      << r.err;
-  expectNothingSaved(out);
 }
 
 // Ranks started the torchrun way are each given their arguments: ranks given another pipeline, or
