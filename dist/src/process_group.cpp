@@ -952,13 +952,16 @@ std::optional<GroupOptions> optionsFromEnvironment(std::optional<std::chrono::mi
   if (!timeout) timeout = timeoutFromEnvironment();
   if (timeout) options.timeout = *timeout;
   // The ranks on this host: torchrun and our launcher set both; otherwise every rank.
-  options.localRank = static_cast<int>(
-      environment("LOCAL_RANK") ? parseInteger("LOCAL_RANK", *environment("LOCAL_RANK"), 0, 1 << 20) : options.rank);
+  const auto localRank = environment("LOCAL_RANK");
+  options.localRank = static_cast<int>(localRank ? parseInteger("LOCAL_RANK", *localRank, 0, 1 << 20) : options.rank);
   if (const auto local = environment("LOCAL_WORLD_SIZE")) {
     options.localWorldSize = static_cast<int>(parseInteger("LOCAL_WORLD_SIZE", *local, 1, 1 << 20));
-    QPIPE_REQUIRE(options.localRank < *options.localWorldSize, ErrorCode::kDistributed,
+    QPIPE_REQUIRE(!localRank || options.localRank < *options.localWorldSize, ErrorCode::kDistributed,
                   "LOCAL_RANK=", options.localRank, " is not below LOCAL_WORLD_SIZE=", *options.localWorldSize);
   }
+  // Checked with the rest, before this rank joins: a bad value would otherwise fail it inside the
+  // rendezvous, where its peers would wait for it until the timeout.
+  sharedMemoryAllowed();
   return options;
 }
 

@@ -463,9 +463,6 @@ class FlexAwqSsz final : public SmoothingProcessor {
   int64_t lossBlocks(int64_t outFeatures, int64_t inFeatures) const override {
     return splits(qconfig_, inFeatures) ? (outFeatures + kLossBlock - 1) / kLossBlock : 0;
   }
-  // An SSZ solve, which splits, is most of a candidate: three pieces cost 8 % more than one on
-  // SmolLM2 (docs/benchmarks.md).
-  double pieceOverhead() const override { return 0.04; }
 
  private:
   class AlphaSearch final : public Search {
@@ -501,7 +498,7 @@ class FlexAwqSsz final : public SmoothingProcessor {
     // output channel (or group of one), the weight's rows of the blocks quantize alone.
     LossBlocks lossPart(int, int candidate, int64_t first, int64_t count) const override {
       QPIPE_CHECK(exactInt8_ && (count == error_.blocks() || splits(qconfig_, weight_.size(1))),
-                  "flex_awq_ssz splits only the loss of Int8Linear consumers with scales per channel or group");
+                  "flex_awq_ssz splits only the loss of Int8Linear consumers with min-max scales per channel");
       const at::Tensor consumer = scalesFor(candidate * kSearchStep).consumer;
       const at::Tensor rows = blockRows(weight_, first, count);
       const quant::QConfig& w = qconfig_.weight;
@@ -564,10 +561,12 @@ class FlexAwqSsz final : public SmoothingProcessor {
            Int8Linear::supports(qconfig.weight.scheme, ActivationQuant{act.scheme, {}}) &&
            inFeatures <= Int8Linear::kMaxInt8K;
   }
-  // Whether a candidate's loss splits by output channels: on the int8 path, with weight scales
-  // per channel or per group (a per-tensor scale reads every row).
+  // Whether a candidate's loss splits by output channel: on the int8 path, with min-max weight
+  // scales per channel. A per-tensor scale reads every row, and an SSZ solve stops all rows of a
+  // weight at once (quant::sszSearch), so a piece of the rows may stop elsewhere.
   static bool splits(const quant::LinearQConfig& qconfig, int64_t inFeatures) {
-    return exactInt8(qconfig, inFeatures) && qconfig.weight.scheme.scope != quant::QScope::kPerTensor;
+    return exactInt8(qconfig, inFeatures) && qconfig.weight.method == quant::QMethod::kMinMax &&
+           qconfig.weight.scheme.scope != quant::QScope::kPerTensor;
   }
 
   // msmodelslim's rule: norm-linear with more than three consumers searches on the first two.

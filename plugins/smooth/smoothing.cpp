@@ -214,10 +214,9 @@ struct SmoothingProcessor::Watched {
   std::unique_ptr<SubgraphInput> input;
   std::unique_ptr<Search> search;
   std::vector<std::vector<double>> losses;
-  // Where its candidates split (SmoothingProcessor::lossBlocks): the blocks, each round's pieces
-  // per candidate, and each round's candidates' sums as the pieces bring them.
+  // Where its candidates split (SmoothingProcessor::lossBlocks): the blocks, and each round's
+  // candidates' sums as the pieces bring them (none where a round keeps its candidates whole).
   int64_t lossBlocks = 0;
-  std::vector<int64_t> pieces;
   std::vector<std::vector<LossBlocks>> blocks;
   std::vector<at::Tensor> product;  // the search's float product, chunk by chunk, until it has it
   double searchedElements = 0;      // of the consumers its search multiplies: its tasks' cost per token
@@ -253,17 +252,20 @@ int64_t SmoothingProcessor::candidatePieces(const std::vector<Watched*>& stage, 
     most = std::min(most, w->lossBlocks);
   }
   if (!splittable) return 1;
+  // A whole candidate of a subgraph that does not split bounds the wave from below.
+  const bool whole = std::any_of(stage.begin(), stage.end(), [](const Watched* w) { return w->lossBlocks == 0; });
   const auto waveTime = [&](int64_t pieces) {
     int64_t tasks = 0;
     for (const Watched* w : stage) tasks += candidates * (w->lossBlocks > 0 ? pieces : 1);
-    return static_cast<double>((tasks + world - 1) / world) * (1.0 / static_cast<double>(pieces) + pieceOverhead());
+    const double rounds = static_cast<double>((tasks + world - 1) / world);
+    return std::max(rounds * (1.0 / static_cast<double>(pieces) + pieceOverhead()), whole ? 1 + pieceOverhead() : 0.0);
   };
-  const double whole = waveTime(1);
+  const double unsplit = waveTime(1);
   int64_t best = 1;
-  double bestTime = whole;
+  double bestTime = unsplit;
   for (int64_t pieces = 2; pieces <= most; ++pieces) {
     const double time = waveTime(pieces);
-    if (time < bestTime && time < 0.95 * whole) std::tie(best, bestTime) = std::pair(pieces, time);
+    if (time < bestTime && time < 0.95 * unsplit) std::tie(best, bestTime) = std::pair(pieces, time);
   }
   return best;
 }
@@ -484,7 +486,6 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
     const std::vector<Watched*> stage(live.begin() + begin, live.begin() + end);
     for (Watched* w : stage) {
       w->losses.resize(rounds.size());
-      w->pieces.resize(rounds.size());
       w->blocks.resize(rounds.size());
     }
     if (!rounds.empty()) {
@@ -499,7 +500,6 @@ void SmoothingProcessor::scheduleAndSmooth(LayerRequest& request) {
         constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
         w->losses[r].assign(rounds[r], kNaN);
         const int64_t pieces = std::clamp<int64_t>(split, 1, std::max<int64_t>(w->lossBlocks, 1));
-        w->pieces[r] = pieces;
         const std::vector<double> unset(static_cast<size_t>(w->lossBlocks), kNaN);
         w->blocks[r].assign(pieces > 1 ? rounds[r] : 0, LossBlocks{unset, unset});
         const double cost = static_cast<double>(w->allTokens.size(0)) * w->searchedElements;

@@ -172,6 +172,14 @@ TEST(Validation, ASavePathThatIsALinkSavesIntoItsFolderOrFailsAtOnce) {
   ASSERT_EQ(r.exitCode, 0) << r.err;
   EXPECT_TRUE(fs::is_symlink(dir / "link"));
   EXPECT_TRUE(fs::exists(dir / "real" / "model.safetensors"));
+  // Two ranks find rank 0's partial folder beside the link's folder, and split the layers.
+  fs::remove_all(dir / "real");
+  fs::create_directories(dir / "real");
+  r = qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() +
+                            " --quant_type w8a8 --device cpu:0,1 --save_path " + (dir / "link").string());
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find("split over 2 ranks"), std::string::npos) << r.err;
+  EXPECT_TRUE(fs::exists(dir / "real" / "model.safetensors"));
   r = quant(dir / "dangling");
   EXPECT_EQ(r.exitCode, 5) << r.err;
   EXPECT_EQ(lastLine(r.err), inputError("save path '" + (dir / "dangling").string() + "' is a symbolic link to '" +
@@ -200,6 +208,14 @@ TEST(Validation, ASecondRunToTheSameSavePathLeavesTheFirstRunsFolderAlone) {
   EXPECT_EQ(lastLine(r.err),
             inputError("another qpipe run is writing --save_path '" + out.string() + "' (its partial folder '" +
                        partial.string() + "'); wait for it or choose another --save_path"));
+  EXPECT_TRUE(fs::exists(partial / "layer.bin"));
+  // Nor does the launcher of a multi-rank run remove it when its rank 0 stops there.
+  r = qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() +
+                            " --quant_type w8a8 --device cpu:0,1 --save_path " + out.string());
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(lastLine(r.err), inputError("rank 0 failed: another qpipe run is writing --save_path '" + out.string() +
+                                        "' (its partial folder '" + partial.string() +
+                                        "'); wait for it or choose another --save_path"));
   EXPECT_TRUE(fs::exists(partial / "layer.bin"));
   ::close(lock);
   r = quant();

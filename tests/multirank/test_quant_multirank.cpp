@@ -659,6 +659,7 @@ TEST(QuantMultirank, DistTimeoutBoundsTheRendezvous) {
 TEST(QuantMultirank, DeviceListErrorsAreUsageErrors) {
   const fs::path model = qpipe::test::tinyLlama("llama");
   const fs::path out = qpipe::test::testDir() / "quantized";
+  fs::remove_all(out);
   const auto quant = [&](const std::string& device) {
     return qpipe::test::runQpipe(quantArgs(model, out, "--quant_type w8a8 --device " + device));
   };
@@ -699,6 +700,7 @@ TEST(QuantMultirank, DeviceListErrorsAreUsageErrors) {
   // --dist_timeout wins over a bad QPIPE_DIST_TIMEOUT_S.
   r = qpipe::test::runQpipe(twoRanks, "QPIPE_DIST_TIMEOUT_S=soon");
   EXPECT_EQ(r.exitCode, 0) << r.err;
+  fs::remove_all(out);
 }
 
 // Ranks started the torchrun way are each given their arguments: ranks given another pipeline, or

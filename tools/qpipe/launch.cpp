@@ -441,7 +441,13 @@ bool launchRanks(const LaunchOptions& options) {
   if (interrupted || failure) {
     // A rank stopped by a signal cannot clean up; a complete --save_path is never touched.
     const fs::path partial = CheckpointSaver::partialDir(options.savePath);
-    if (fs::exists(partial, ec)) fs::remove_all(partial, ec);
+    // Not another run's, in progress, to the same path (rank 0 refused to touch it).
+    if (fs::exists(partial, ec)) {
+      if (const std::optional<int> lock = CheckpointSaver::lockPartial(partial)) {
+        fs::remove_all(partial, ec);
+        if (*lock >= 0) ::close(*lock);
+      }
+    }
   }
   if (interrupted) {
     throw Error(ErrorCode::kInterrupted, signalName(interruptSignal) + " received; all ranks stopped");

@@ -183,15 +183,17 @@ std::string fileIdentity(const fs::path& file, bool contents) {
 // given their own: ranks quantizing with other settings would each add their layers' or samples'
 // share of another run. What decides the checkpoint is compared once every rank joined, in one
 // gather, and every rank fails alike naming the first difference.
-void agreeOnTheRun(ProcessGroup& group, const QuantizeOptions& options, const Prepared& prepared) {
-  const std::vector<std::pair<std::string, std::string>> items = {
+// The model's weights are not compared (reading them twice would cost a run's I/O), only its
+// config.json; the calibration file only where the ranks calibrate on it.
+void agreeOnTheRun(ProcessGroup& group, const QuantizeOptions& options, const Prepared& prepared, bool calibrates) {
+  std::vector<std::pair<std::string, std::string>> items = {
       {"the pipeline", fileIdentity(prepared.pipelineFile, true)},
       {"the model's config.json", fileIdentity(options.modelPath / "config.json", true)},
-      {"the calibration data", fileIdentity(prepared.calibData, false)},
       {"--calib_samples", std::to_string(options.calibSamples)},
       {"--seq_len", std::to_string(options.seqLen)},
       {"--probe_tokens", std::to_string(options.probeTokens)},
       {"--allow_non_finite", options.checkFinite ? "off" : "on"}};
+  if (calibrates) items.emplace_back("the calibration data", fileIdentity(prepared.calibData, false));
   std::string mine;
   for (const auto& [what, value] : items) mine += value + '\n';
   const std::vector<std::string> all = group.allGatherBytes(mine);
@@ -227,7 +229,10 @@ QuantizeResult quantize(const QuantizeOptions& options) {
     prepared.group->join(options.joinGroup());
     logger->debug("joined ", options.worldSize, " ranks in ",
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - joining).count(), " s");
-    agreeOnTheRun(*prepared.group, options, prepared);
+    agreeOnTheRun(*prepared.group, options, prepared,
+                  std::any_of(prepared.processors.begin(), prepared.processors.end(),
+                              [](const auto& processor) { return needsCalibration(*processor); }) ||
+                      anyWholeModel(prepared.processors));
   } else {
     prepared.group->join(ProcessGroup::single());
   }

@@ -1,6 +1,6 @@
 #include <ATen/ATen.h>
 #include <fcntl.h>
-#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -151,40 +151,42 @@ SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::pat
     QPIPE_REQUIRE(fs::is_empty(final_), ErrorCode::kInput, "save folder '", final_.string(),
                   "' exists and is not empty; choose another --save_path or remove it");
   }
-  // A partial folder whose lock another process holds is that run's, in progress.
-  const auto lockFolder = [this] {
-    lock_ = ::open(temporary_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    QPIPE_REQUIRE(lock_ >= 0, ErrorCode::kIo, "cannot open '", temporary_.string(), "': ", std::strerror(errno));
-    if (::flock(lock_, LOCK_EX | LOCK_NB) == 0) return true;
-    ::close(lock_);
-    lock_ = -1;
-    return false;
-  };
+  const std::string busy =
+      concat("another qpipe run is writing --save_path '", final_.string(), "' (its partial folder '",
+             temporary_.string(), "'); wait for it or choose another --save_path");
   if (fs::exists(temporary_)) {
-    QPIPE_REQUIRE(lockFolder(), ErrorCode::kInput, "another qpipe run is writing --save_path '", final_.string(),
-                  "' (its partial folder '", temporary_.string(), "'); wait for it or choose another --save_path");
+    // Removed under its lock, so that no run starting now takes it up meanwhile.
+    const std::optional<int> stale = lockPartial(temporary_);
+    QPIPE_REQUIRE(stale.has_value(), ErrorCode::kInput, busy);
     log::logger()->warn("removing '", temporary_.string(), "', left by an interrupted save");
-    ::close(lock_);
-    lock_ = -1;
     fs::remove_all(temporary_, ec);
+    if (*stale >= 0) ::close(*stale);
     QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot remove '", temporary_.string(), "': ", ec.message());
   }
   fs::create_directories(temporary_, ec);
   // The checkpoint is written beside the save path and renamed into place.
   QPIPE_REQUIRE(!ec, ErrorCode::kIo, "cannot write --save_path '", final_.string(), "': creating the folder '",
                 temporary_.string(), "' beside it failed: ", ec.message());
-  // Two runs that created it at once: one holds the lock, the other stops here.
-  QPIPE_REQUIRE(lockFolder(), ErrorCode::kInput, "another qpipe run is writing --save_path '", final_.string(),
-                "' (its partial folder '", temporary_.string(), "'); wait for it or choose another --save_path");
+  // Two runs that created it at once: one holds the lock, the other stops here, and so does one
+  // whose lock is on a folder another run removed and made anew.
+  const std::optional<int> lock = lockPartial(temporary_);
+  QPIPE_REQUIRE(lock.has_value(), ErrorCode::kInput, busy);
+  lock_ = *lock;
+  struct stat locked {
+  }, present{};
+  QPIPE_REQUIRE(lock_ < 0 || (::fstat(lock_, &locked) == 0 && ::stat(temporary_.c_str(), &present) == 0 &&
+                              locked.st_ino == present.st_ino && locked.st_dev == present.st_dev),
+                ErrorCode::kInput, busy);
   writer_.emplace(temporary_, writerOptions_);
 }
 
 SaverBase::~SaverBase() {
+  if (!finished_ && !segmentsOnly_) {
+    writer_.reset();
+    std::error_code ignored;
+    fs::remove_all(temporary_, ignored);
+  }
   if (lock_ >= 0) ::close(lock_);
-  if (finished_ || segmentsOnly_) return;
-  writer_.reset();
-  std::error_code ignored;
-  fs::remove_all(temporary_, ignored);
 }
 
 void SaverBase::add(const std::string& name, const at::Tensor& tensor) {

@@ -88,8 +88,7 @@ class SaverBase : public CheckpointSaver {
   CausalLM& model_;
   std::filesystem::path final_;
   std::filesystem::path temporary_;
-  // The partial folder's lock (flock of its descriptor) while this saver writes it: another run
-  // given the same --save_path must not take the folder for an interrupted save's and remove it.
+  // The partial folder's lock while this saver writes it (CheckpointSaver::lockPartial).
   int lock_ = -1;
   safetensors::WriterOptions writerOptions_;
   std::optional<safetensors::Writer> writer_;

@@ -1,4 +1,9 @@
 // The out-of-line parts of the SDK (qpipe/processor.h, qpipe/saver.h).
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <filesystem>
 #include <utility>
 
@@ -53,8 +58,23 @@ std::string ProcessorContext::fieldPath(std::string_view field) const {
 std::filesystem::path CheckpointSaver::partialDir(const std::filesystem::path& saveDir) {
   std::filesystem::path target = std::filesystem::absolute(saveDir).lexically_normal();
   if (target.filename().empty()) target = target.parent_path();  // "out/" names "out"
+  if (std::filesystem::is_symlink(target)) {
+    std::error_code ec;
+    const std::filesystem::path resolved = std::filesystem::canonical(target, ec);
+    if (!ec) target = resolved;
+  }
   // Hidden, beside the destination (same file system, so the final rename is atomic).
   return target.parent_path() / ("." + target.filename().string() + ".qpipe-partial");
+}
+
+std::optional<int> CheckpointSaver::lockPartial(const std::filesystem::path& partial) {
+  const int fd = ::open(partial.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0) return fd;
+  const int error = errno;
+  ::close(fd);
+  if (error == EWOULDBLOCK) return std::nullopt;
+  return -1;
 }
 
 std::string CheckpointSaver::writeSegment(int64_t index, const std::string& name, Module&, const SegmentChain&) {

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "qpipe/schema.h"
@@ -41,7 +42,14 @@ class CheckpointSaver {
   // The hidden sibling a save to `saveDir` is written under until finish() renames it,
   // `.<name>.qpipe-partial` (absolute); the launcher of a multi-rank run removes it when a rank
   // was killed before its saver could.
+  // A `saveDir` that is a symbolic link to a folder stands for that folder.
   static std::filesystem::path partialDir(const std::filesystem::path& saveDir);
+  // The lock a saver holds on its partial folder while it writes (flock of the folder), so that
+  // another run given the same path neither takes it for an interrupted save's nor removes it:
+  // a descriptor to close once done, -1 where there is nothing to lock (no folder, or a file
+  // system without such locks, NFS: it then guards nothing), nullopt where another process
+  // holds it.
+  static std::optional<int> lockPartial(const std::filesystem::path& partial);
 
   // The runner's LayerSink: writes every parameter of decoder layer `index` (full name `name`).
   // With index kNonLayer (only to a saver whose writesNonLayerFirst() is true): the model's
