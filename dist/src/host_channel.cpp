@@ -266,11 +266,15 @@ std::unique_ptr<HostChannel> HostChannel::open(c10d::Store& store, const GroupOp
 // Every rank announced its pid before it reported the mapping, and rank 0 said "use" only after
 // every report: the table is complete here.
 HostChannel::HostChannel(void* base, size_t size, int rank, int worldSize)
-    : base_(base), size_(size), rank_(rank), worldSize_(worldSize), pidfds_(static_cast<size_t>(worldSize), -1) {
+    : base_(base),
+      size_(size),
+      rank_(rank),
+      worldSize_(worldSize),
+      pidfds_(static_cast<size_t>(worldSize), pollfd{-1, POLLIN, 0}) {
   const int64_t* pids = Layout::pids(base_);
   for (int r = 0; r < worldSize_; ++r) {
     const int64_t pid = std::atomic_ref(pids[r]).load(std::memory_order_acquire);
-    if (r != rank_ && pid > 0) pidfds_[static_cast<size_t>(r)] = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+    if (r != rank_ && pid > 0) pidfds_[static_cast<size_t>(r)].fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
   }
 }
 
@@ -281,8 +285,8 @@ HostChannel::~HostChannel() {
   std::atomic_ref(header.wake).fetch_add(1, std::memory_order_release);
   futexWakeAll(&header.wake);
   ::munmap(base_, size_);
-  for (const int fd : pidfds_) {
-    if (fd >= 0) ::close(fd);
+  for (const pollfd& peer : pidfds_) {
+    if (peer.fd >= 0) ::close(peer.fd);
   }
 }
 
@@ -411,18 +415,12 @@ std::optional<std::string> HostChannel::peerGone() const {
   const int left = std::atomic_ref(header.left).load(std::memory_order_acquire);
   if (left > 0 && left - 1 != rank_) return "rank " + std::to_string(left - 1) + " closed its process group";
   // One poll of every pidfd: a wait looks every nap, and /proc at 64 ranks cost a tenth of a core.
-  std::vector<pollfd> watched;
-  for (const int fd : pidfds_) {
-    if (fd >= 0) watched.push_back({fd, POLLIN, 0});
-  }
-  const bool anyExited = !watched.empty() && ::poll(watched.data(), watched.size(), 0) > 0;
+  const bool anyExited = ::poll(pidfds_.data(), pidfds_.size(), 0) > 0;
   const int64_t* pids = Layout::pids(base_);
   for (int r = 0; r < worldSize_; ++r) {
     const auto pid = static_cast<pid_t>(std::atomic_ref(pids[r]).load(std::memory_order_acquire));
-    const int fd = pidfds_[static_cast<size_t>(r)];
-    const bool gone = fd >= 0 ? anyExited && std::any_of(watched.begin(), watched.end(),
-                                                         [fd](const pollfd& p) { return p.fd == fd && p.revents != 0; })
-                              : r != rank_ && pid > 0 && exited(pid);
+    const pollfd& peer = pidfds_[static_cast<size_t>(r)];
+    const bool gone = peer.fd >= 0 ? anyExited && peer.revents != 0 : r != rank_ && pid > 0 && exited(pid);
     if (gone) return "rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ") exited";
   }
   return std::nullopt;

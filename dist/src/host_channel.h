@@ -9,6 +9,7 @@
 // the collectives' contract already requires, so no rank needs to know another's sequence number.
 #pragma once
 
+#include <poll.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
@@ -68,9 +69,9 @@ class HostChannel {
   size_t size_;
   int rank_, worldSize_;
   int64_t steps_ = 0;  // this rank's steps so far: the same count on every rank
-  // Each peer's pidfd (readable once it exited; -1 for this rank, or where pidfd_open failed and
-  // peerGone looks the pid up in /proc instead).
-  std::vector<int> pidfds_;
+  // Each rank's pidfd, readable once it exited: fd -1 for this rank, or where pidfd_open failed
+  // and peerGone looks the pid up in /proc instead (poll skips negative descriptors).
+  mutable std::vector<pollfd> pidfds_;
 };
 
 }  // namespace qpipe::dist

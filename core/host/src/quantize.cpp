@@ -120,6 +120,7 @@ struct Prepared {
   RunnerMode mode = RunnerMode::kLayerWise;
   fs::path pipelineFile;
   fs::path calibData;
+  bool calibrates = false;  // a processor needs calibration data
 
   explicit Prepared(const QuantizeOptions& options) {
     QPIPE_REQUIRE(fs::is_directory(options.modelPath), ErrorCode::kInput, "--model_path '", options.modelPath.string(),
@@ -139,12 +140,12 @@ struct Prepared {
       for (const std::string& warning : configWarnings) log::logger()->warn(warning);
       throw;
     }
+    calibrates = std::any_of(processors.begin(), processors.end(),
+                             [](const auto& processor) { return needsCalibration(*processor); });
     if (options.worldSize > 1) {
       checkMultirank(pipeline, processors);
       // Known before any rank starts; a calibration set shorter than --calib_samples is found
       // once it is read.
-      const bool calibrates = std::any_of(processors.begin(), processors.end(),
-                                          [](const auto& processor) { return needsCalibration(*processor); });
       QPIPE_REQUIRE(!calibrates || options.calibSamples >= options.worldSize, ErrorCode::kUsage,
                     tooFewSamples(options.calibSamples, options.worldSize));
     }
@@ -229,10 +230,7 @@ QuantizeResult quantize(const QuantizeOptions& options) {
     prepared.group->join(options.joinGroup());
     logger->debug("joined ", options.worldSize, " ranks in ",
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - joining).count(), " s");
-    agreeOnTheRun(*prepared.group, options, prepared,
-                  std::any_of(prepared.processors.begin(), prepared.processors.end(),
-                              [](const auto& processor) { return needsCalibration(*processor); }) ||
-                      anyWholeModel(prepared.processors));
+    agreeOnTheRun(*prepared.group, options, prepared, prepared.calibrates || anyWholeModel(prepared.processors));
   } else {
     prepared.group->join(ProcessGroup::single());
   }
@@ -247,8 +245,7 @@ QuantizeResult quantize(const QuantizeOptions& options) {
   // A pipeline that trains the whole model on chat data trains on the chats (SFT); any other run
   // calibrates on windows of the text. A data-free run reads only the tokens of the report's probe,
   // on the rank that writes the report (rank 0), or none without the probe.
-  const bool calibrates = std::any_of(prepared.processors.begin(), prepared.processors.end(),
-                                      [](const auto& processor) { return needsCalibration(*processor); });
+  const bool calibrates = prepared.calibrates;
   const bool wholeModel = anyWholeModel(prepared.processors);
   const bool probesOnly = !calibrates && !wholeModel && options.probeTokens > 0;
   const bool readsData = calibrates || wholeModel || (probesOnly && saves);
