@@ -30,7 +30,7 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-constexpr uint64_t kMagic = 0x71706970652d6831ULL;  // "qpipe-h1"
+constexpr uint64_t kMagic = 0x71706970652d6832ULL;  // "qpipe-h2": the layout's version
 constexpr int64_t kCounterSlots = 8192;
 constexpr size_t kKeyBytes = 52;
 // A waiting rank spins this long before it sleeps on the futex: a peer that arrives within it
@@ -153,12 +153,17 @@ struct HostChannel::Layout {
   static_assert(sizeof(Counter) == 64);
 
   static size_t pidsOffset() { return 64; }
-  static size_t countersOffset(int world) { return (pidsOffset() + sizeof(int64_t) * world + 63) / 64 * 64; }
+  // Per rank: the number of steps it has arrived at, which names the ranks a wait lacks.
+  static size_t arrivedOffset(int world) { return pidsOffset() + sizeof(int64_t) * world; }
+  static size_t countersOffset(int world) { return (arrivedOffset(world) + sizeof(int64_t) * world + 63) / 64 * 64; }
   static size_t buffersOffset(int world) { return countersOffset(world) + sizeof(Counter) * kCounterSlots; }
   static size_t size(int world) { return buffersOffset(world) + 2 * static_cast<size_t>(world) * kSlotBytes; }
 
   static Header& header(void* base) { return *static_cast<Header*>(base); }
   static int64_t* pids(void* base) { return reinterpret_cast<int64_t*>(static_cast<char*>(base) + pidsOffset()); }
+  static int64_t* arrived(void* base, int world) {
+    return reinterpret_cast<int64_t*>(static_cast<char*>(base) + arrivedOffset(world));
+  }
   static Counter* counters(void* base, int world) {
     return reinterpret_cast<Counter*>(static_cast<char*>(base) + countersOffset(world));
   }
@@ -305,12 +310,18 @@ void HostChannel::step(const char* collective, int64_t bytes, const std::functio
   Layout::Header& header = Layout::header(base_);
   std::atomic_ref arrivals(header.arrivals);
   std::atomic_ref wake(header.wake);
+  std::atomic_ref(Layout::arrived(base_, worldSize_)[rank_]).store(steps_, std::memory_order_release);
   if (arrivals.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
     wake.fetch_add(1, std::memory_order_release);
     futexWakeAll(&header.wake);
   } else {
     const auto start = Clock::now();
     auto lastCheck = start;
+    waitingFor_ = steps_;
+    struct Done {
+      int64_t& waitingFor;
+      ~Done() { waitingFor = 0; }
+    } done{waitingFor_};
     while (arrivals.load(std::memory_order_acquire) < target) {
       const auto now = Clock::now();
       if (now - start < kSpin) {
@@ -408,12 +419,39 @@ void HostChannel::markFailed() noexcept {
   futexWakeAll(&header.wake);
 }
 
+std::vector<int> HostChannel::absent() const {
+  std::vector<int> ranks;
+  if (waitingFor_ == 0) return ranks;
+  const int64_t* arrived = Layout::arrived(base_, worldSize_);
+  for (int r = 0; r < worldSize_; ++r) {
+    if (std::atomic_ref(arrived[r]).load(std::memory_order_acquire) < waitingFor_) ranks.push_back(r);
+  }
+  return ranks;
+}
+
+std::string HostChannel::describeRanks(const std::vector<int>& ranks) {
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) text += (i > 0 ? ", " : "") + std::to_string(ranks[i]);
+  return text;
+}
+
 std::optional<std::string> HostChannel::peerGone() const {
   Layout::Header& header = Layout::header(base_);
   const int failed = std::atomic_ref(header.failed).load(std::memory_order_acquire);
   if (failed > 0 && failed - 1 != rank_) return "rank " + std::to_string(failed - 1) + " failed";
+  // A peer that had arrived at this step and then went waited with this rank and gave up (its
+  // timeout): the cause is the ranks that never came.
+  const auto named = [&](int gone, const std::string& what) {
+    const std::string peer = "rank " + std::to_string(gone);
+    const std::vector<int> missing = absent();
+    if (missing.empty() ||
+        std::atomic_ref(Layout::arrived(base_, worldSize_)[gone]).load(std::memory_order_acquire) < waitingFor_) {
+      return peer + " " + what;
+    }
+    return describeRanks(missing) + " did not arrive; " + peer + ", which waited with this rank, " + what;
+  };
   const int left = std::atomic_ref(header.left).load(std::memory_order_acquire);
-  if (left > 0 && left - 1 != rank_) return "rank " + std::to_string(left - 1) + " closed its process group";
+  if (left > 0 && left - 1 != rank_) return named(left - 1, "closed its process group");
   // One poll of every pidfd: a wait looks every nap, and /proc at 64 ranks cost a tenth of a core.
   const bool anyExited = ::poll(pidfds_.data(), pidfds_.size(), 0) > 0;
   const int64_t* pids = Layout::pids(base_);
@@ -421,7 +459,7 @@ std::optional<std::string> HostChannel::peerGone() const {
     const auto pid = static_cast<pid_t>(std::atomic_ref(pids[r]).load(std::memory_order_acquire));
     const pollfd& peer = pidfds_[static_cast<size_t>(r)];
     const bool gone = peer.fd >= 0 ? anyExited && peer.revents != 0 : r != rank_ && pid > 0 && exited(pid);
-    if (gone) return "rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ") exited";
+    if (gone) return named(r, "(pid " + std::to_string(pid) + ") exited");
   }
   return std::nullopt;
 }

@@ -58,8 +58,13 @@ class HostChannel {
   // Wakes the ranks waiting in step(): this rank failed, and check() then finds its report.
   void markFailed() noexcept;
   // Why a peer will not arrive, if one will not: it marked itself failed, closed its group (this
-  // class's destructor), or its process exited.
+  // class's destructor), or its process exited. A peer that had arrived at the step this rank
+  // waits in and then went gave up waiting: the message names the ranks still absent instead.
   std::optional<std::string> peerGone() const;
+  // The ranks that have not arrived at the step this rank waits in (empty outside step's wait).
+  std::vector<int> absent() const;
+  // "rank 2" or "ranks 2, 5".
+  static std::string describeRanks(const std::vector<int>& ranks);
 
  private:
   struct Layout;
@@ -68,7 +73,8 @@ class HostChannel {
   void* base_;
   size_t size_;
   int rank_, worldSize_;
-  int64_t steps_ = 0;  // this rank's steps so far: the same count on every rank
+  int64_t steps_ = 0;       // this rank's steps so far: the same count on every rank
+  int64_t waitingFor_ = 0;  // the step (counted from 1) whose wait step() is in; 0 outside one
   // Each rank's pidfd, readable once it exited: fd -1 for this rank, or where pidfd_open failed
   // and peerGone looks the pid up in /proc instead (poll skips negative descriptors).
   mutable std::vector<pollfd> pidfds_;

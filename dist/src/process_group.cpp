@@ -350,9 +350,11 @@ class C10dGroup final : public ProcessGroup {
       }
       if (waited >= options_.timeout) {
         peerLost_ = true;
+        const std::vector<int> absent = channel_->absent();
         throw Error(ErrorCode::kDistributed,
-                    concat("lost contact with a peer rank during ", collective, ": no answer within ",
-                           seconds(options_.timeout), " (--dist_timeout)"));
+                    concat("lost contact with a peer rank during ", collective, ": ",
+                           absent.empty() ? "no answer" : HostChannel::describeRanks(absent) + " did not arrive",
+                           " within ", seconds(options_.timeout), " (--dist_timeout)"));
       }
     };
   }

@@ -292,10 +292,16 @@ void hostChannel() {
 }
 
 // The last rank stops answering (stuck, not dead) for ten times the timeout.
-void peerHangs() {
+// The last rank sleeps through `timeouts` of the others' timeout before its collective.
+void peerHangs(bool gather, int timeouts) {
   ProcessGroup& group = world();
   if (group.rank() == group.worldSize() - 1) {
-    std::this_thread::sleep_for(std::chrono::seconds(10 * std::stoi(std::getenv("QPIPE_DIST_TIMEOUT_S"))));
+    std::this_thread::sleep_for(std::chrono::seconds(timeouts * std::stoi(std::getenv("QPIPE_DIST_TIMEOUT_S"))));
+    return;
+  }
+  if (gather) {
+    group.allGatherBytesWithin("x", 8);
+    std::cout << "unexpected: gathered" << std::endl;
     return;
   }
   at::Tensor t = at::ones({4});
@@ -713,7 +719,9 @@ int main(int argc, char** argv) {
     } else if (scenario == "host_channel") {
       hostChannel();
     } else if (scenario == "peer_hangs") {
-      peerHangs();
+      peerHangs(false, 10);
+    } else if (scenario == "peer_hangs_in_gather") {
+      peerHangs(true, 4);
     } else if (scenario == "master_fails") {
       masterFails();
     } else if (scenario == "dts_dynamic") {

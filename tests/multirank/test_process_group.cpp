@@ -311,6 +311,23 @@ TEST(MultirankErrors, StuckPeerTimesOut) {
   EXPECT_LT(results[0].seconds, 10.0);
 }
 
+// Two ranks wait in a shared-memory gather for a third that does not come (it sleeps 4 s): both
+// name it, also the one that sees the other give up first and go.
+TEST(MultirankErrors, StuckPeerInASharedMemoryGatherIsNamed) {
+  Launch launch = world("peer_hangs_in_gather", 3);
+  launch.timeoutSeconds = "1";
+  const auto results = run(launch);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].exitCode, 7) << "rank " << r;
+    const std::string expected =
+        connected(r, 3) + "error: lost contact with a peer rank during allGatherBytesWithin: rank 2 did not arrive";
+    EXPECT_EQ(results[r].out.substr(0, expected.size()), expected) << results[r].out;
+    EXPECT_EQ(std::count(results[r].out.begin(), results[r].out.end(), '\n'), 2) << results[r].out;
+    EXPECT_LT(results[r].seconds, 3.5) << "rank " << r;
+  }
+  EXPECT_EQ(results[2].exitCode, 0);
+}
+
 // The timeout is 10 s: a rank that waits for it instead of seeing its peer go has failed.
 TEST(MultirankErrors, PeerThatReportsIsNamed) {
   const auto results = run(world("peer_reports", 3));

@@ -289,8 +289,10 @@ DeviceList parseDeviceList(const std::string& text) {
     std::string_view rest = std::string_view(text).substr(colon + 1);
     while (true) {
       const size_t comma = rest.find(',');
-      const std::optional<int> index = parseInt(rest.substr(0, comma));
-      QPIPE_REQUIRE(index && *index >= 0, ErrorCode::kUsage, usage);
+      const std::string_view part = rest.substr(0, comma);
+      const std::optional<int> index = parseInt(part);
+      // Written as the index prints ("01" or "+1" would pass for 1 beside a 0 given once).
+      QPIPE_REQUIRE(index && *index >= 0 && std::to_string(*index) == part, ErrorCode::kUsage, usage);
       QPIPE_REQUIRE(std::find(list.indices.begin(), list.indices.end(), *index) == list.indices.end(),
                     ErrorCode::kUsage, "--device '", text, "' lists ", type, ":", *index,
                     " twice; give each device once (one rank per device)");
