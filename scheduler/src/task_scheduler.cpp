@@ -426,6 +426,15 @@ struct DistributedTaskScheduler::Impl {
   std::vector<Outcome> execute(const Wave& wave, size_t w, std::vector<TaskRecord>& records) {
     const int64_t n = static_cast<int64_t>(wave.tasks.size());
     const std::string counter = "dts/" + std::to_string(parallelWavesRun++);
+    // The wave's positions in the order they are handed out: most costly first, stable.
+    std::vector<size_t> order(wave.tasks.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return tasks[wave.tasks[a]].cost > tasks[wave.tasks[b]].cost; });
+    // Their weights in the guided chunks, in that order: the costs where every task has one.
+    const bool costed = std::all_of(wave.tasks.begin(), wave.tasks.end(), [&](size_t t) { return tasks[t].cost > 0; });
+    std::vector<double> weights;
+    for (size_t i : order) weights.push_back(costed ? tasks[wave.tasks[i]].cost : 1.0);
     int64_t next = group.rank();
     // Dynamic: consecutive tasks in claims of claimSize.
     int64_t claimed = 0, claimEnd = 0, seen = 0;
@@ -436,17 +445,13 @@ struct DistributedTaskScheduler::Impl {
         return mine;
       }
       if (claimed < claimEnd) return claimed++;
-      const int64_t chunk = claimSize(n - seen, group.worldSize(), options.claimLimit);
+      const int64_t chunk = claimSize(std::span(weights).subspan(static_cast<size_t>(std::min(seen, n))),
+                                      group.worldSize(), options.claimLimit);
       seen = group.counterAdd(counter, chunk);
       claimed = seen - chunk;
       claimEnd = std::min(seen, n);
       return claimed < claimEnd ? claimed++ : n;
     };
-    // The wave's positions in the order they are handed out: most costly first, stable.
-    std::vector<size_t> order(wave.tasks.size());
-    std::iota(order.begin(), order.end(), size_t{0});
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t a, size_t b) { return tasks[wave.tasks[a]].cost > tasks[wave.tasks[b]].cost; });
     Json mine = Json::array();
     std::map<size_t, std::vector<at::Tensor>> made;  // by wave position: this rank's syncTensors
     SyncContext context{root, group};
@@ -739,10 +744,20 @@ bool DistributedTaskScheduler::globalDisableParallel() {
 
 // Guided chunks: a wave of many short tasks (a search's candidates, a many-expert layer's) costs
 // a few store round trips per rank instead of one per task, and the chunks shrink to single tasks
-// towards the end, where a rank that is done early takes what is left.
-int64_t claimSize(int64_t left, int worldSize, int64_t claimLimit) {
-  const int64_t parts = 4 * static_cast<int64_t>(worldSize);
-  const int64_t guided = std::max<int64_t>(1, (left + parts - 1) / parts);
+// towards the end, where a rank that is done early takes what is left. Measured by cost, a claim
+// of the costliest tasks (handed out first) takes one at a time: counted, a 2-task chunk of them
+// on 8 ranks left ranks idle at the end of a smoothing wave of 42 candidates (docs/benchmarks.md).
+int64_t claimSize(std::span<const double> left, int worldSize, int64_t claimLimit) {
+  double total = 0;
+  for (double w : left) total += w;
+  // With weights of 1 the products and sums are whole numbers, exact: ceil(size / 4W) tasks.
+  const double parts = 4.0 * worldSize;
+  int64_t chunk = 0;
+  double taken = 0;
+  while (chunk < static_cast<int64_t>(left.size()) && (chunk == 0 || taken * parts < total)) {
+    taken += left[static_cast<size_t>(chunk++)];
+  }
+  const int64_t guided = std::max<int64_t>(1, chunk);
   return claimLimit > 0 ? std::min(guided, claimLimit) : guided;
 }
 

@@ -132,17 +132,32 @@ TEST(Scheduler, SubmitErrorsNameTheTaskAndThePath) {
   }
 }
 
-// Guided chunks of ceil(left / 4W), shrinking to 1; claimLimit caps them.
+// Guided chunks of a 4W-th of what is left: ceil(left / 4W) tasks without costs, shrinking to 1;
+// by cost where every task has one; claimLimit caps them.
 TEST(Scheduler, DynamicClaimsAreGuidedChunksUnderTheLimit) {
-  EXPECT_EQ(scheduler::claimSize(30, 2, 0), 4);
-  EXPECT_EQ(scheduler::claimSize(26, 2, 0), 4);
-  EXPECT_EQ(scheduler::claimSize(8, 2, 0), 1);
-  EXPECT_EQ(scheduler::claimSize(1, 2, 0), 1);
-  EXPECT_EQ(scheduler::claimSize(0, 2, 0), 1);
-  EXPECT_EQ(scheduler::claimSize(300, 3, 0), 25);
-  EXPECT_EQ(scheduler::claimSize(30, 2, 1), 1);
-  EXPECT_EQ(scheduler::claimSize(300, 3, 10), 10);
-  EXPECT_EQ(scheduler::claimSize(3, 3, 10), 1);
+  const auto units = [](size_t n) { return std::vector<double>(n, 1.0); };
+  EXPECT_EQ(scheduler::claimSize(units(30), 2, 0), 4);
+  EXPECT_EQ(scheduler::claimSize(units(26), 2, 0), 4);
+  EXPECT_EQ(scheduler::claimSize(units(8), 2, 0), 1);
+  EXPECT_EQ(scheduler::claimSize(units(9), 2, 0), 2);
+  EXPECT_EQ(scheduler::claimSize(units(1), 2, 0), 1);
+  EXPECT_EQ(scheduler::claimSize(units(0), 2, 0), 1);
+  EXPECT_EQ(scheduler::claimSize(units(300), 3, 0), 25);
+  EXPECT_EQ(scheduler::claimSize(units(30), 2, 1), 1);
+  EXPECT_EQ(scheduler::claimSize(units(300), 3, 10), 10);
+  EXPECT_EQ(scheduler::claimSize(units(3), 3, 10), 1);
+  // A smoothing wave on 8 ranks, costliest first: 21 candidates of 9 units, then 21 of 3. A
+  // counted chunk would be 2 of the large ones (42 / 32); by cost a claim is 252 / 32 = 7.9
+  // units, one large candidate, and one small one at the end. 84 small ones alone: 3 a claim, as
+  // counted.
+  std::vector<double> wave(21, 9.0);
+  wave.resize(42, 3.0);
+  EXPECT_EQ(scheduler::claimSize(wave, 8, 0), 1);
+  EXPECT_EQ(scheduler::claimSize(std::span(wave).subspan(20), 8, 0), 1);
+  EXPECT_EQ(scheduler::claimSize(std::span(wave).subspan(21), 8, 0), 1);
+  EXPECT_EQ(scheduler::claimSize(std::vector<double>(84, 3.0), 8, 0), 3);
+  EXPECT_EQ(scheduler::claimSize(std::vector<double>{100.0, 1.0, 1.0, 1.0}, 1, 0), 1);
+  EXPECT_EQ(scheduler::claimSize(std::vector<double>{1.0, 1.0, 1.0, 100.0}, 1, 0), 4);
 
   auto root = tree();
   const auto group = ProcessGroup::single();

@@ -20,8 +20,9 @@ tools/bench/collective_latency.py measures both figures on this host.
 A local wave (every rank runs its tasks, no collective) costs the sum of its tasks on any N.
 Each parallel wave of each scheduler run is replayed on N ranks, its tasks in the order the
 scheduler hands them out (descending `:cost` where the submitter gave one, then submit order):
-  dynamic      the rank that is free first claims the next ceil(left / 4N) tasks in that order
-               (the scheduler's guided chunks), paying one store round trip (a tenth of a
+  dynamic      the rank that is free first claims the next tasks in that order, as few as hold
+               a 4N-th of what is left by cost (by count where a task has none: ceil(left /
+               4N)); the scheduler's guided chunks, paying one store round trip (a tenth of a
                collective) per claim;
   round-robin  task i runs on rank i mod N;
 then the wave's collectives, as the scheduler makes them: the outcomes (one all-gather of a slot
@@ -198,10 +199,20 @@ def rebased(task, bases, carriers):
     return bases[task.group] if id(task) in carriers else task.seconds
 
 
+def claim_size(weights, ranks):
+    """The scheduler's guided chunk (scheduler::claimSize): the fewest of the unclaimed tasks'
+    weights, in hand-out order, that reach a 4N-th of their sum; at least 1."""
+    total, taken, chunk = sum(weights), 0.0, 0
+    while chunk < len(weights) and (chunk == 0 or taken * 4 * ranks < total):
+        taken += weights[chunk]
+        chunk += 1
+    return max(1, chunk)
+
+
 def makespan(tasks, ranks, dynamic, take, setup, seen):
-    """The wave's wall time on `ranks`; tasks are (seconds, group) in the order the scheduler hands
-    them out. A rank's first task of a group with a setup pays it (seen[rank]: the groups it set
-    up earlier in the run)."""
+    """The wave's wall time on `ranks`; tasks are (seconds, group, cost) in the order the scheduler
+    hands them out. A rank's first task of a group with a setup pays it (seen[rank]: the groups it
+    set up earlier in the run)."""
     def cost(rank, seconds, group):
         if group in setup and group not in seen[rank]:
             seen[rank].add(group)
@@ -210,17 +221,18 @@ def makespan(tasks, ranks, dynamic, take, setup, seen):
 
     if not dynamic:
         per_rank = [0.0] * ranks
-        for i, (seconds, group) in enumerate(tasks):
+        for i, (seconds, group, _) in enumerate(tasks):
             per_rank[i % ranks] += cost(i % ranks, seconds, group)
         return max(per_rank)
-    # Guided chunks, as the scheduler claims them: ceil(left / 4N) tasks per store round trip, left
-    # as the claiming rank last saw the counter.
-    parts, counter, n = 4 * ranks, 0, len(tasks)
+    # Guided chunks, as the scheduler claims them, one store round trip each, the unclaimed tasks
+    # as the claiming rank last saw the counter; weighed by cost where every task has one.
+    weights = [w for _, _, w in tasks] if all(w > 0 for _, _, w in tasks) else [1.0] * len(tasks)
+    counter, n = 0, len(tasks)
     free = [(0.0, r, 0) for r in range(ranks)]
     while counter < n:
         time, rank, seen_counter = heapq.heappop(free)
-        chunk = max(1, -(-(n - seen_counter) // parts))
-        time += take + sum(cost(rank, seconds, group) for seconds, group in tasks[counter : counter + chunk])
+        chunk = claim_size(weights[seen_counter:], ranks)
+        time += take + sum(cost(rank, seconds, group) for seconds, group, _ in tasks[counter : counter + chunk])
         counter += chunk
         heapq.heappush(free, (time, rank, counter))
     return max(time for time, _, _ in free)
@@ -266,9 +278,9 @@ def main():
             for (layer, scheduler, _), (parallel, tasks) in groups.items():
                 if (layer, scheduler) != run:
                     run, seen = (layer, scheduler), [set() for _ in range(n)]
-                costs = [(rebased(t, bases, carriers), t.group) for t in tasks]
+                costs = [(rebased(t, bases, carriers), t.group, t.cost) for t in tasks]
                 if not parallel:
-                    projected += sum(c for c, _ in costs)
+                    projected += sum(c for c, _, _ in costs)
                     continue
                 sent = sum(t.bytes for t in tasks)
                 collectives = 1 + exchanging if sent > 0 else 1

@@ -16,7 +16,8 @@
 //             also where this rank has no parallel wave), else Error(kDistributed) on every rank
 //             naming the first task that differs. A parallel wave then:
 //               1. each task runs once, on the rank that claims it from a counter in the c10d
-//                  store (dynamic: guided chunks of ceil(left / 4W) tasks per claim), or on rank
+//                  store (dynamic: guided chunks of a 4W-th of what is left, by cost, per claim),
+//                  or on rank
 //                  index mod W (round-robin), the tasks in descending Task::cost (submit order
 //                  among equals); a collective inside it is
 //                  Error(kPlugin) naming the task and the call; a task that throws fails the run
@@ -43,6 +44,7 @@
 
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -178,9 +180,11 @@ ConfigNode tensorMeta(const at::Tensor& tensor);
 // ancestor of the other ('.'-separated; "" is the root, an ancestor of every path).
 bool pathsOverlap(const std::string& a, const std::string& b);
 
-// How many tasks a dynamic claim takes when `left` tasks of the wave are unclaimed (as the rank
-// last saw the counter): a guided chunk, ceil(left / (4 · worldSize)), at least 1, at most
-// claimLimit unless that is 0.
-int64_t claimSize(int64_t left, int worldSize, int64_t claimLimit);
+// How many tasks a dynamic claim takes, `left` the weights of the wave's unclaimed tasks (as the
+// rank last saw the counter) in the order they are handed out: a guided chunk, the fewest tasks
+// whose weights reach 1 / (4 · worldSize) of left's, at least 1, at most claimLimit unless that
+// is 0. A task's weight is its Task::cost where every task of the wave has one, else 1: the
+// chunk is then ceil(size / (4 · worldSize)) tasks.
+int64_t claimSize(std::span<const double> left, int worldSize, int64_t claimLimit);
 
 }  // namespace qpipe::scheduler
