@@ -359,6 +359,13 @@ TEST(Cli, UnknownSubcommandIsNamed) {
             "--help')\n");
   EXPECT_EQ(qpipe("convert").err,
             "qpipe: usage error: 'qpipe convert' needs a subcommand: gguf (see 'qpipe convert --help')\n");
+  // Its options are unknown too, but the misspelt command is what to fix.
+  EXPECT_EQ(qpipe("quantize --model_path m --save_path s").err,
+            "qpipe: usage error: unknown subcommand 'quantize'; use one of: check, compare, convert, eval, plugins, "
+            "quant, version (see 'qpipe --help')\n");
+  EXPECT_EQ(qpipe("convert safetensors --input x").err,
+            "qpipe: usage error: unknown subcommand 'safetensors' of 'qpipe convert'; use one of: gguf (see 'qpipe "
+            "convert --help')\n");
 }
 
 // `qpipe help [command]` is `qpipe [command] --help`.

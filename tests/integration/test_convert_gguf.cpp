@@ -148,6 +148,23 @@ TEST(ConvertGguf, TruncatedFileAndExistingOrUnwritableOutputAreOneLineErrors) {
   r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string() + " --overwrite");
   EXPECT_EQ(r.exitCode, 0) << r.err;
   EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+  // "hf/" names the folder hf (the partial folder beside it, not inside, where the overwrite
+  // removed it before the rename).
+  r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string() + "/ --overwrite");
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+  // --overwrite never removes the input, nor a folder that holds it.
+  const fs::path holder = testDir() / "holder";
+  fs::create_directories(holder);
+  const fs::path inside = holder / "model.gguf";
+  fs::copy_file(f.gguf, inside, fs::copy_options::overwrite_existing);
+  for (const auto& [output, verb] : {std::pair{inside, "is"}, {holder, "holds"}}) {
+    r = qpipe("convert gguf --input " + inside.string() + " --output " + output.string() + " --overwrite");
+    EXPECT_EQ(r.exitCode, 2);
+    EXPECT_EQ(r.err, "qpipe: usage error: --output '" + output.string() + "' " + verb + " the input '" +
+                         inside.string() + "', which --overwrite would remove; choose another --output\n");
+    EXPECT_TRUE(fs::is_regular_file(inside));
+  }
 
   r = qpipe("convert gguf --input " + f.gguf.string() + " --output " + out.string() + " --dtype int8");
   EXPECT_EQ(r.exitCode, 2);

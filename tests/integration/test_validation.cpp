@@ -89,6 +89,8 @@ TEST(Validation, ConfigValuesAreCheckedBeforeAnyDivisionOrAllocation) {
       {"null_theta",
        R"("num_hidden_layers": 2, "num_attention_heads": 4, "rope_parameters": {"rope_type": "default", "rope_theta": null}})",
        "rope_parameters.rope_theta is null; give a number or leave the field out"},
+      {"gelu", R"("num_hidden_layers": 2, "num_attention_heads": 4, "hidden_act": "gelu"})",
+       "hidden_act 'gelu' is not supported; qpipe's llama, qwen2 and qwen3 families compute silu"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);
@@ -104,6 +106,14 @@ TEST(Validation, ConfigValuesAreCheckedBeforeAnyDivisionOrAllocation) {
   EXPECT_EQ(r.exitCode, 5) << r.err;
   EXPECT_EQ(r.err, inputError("checkpoint " + dir.string() +
                               ": config.json has num_hidden_layers 1000000000000, but the checkpoint holds 2 layers"));
+  // Fewer than the checkpoint holds: the others would be left out of the result without a word.
+  const fs::path fewer =
+      withConfig("config_fewer", kConfigHead + R"("num_hidden_layers": 1, "num_attention_heads": 4})");
+  const CommandResult dropped = eval(fewer);
+  EXPECT_EQ(dropped.exitCode, 5) << dropped.err;
+  EXPECT_EQ(dropped.err, inputError("checkpoint " + fewer.string() +
+                                    ": config.json has num_hidden_layers 1, but the checkpoint holds 2 layers "
+                                    "(model.layers.0 to 1)"));
 }
 
 TEST(Validation, TensorsMustHaveTheShapeAndDtypeConfigJsonImplies) {

@@ -297,7 +297,8 @@ TEST(ModuleTree, ToChangesFloatingPointTensorsOnly) {
 }
 
 TEST(ModuleTree, ErrorsNameTheModuleOrTensor) {
-  auto model = CausalLM::open(test::tinyLlama("errors"));
+  const fs::path dir = test::tinyLlama("errors");
+  auto model = CausalLM::open(dir);
   EXPECT_EQ(test::errorOf([&] { model->root().getSubmodule("model.layers.7.mlp"); }, ErrorCode::kInput),
             "no module 'model.layers.7.mlp' (no child '7' in Layers)");
   const fs::path missing = test::tinyLlama("missing", {"model.layers.1.mlp.up_proj.weight"});
@@ -307,6 +308,19 @@ TEST(ModuleTree, ErrorsNameTheModuleOrTensor) {
   const fs::path unsupported = test::writeTempFile("config.json", R"({"model_type": "gpt2"})");
   EXPECT_EQ(test::errorOf([&] { ModelConfig::fromFile(unsupported); }, ErrorCode::kInput),
             unsupported.string() + ": model_type 'gpt2' is not supported; supported: llama, qwen2, qwen3, qwen3_moe");
+  // Token ids past the embedding (a tokenizer of another model) are named, not an index error.
+  const int64_t rows = model->config().vocabSize;
+  for (const int64_t id : {rows, int64_t{-1}}) {
+    EXPECT_EQ(test::errorOf(
+                  [&] {
+                    model->embed(at::tensor({int64_t{0}, id}, at::kLong).unsqueeze(0));
+                  },
+                  ErrorCode::kInput),
+              "token id " + std::to_string(id) + " is outside the model's " + std::to_string(rows) +
+                  " embedding rows (vocab_size in " + dir.string() +
+                  "/config.json); does tokenizer.json belong to this model?");
+  }
+  EXPECT_EQ(model->embed(at::tensor({int64_t{0}, rows - 1}, at::kLong).unsqueeze(0)).size(1), 2);
 }
 
 TEST(AllFinite, FindsEveryNonFinitePatternInBodiesAndTailsOfEachDtype) {

@@ -37,6 +37,16 @@ TEST(GlobPattern, BracesExpandIncludingNestedAndRanges) {
   EXPECT_TRUE(range.matches("model.layers.15.self_attn"));
   EXPECT_FALSE(range.matches("model.layers.17.self_attn"));
   EXPECT_TRUE(GlobPattern("a{b}c").matches("a{b}c"));  // no comma: literal, as in bash
+  // One value is a range too ({0..0} is 0 in bash), and bounds with leading zeros pad.
+  EXPECT_TRUE(GlobPattern("model.layers.{0..0}.*").matches("model.layers.0.mlp"));
+  EXPECT_FALSE(GlobPattern("model.layers.{0..0}.*").matches("model.layers.1.mlp"));
+  const GlobPattern padded("e{08..10}");
+  EXPECT_TRUE(padded.matches("e08"));
+  EXPECT_TRUE(padded.matches("e10"));
+  EXPECT_FALSE(padded.matches("e8"));
+  const GlobPattern down("x{2..-1}");
+  for (const char* name : {"x2", "x1", "x0", "x-1"}) EXPECT_TRUE(down.matches(name)) << name;
+  EXPECT_FALSE(down.matches("x3"));
 }
 
 TEST(GlobPattern, MalformedPatternsAreConfigErrors) {
@@ -47,6 +57,14 @@ TEST(GlobPattern, MalformedPatternsAreConfigErrors) {
   EXPECT_EQ(test::errorOf([] { GlobPattern("a.[bc"); }, ErrorCode::kConfig),
             "pattern 'a.[bc': '[' without a matching ']'");
   EXPECT_EQ(test::errorOf([] { GlobPattern(""); }, ErrorCode::kConfig), "pattern '': empty pattern");
+  // A range or a product of groups too large to list fails at once, not after filling the memory.
+  EXPECT_EQ(test::errorOf([] { GlobPattern("*layers.{0..99999999999}.*"); }, ErrorCode::kConfig),
+            "pattern '*layers.{0..99999999999}.*': the range {0..99999999999} has 100000000000 values; at most "
+            "100000");
+  EXPECT_EQ(test::errorOf([] { GlobPattern("{0..99999999999999999999}"); }, ErrorCode::kConfig),
+            "pattern '{0..99999999999999999999}': the range bound 99999999999999999999 is out of range");
+  EXPECT_EQ(test::errorOf([] { GlobPattern("{0..999}.{0..999}"); }, ErrorCode::kConfig),
+            "pattern '{0..999}.{0..999}': expands to more than 100000 patterns");
 }
 
 TEST(ModuleFilter, ExcludeWinsAndUnmatchedPatternsAreReported) {

@@ -65,26 +65,28 @@ std::string suggestion(const CLI::App& at, const std::string& given) {
 // What went wrong, in the user's terms. CLI11 reports a missing required option before an
 // unknown one (so `--model-path` read as "--model_path is required") and an unknown subcommand
 // as a missing one, and lists unexpected arguments last first ("1 --bogus"): the message names
-// the first unknown option, else the unknown subcommand, else the first stray argument.
+// the unknown subcommand where one was due (its options are then unknown too: `qpipe quantize
+// --model_path m` names 'quantize'), else the first unknown option, else the first stray argument.
 std::string usageMessage(CLI::App& app, const CLI::ParseError& e) {
   const std::vector<std::string> extras = app.remaining(/*recurse=*/true);
   CLI::App& at = reached(app);
+  const std::vector<CLI::App*> subs = at.get_subcommands({});
+  std::string names;
+  for (const CLI::App* sub : subs) names += (names.empty() ? "" : ", ") + sub->get_name();
+  const auto word =
+      std::find_if(extras.begin(), extras.end(), [](const std::string& a) { return !a.starts_with("-"); });
+  if (!subs.empty() && word != extras.end()) {
+    return "unknown subcommand '" + *word + "'" + (&at == &app ? "" : " of '" + commandOf(at) + "'") +
+           "; use one of: " + names;
+  }
   // A negative number is a stray argument, not an option.
   const auto option = std::find_if(extras.begin(), extras.end(), [](const std::string& a) {
     return a.starts_with("-") &&
            !(a.size() > 1 && (std::isdigit(static_cast<unsigned char>(a[1])) != 0 || a[1] == '.'));
   });
   if (option != extras.end()) return "unknown option '" + *option + "'" + suggestion(at, *option);
-  const std::vector<CLI::App*> subs = at.get_subcommands({});
-  if (!subs.empty()) {
-    std::string names;
-    for (const CLI::App* sub : subs) names += (names.empty() ? "" : ", ") + sub->get_name();
-    if (!extras.empty()) {
-      return "unknown subcommand '" + extras.front() + "'" + (&at == &app ? "" : " of '" + commandOf(at) + "'") +
-             "; use one of: " + names;
-    }
-    if (dynamic_cast<const CLI::RequiredError*>(&e) != nullptr)
-      return "'" + commandOf(at) + "' needs a subcommand: " + names;
+  if (!subs.empty() && dynamic_cast<const CLI::RequiredError*>(&e) != nullptr) {
+    return "'" + commandOf(at) + "' needs a subcommand: " + names;
   }
   if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr && !extras.empty()) {
     return "unexpected argument '" + extras.front() + "'";

@@ -1,5 +1,7 @@
 #include "qpipe/pattern.h"
 
+#include <algorithm>
+#include <charconv>
 #include <regex>
 
 #include "qpipe/error.h"
@@ -37,9 +39,53 @@ std::vector<std::string> splitTopLevel(const std::string& body) {
   return parts;
 }
 
-// Bash-style brace expansion: {a,b}, nested braces and numeric ranges {0..3}. A brace group
-// with neither a comma nor a range stays literal, as in bash.
+// The most patterns one may expand to: a range of a few thousand layers or experts is far below
+// it, and a typo such as {0..99999999999} fails here instead of filling the memory.
+constexpr size_t kMaxAlternatives = 100000;
+
+// A bound of a numeric range, which must fit a long long.
+long long rangeBound(const std::string& text, const std::string& original) {
+  long long value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size()) {
+    malformed(original, concat("the range bound ", text, " is out of range"));
+  }
+  return value;
+}
+
+// A range's values as bash writes them: padded with zeros to the wider bound where either bound
+// has a leading zero ({08..10}: 08 09 10).
+std::vector<std::string> rangeValues(const std::string& from, const std::string& to, const std::string& original) {
+  const long long first = rangeBound(from, original), last = rangeBound(to, original);
+  const unsigned long long count =
+      (first <= last ? static_cast<unsigned long long>(last) - static_cast<unsigned long long>(first)
+                     : static_cast<unsigned long long>(first) - static_cast<unsigned long long>(last)) +
+      1;
+  if (count > kMaxAlternatives) {
+    malformed(original, concat("the range {", from, "..", to, "} has ", count, " values; at most ", kMaxAlternatives));
+  }
+  const auto padded = [](const std::string& bound) {
+    const size_t digits = bound[0] == '-' ? 1 : 0;
+    return bound.size() > digits + 1 && bound[digits] == '0';
+  };
+  const size_t width = padded(from) || padded(to) ? std::max(from.size(), to.size()) : 0;
+  std::vector<std::string> values;
+  for (long long v = first;; v += first <= last ? 1 : -1) {
+    std::string text = std::to_string(v < 0 ? -v : v);
+    const size_t digits = width > (v < 0 ? 1 : 0) ? width - (v < 0 ? 1 : 0) : 0;
+    if (text.size() < digits) text.insert(0, digits - text.size(), '0');
+    values.push_back(v < 0 ? "-" + text : text);
+    if (v == last) break;
+  }
+  return values;
+}
+
+// Bash-style brace expansion: {a,b}, nested braces and numeric ranges {0..3}, {7..7} included. A
+// brace group with neither a comma nor a range stays literal, as in bash.
 void expand(const std::string& pattern, const std::string& original, std::vector<std::string>& out) {
+  if (out.size() >= kMaxAlternatives) {
+    malformed(original, concat("expands to more than ", kMaxAlternatives, " patterns"));
+  }
   const size_t open = pattern.find('{');
   if (open == std::string::npos) {
     if (pattern.find('}') != std::string::npos) malformed(original, "'}' without a matching '{'");
@@ -54,19 +100,10 @@ void expand(const std::string& pattern, const std::string& original, std::vector
 
   static const std::regex kRange(R"((-?[0-9]+)\.\.(-?[0-9]+))");
   std::smatch range;
-  std::vector<std::string> alternatives;
-  if (std::regex_match(body, range, kRange)) {
-    const long first = std::stol(range[1]);
-    const long last = std::stol(range[2]);
-    const long step = first <= last ? 1 : -1;
-    for (long v = first;; v += step) {
-      alternatives.push_back(std::to_string(v));
-      if (v == last) break;
-    }
-  } else {
-    alternatives = splitTopLevel(body);
-  }
-  if (alternatives.size() == 1) {
+  const bool isRange = std::regex_match(body, range, kRange);
+  const std::vector<std::string> alternatives =
+      isRange ? rangeValues(range[1], range[2], original) : splitTopLevel(body);
+  if (!isRange && alternatives.size() == 1) {
     // Literal braces: keep them, expand what follows.
     std::vector<std::string> tails;
     expand(suffix, original, tails);

@@ -363,9 +363,18 @@ ConvertSummary convertToHf(const fs::path& input, const fs::path& outputDir, con
                 ": metadata 'tokenizer.ggml.tokens' has ", tokens.size(), " tokens, more than the ", h.vocabSize,
                 " rows of 'token_embd.weight'");
 
-  const fs::path target = fs::absolute(outputDir).lexically_normal();
+  fs::path target = fs::absolute(outputDir).lexically_normal();
+  if (target.filename().empty()) target = target.parent_path();  // "out/" and "." name the folder
   QPIPE_REQUIRE(options.overwrite || !fs::exists(target), ErrorCode::kIo, target.string(),
                 ": already exists (remove it, or pass --overwrite)");
+  // --overwrite removes the output: never the input, nor a folder that holds it.
+  if (fs::exists(target)) {
+    const fs::path held = fs::canonical(input), folder = fs::canonical(target);
+    const auto [end, inside] = std::mismatch(folder.begin(), folder.end(), held.begin(), held.end());
+    QPIPE_REQUIRE(end != folder.end(), ErrorCode::kUsage, "--output '", target.string(), "' ",
+                  held == folder ? "is" : "holds", " the input '", name,
+                  "', which --overwrite would remove; choose another --output");
+  }
   const fs::path partial =
       target.parent_path() / ("." + target.filename().string() + ".partial-" + std::to_string(::getpid()));
   std::error_code ec;

@@ -263,8 +263,11 @@ void validateCheckpoint(const std::filesystem::path& dir, const ModelConfig& c, 
       layersPresent = std::max<int64_t>(layersPresent, std::stoll(index) + 1);
     }
   }
-  QPIPE_REQUIRE(c.numLayers <= layersPresent, ErrorCode::kInput, where, ": config.json has num_hidden_layers ",
-                c.numLayers, ", but the checkpoint holds ", layersPresent, " layers");
+  // More layers than config.json names would be dropped without a word, from an evaluation and
+  // from a quantized checkpoint (the families qpipe runs have no extra layers, such as MTP's).
+  QPIPE_REQUIRE(c.numLayers == layersPresent, ErrorCode::kInput, where, ": config.json has num_hidden_layers ",
+                c.numLayers, ", but the checkpoint holds ", layersPresent, " layers",
+                c.numLayers < layersPresent ? concat(" (model.layers.0 to ", layersPresent - 1, ")") : "");
   const auto isFloat = [](const std::string& dtype) { return dtype.starts_with("F") || dtype == "BF16"; };
   const auto describeShape = [](const std::vector<int64_t>& shape) {
     std::string text = "[";
@@ -607,6 +610,13 @@ uint64_t CausalLM::releaseLayer(int64_t index) {
 at::Tensor CausalLM::embed(const at::Tensor& ids) {
   Module& embedding = root_->getSubmodule("model.embed_tokens");
   const at::Tensor& table = embedding.parameter("weight");
+  // A tokenizer of another model gives ids past the table: named here, not as an index error.
+  if (ids.numel() > 0) {
+    const int64_t low = ids.min().item<int64_t>(), high = ids.max().item<int64_t>();
+    QPIPE_REQUIRE(low >= 0 && high < table.size(0), ErrorCode::kInput, "token id ", low < 0 ? low : high,
+                  " is outside the model's ", table.size(0), " embedding rows (vocab_size in ", dir_.string(),
+                  "/config.json); does tokenizer.json belong to this model?");
+  }
   return embedding(ids.to(table.device())).to(options_.device, options_.dtype);
 }
 
