@@ -347,6 +347,9 @@ TEST(Cli, AnOptionGivenTwiceOrWithoutItsValueIsSaidPlainly) {
             "qpipe: usage error: --model_path is given more than once; give it once (see 'qpipe quant --help')\n");
   EXPECT_EQ(qpipe("quant --save_path s --quant_type w8a8 --model_path").err,
             "qpipe: usage error: --model_path needs a value (see 'qpipe quant --help')\n");
+  EXPECT_EQ(qpipe("quant --model_path m --save_path s --quant_type w8a8 --allow_non_finite=maybe").err,
+            "qpipe: usage error: --allow_non_finite: a flag takes true or false (or no value), got 'maybe' (see 'qpipe "
+            "quant --help')\n");
 }
 
 TEST(Cli, UnknownSubcommandIsNamed) {

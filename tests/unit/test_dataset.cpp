@@ -135,6 +135,9 @@ TEST(Dataset, FileErrors) {
   // Found by the data loader, which names the data file (the tokenizer could only name its own).
   const auto latin1 = writeTempFile("latin1.txt", "first line\ncaf\xe9 au lait\n");
   EXPECT_EQ(loadError(latin1), latin1.string() + ":2:4: byte 0xE9 is not valid UTF-8; save the file as UTF-8");
+  const auto latin1Jsonl = writeTempFile("latin1.jsonl", "{\"text\": \"a\"}\n{\"text\": \"caf\xe9\"}\n");
+  EXPECT_EQ(loadError(latin1Jsonl),
+            latin1Jsonl.string() + ":2:14: byte 0xE9 is not valid UTF-8; save the file as UTF-8");
   const auto csv = writeTempFile("calib.csv", "text\na\n");
   EXPECT_EQ(loadError(csv), csv.string() + ": unknown data file type \".csv\"; expected .jsonl, .json or .txt");
   for (const char* name : {"empty.jsonl", "empty.json", "empty.txt"}) {

@@ -66,6 +66,17 @@ TEST(PluginLoader, FileThatIsNotASharedLibraryIsRejected) {
   EXPECT_EQ(loadError(kFaults / "libfault_not_elf.so"),
             prefix(kFaults / "libfault_not_elf.so") + "not a shared library (not an ELF file for this platform)");
   EXPECT_EQ(loadError(kFaults / "missing.so"), prefix(kFaults / "missing.so") + "not a regular file");
+  // Links that lead round in a loop are one rejected library in a scan, not an error of every command.
+  const fs::path loop = test::testDir() / "plugin_loop";
+  fs::remove_all(loop);
+  fs::create_directories(loop);
+  fs::create_symlink("b.so", loop / "a.so");
+  fs::create_symlink("a.so", loop / "b.so");
+  EXPECT_EQ(loadError(loop / "a.so"), prefix(loop / "a.so") + "Too many levels of symbolic links");
+  Registry registry;
+  PluginLoader loader(registry);
+  loader.loadDirectories({{loop, "--plugin_dir"}});
+  EXPECT_EQ(loader.rejected().size(), 2u);
 }
 
 // A library cut short (an interrupted copy or build) is refused before dlopen, which would map its

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -91,9 +92,17 @@ std::string usageMessage(CLI::App& app, const CLI::ParseError& e) {
   if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr && !extras.empty()) {
     return "unexpected argument '" + extras.front() + "'";
   }
-  // CLI11's "--model_path: At Most 1 required but received 2" and "--model_path: 1 required TEXT
-  // missing", in plain words.
+  // CLI11's "--model_path: At Most 1 required but received 2", "--model_path: 1 required TEXT
+  // missing" and a flag's "Could not convert: --allow_non_finite = maybe", in plain words.
   const std::string what = e.what();
+  static const std::regex kFlagValue(R"(Could not convert: (--\w+) = (.*))");
+  std::smatch flag;
+  if (dynamic_cast<const CLI::ConversionError*>(&e) != nullptr && std::regex_match(what, flag, kFlagValue)) {
+    const CLI::Option* option = at.get_option_no_throw(flag[1].str());
+    if (option != nullptr && option->get_expected_min() == 0) {
+      return flag[1].str() + ": a flag takes true or false (or no value), got '" + flag[2].str() + "'";
+    }
+  }
   if (dynamic_cast<const CLI::ArgumentMismatch*>(&e) != nullptr && what.find(": ") != std::string::npos) {
     const std::string option = what.substr(0, what.find(": "));
     if (what.find("At Most") != std::string::npos) return option + " is given more than once; give it once";

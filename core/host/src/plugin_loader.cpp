@@ -144,7 +144,11 @@ const PluginRecord& PluginLoader::load(const fs::path& path) {
   for (const auto& record : loaded_) {
     if (record.origin == origin) return record;
   }
-  if (!fs::is_regular_file(path)) reject("not a regular file");
+  // A link loop or an unreadable entry is one rejected library, not a failure of every command.
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) {
+    reject(ec && ec != std::errc::no_such_file_or_directory ? ec.message() : "not a regular file");
+  }
   try {
     boost::dll::library_info info(path, /*throw_if_not_native_format=*/true);
   } catch (const std::exception&) {
