@@ -81,6 +81,14 @@ TEST(ConfigNode, SyntaxErrorsNameFileLineAndColumn) {
       test::errorOf([] { ConfigNode::parseYaml("a: [1, 2\nb: 3\n", "bad.yaml"); }, ErrorCode::kConfig);
   EXPECT_EQ(message.rfind("bad.yaml:", 0), 0u) << message;
   EXPECT_NE(message.find("YAML syntax error"), std::string::npos) << message;
+  // A NUL byte in a file is named where it is, not as the escape yaml-cpp then misreads.
+  const auto nul = test::writeTempFile("nul.yaml", std::string("apiversion: modelslim_v1\nspec: {a") + '\0' + ": 1}\n");
+  EXPECT_EQ(test::errorOf([&] { ConfigNode::loadYamlFile(nul); }, ErrorCode::kConfig),
+            nul.string() + ":2:9: a NUL byte; a pipeline is YAML text");
+  // A control byte yaml-cpp quotes stays on the one line.
+  const std::string control =
+      test::errorOf([] { ConfigNode::parseYaml("a: \"\\\x01\"\n", "esc.yaml"); }, ErrorCode::kConfig);
+  EXPECT_EQ(control, "esc.yaml:1:7: YAML syntax error: unknown escape character: \\x01");
 }
 
 TEST(ConfigNode, MoreThanOneDocumentIsRejected) {

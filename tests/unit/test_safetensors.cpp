@@ -254,6 +254,14 @@ TEST(Safetensors, CheckpointErrorsNameTheFolderAndTensor) {
   EXPECT_EQ(test::errorOf([&] { Checkpoint::open(dir); }, ErrorCode::kInput),
             (dir / "model.safetensors.index.json").string() +
                 ": lists tensor 'b' in model.safetensors, which does not hold it");
+  // A shard outside the model folder is not followed.
+  for (const std::string shard : {"../model.safetensors", "/etc/passwd", ".."}) {
+    std::ofstream(dir / "model.safetensors.index.json", std::ios::trunc)
+        << R"({"weight_map": {"a": ")" << shard << R"("}})";
+    EXPECT_EQ(test::errorOf([&] { Checkpoint::open(dir); }, ErrorCode::kInput),
+              (dir / "model.safetensors.index.json").string() + ": weight_map entry of 'a' is '" + shard +
+                  "', not a file name in the model folder");
+  }
   const fs::path empty = dir / "empty";
   fs::create_directories(empty);
   EXPECT_EQ(test::errorOf([&] { Checkpoint::open(empty); }, ErrorCode::kInput),

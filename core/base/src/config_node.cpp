@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <regex>
@@ -338,8 +340,20 @@ ConfigNode parseStream(std::istream& in, const std::string& fileName) {
     QPIPE_REQUIRE(!parser.HandleNextDocument(extra), ErrorCode::kConfig, fileName,
                   ": holds more than one YAML document; put the pipeline in one");
   } catch (const YAML::Exception& e) {
+    // yaml-cpp quotes the offending byte as it is: a control byte would break the one line.
+    std::string why;
+    for (const char c : e.msg) {
+      const auto byte = static_cast<unsigned char>(c);
+      if (byte >= 0x20 && byte != 0x7f) {
+        why += c;
+      } else {
+        char escaped[8];
+        std::snprintf(escaped, sizeof escaped, "\\x%02X", byte);
+        why += escaped;
+      }
+    }
     throw Error(ErrorCode::kConfig,
-                concat(fileName, ":", e.mark.line + 1, ":", e.mark.column + 1, ": YAML syntax error: ", e.msg));
+                concat(fileName, ":", e.mark.line + 1, ":", e.mark.column + 1, ": YAML syntax error: ", why));
   }
   return builder.takeRoot();
 }
@@ -395,7 +409,15 @@ ConfigNode ConfigNode::loadYamlFile(const std::filesystem::path& file) {
   requireRegularFile(file);
   std::ifstream in(file);
   QPIPE_REQUIRE(in.good(), ErrorCode::kIo, "cannot open '", file.string(), "': permission denied");
-  return parseStream(in, file.string());
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  // yaml-cpp reads a NUL as the end of a line, and then blames what follows it.
+  if (const size_t nul = text.find('\0'); nul != std::string::npos) {
+    const size_t lineStart = text.rfind('\n', nul);
+    const size_t column = nul - (lineStart == std::string::npos ? 0 : lineStart + 1) + 1;
+    throw Error(ErrorCode::kConfig, concat(file.string(), ":", std::count(text.begin(), text.begin() + nul, '\n') + 1,
+                                           ":", column, ": a NUL byte; a pipeline is YAML text"));
+  }
+  return parseYaml(text, file.string());
 }
 
 ConfigNode ConfigNode::parseYaml(std::string_view text, const std::string& fileName) {

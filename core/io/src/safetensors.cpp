@@ -296,6 +296,12 @@ Checkpoint Checkpoint::open(const fs::path& fileOrDir, const std::string& filePr
       for (const auto& [name, fileName] : json["weight_map"].items()) {
         if (!fileName.is_string()) invalid(index, "weight_map entry of '" + name + "' is not a file name");
         const std::string shardName = fileName.get<std::string>();
+        // A shard is a file of the model folder: a path elsewhere ("../x") is not followed.
+        if (shardName.empty() || shardName == "." || shardName == ".." ||
+            shardName.find_first_of("/\\") != std::string::npos) {
+          invalid(index,
+                  "weight_map entry of '" + name + "' is '" + shardName + "', not a file name in the model folder");
+        }
         if (!shardByFile.count(shardName)) shardByFile[shardName] = addShard(fileOrDir / shardName);
         const size_t shard = shardByFile[shardName];
         if (checkpoint.shards_[shard].file->find(name) == nullptr) {
