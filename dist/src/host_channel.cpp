@@ -143,8 +143,8 @@ struct HostChannel::Layout {
     int64_t arrivals;  // Σ over gathers of the ranks that reached it: gather n is complete at world · (n + 1)
     uint32_t wake;     // the futex word: bumped when a step completes or a rank fails or leaves
     int32_t failed;    // 1 + the rank that marked itself failed; 0 while none has
-    int32_t left;      // 1 + a rank whose group was destroyed; 0 while none has
   };
+  static_assert(sizeof(Header) <= 64, "the pids follow the header at byte 64");
   struct alignas(64) Counter {
     uint32_t state;  // 0 free, 1 being claimed, 2 holds `key`
     char key[kKeyBytes];
@@ -153,9 +153,11 @@ struct HostChannel::Layout {
   static_assert(sizeof(Counter) == 64);
 
   static size_t pidsOffset() { return 64; }
-  // Per rank: the number of steps it has arrived at, which names the ranks a wait lacks.
+  // Per rank: the number of steps it has arrived at, which names the ranks a wait lacks; then
+  // whether its group was destroyed (1), one flag a rank so that none overwrites another's.
   static size_t arrivedOffset(int world) { return pidsOffset() + sizeof(int64_t) * world; }
-  static size_t countersOffset(int world) { return (arrivedOffset(world) + sizeof(int64_t) * world + 63) / 64 * 64; }
+  static size_t leftOffset(int world) { return arrivedOffset(world) + sizeof(int64_t) * world; }
+  static size_t countersOffset(int world) { return (leftOffset(world) + sizeof(int64_t) * world + 63) / 64 * 64; }
   static size_t buffersOffset(int world) { return countersOffset(world) + sizeof(Counter) * kCounterSlots; }
   static size_t size(int world) { return buffersOffset(world) + 2 * static_cast<size_t>(world) * kSlotBytes; }
 
@@ -163,6 +165,9 @@ struct HostChannel::Layout {
   static int64_t* pids(void* base) { return reinterpret_cast<int64_t*>(static_cast<char*>(base) + pidsOffset()); }
   static int64_t* arrived(void* base, int world) {
     return reinterpret_cast<int64_t*>(static_cast<char*>(base) + arrivedOffset(world));
+  }
+  static int64_t* left(void* base, int world) {
+    return reinterpret_cast<int64_t*>(static_cast<char*>(base) + leftOffset(world));
   }
   static Counter* counters(void* base, int world) {
     return reinterpret_cast<Counter*>(static_cast<char*>(base) + countersOffset(world));
@@ -286,7 +291,7 @@ HostChannel::HostChannel(void* base, size_t size, int rank, int worldSize)
 // A peer still waiting for this rank learns that it will not come (peerGone).
 HostChannel::~HostChannel() {
   Layout::Header& header = Layout::header(base_);
-  std::atomic_ref(header.left).store(rank_ + 1, std::memory_order_release);
+  std::atomic_ref(Layout::left(base_, worldSize_)[rank_]).store(1, std::memory_order_release);
   std::atomic_ref(header.wake).fetch_add(1, std::memory_order_release);
   futexWakeAll(&header.wake);
   ::munmap(base_, size_);
@@ -439,29 +444,34 @@ std::optional<std::string> HostChannel::peerGone() const {
   Layout::Header& header = Layout::header(base_);
   const int failed = std::atomic_ref(header.failed).load(std::memory_order_acquire);
   if (failed > 0 && failed - 1 != rank_) return "rank " + std::to_string(failed - 1) + " failed";
-  // A peer that had arrived at this step and then went waited with this rank and gave up (its
-  // timeout): the cause is the ranks that never came.
-  const auto named = [&](int gone, const std::string& what) {
-    const std::string peer = "rank " + std::to_string(gone);
-    const std::vector<int> missing = absent();
-    if (missing.empty() ||
-        std::atomic_ref(Layout::arrived(base_, worldSize_)[gone]).load(std::memory_order_acquire) < waitingFor_) {
-      return peer + " " + what;
-    }
-    return describeRanks(missing) + " did not arrive; " + peer + ", which waited with this rank, " + what;
-  };
-  const int left = std::atomic_ref(header.left).load(std::memory_order_acquire);
-  if (left > 0 && left - 1 != rank_) return named(left - 1, "closed its process group");
+  // Who went, and how: a group closed (this class's destructor) or a process exited.
+  std::vector<std::pair<int, std::string>> gone;
   // One poll of every pidfd: a wait looks every nap, and /proc at 64 ranks cost a tenth of a core.
   const bool anyExited = ::poll(pidfds_.data(), pidfds_.size(), 0) > 0;
   const int64_t* pids = Layout::pids(base_);
+  const int64_t* left = Layout::left(base_, worldSize_);
   for (int r = 0; r < worldSize_; ++r) {
+    if (r == rank_) continue;
     const auto pid = static_cast<pid_t>(std::atomic_ref(pids[r]).load(std::memory_order_acquire));
     const pollfd& peer = pidfds_[static_cast<size_t>(r)];
-    const bool gone = peer.fd >= 0 ? anyExited && peer.revents != 0 : r != rank_ && pid > 0 && exited(pid);
-    if (gone) return named(r, "(pid " + std::to_string(pid) + ") exited");
+    if (std::atomic_ref(left[r]).load(std::memory_order_acquire) != 0) {
+      gone.emplace_back(r, "closed its process group");
+    } else if (peer.fd >= 0 ? anyExited && peer.revents != 0 : pid > 0 && exited(pid)) {
+      gone.emplace_back(r, "(pid " + std::to_string(pid) + ") exited");
+    }
   }
-  return std::nullopt;
+  if (gone.empty()) return std::nullopt;
+  // A rank that went before it reached this step is the cause. One that had reached it and went
+  // waited with this rank and gave up (its timeout, most likely): the cause is then the ranks that
+  // never came.
+  const std::vector<int> missing = absent();
+  for (const auto& [r, what] : gone) {
+    if (std::find(missing.begin(), missing.end(), r) != missing.end()) return "rank " + std::to_string(r) + " " + what;
+  }
+  const auto& [first, what] = gone.front();
+  if (missing.empty()) return "rank " + std::to_string(first) + " " + what;
+  return describeRanks(missing) + " did not arrive; rank " + std::to_string(first) + ", which waited with this rank, " +
+         what;
 }
 
 }  // namespace qpipe::dist

@@ -58,8 +58,9 @@ class HostChannel {
   // Wakes the ranks waiting in step(): this rank failed, and check() then finds its report.
   void markFailed() noexcept;
   // Why a peer will not arrive, if one will not: it marked itself failed, closed its group (this
-  // class's destructor), or its process exited. A peer that had arrived at the step this rank
-  // waits in and then went gave up waiting: the message names the ranks still absent instead.
+  // class's destructor), or its process exited; a rank absent from the step this rank waits in
+  // first. A peer that had arrived there and then went gave up waiting: the message then names
+  // the ranks still absent.
   std::optional<std::string> peerGone() const;
   // The ranks that have not arrived at the step this rank waits in (empty outside step's wait).
   std::vector<int> absent() const;

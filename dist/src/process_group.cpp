@@ -858,12 +858,8 @@ void rendezvous(c10d::Store& store, const GroupOptions& options) {
       std::erase_if(missing, [&](int r) { return store.check({joinedKey(r)}); });
       if (missing.empty()) break;
       if (Clock::now() >= deadline) {
-        std::ostringstream message;
-        message << "rank" << (missing.size() > 1 ? "s" : "");
-        for (size_t i = 0; i < missing.size(); ++i) message << (i ? ", " : " ") << missing[i];
-        message << " did not join at " << masterName(options) << " within " << seconds(options.timeout)
-                << " (WORLD_SIZE=" << options.worldSize << ")";
-        fail(message.str());
+        fail(concat(HostChannel::describeRanks(missing), " did not join at ", masterName(options), " within ",
+                    seconds(options.timeout), " (WORLD_SIZE=", options.worldSize, ")"));
       }
       backoff.wait();
     }

@@ -431,10 +431,9 @@ struct DistributedTaskScheduler::Impl {
     std::iota(order.begin(), order.end(), size_t{0});
     std::stable_sort(order.begin(), order.end(),
                      [&](size_t a, size_t b) { return tasks[wave.tasks[a]].cost > tasks[wave.tasks[b]].cost; });
-    // Their weights in the guided chunks, in that order: the costs where every task has one.
-    const bool costed = std::all_of(wave.tasks.begin(), wave.tasks.end(), [&](size_t t) { return tasks[t].cost > 0; });
-    std::vector<double> weights;
-    for (size_t i : order) weights.push_back(costed ? tasks[wave.tasks[i]].cost : 1.0);
+    std::vector<double> costs;
+    for (size_t i : order) costs.push_back(tasks[wave.tasks[i]].cost);
+    const std::vector<double> weights = claimWeights(costs);
     int64_t next = group.rank();
     // Dynamic: consecutive tasks in claims of claimSize.
     int64_t claimed = 0, claimEnd = 0, seen = 0;
@@ -750,15 +749,21 @@ bool DistributedTaskScheduler::globalDisableParallel() {
 int64_t claimSize(std::span<const double> left, int worldSize, int64_t claimLimit) {
   double total = 0;
   for (double w : left) total += w;
-  // With weights of 1 the products and sums are whole numbers, exact: ceil(size / 4W) tasks.
-  const double parts = 4.0 * worldSize;
+  // With weights of 1 the products and sums are whole numbers, exact: ceil(size / 4W) tasks. The
+  // margin keeps equal fractional costs to the same count (ten of 0.1 are not quite 1).
+  const double parts = 4.0 * worldSize, target = total * (1 - 1e-9);
   int64_t chunk = 0;
   double taken = 0;
-  while (chunk < static_cast<int64_t>(left.size()) && (chunk == 0 || taken * parts < total)) {
+  while (chunk < static_cast<int64_t>(left.size()) && (chunk == 0 || taken * parts < target)) {
     taken += left[static_cast<size_t>(chunk++)];
   }
   const int64_t guided = std::max<int64_t>(1, chunk);
   return claimLimit > 0 ? std::min(guided, claimLimit) : guided;
+}
+
+std::vector<double> claimWeights(std::span<const double> costs) {
+  const bool costed = std::all_of(costs.begin(), costs.end(), [](double cost) { return cost > 0; });
+  return costed ? std::vector<double>(costs.begin(), costs.end()) : std::vector<double>(costs.size(), 1.0);
 }
 
 bool pathsOverlap(const std::string& a, const std::string& b) {

@@ -369,6 +369,10 @@ TEST(Cli, UnknownSubcommandIsNamed) {
   EXPECT_EQ(qpipe("convert safetensors --input x").err,
             "qpipe: usage error: unknown subcommand 'safetensors' of 'qpipe convert'; use one of: gguf (see 'qpipe "
             "convert --help')\n");
+  // Without a subcommand, its options' values are not taken for one.
+  EXPECT_EQ(qpipe("--model_path m").err, "qpipe: usage error: unknown option '--model_path' (see 'qpipe --help')\n");
+  EXPECT_EQ(qpipe("convert --input x.gguf").err,
+            "qpipe: usage error: unknown option '--input' (see 'qpipe convert --help')\n");
 }
 
 // `qpipe help [command]` is `qpipe [command] --help`.

@@ -291,15 +291,18 @@ void hostChannel() {
   std::cout << "done" << std::endl;
 }
 
-// The last rank stops answering (stuck, not dead) for ten times the timeout.
-// The last rank sleeps through `timeouts` of the others' timeout before its collective.
+// The last rank stops answering (stuck, not dead) for `timeouts` times the others' timeout. In the
+// gather, rank 0 comes 3/4 of a timeout after the others, so that they give up first and rank 0,
+// still waiting, sees one of them go.
 void peerHangs(bool gather, int timeouts) {
   ProcessGroup& group = world();
+  const int timeout = std::stoi(std::getenv("QPIPE_DIST_TIMEOUT_S"));
   if (group.rank() == group.worldSize() - 1) {
-    std::this_thread::sleep_for(std::chrono::seconds(timeouts * std::stoi(std::getenv("QPIPE_DIST_TIMEOUT_S"))));
+    std::this_thread::sleep_for(std::chrono::seconds(timeouts * timeout));
     return;
   }
   if (gather) {
+    if (group.rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(750 * timeout));
     group.allGatherBytesWithin("x", 8);
     std::cout << "unexpected: gathered" << std::endl;
     return;
@@ -721,7 +724,7 @@ int main(int argc, char** argv) {
     } else if (scenario == "peer_hangs") {
       peerHangs(false, 10);
     } else if (scenario == "peer_hangs_in_gather") {
-      peerHangs(true, 4);
+      peerHangs(true, 3);
     } else if (scenario == "master_fails") {
       masterFails();
     } else if (scenario == "dts_dynamic") {

@@ -668,10 +668,11 @@ TEST(QuantMultirank, DeviceListErrorsAreUsageErrors) {
   EXPECT_EQ(r.err,
             "qpipe: usage error: --device 'cpu:0,0' lists cpu:0 twice; give each device once (one rank per "
             "device)\n");
-  for (const std::string device : {"cpu:0,x", "cpu:0,01", "cpu:+1", "cpu:0,", "cpu:"}) {
+  for (const char* device : {"cpu:0,x", "cpu:0,01", "cpu:00", "cpu:0,"}) {
     r = quant(device);
     EXPECT_EQ(r.exitCode, code(ErrorCode::kUsage)) << device;
-    EXPECT_EQ(r.err, "qpipe: usage error: --device '" + device + "' is not cpu, cuda, cpu:0,1,… or cuda:N[,M,…]\n");
+    EXPECT_EQ(r.err, "qpipe: usage error: --device '" + std::string(device) +
+                         "' is not cpu, cuda, cpu:0,1,… or cuda:N[,M,…]\n");
   }
   // The ranks' environment is refused before they start, and before the launcher makes its
   // folder of their error files; a process of a run of one (WORLD_SIZE=1) starts no ranks.

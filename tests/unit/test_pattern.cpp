@@ -47,6 +47,7 @@ TEST(GlobPattern, BracesExpandIncludingNestedAndRanges) {
   const GlobPattern down("x{2..-1}");
   for (const char* name : {"x2", "x1", "x0", "x-1"}) EXPECT_TRUE(down.matches(name)) << name;
   EXPECT_FALSE(down.matches("x3"));
+  EXPECT_TRUE(GlobPattern("x{-9223372036854775808..-9223372036854775807}").matches("x-9223372036854775808"));
 }
 
 TEST(GlobPattern, MalformedPatternsAreConfigErrors) {
@@ -59,8 +60,10 @@ TEST(GlobPattern, MalformedPatternsAreConfigErrors) {
   EXPECT_EQ(test::errorOf([] { GlobPattern(""); }, ErrorCode::kConfig), "pattern '': empty pattern");
   // A range or a product of groups too large to list fails at once, not after filling the memory.
   EXPECT_EQ(test::errorOf([] { GlobPattern("*layers.{0..99999999999}.*"); }, ErrorCode::kConfig),
-            "pattern '*layers.{0..99999999999}.*': the range {0..99999999999} has 100000000000 values; at most "
-            "100000");
+            "pattern '*layers.{0..99999999999}.*': the range {0..99999999999} has more than 100000 values");
+  EXPECT_EQ(test::errorOf([] { GlobPattern("{-9223372036854775808..9223372036854775807}"); }, ErrorCode::kConfig),
+            "pattern '{-9223372036854775808..9223372036854775807}': the range "
+            "{-9223372036854775808..9223372036854775807} has more than 100000 values");
   EXPECT_EQ(test::errorOf([] { GlobPattern("{0..99999999999999999999}"); }, ErrorCode::kConfig),
             "pattern '{0..99999999999999999999}': the range bound 99999999999999999999 is out of range");
   EXPECT_EQ(test::errorOf([] { GlobPattern("{0..999}.{0..999}"); }, ErrorCode::kConfig),

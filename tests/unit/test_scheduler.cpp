@@ -158,6 +158,12 @@ TEST(Scheduler, DynamicClaimsAreGuidedChunksUnderTheLimit) {
   EXPECT_EQ(scheduler::claimSize(std::vector<double>(84, 3.0), 8, 0), 3);
   EXPECT_EQ(scheduler::claimSize(std::vector<double>{100.0, 1.0, 1.0, 1.0}, 1, 0), 1);
   EXPECT_EQ(scheduler::claimSize(std::vector<double>{1.0, 1.0, 1.0, 100.0}, 1, 0), 4);
+  // Equal costs claim as counted, also fractional ones (32 of 0.1 on 2 ranks: 4, as 32 of 1).
+  EXPECT_EQ(scheduler::claimSize(std::vector<double>(32, 0.1), 2, 0), 4);
+  // A wave is weighed by its costs only where every task has one.
+  EXPECT_EQ(scheduler::claimWeights(std::vector<double>{9, 3, 3}), (std::vector<double>{9, 3, 3}));
+  EXPECT_EQ(scheduler::claimWeights(std::vector<double>{9, 3, 0}), (std::vector<double>{1, 1, 1}));
+  EXPECT_TRUE(scheduler::claimWeights(std::vector<double>{}).empty());
 
   auto root = tree();
   const auto group = ProcessGroup::single();

@@ -200,10 +200,14 @@ def rebased(task, bases, carriers):
 
 
 def claim_size(weights, ranks):
-    """The scheduler's guided chunk (scheduler::claimSize): the fewest of the unclaimed tasks'
-    weights, in hand-out order, that reach a 4N-th of their sum; at least 1."""
-    total, taken, chunk = sum(weights), 0.0, 0
-    while chunk < len(weights) and (chunk == 0 or taken * 4 * ranks < total):
+    """The scheduler's guided chunk (scheduler::claimSize), operation for operation: the fewest of
+    the unclaimed tasks' weights, in hand-out order, that reach a 4N-th of their sum; at least 1.
+    The sum is a plain loop, as in C++ (Python 3.12's sum() compensates)."""
+    total = 0.0
+    for weight in weights:
+        total += weight
+    target, taken, chunk = total * (1 - 1e-9), 0.0, 0
+    while chunk < len(weights) and (chunk == 0 or taken * (4.0 * ranks) < target):
         taken += weights[chunk]
         chunk += 1
     return max(1, chunk)

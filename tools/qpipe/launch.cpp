@@ -291,7 +291,7 @@ DeviceList parseDeviceList(const std::string& text) {
       const size_t comma = rest.find(',');
       const std::string_view part = rest.substr(0, comma);
       const std::optional<int> index = parseInt(part);
-      // Written as the index prints ("01" or "+1" would pass for 1 beside a 0 given once).
+      // Written as the index prints: "01" reads as 1, and beside a 0 given once passed for a device.
       QPIPE_REQUIRE(index && *index >= 0 && std::to_string(*index) == part, ErrorCode::kUsage, usage);
       QPIPE_REQUIRE(std::find(list.indices.begin(), list.indices.end(), *index) == list.indices.end(),
                     ErrorCode::kUsage, "--device '", text, "' lists ", type, ":", *index,

@@ -74,10 +74,9 @@ std::string usageMessage(CLI::App& app, const CLI::ParseError& e) {
   const std::vector<CLI::App*> subs = at.get_subcommands({});
   std::string names;
   for (const CLI::App* sub : subs) names += (names.empty() ? "" : ", ") + sub->get_name();
-  const auto word =
-      std::find_if(extras.begin(), extras.end(), [](const std::string& a) { return !a.starts_with("-"); });
-  if (!subs.empty() && word != extras.end()) {
-    return "unknown subcommand '" + *word + "'" + (&at == &app ? "" : " of '" + commandOf(at) + "'") +
+  // Only a word right after the command is one (`qpipe --model_path m` misses the subcommand).
+  if (!subs.empty() && !extras.empty() && !extras.front().starts_with("-")) {
+    return "unknown subcommand '" + extras.front() + "'" + (&at == &app ? "" : " of '" + commandOf(at) + "'") +
            "; use one of: " + names;
   }
   // A negative number is a stray argument, not an option.

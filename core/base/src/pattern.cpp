@@ -57,12 +57,12 @@ long long rangeBound(const std::string& text, const std::string& original) {
 // has a leading zero ({08..10}: 08 09 10).
 std::vector<std::string> rangeValues(const std::string& from, const std::string& to, const std::string& original) {
   const long long first = rangeBound(from, original), last = rangeBound(to, original);
-  const unsigned long long count =
-      (first <= last ? static_cast<unsigned long long>(last) - static_cast<unsigned long long>(first)
-                     : static_cast<unsigned long long>(first) - static_cast<unsigned long long>(last)) +
-      1;
-  if (count > kMaxAlternatives) {
-    malformed(original, concat("the range {", from, "..", to, "} has ", count, " values; at most ", kMaxAlternatives));
+  // The distance in unsigned arithmetic, which holds it whatever the bounds; the count is one more.
+  const unsigned long long distance =
+      first <= last ? static_cast<unsigned long long>(last) - static_cast<unsigned long long>(first)
+                    : static_cast<unsigned long long>(first) - static_cast<unsigned long long>(last);
+  if (distance >= kMaxAlternatives) {
+    malformed(original, concat("the range {", from, "..", to, "} has more than ", kMaxAlternatives, " values"));
   }
   const auto padded = [](const std::string& bound) {
     const size_t digits = bound[0] == '-' ? 1 : 0;
@@ -71,7 +71,9 @@ std::vector<std::string> rangeValues(const std::string& from, const std::string&
   const size_t width = padded(from) || padded(to) ? std::max(from.size(), to.size()) : 0;
   std::vector<std::string> values;
   for (long long v = first;; v += first <= last ? 1 : -1) {
-    std::string text = std::to_string(v < 0 ? -v : v);
+    // The magnitude as unsigned: -v overflows for the smallest long long.
+    std::string text =
+        std::to_string(v < 0 ? 0ULL - static_cast<unsigned long long>(v) : static_cast<unsigned long long>(v));
     const size_t digits = width > (v < 0 ? 1 : 0) ? width - (v < 0 ? 1 : 0) : 0;
     if (text.size() < digits) text.insert(0, digits - text.size(), '0');
     values.push_back(v < 0 ? "-" + text : text);

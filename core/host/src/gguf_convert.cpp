@@ -369,7 +369,13 @@ ConvertSummary convertToHf(const fs::path& input, const fs::path& outputDir, con
                 ": already exists (remove it, or pass --overwrite)");
   // --overwrite removes the output: never the input, nor a folder that holds it.
   if (fs::exists(target)) {
-    const fs::path held = fs::canonical(input), folder = fs::canonical(target);
+    // Links resolved where the file system lets us (an unreadable folder on the way: as written).
+    const auto resolved = [](const fs::path& path) {
+      std::error_code ec;
+      const fs::path real = fs::canonical(path, ec);
+      return ec ? fs::absolute(path).lexically_normal() : real;
+    };
+    const fs::path held = resolved(input), folder = resolved(target);
     const auto [end, inside] = std::mismatch(folder.begin(), folder.end(), held.begin(), held.end());
     QPIPE_REQUIRE(end != folder.end(), ErrorCode::kUsage, "--output '", target.string(), "' ",
                   held == folder ? "is" : "holds", " the input '", name,

@@ -14,6 +14,7 @@
 #include "fused_rows.h"
 #include "qpipe/error.h"
 #include "qpipe/input_file.h"
+#include "qpipe/log.h"
 #include "qpipe/quantized_checkpoint.h"
 
 namespace qpipe {
@@ -263,11 +264,14 @@ void validateCheckpoint(const std::filesystem::path& dir, const ModelConfig& c, 
       layersPresent = std::max<int64_t>(layersPresent, std::stoll(index) + 1);
     }
   }
-  // More layers than config.json names would be dropped without a word, from an evaluation and
-  // from a quantized checkpoint (the families qpipe runs have no extra layers, such as MTP's).
-  QPIPE_REQUIRE(c.numLayers == layersPresent, ErrorCode::kInput, where, ": config.json has num_hidden_layers ",
-                c.numLayers, ", but the checkpoint holds ", layersPresent, " layers",
-                c.numLayers < layersPresent ? concat(" (model.layers.0 to ", layersPresent - 1, ")") : "");
+  QPIPE_REQUIRE(c.numLayers <= layersPresent, ErrorCode::kInput, where, ": config.json has num_hidden_layers ",
+                c.numLayers, ", but the checkpoint holds ", layersPresent, " layers");
+  // Fewer is a known shortcut (the first layers of a model, for a quick try), but said: the others
+  // are left out of an evaluation and of a quantized checkpoint.
+  if (c.numLayers < layersPresent) {
+    log::logger()->warn(where, " holds ", layersPresent, " layers, config.json's num_hidden_layers ", c.numLayers,
+                        ": only model.layers.0 to ", c.numLayers - 1, " are used (and saved)");
+  }
   const auto isFloat = [](const std::string& dtype) { return dtype.starts_with("F") || dtype == "BF16"; };
   const auto describeShape = [](const std::vector<int64_t>& shape) {
     std::string text = "[";
@@ -612,7 +616,9 @@ at::Tensor CausalLM::embed(const at::Tensor& ids) {
   const at::Tensor& table = embedding.parameter("weight");
   // A tokenizer of another model gives ids past the table: named here, not as an index error.
   if (ids.numel() > 0) {
-    const int64_t low = ids.min().item<int64_t>(), high = ids.max().item<int64_t>();
+    const auto [lowest, highest] = at::aminmax(ids);
+    const at::Tensor bounds = at::stack({lowest, highest}).to(at::kCPU, at::kLong);  // one device sync
+    const int64_t low = bounds[0].item<int64_t>(), high = bounds[1].item<int64_t>();
     QPIPE_REQUIRE(low >= 0 && high < table.size(0), ErrorCode::kInput, "token id ", low < 0 ? low : high,
                   " is outside the model's ", table.size(0), " embedding rows (vocab_size in ", dir_.string(),
                   "/config.json); does tokenizer.json belong to this model?");

@@ -90,9 +90,10 @@ ModelConfig ModelConfig::fromFile(const std::filesystem::path& file) {
       c.modelType == "llama" || c.modelType == "qwen2" || c.modelType == "qwen3" || c.modelType == "qwen3_moe",
       ErrorCode::kInput, file.string(), ": model_type '", c.modelType,
       "' is not supported; supported: llama, qwen2, qwen3, qwen3_moe");
-  // The families above all use SiLU in the MLP; another would be computed as SiLU all the same.
+  // The families above all use SiLU (transformers' "silu", or "swish", the same function) in the
+  // MLP; another would be computed as SiLU all the same.
   const std::string act = r.optional<std::string>("hidden_act", "silu");
-  QPIPE_REQUIRE(act == "silu", ErrorCode::kInput, file.string(), ": hidden_act '", act,
+  QPIPE_REQUIRE(act == "silu" || act == "swish", ErrorCode::kInput, file.string(), ": hidden_act '", act,
                 "' is not supported; qpipe's llama, qwen2 and qwen3 families compute silu");
   c.vocabSize = r.required<int64_t>("vocab_size");
   c.hiddenSize = r.required<int64_t>("hidden_size");

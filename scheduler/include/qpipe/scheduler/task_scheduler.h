@@ -17,11 +17,10 @@
 //             naming the first task that differs. A parallel wave then:
 //               1. each task runs once, on the rank that claims it from a counter in the c10d
 //                  store (dynamic: guided chunks of a 4W-th of what is left, by cost, per claim),
-//                  or on rank
-//                  index mod W (round-robin), the tasks in descending Task::cost (submit order
-//                  among equals); a collective inside it is
-//                  Error(kPlugin) naming the task and the call; a task that throws fails the run
-//                  on every rank, naming the task and its rank;
+//                  or on rank index mod W (round-robin), the tasks in descending Task::cost
+//                  (submit order among equals); a collective inside it is Error(kPlugin) naming
+//                  the task and the call; a task that throws fails the run on every rank, naming
+//                  the task and its rank;
 //               2. on every rank, in submit order, exactly one sync level per task or module: the
 //                  task's sync (a task with syncTensors: its tensors in the exchange below, and its
 //                  sync after that exchange and the syncDone() calls), else for every module below
@@ -186,5 +185,8 @@ bool pathsOverlap(const std::string& a, const std::string& b);
 // is 0. A task's weight is its Task::cost where every task of the wave has one, else 1: the
 // chunk is then ceil(size / (4 · worldSize)) tasks.
 int64_t claimSize(std::span<const double> left, int worldSize, int64_t claimLimit);
+// The weights claimSize measures a wave by, given its tasks' costs in hand-out order: the costs
+// where every one is positive, else 1 each.
+std::vector<double> claimWeights(std::span<const double> costs);
 
 }  // namespace qpipe::scheduler
