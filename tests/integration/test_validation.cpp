@@ -375,6 +375,23 @@ spec:
   EXPECT_FALSE(fs::exists(out));
 }
 
+// Two training steps would write the same artifacts beside --save_path: refused before any work.
+TEST(Validation, APipelineTrainsInOneStep) {
+  const fs::path pipeline = qpipe::test::writeTempFile("qat_twice.yaml", R"(apiversion: modelslim_v1
+spec:
+  process:
+    - type: learnable_scale_qat
+      qconfig: {weight: {dtype: int4, scope: per_group, ext: {group_size: 8}}}
+    - type: learnable_scale_qat
+      qconfig: {weight: {dtype: int4, scope: per_group, ext: {group_size: 8}}}
+)");
+  const CommandResult r = qpipe::test::runQpipe("check --config_path " + pipeline.string());
+  EXPECT_EQ(r.exitCode, 3) << r.err;
+  EXPECT_EQ(r.err, "qpipe: configuration error: " + pipeline.string() +
+                       ":6:7: spec.process[1]: 'learnable_scale_qat' trains, and so does spec.process[0] "
+                       "('learnable_scale_qat'); a pipeline trains in one step: merge them into one\n");
+}
+
 TEST(Validation, AFifoIsRefusedNotReadForever) {
   const fs::path fifo = qpipe::test::testDir() / "fifo.jsonl";
   fs::remove(fifo);

@@ -332,7 +332,19 @@ std::vector<std::unique_ptr<Processor>> buildProcessors(const Pipeline& pipeline
   const size_t first = warnings.size();
   warnings.insert(warnings.end(), pipeline.warnings.begin(), pipeline.warnings.end());
   std::vector<std::unique_ptr<Processor>> processors;
-  for (const auto& step : pipeline.process) processors.push_back(buildStep(step, registry, context));
+  const ProcessStep* training = nullptr;
+  for (const auto& step : pipeline.process) {
+    processors.push_back(buildStep(step, registry, context));
+    if (!processors.back()->trains()) continue;
+    // A second training step would train the first one's result again and write its artifacts
+    // (scales, log, state beside --save_path) over the first one's.
+    if (training != nullptr) {
+      throw Error(ErrorCode::kConfig, concat(step.location.str(), ": ", step.path, ": '", step.type,
+                                             "' trains, and so does ", training->path, " ('", training->type,
+                                             "'); a pipeline trains in one step: merge them into one"));
+    }
+    training = &step;
+  }
   // In the order of the file, whichever check found them; a warning that names no position in it
   // goes last.
   const std::string prefix = pipeline.file.string() + ":";
