@@ -719,6 +719,15 @@ TEST(QuantizedLoadErrors, UnsupportedConfigsNameFileAndField) {
                 ": quantization_config.config_groups.group_0.input_activations {\"dynamic\":true,\"strategy\":"
                 "\"tensor\"} is not supported; qpipe loads static per-tensor and dynamic per-token activations");
   EXPECT_EQ(openError([](Json& q) {
+              q["config_groups"]["group_0"].erase("weights");
+              q["config_groups"]["group_0"]["input_activations"]["dynamic"] = true;
+            }),
+            file +
+                ": quantization_config.config_groups.group_0.input_activations {\"dynamic\":true,\"strategy\":"
+                "\"tensor\",\"symmetric\":true} is not supported; qpipe loads static symmetric tensor and attn_head "
+                "KV-cache schemes (config_groups.group_0 has no 'weights', so it is read as attention's Q, K and V "
+                "scheme; a Linear scheme needs its 'weights')");
+  EXPECT_EQ(openError([](Json& q) {
               q["kv_cache_scheme"] = {{"num_bits", 8}, {"dynamic", true}};
             }),
             file +

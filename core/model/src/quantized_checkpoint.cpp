@@ -249,8 +249,16 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       // No weights: a group on the attention modules, whose input_activations quantize Q, K and V.
       if ((!group.contains("weights") || group["weights"].is_null()) && group.contains("input_activations") &&
           !group["input_activations"].is_null()) {
-        attention_ =
-            parseArgs(group["input_activations"], at + ".input_activations", field, unsupported, Role::kKvCache).scheme;
+        try {
+          attention_ =
+              parseArgs(group["input_activations"], at + ".input_activations", field, unsupported, Role::kKvCache)
+                  .scheme;
+        } catch (const Error& e) {
+          // A Linear scheme that lost its weights reads as this: say which reading was taken.
+          throw Error(e.code(), concat(e.what(), " (", at,
+                                       " has no 'weights', so it is read as attention's Q, K and V "
+                                       "scheme; a Linear scheme needs its 'weights')"));
+        }
         attentionTargets_ = scheme.targets;
         continue;
       }
