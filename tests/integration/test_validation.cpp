@@ -171,6 +171,45 @@ TEST(Validation, AQuantizedWeightNoSchemeClaimsIsRefused) {
                                         "quantization description gives 'model.layers.0.self_attn.q_proj' no scheme"));
 }
 
+// A quantized weight keeps its format's layout in the file, so config.json's shapes are checked
+// once the format has unpacked it: a head_dim edited by hand was an internal reshape error in the
+// first attention.
+TEST(Validation, AQuantizedWeightMustHaveTheShapeConfigJsonImplies) {
+  const fs::path out = qpipe::test::testDir() / "reshaped_w8a8";
+  fs::remove_all(out);
+  const CommandResult quantized =
+      qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() +
+                            " --quant_type w8a8 --save_path " + out.string());
+  ASSERT_EQ(quantized.exitCode, 0) << quantized.err;
+  nlohmann::json config = nlohmann::json::parse(qpipe::test::slurp(out / "config.json"));
+  config["head_dim"] = 2;
+  std::ofstream(out / "config.json", std::ios::trunc) << config.dump(2);
+  const CommandResult r = eval(out);
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() +
+                                        ": the quantized weight of 'model.layers.0.self_attn.q_proj' holds [16, 16], "
+                                        "but config.json implies [8, 16]"));
+}
+
+// int4 codes held one to a byte (compressed-tensors' int-quantized) must be int4's: an int8
+// checkpoint whose num_bits was edited to 4 ran as before, its weights still int8.
+TEST(Validation, AnInt4WeightHeldOneToAByteMustHoldInt4Codes) {
+  const fs::path out = qpipe::test::testDir() / "rebitted_w8a8";
+  fs::remove_all(out);
+  const CommandResult quantized =
+      qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() +
+                            " --quant_type w8a8 --save_path " + out.string());
+  ASSERT_EQ(quantized.exitCode, 0) << quantized.err;
+  nlohmann::json config = nlohmann::json::parse(qpipe::test::slurp(out / "config.json"));
+  for (auto& group : config["quantization_config"]["config_groups"]) group["weights"]["num_bits"] = 4;
+  std::ofstream(out / "config.json", std::ios::trunc) << config.dump(2);
+  const CommandResult r = eval(out);
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() +
+                                        ": 'model.layers.0.self_attn.q_proj.weight' holds codes from -127 to 127, "
+                                        "outside int4's [-8, 7], but its quantization_config gives it num_bits 4"));
+}
+
 // A --save_path that is a link to a folder saves into that folder (renaming the finished
 // checkpoint onto the link would fail after the run); a link to nothing fails before the run.
 TEST(Validation, ASavePathThatIsALinkSavesIntoItsFolderOrFailsAtOnce) {

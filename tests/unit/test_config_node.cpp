@@ -85,6 +85,10 @@ TEST(ConfigNode, SyntaxErrorsNameFileLineAndColumn) {
   const auto nul = test::writeTempFile("nul.yaml", std::string("apiversion: modelslim_v1\nspec: {a") + '\0' + ": 1}\n");
   EXPECT_EQ(test::errorOf([&] { ConfigNode::loadYamlFile(nul); }, ErrorCode::kConfig),
             nul.string() + ":2:9: a NUL byte; a pipeline is YAML text");
+  // Latin-1 (a comment saved by an old editor) is refused, as PyYAML refuses it, at the byte.
+  const auto latin1 = test::writeTempFile("latin1.yaml", "apiversion: modelslim_v1\n# caf\xE9\nspec: {}\n");
+  EXPECT_EQ(test::errorOf([&] { ConfigNode::loadYamlFile(latin1); }, ErrorCode::kConfig),
+            latin1.string() + ":2:6: byte 0xE9 is not valid UTF-8; save the file as UTF-8");
   // A control byte yaml-cpp quotes stays on the one line.
   const std::string control =
       test::errorOf([] { ConfigNode::parseYaml("a: \"\\\x01\"\n", "esc.yaml"); }, ErrorCode::kConfig);

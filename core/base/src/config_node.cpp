@@ -16,6 +16,7 @@
 
 #include "qpipe/error.h"
 #include "qpipe/input_file.h"
+#include "qpipe/utf8.h"
 
 namespace qpipe {
 
@@ -410,13 +411,13 @@ ConfigNode ConfigNode::loadYamlFile(const std::filesystem::path& file) {
   std::ifstream in(file);
   QPIPE_REQUIRE(in.good(), ErrorCode::kIo, "cannot open '", file.string(), "': permission denied");
   const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-  // yaml-cpp reads a NUL as the end of a line, and then blames what follows it.
+  // yaml-cpp reads a NUL as the end of a line, and then blames what follows it; it takes bytes
+  // that are not UTF-8 into names and paths, where PyYAML (msmodelslim's reader) refuses the file.
   if (const size_t nul = text.find('\0'); nul != std::string::npos) {
-    const size_t lineStart = text.rfind('\n', nul);
-    const size_t column = nul - (lineStart == std::string::npos ? 0 : lineStart + 1) + 1;
-    throw Error(ErrorCode::kConfig, concat(file.string(), ":", std::count(text.begin(), text.begin() + nul, '\n') + 1,
-                                           ":", column, ": a NUL byte; a pipeline is YAML text"));
+    throw Error(ErrorCode::kConfig,
+                concat(file.string(), ":", textPosition(text, nul), ": a NUL byte; a pipeline is YAML text"));
   }
+  requireUtf8(text, file.string(), ErrorCode::kConfig);
   return parseYaml(text, file.string());
 }
 

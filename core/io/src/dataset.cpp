@@ -18,7 +18,7 @@
 #include "qpipe/log.h"
 #include "qpipe/perplexity.h"
 #include "qpipe/tokenizer.h"
-#include "tokenizer_internal.h"
+#include "qpipe/utf8.h"
 
 namespace qpipe {
 namespace {
@@ -152,17 +152,6 @@ bool full(const std::vector<DataSample>& samples, const DatasetOptions& options)
   return options.maxSamples > 0 && static_cast<int64_t>(samples.size()) >= options.maxSamples;
 }
 
-// Named here, with its place: the tokenizer could name only its own file, and a JSON parser quotes
-// the raw byte.
-void requireUtf8(const std::string& line, const std::string& path, int64_t lineNo) {
-  if (const std::optional<size_t> bad = detail::tok::findInvalidUtf8(line)) {
-    char byte[8];
-    std::snprintf(byte, sizeof byte, "0x%02X", static_cast<unsigned char>(line[*bad]));
-    throw Error(ErrorCode::kInput, concat(path, ":", lineNo, ":", *bad + 1, ": byte ", byte,
-                                          " is not valid UTF-8; save the file as UTF-8"));
-  }
-}
-
 std::vector<DataSample> readJsonl(const std::string& content, const std::string& path, const DatasetOptions& options) {
   std::vector<DataSample> samples;
   size_t start = 0;
@@ -171,7 +160,7 @@ std::vector<DataSample> readJsonl(const std::string& content, const std::string&
     const std::string line = content.substr(start, end - start);
     start = end + 1;
     if (isBlank(line)) continue;
-    requireUtf8(line, path, lineNo);
+    requireUtf8(line, path, ErrorCode::kInput, lineNo);
     const std::string where = path + ":" + std::to_string(lineNo);
     samples.push_back(parseRecord(parseJson(line, path, lineNo), where));
   }
@@ -212,7 +201,7 @@ std::vector<DataSample> readText(const std::string& content, const std::string& 
       flush();
       continue;
     }
-    requireUtf8(line, path, lineNo);
+    requireUtf8(line, path, ErrorCode::kInput, lineNo);
     if (paragraph.text.empty()) {
       paragraph.origin = path + ":" + std::to_string(lineNo);
     } else {

@@ -60,12 +60,6 @@ constexpr std::array<DtypeEntry, 15> kDtypes{{
   throw Error(ErrorCode::kInput, concat(file.string(), ": ", what));
 }
 
-std::string shapeText(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + "]";
-}
-
 class Fd {
  public:
   explicit Fd(int fd) : fd_(fd) {}
@@ -120,6 +114,12 @@ TensorInfo parseEntry(const fs::path& file, const std::string& name, const Json&
 }
 
 }  // namespace
+
+std::string shapeText(at::IntArrayRef shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
 
 at::ScalarType scalarType(std::string_view dtype) {
   for (const auto& entry : kDtypes) {

@@ -11,6 +11,7 @@
 #include "qpipe/error.h"
 #include "qpipe/input_file.h"
 #include "qpipe/json_input.h"
+#include "qpipe/utf8.h"
 #include "tokenizer_internal.h"
 
 namespace qpipe {
@@ -653,7 +654,7 @@ void Tokenizer::Impl::parseAddedTokens(const Json& node) {
                      .lstrip = flagAt(source, entry, "lstrip", path, false),
                      .rstrip = flagAt(source, entry, "rstrip", path, false),
                      .normalized = flagAt(source, entry, "normalized", path, false)};
-    QPIPE_REQUIRE(!detail::tok::findInvalidUtf8(token.content), ErrorCode::kInput, source, ": ", path,
+    QPIPE_REQUIRE(!findInvalidUtf8(token.content), ErrorCode::kInput, source, ": ", path,
                   ".content is not valid UTF-8");
     addedTokens.push_back(std::move(token));
   }
@@ -801,7 +802,7 @@ Tokenizer Tokenizer::fromJson(std::string_view json, const std::string& sourceNa
 }
 
 std::vector<int64_t> Tokenizer::encode(std::string_view text, bool addSpecialTokens) const {
-  const auto invalid = detail::tok::findInvalidUtf8(text);
+  const auto invalid = findInvalidUtf8(text);
   QPIPE_REQUIRE(!invalid, ErrorCode::kInput, impl_->source, ": cannot encode text that is not valid UTF-8 (byte ",
                 invalid.value_or(0), ")");
   std::vector<int64_t> ids;
@@ -843,7 +844,7 @@ std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skipSpecialT
     }
     first = false;
   }
-  return impl_->byteLevelDecoder ? detail::tok::utf8Lossy(out) : out;
+  return impl_->byteLevelDecoder ? utf8Lossy(out) : out;
 }
 
 int64_t Tokenizer::vocabSize() const {

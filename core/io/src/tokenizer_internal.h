@@ -25,11 +25,6 @@ using StringMap = std::unordered_map<std::string, V, StringHash, std::equal_to<>
 // Decodes the code point at text[pos] of valid UTF-8 and advances pos past it.
 char32_t nextCodePoint(std::string_view text, size_t& pos);
 void appendUtf8(std::string& out, char32_t cp);
-// Byte offset of the first invalid sequence, or nullopt when `text` is valid UTF-8.
-std::optional<size_t> findInvalidUtf8(std::string_view text);
-// Bytes as UTF-8, each maximal invalid subsequence replaced by U+FFFD (as Rust's from_utf8_lossy
-// and Python's errors="replace" do).
-std::string utf8Lossy(std::string_view bytes);
 
 // Character classes as Rust's char methods define them (HF's added-token matching uses them).
 bool isWhitespace(char32_t cp);

@@ -252,9 +252,14 @@ class UnloadedLayer final : public DecoderLayer {
 // What config.json implies the checkpoint holds, checked from the safetensors headers before any
 // tensor is read (docs/cli.md, Validation): every tensor the family needs is there, a float one
 // has a float dtype and the shape the configuration implies. A quantized module (qpipe's, or a
-// packed weight) keeps whatever layout its format has; only its presence is checked.
-void validateCheckpoint(const std::filesystem::path& dir, const ModelConfig& c, const safetensors::Checkpoint& ckpt,
-                        bool quantized) {
+// packed weight) keeps whatever layout its format has; only its presence is checked here, and the
+// [out, in] shape config.json implies for it is returned, for CausalLM::linear to check once its
+// format has unpacked it.
+std::unordered_map<std::string, std::vector<int64_t>> validateCheckpoint(const std::filesystem::path& dir,
+                                                                         const ModelConfig& c,
+                                                                         const safetensors::Checkpoint& ckpt,
+                                                                         bool quantized) {
+  std::unordered_map<std::string, std::vector<int64_t>> quantizedShapes;
   const std::string where = concat("checkpoint ", dir.string());
   int64_t layersPresent = 0;
   for (const std::string& name : ckpt.names()) {
@@ -273,11 +278,6 @@ void validateCheckpoint(const std::filesystem::path& dir, const ModelConfig& c, 
                         ": only model.layers.0 to ", c.numLayers - 1, " are used (and saved)");
   }
   const auto isFloat = [](const std::string& dtype) { return dtype.starts_with("F") || dtype == "BF16"; };
-  const auto describeShape = [](const std::vector<int64_t>& shape) {
-    std::string text = "[";
-    for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
-    return text + "]";
-  };
   // A float tensor of exactly this shape.
   const auto tensor = [&](const std::string& name, const std::vector<int64_t>& shape) {
     QPIPE_REQUIRE(ckpt.contains(name), ErrorCode::kInput, where, ": missing tensor '", name, "'");
@@ -285,7 +285,7 @@ void validateCheckpoint(const std::filesystem::path& dir, const ModelConfig& c, 
     QPIPE_REQUIRE(isFloat(info.dtype), ErrorCode::kInput, where, ": tensor '", name, "' has dtype ", info.dtype,
                   "; expected a floating-point dtype");
     QPIPE_REQUIRE(info.shape == shape, ErrorCode::kInput, where, ": tensor '", name, "' has shape ",
-                  describeShape(info.shape), ", but config.json implies ", describeShape(shape));
+                  safetensors::shapeText(info.shape), ", but config.json implies ", safetensors::shapeText(shape));
   };
   const auto linear = [&](const std::string& name, int64_t out, int64_t in, bool bias) {
     const std::string weight = name + ".weight";
@@ -296,6 +296,7 @@ void validateCheckpoint(const std::filesystem::path& dir, const ModelConfig& c, 
     } else {
       QPIPE_REQUIRE(ckpt.contains(weight) || (quantized && ckpt.contains(name + ".weight_packed")), ErrorCode::kInput,
                     where, ": missing tensor '", weight, "'");
+      quantizedShapes[name] = {out, in};
     }
     if (bias) tensor(name + ".bias", {out});
   };
@@ -337,6 +338,7 @@ void validateCheckpoint(const std::filesystem::path& dir, const ModelConfig& c, 
       linear(expert + "down_proj", hidden, inter, false);
     }
   }
+  return quantizedShapes;
 }
 
 }  // namespace
@@ -350,7 +352,7 @@ std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, 
   lm->config_ = ModelConfig::fromFile(modelFile(modelDir, "config.json"));
   lm->quantized_ = detail::QuantizedCheckpoint::detect(modelDir);
   lm->checkpoint_ = safetensors::Checkpoint::open(modelDir, lm->quantized_ ? lm->quantized_->weightsPrefix() : "model");
-  validateCheckpoint(modelDir, lm->config_, lm->checkpoint_, lm->quantized_ != nullptr);
+  lm->quantizedShapes_ = validateCheckpoint(modelDir, lm->config_, lm->checkpoint_, lm->quantized_ != nullptr);
   const ModelConfig& c = lm->config_;
 
   auto model = std::make_shared<Module>("Model");
@@ -545,6 +547,12 @@ std::shared_ptr<Module> CausalLM::linear(const std::string& name, bool bias) {
     const auto has = [this](const std::string& tensor) { return checkpoint_.contains(tensor); };
     bias = bias || undeclaredBias(name);
     if (auto quantized = quantized_->linear(name, bias, stored, has, options_.dtype)) {
+      const auto expected = quantizedShapes_.find(name);
+      const at::IntArrayRef shape = quantized->parameter("weight").sizes();
+      QPIPE_REQUIRE(expected == quantizedShapes_.end() || shape == at::IntArrayRef(expected->second), ErrorCode::kInput,
+                    "checkpoint ", dir_.string(), ": the quantized weight of '", name, "' holds ",
+                    safetensors::shapeText(shape), ", but config.json implies ",
+                    safetensors::shapeText(expected->second));
       if (options_.inferenceOnly) quantized->setInferenceOnly();
       return quantized;
     }

@@ -6,7 +6,6 @@
 #include <fstream>
 #include <optional>
 #include <regex>
-#include <sstream>
 #include <vector>
 
 #include "qpipe/attention_quant.h"
@@ -20,6 +19,7 @@ namespace fs = std::filesystem;
 using quant::QDtype;
 using quant::QScheme;
 using quant::QScope;
+using safetensors::shapeText;
 
 std::optional<ActivationQuant> writtenInputQuant(const QuantLinear& linear) {
   const auto& input = linear.inputQuant();
@@ -61,12 +61,6 @@ SortedJson argsObject(QDtype dtype, const std::string& strategy, bool symmetric,
   if (dtype == QDtype::kNvfp4) args["scale_dtype"] = "torch.float8_e4m3fn";
   if (dtype == QDtype::kMxfp4) args["scale_dtype"] = "torch.uint8";
   return args;
-}
-
-std::string shapeText(at::IntArrayRef shape) {
-  std::ostringstream os;
-  os << shape;
-  return os.str();
 }
 
 }  // namespace
@@ -169,6 +163,18 @@ at::Tensor deqScaleFromInt64(const at::Tensor& stored) {
 namespace {
 
 using Json = nlohmann::ordered_json;
+
+// int4 codes held one to a byte (compressed-tensors' int-quantized, msmodelslim's unpacked
+// W4A8_DYNAMIC): a code outside int4's range means the description was edited, and no int4
+// kernel would compute the weight the file holds.
+void requireInt4Codes(const at::Tensor& q, const std::string& tensor, const std::string& dir,
+                      const std::string& describedAs) {
+  const auto [low, high] = at::aminmax(q);
+  const int64_t lowest = low.item<int64_t>(), highest = high.item<int64_t>();
+  QPIPE_REQUIRE(lowest >= quant::qmin(QDtype::kInt4) && highest <= quant::qmax(QDtype::kInt4), ErrorCode::kInput,
+                "checkpoint ", dir, ": '", tensor, "' holds codes from ", lowest, " to ", highest,
+                ", outside int4's [-8, 7], but ", describedAs);
+}
 
 Json readJson(const fs::path& path) {
   const std::string text = readInputFile(path);
@@ -384,6 +390,9 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       QPIPE_REQUIRE(q.dim() == 2 && q.scalar_type() == expected, ErrorCode::kInput, "checkpoint ", dir_, ": '", name,
                     ".weight' is ", c10::toString(q.scalar_type()), " ", shapeText(q.sizes()), ", expected 2-D ",
                     c10::toString(expected), " for ", scheme->format);
+      if (w.dtype == QDtype::kInt4) {
+        requireInt4Codes(q, name + ".weight", dir_, "its quantization_config gives it num_bits 4");
+      }
       paramShape = weightShape(q.size(0), q.size(1));
       if (!w.symmetric) zeroPoint = tensor(name + ".weight_zero_point").to(at::kInt);
     }
@@ -629,6 +638,7 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
     const at::ScalarType expected = w.dtype == QDtype::kFp8E4m3 ? at::kFloat8_e4m3fn : at::kChar;
     QPIPE_REQUIRE(stored.scalar_type() == expected, ErrorCode::kInput, "checkpoint ", dir_, ": '", key, "' is ",
                   c10::toString(stored.scalar_type()), ", expected ", c10::toString(expected), " for ", type);
+    if (w.dtype == QDtype::kInt4 && !packed) requireInt4Codes(stored, key, dir_, concat(file_, " gives it ", type));
     const at::Tensor q = packed ? unpackInt4Rows(stored) : stored;
     const at::Tensor zeroPoint =
         offset.defined() ? at::round(offset).to(at::kInt) : at::zeros_like(scale, scale.options().dtype(at::kInt));

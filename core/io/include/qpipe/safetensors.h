@@ -26,6 +26,8 @@ namespace qpipe::safetensors {
 // "F32", "BF16", "F8_E4M3", … <-> at::ScalarType; unknown names are Error(kInput).
 at::ScalarType scalarType(std::string_view dtype);
 std::string dtypeName(at::ScalarType type);
+// A shape as messages write it: "[576, 576]".
+std::string shapeText(at::IntArrayRef shape);
 
 struct TensorInfo {
   std::string name;

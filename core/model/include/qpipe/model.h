@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "qpipe/module.h"
@@ -172,6 +173,8 @@ class CausalLM {
   std::filesystem::path dir_;
   safetensors::Checkpoint checkpoint_;
   std::shared_ptr<const detail::QuantizedCheckpoint> quantized_;  // null for a float checkpoint
+  // The [out, in] config.json implies for each quantized Linear, checked as linear() unpacks it.
+  std::unordered_map<std::string, std::vector<int64_t>> quantizedShapes_;
   std::shared_ptr<Module> root_;
   Module* layers_ = nullptr;
   at::Tensor invFreq_;
