@@ -75,6 +75,11 @@ std::string joinedKey(int rank) {
 std::string failedKey(int rank) {
   return "qpipe/failed/" + std::to_string(rank);
 }
+// How many backend operations (Gloo or NCCL collectives, exchanges) the rank has started: a rank
+// whose count is short of a waiter's never reached the operation the waiter is stuck in.
+std::string backendStepKey(int rank) {
+  return "qpipe/backend_step/" + std::to_string(rank);
+}
 
 std::string seconds(milliseconds timeout) {
   std::ostringstream os;
@@ -422,6 +427,7 @@ class C10dGroup final : public ProcessGroup {
   }
 
   void sendAndReceive(const std::vector<std::vector<at::Tensor>>& parts) {
+    announceBackendStep("exchangeInPlace");
     const int world = worldSize(), me = rank();
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     const auto post = [&](at::Tensor message, int peer, int tag, bool send) {
@@ -526,7 +532,31 @@ class C10dGroup final : public ProcessGroup {
   // stuck, failed): it becomes one line that names the failed rank when it reported itself. Errors
   // of this rank's own tensor work happen outside and pass through as they are.
   void run(const char* collective, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
+    announceBackendStep(collective);
     backendCall(collective, [&] { start()->wait(options_.timeout); });
+  }
+  // Published before each backend operation, for a waiter's timeout to name who never came: the
+  // backends say only that time ran out. One store write, against a collective's socket round
+  // trips (the host channel's own steps are counted in its segment).
+  void announceBackendStep(const char* collective) {
+    ++backendSteps_;
+    backendCall(collective, [&] { store_->set(backendStepKey(rank()), bytes(std::to_string(backendSteps_))); });
+  }
+  // The peers that have not started this rank's latest backend operation, as far as the store
+  // tells (none where it does not answer: rank 0, its host, is gone).
+  std::vector<int> behindInBackendSteps() {
+    std::vector<int> behind;
+    try {
+      for (int r = 0; r < worldSize(); ++r) {
+        const std::string key = backendStepKey(r);
+        if (r != rank() && (!store_->check({key}) || std::stoll(text(store_->get(key))) < backendSteps_)) {
+          behind.push_back(r);
+        }
+      }
+    } catch (const std::exception&) {
+      return {};
+    }
+    return behind;
   }
   // The same for backend calls that start or wait on operations of their own.
   void backendCall(const char* collective, const std::function<void()>& call) {
@@ -541,7 +571,9 @@ class C10dGroup final : public ProcessGroup {
       std::string lower = cause;
       std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
       if (lower.find("timed out") != std::string::npos) {
-        cause = concat("no answer within ", seconds(options_.timeout), " (--dist_timeout)");
+        const std::vector<int> behind = behindInBackendSteps();
+        cause = concat(behind.empty() ? "no answer" : HostChannel::describeRanks(behind) + " did not arrive",
+                       " within ", seconds(options_.timeout), " (--dist_timeout)");
       }
       throw Error(ErrorCode::kDistributed, peerFailure(collective, cause));
     }
@@ -708,7 +740,8 @@ class C10dGroup final : public ProcessGroup {
   c10::intrusive_ptr<c10d::Backend> nccl_;
   std::unique_ptr<HostChannel> channel_;  // null unless every rank is on this host
   Traffic traffic_;
-  bool peerLost_ = false;   // a collective failed because of a peer
+  int64_t backendSteps_ = 0;  // backend operations started (backendStepKey)
+  bool peerLost_ = false;     // a collective failed because of a peer
   bool peerNamed_ = false;  // ... which had reported its failure
 };
 

@@ -158,7 +158,11 @@ TEST(ConvertGguf, TruncatedFileAndExistingOrUnwritableOutputAreOneLineErrors) {
   fs::create_directories(holder);
   const fs::path inside = holder / "model.gguf";
   fs::copy_file(f.gguf, inside, fs::copy_options::overwrite_existing);
-  for (const auto& [output, verb] : {std::pair{inside, "is"}, {holder, "holds"}}) {
+  // The folder through a link too: compared as files, not as the paths written.
+  const fs::path linked = testDir() / "holder-link";
+  fs::remove(linked);
+  fs::create_directory_symlink(holder, linked);
+  for (const auto& [output, verb] : {std::pair{inside, "is"}, {holder, "holds"}, {linked, "holds"}}) {
     r = qpipe("convert gguf --input " + inside.string() + " --output " + output.string() + " --overwrite");
     EXPECT_EQ(r.exitCode, 2);
     EXPECT_EQ(r.err, "qpipe: usage error: --output '" + output.string() + "' " + verb + " the input '" +

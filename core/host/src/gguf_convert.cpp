@@ -367,19 +367,21 @@ ConvertSummary convertToHf(const fs::path& input, const fs::path& outputDir, con
   if (target.filename().empty()) target = target.parent_path();  // "out/" and "." name the folder
   QPIPE_REQUIRE(options.overwrite || !fs::exists(target), ErrorCode::kIo, target.string(),
                 ": already exists (remove it, or pass --overwrite)");
-  // --overwrite removes the output: never the input, nor a folder that holds it.
+  // --overwrite removes the output: never the input, nor a folder that holds it. Compared as files
+  // (device and inode), along the input's path as written and as resolved, so that neither a link
+  // nor a bind mount of a folder on the way hides it.
   if (fs::exists(target)) {
-    // Links resolved where the file system lets us (an unreadable folder on the way: as written).
-    const auto resolved = [](const fs::path& path) {
-      std::error_code ec;
-      const fs::path real = fs::canonical(path, ec);
-      return ec ? fs::absolute(path).lexically_normal() : real;
-    };
-    const fs::path held = resolved(input), folder = resolved(target);
-    const auto [end, inside] = std::mismatch(folder.begin(), folder.end(), held.begin(), held.end());
-    QPIPE_REQUIRE(end != folder.end(), ErrorCode::kUsage, "--output '", target.string(), "' ",
-                  held == folder ? "is" : "holds", " the input '", name,
-                  "', which --overwrite would remove; choose another --output");
+    std::error_code ec;
+    const fs::path written = fs::absolute(input).lexically_normal(), real = fs::canonical(input, ec);
+    for (const fs::path& path : {written, ec ? written : real}) {
+      for (fs::path at = path;; at = at.parent_path()) {
+        std::error_code unreadable;
+        QPIPE_REQUIRE(!fs::equivalent(at, target, unreadable), ErrorCode::kUsage, "--output '", target.string(), "' ",
+                      at == path ? "is" : "holds", " the input '", name,
+                      "', which --overwrite would remove; choose another --output");
+        if (!at.has_relative_path()) break;
+      }
+    }
   }
   const fs::path partial =
       target.parent_path() / ("." + target.filename().string() + ".partial-" + std::to_string(::getpid()));
