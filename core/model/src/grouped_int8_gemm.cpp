@@ -210,17 +210,25 @@ GroupedInt8Panels packGroupedInt8(const int8_t* values, int64_t ldv, const float
                            group,
                            groupedInt8Block(group)};
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    // Locals: a store through dst (bytes) may alias a captured value, which is then read again.
+    const int64_t panelQuads = quads, rowStride = ldv;
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t rows = std::min(kNr, n - panel * kNr);
       uint8_t* dst = packed.values.data() + panel * quads * kNr * 4;
       float* scaleDst = packed.scales.data() + panel * groups * kNr;
-      for (int64_t r = 0; r < rows; ++r) {
-        const int8_t* src = values + (panel * kNr + r) * ldv;
-        for (int64_t p = 0; p < quads; ++p) {
-          for (int64_t j = 0; j < 4; ++j) {
-            dst[(p * kNr + r) * 4 + j] = static_cast<uint8_t>(static_cast<int32_t>(src[4 * p + j]) + 128);
-          }
+      // Four codes at a time, the panel's rows side by side, so that the stores run on: a code plus
+      // 128, as a byte, is the code with its sign bit flipped. (Row by row, every store was to
+      // another cache line: 9 % of a data-free W4A16 run's samples.)
+      const int8_t* src = values + panel * kNr * rowStride;
+      for (int64_t p = 0; p < panelQuads; ++p) {
+        for (int64_t r = 0; r < rows; ++r) {
+          uint32_t word = 0;
+          std::memcpy(&word, src + r * rowStride + 4 * p, sizeof word);
+          word ^= 0x80808080U;
+          std::memcpy(dst + (p * kNr + r) * 4, &word, sizeof word);
         }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
         for (int64_t g = 0; g < groups; ++g) scaleDst[g * kNr + r] = scales[(panel * kNr + r) * lds + g];
       }
     }
