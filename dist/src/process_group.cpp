@@ -427,7 +427,7 @@ class C10dGroup final : public ProcessGroup {
   }
 
   void sendAndReceive(const std::vector<std::vector<at::Tensor>>& parts) {
-    announceBackendStep("exchangeInPlace");
+    announceBackendStep();
     const int world = worldSize(), me = rank();
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     const auto post = [&](at::Tensor message, int peer, int tag, bool send) {
@@ -532,20 +532,27 @@ class C10dGroup final : public ProcessGroup {
   // stuck, failed): it becomes one line that names the failed rank when it reported itself. Errors
   // of this rank's own tensor work happen outside and pass through as they are.
   void run(const char* collective, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
-    announceBackendStep(collective);
+    announceBackendStep();
     backendCall(collective, [&] { start()->wait(options_.timeout); });
   }
   // Published before each backend operation, for a waiter's timeout to name who never came: the
-  // backends say only that time ran out. One store write, against a collective's socket round
-  // trips (the host channel's own steps are counted in its segment).
-  void announceBackendStep(const char* collective) {
+  // backends say only that time ran out. One store write (the client does not wait for a reply),
+  // against a collective's socket round trips; the host channel counts its own steps in its
+  // segment. Best effort: a store that fails here fails no collective, and ends the naming.
+  void announceBackendStep() {
     ++backendSteps_;
-    backendCall(collective, [&] { store_->set(backendStepKey(rank()), bytes(std::to_string(backendSteps_))); });
+    if (!stepsPublished_) return;
+    try {
+      store_->set(backendStepKey(rank()), bytes(std::to_string(backendSteps_)));
+    } catch (const std::exception&) {
+      stepsPublished_ = false;
+    }
   }
   // The peers that have not started this rank's latest backend operation, as far as the store
   // tells (none where it does not answer: rank 0, its host, is gone).
   std::vector<int> behindInBackendSteps() {
     std::vector<int> behind;
+    if (!stepsPublished_) return behind;
     try {
       for (int r = 0; r < worldSize(); ++r) {
         const std::string key = backendStepKey(r);
@@ -740,7 +747,8 @@ class C10dGroup final : public ProcessGroup {
   c10::intrusive_ptr<c10d::Backend> nccl_;
   std::unique_ptr<HostChannel> channel_;  // null unless every rank is on this host
   Traffic traffic_;
-  int64_t backendSteps_ = 0;  // backend operations started (backendStepKey)
+  int64_t backendSteps_ = 0;    // backend operations started (backendStepKey)
+  bool stepsPublished_ = true;  // ... and each written to the store
   bool peerLost_ = false;     // a collective failed because of a peer
   bool peerNamed_ = false;  // ... which had reported its failure
 };

@@ -210,6 +210,42 @@ TEST(Validation, AnInt4WeightHeldOneToAByteMustHoldInt4Codes) {
                                         "outside int4's [-8, 7], but its quantization_config gives it num_bits 4"));
 }
 
+// The same for msmodelslim's W4A8_DYNAMIC held one code to a byte (a description without the
+// version that packs two to a byte), where an int8 weight was relabelled.
+TEST(Validation, AnUnpackedAscendInt4WeightMustHoldInt4Codes) {
+  const fs::path pipeline = qpipe::test::writeTempFile("w8a8_dynamic_ascend.yaml", R"(apiversion: modelslim_v1
+spec:
+  process:
+    - type: linear_quant
+      qconfig:
+        act: {dtype: int8, scope: per_token, symmetric: True, method: minmax}
+        weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}
+      include: ["*"]
+      exclude: ["lm_head"]
+  save:
+    - {type: ascendv1_saver}
+)");
+  const fs::path out = qpipe::test::testDir() / "relabelled_ascend";
+  fs::remove_all(out);
+  const CommandResult quantized =
+      qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() + " --config_path " +
+                            pipeline.string() + " --save_path " + out.string());
+  ASSERT_EQ(quantized.exitCode, 0) << quantized.err;
+  const fs::path description = out / "quant_model_description.json";
+  nlohmann::json types = nlohmann::json::parse(qpipe::test::slurp(description));
+  types.erase("version");
+  for (auto& [key, type] : types.items()) {
+    if (type == "W8A8_DYNAMIC") type = "W4A8_DYNAMIC";
+  }
+  std::ofstream(description, std::ios::trunc) << types.dump(2);
+  const CommandResult r = eval(out);
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() +
+                                        ": 'model.layers.0.self_attn.q_proj.weight' holds codes from -127 to 127, "
+                                        "outside int4's [-8, 7], but " +
+                                        description.string() + " gives it W4A8_DYNAMIC"));
+}
+
 // A --save_path that is a link to a folder saves into that folder (renaming the finished
 // checkpoint onto the link would fail after the run); a link to nothing fails before the run.
 TEST(Validation, ASavePathThatIsALinkSavesIntoItsFolderOrFailsAtOnce) {

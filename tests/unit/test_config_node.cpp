@@ -89,6 +89,12 @@ TEST(ConfigNode, SyntaxErrorsNameFileLineAndColumn) {
   const auto latin1 = test::writeTempFile("latin1.yaml", "apiversion: modelslim_v1\n# caf\xE9\nspec: {}\n");
   EXPECT_EQ(test::errorOf([&] { ConfigNode::loadYamlFile(latin1); }, ErrorCode::kConfig),
             latin1.string() + ":2:6: byte 0xE9 is not valid UTF-8; save the file as UTF-8");
+  const auto utf16 = test::writeTempFile("utf16.yaml", std::string("\xFF\xFE"
+                                                                   "a\0:\0 \0"
+                                                                   "1\0\n\0",
+                                                                   12));
+  EXPECT_EQ(test::errorOf([&] { ConfigNode::loadYamlFile(utf16); }, ErrorCode::kConfig),
+            utf16.string() + ": UTF-16 text (its byte order mark); save the file as UTF-8");
   // A control byte yaml-cpp quotes stays on the one line.
   const std::string control =
       test::errorOf([] { ConfigNode::parseYaml("a: \"\\\x01\"\n", "esc.yaml"); }, ErrorCode::kConfig);

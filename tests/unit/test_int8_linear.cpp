@@ -823,6 +823,36 @@ TEST(GroupedInt8Linear, CoversSingleRowsSingleBlocksWideGroupsAndPartialVectors)
   }
 }
 
+// The panels' layout, on every CPU (the GEMM that reads them needs AVX512-VNNI): panels of 32 rows,
+// each run of four columns holding the rows' four codes side by side as code + 128, a last panel
+// padded with zero bytes, and the scales per panel, group and row; rows read with their stride.
+TEST(GroupedInt8Panels, HoldEachPanelsRowsSideBySideFourCodesAtATime) {
+  const int64_t n = 37, k = 24, group = 8, groups = k / group, ldv = k + 5, panels = 2;
+  std::vector<int8_t> codes(static_cast<size_t>(n * ldv));
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<int8_t>(static_cast<int>(i * 37 % 256) - 128);
+  std::vector<float> scales(static_cast<size_t>(n * groups));
+  for (size_t i = 0; i < scales.size(); ++i) scales[i] = 0.5F + static_cast<float>(i);
+  const quant::detail::GroupedInt8Panels packed =
+      quant::detail::packGroupedInt8(codes.data(), ldv, scales.data(), groups, n, k, group);
+  ASSERT_EQ(packed.values.size(), static_cast<size_t>(panels * 32 * k));
+  ASSERT_EQ(packed.scales.size(), static_cast<size_t>(panels * 32 * groups));
+  for (int64_t panel = 0; panel < panels; ++panel) {
+    for (int64_t r = 0; r < 32; ++r) {
+      const int64_t row = panel * 32 + r;
+      for (int64_t c = 0; c < k; ++c) {
+        const uint8_t expected =
+            row < n ? static_cast<uint8_t>(codes[static_cast<size_t>(row * ldv + c)] + 128) : uint8_t{0};
+        ASSERT_EQ(packed.values[static_cast<size_t>(panel * 32 * k + (c / 4 * 32 + r) * 4 + c % 4)], expected)
+            << "row " << row << " column " << c;
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        EXPECT_EQ(packed.scales[static_cast<size_t>((panel * groups + g) * 32 + r)],
+                  row < n ? scales[static_cast<size_t>(row * groups + g)] : 0.0F);
+      }
+    }
+  }
+}
+
 // Both grouped GEMMs name an input of the wrong width, and a weight they cannot run.
 TEST(GroupedInt8Linear, NamesAnInputOfTheWrongWidthAndCodesItCannotRun) {
   const QScheme w4{QDtype::kInt4, QScope::kPerGroup, true, 64};

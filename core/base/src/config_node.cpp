@@ -413,6 +413,9 @@ ConfigNode ConfigNode::loadYamlFile(const std::filesystem::path& file) {
   const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
   // yaml-cpp reads a NUL as the end of a line, and then blames what follows it; it takes bytes
   // that are not UTF-8 into names and paths, where PyYAML (msmodelslim's reader) refuses the file.
+  // UTF-16, which PyYAML reads, is named rather than read (its NULs would be blamed otherwise).
+  QPIPE_REQUIRE(!text.starts_with("\xFF\xFE") && !text.starts_with("\xFE\xFF"), ErrorCode::kConfig, file.string(),
+                ": UTF-16 text (its byte order mark); save the file as UTF-8");
   if (const size_t nul = text.find('\0'); nul != std::string::npos) {
     throw Error(ErrorCode::kConfig,
                 concat(file.string(), ":", textPosition(text, nul), ": a NUL byte; a pipeline is YAML text"));

@@ -169,6 +169,7 @@ using Json = nlohmann::ordered_json;
 // kernel would compute the weight the file holds.
 void requireInt4Codes(const at::Tensor& q, const std::string& tensor, const std::string& dir,
                       const std::string& describedAs) {
+  if (q.numel() == 0) return;
   const auto [low, high] = at::aminmax(q);
   const int64_t lowest = low.item<int64_t>(), highest = high.item<int64_t>();
   QPIPE_REQUIRE(lowest >= quant::qmin(QDtype::kInt4) && highest <= quant::qmax(QDtype::kInt4), ErrorCode::kInput,
