@@ -496,7 +496,7 @@ class C10dGroup final : public ProcessGroup {
     for (const auto& [buffer, slot] : staged) slot->copy_(buffer);
   }
 
-  // Every rank but the failed ones reads one report and counts itself in kFailureSeenKey.
+  // Every rank but rank 0 and the failed ones reads one report and counts itself in kFailureSeenKey.
   void waitForReaders() {
     const auto deadline = Clock::now() + std::min(kReportGrace, options_.timeout);
     while (Clock::now() < deadline) {
@@ -730,7 +730,9 @@ class C10dGroup final : public ProcessGroup {
           if (r == rank() || !store_->check({failedKey(r)})) continue;
           const std::string message = text(store_->get(failedKey(r)));
           peerNamed_ = true;
-          store_->add(kFailureSeenKey, 1);
+          // Rank 0 waits for the others' counts (waitForReaders); its own would end the wait
+          // before another rank had read the report, whose store leaves with rank 0.
+          if (rank() != 0) store_->add(kFailureSeenKey, 1);
           return "rank " + std::to_string(r) + " failed: " + message;
         }
         std::this_thread::sleep_for(kPollInterval);
