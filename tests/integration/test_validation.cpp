@@ -10,6 +10,7 @@
 #include <fstream>
 #include <regex>
 #include <string>
+#include <tuple>
 
 #include "qpipe/safetensors.h"
 #include "test_helpers.h"
@@ -189,6 +190,64 @@ TEST(Validation, AQuantizedWeightMustHaveTheShapeConfigJsonImplies) {
   EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() +
                                         ": the quantized weight of 'model.layers.0.self_attn.q_proj' holds [16, 16], "
                                         "but config.json implies [8, 16]"));
+}
+
+// compressed-tensors' targets and ignore entries are names or "re:" patterns: one std::regex cannot
+// read (Python's named groups) or one that is not a string is named at its place, not an internal
+// error from the first match.
+TEST(Validation, QuantizationConfigTargetsAreNamesOrPatternsQpipeReads) {
+  const fs::path out = qpipe::test::testDir() / "targets_w8a8";
+  fs::remove_all(out);
+  const CommandResult quantized =
+      qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() +
+                            " --quant_type w8a8 --save_path " + out.string());
+  ASSERT_EQ(quantized.exitCode, 0) << quantized.err;
+  const nlohmann::json original = nlohmann::json::parse(qpipe::test::slurp(out / "config.json"));
+  const std::string field = (out / "config.json").string() + ": quantization_config.";
+  for (const auto& [key, value, error] :
+       {std::tuple{"targets", nlohmann::json::array({"re:(?P<proj>q_proj)"}),
+                   field + "config_groups.group_0.targets[0] 're:(?P<proj>q_proj)' is not a pattern qpipe reads "
+                           "(Invalid '(?...)' zero-width assertion in regular expression): ECMAScript syntax, without "
+                           "Python's (?P<name>...) groups and (?i) flags"},
+        std::tuple{"ignore", nlohmann::json::array({"lm_head", 7}),
+                   field + "ignore[1] is 7, not a module name or \"re:\" pattern"}}) {
+    SCOPED_TRACE(key);
+    nlohmann::json config = original;
+    if (std::string(key) == "targets") {
+      config["quantization_config"]["config_groups"]["group_0"]["targets"] = value;
+    } else {
+      config["quantization_config"]["ignore"] = value;
+    }
+    std::ofstream(out / "config.json", std::ios::trunc) << config.dump(2);
+    const CommandResult r = eval(out);
+    EXPECT_EQ(r.exitCode, 5) << r.err;
+    EXPECT_EQ(lastLine(r.err), inputError(error));
+  }
+}
+
+// A link loop where a model's file or folder should be is an I/O error naming the path and the
+// system's reason (it was "internal error: filesystem error: status: …" from the folder's check).
+TEST(Validation, ALinkLoopInAModelIsNamed) {
+  const fs::path model = qpipe::test::tinyLlama("loop_model");
+  for (const char* file : {"model.safetensors", "tokenizer.json"}) {
+    SCOPED_TRACE(file);
+    const fs::path dir = qpipe::test::testDir() / (std::string("loop_") + file);
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    for (const auto& entry : fs::directory_iterator(model)) fs::copy(entry.path(), dir / entry.path().filename());
+    fs::remove(dir / file);
+    fs::create_symlink(file, dir / file);
+    const CommandResult r = eval(dir);
+    EXPECT_EQ(r.exitCode, 6) << r.err;
+    EXPECT_EQ(lastLine(r.err),
+              "qpipe: I/O error: cannot open '" + (dir / file).string() + "': Too many levels of symbolic links\n");
+  }
+  const fs::path loop = qpipe::test::testDir() / "loop_folder";
+  fs::remove(loop);
+  fs::create_symlink(loop.filename(), loop);
+  const CommandResult r = eval(loop);
+  EXPECT_EQ(r.exitCode, 6) << r.err;
+  EXPECT_EQ(r.err, "qpipe: I/O error: " + loop.string() + ": Too many levels of symbolic links\n");
 }
 
 // int4 codes held one to a byte (compressed-tensors' int-quantized) must be int4's: an int8

@@ -8,6 +8,7 @@
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <regex>
 #include <string>
@@ -185,6 +186,11 @@ int run(int argc, char** argv) {
     }
   } catch (const Error& e) {
     return cli::reportFailure(e.code(), e.what());
+  } catch (const std::filesystem::filesystem_error& e) {
+    // A path the checks before the work could not look at (a link loop, a folder without
+    // permission): the path and the system's reason, not the library's "filesystem error: status:".
+    const std::string path = e.path1().empty() ? std::string() : e.path1().string() + ": ";
+    return cli::reportFailure(ErrorCode::kIo, path + e.code().message());
   } catch (const std::exception& e) {
     return cli::reportFailure(ErrorCode::kInternal, oneLine(e));
   }

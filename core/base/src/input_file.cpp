@@ -55,9 +55,10 @@ std::string readInputFile(const std::filesystem::path& path) {
 
 std::filesystem::path modelFile(const std::filesystem::path& dir, const std::string& name) {
   std::filesystem::path path = dir / name;
-  std::error_code ignored;
-  QPIPE_REQUIRE(std::filesystem::exists(path, ignored), ErrorCode::kInput, "model folder '", dir.string(), "' has no ",
-                name,
+  // Absent, not unreadable (a link loop): the reader names why it cannot read that.
+  std::error_code unreadable;
+  QPIPE_REQUIRE(std::filesystem::exists(path, unreadable) || unreadable, ErrorCode::kInput, "model folder '",
+                dir.string(), "' has no ", name,
                 "; a Hugging Face model folder holds config.json, its *.safetensors and tokenizer.json (a GGUF "
                 "file converts to one with 'qpipe convert gguf')");
   return path;

@@ -277,12 +277,19 @@ Checkpoint Checkpoint::open(const fs::path& fileOrDir, const std::string& filePr
     checkpoint.shards_.push_back({path, File::open(path)});
     return checkpoint.shards_.size() - 1;
   };
-  if (fs::is_regular_file(fileOrDir)) {
+  // There, or there but unreadable (a link loop): File::open then names why it cannot be read.
+  const auto present = [](const fs::path& path) {
+    std::error_code ec;
+    return fs::exists(path, ec) || ec;
+  };
+  std::error_code ec;
+  if (fs::is_regular_file(fileOrDir, ec)) {
     addShard(fileOrDir);
   } else {
-    QPIPE_REQUIRE(fs::is_directory(fileOrDir), ErrorCode::kIo, "'", fileOrDir.string(), "': no such file or folder");
+    QPIPE_REQUIRE(fs::is_directory(fileOrDir, ec), ErrorCode::kIo, "'", fileOrDir.string(),
+                  "': no such file or folder");
     const fs::path index = fileOrDir / (filePrefix + ".safetensors.index.json");
-    if (fs::exists(index)) {
+    if (present(index)) {
       Json json;
       try {
         json = Json::parse(readInputFile(index), jsonDepthLimit<Json>(index.string()));
@@ -322,7 +329,7 @@ Checkpoint Checkpoint::open(const fs::path& fileOrDir, const std::string& filePr
       return checkpoint;
     }
     const std::string single = filePrefix + ".safetensors";
-    QPIPE_REQUIRE(fs::exists(fileOrDir / single), ErrorCode::kInput, fileOrDir.string(), ": no ", single, " or ",
+    QPIPE_REQUIRE(present(fileOrDir / single), ErrorCode::kInput, fileOrDir.string(), ": no ", single, " or ",
                   filePrefix, ".safetensors.index.json");
     addShard(fileOrDir / single);
   }

@@ -240,10 +240,31 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
     if (config.contains("kv_cache_scheme") && !config["kv_cache_scheme"].is_null()) {
       kvCache_ = parseArgs(config["kv_cache_scheme"], "kv_cache_scheme", field, unsupported, Role::kKvCache).scheme;
     }
+    // Module names, class names and "re:" patterns (targets, ignore), each checked as it is read.
+    const auto names = [&](const Json& list, const std::string& at) {
+      std::vector<std::string> out;
+      for (size_t i = 0; i < list.size(); ++i) {
+        const std::string entry = concat(at, "[", i, "]");
+        QPIPE_REQUIRE(list[i].is_string(), ErrorCode::kInput, field(entry), " is ", list[i].dump(),
+                      ", not a module name or \"re:\" pattern");
+        const std::string name = list[i].get<std::string>();
+        if (name.starts_with("re:")) {
+          try {
+            std::regex{name.substr(3)};
+          } catch (const std::regex_error& error) {
+            throw Error(ErrorCode::kInput,
+                        concat(field(entry), " '", name, "' is not a pattern qpipe reads (", error.what(),
+                               "): ECMAScript syntax, without Python's (?P<name>...) groups and (?i) flags"));
+          }
+        }
+        out.push_back(name);
+      }
+      return out;
+    };
     const std::string globalFormat = config.value("format", std::string("dense"));
     if (config.contains("ignore") && !config["ignore"].is_null()) {
       QPIPE_REQUIRE(config["ignore"].is_array(), ErrorCode::kInput, field("ignore"), " is not a list");
-      for (const auto& name : config["ignore"]) ignore_.push_back(name.get<std::string>());
+      ignore_ = names(config["ignore"], "ignore");
     }
     QPIPE_REQUIRE(config.contains("config_groups") && config["config_groups"].is_object(), ErrorCode::kInput,
                   field("config_groups"), " is missing or not an object");
@@ -252,7 +273,7 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       QPIPE_REQUIRE(group.is_object() && group.contains("targets") && group["targets"].is_array(), ErrorCode::kInput,
                     field(at), " is not a scheme object with a 'targets' list");
       CtScheme scheme;
-      for (const auto& target : group["targets"]) scheme.targets.push_back(target.get<std::string>());
+      scheme.targets = names(group["targets"], at + ".targets");
       // No weights: a group on the attention modules, whose input_activations quantize Q, K and V.
       if ((!group.contains("weights") || group["weights"].is_null()) && group.contains("input_activations") &&
           !group["input_activations"].is_null()) {
