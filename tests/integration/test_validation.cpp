@@ -209,6 +209,10 @@ TEST(Validation, QuantizationConfigTargetsAreNamesOrPatternsQpipeReads) {
                    field + "config_groups.group_0.targets[0] 're:(?P<proj>q_proj)' is not a pattern qpipe reads "
                            "(Invalid '(?...)' zero-width assertion in regular expression): ECMAScript syntax, without "
                            "Python's (?P<name>...) groups and (?i) flags"},
+        // Matching recurses a level per element of the pattern: 100,000 overflowed the stack.
+        std::tuple{"targets", nlohmann::json::array({"re:" + std::string(5000, 'x')}),
+                   field + "config_groups.group_0.targets[0] 're:" + std::string(37, 'x') +
+                       "…' is a pattern of 5000 characters; qpipe reads patterns of up to 4096"},
         std::tuple{"ignore", nlohmann::json::array({"lm_head", 7}),
                    field + "ignore[1] is 7, not a module name or \"re:\" pattern"}}) {
     SCOPED_TRACE(key);

@@ -249,6 +249,12 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
                       ", not a module name or \"re:\" pattern");
         const std::string name = list[i].get<std::string>();
         if (name.starts_with("re:")) {
+          // std::regex matches by recursion, a level per element of the pattern: 100,000 of them
+          // overflowed the stack. compressed-tensors' own patterns are tens of characters.
+          constexpr size_t kLongestPattern = 4096;
+          QPIPE_REQUIRE(name.size() - 3 <= kLongestPattern, ErrorCode::kInput, field(entry), " '", name.substr(0, 40),
+                        "…' is a pattern of ", name.size() - 3, " characters; qpipe reads patterns of up to ",
+                        kLongestPattern);
           try {
             std::regex{name.substr(3)};
           } catch (const std::regex_error& error) {
