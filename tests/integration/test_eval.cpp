@@ -93,4 +93,16 @@ TEST(EvalInputErrors, AnUnwritableOutputJsonFailsFirst) {
                        (folder / "no").string() + "' to write it in\n");
 }
 
+// A write that fails (a full disk) is an error, not a run that exits 0 with an empty file.
+TEST(EvalInputErrors, AnOutputJsonThatCannotBeWrittenFails) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  const fs::path model = qpipe::test::tinyLlama("eval_output_json");
+  const CommandResult r =
+      qpipe::test::runQpipe("eval --model_path " + model.string() + " --data " + QPIPE_SOURCE_DIR +
+                            "/data/eval.jsonl --seq_len 16 --max_samples 2 --output_json /dev/full");
+  EXPECT_EQ(r.exitCode, 6) << r.err;
+  EXPECT_TRUE(r.err.ends_with("qpipe: I/O error: writing --output_json '/dev/full' failed: No space left on device\n"))
+      << r.err;
+}
+
 }  // namespace

@@ -41,9 +41,8 @@ std::string lastLine(const std::string& err) {
   return start == std::string::npos || err.size() < 2 ? err : err.substr(start + 1);
 }
 
-// The tiny Llama with tensor `name` replaced by `replacement`.
-fs::path withTensor(const std::string& dirName, const std::string& name, const at::Tensor& replacement) {
-  const fs::path dir = qpipe::test::tinyLlama(dirName);
+// Tensor `name` of dir's model.safetensors replaced by `replacement`.
+void replaceTensor(const fs::path& dir, const std::string& name, const at::Tensor& replacement) {
   const fs::path file = dir / "model.safetensors";
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   {
@@ -56,6 +55,12 @@ fs::path withTensor(const std::string& dirName, const std::string& name, const a
   qpipe::safetensors::Writer writer(dir);
   for (const auto& [tensorName, tensor] : tensors) writer.add(tensorName, tensor);
   writer.finish();
+}
+
+// The tiny Llama with tensor `name` replaced by `replacement`.
+fs::path withTensor(const std::string& dirName, const std::string& name, const at::Tensor& replacement) {
+  const fs::path dir = qpipe::test::tinyLlama(dirName);
+  replaceTensor(dir, name, replacement);
   return dir;
 }
 
@@ -190,6 +195,41 @@ TEST(Validation, AQuantizedWeightMustHaveTheShapeConfigJsonImplies) {
   EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() +
                                         ": the quantized weight of 'model.layers.0.self_attn.q_proj' holds [16, 16], "
                                         "but config.json implies [8, 16]"));
+}
+
+// A scale read from a checkpoint is never negative, and an activation's (which divides) never
+// zero: a hand-edited scale ran, its sign flipping the weights it scaled (perplexity 8,046).
+TEST(Validation, QuantizationScalesAreNeverNegativeAndDivisorsNeverZero) {
+  const fs::path out = qpipe::test::testDir() / "rescaled_w8a8_static";
+  fs::remove_all(out);
+  const CommandResult quantized = qpipe::test::runQpipe(
+      "quant --model_path " + qpipe::test::tinyLlama("float").string() + " --config_path " + QPIPE_SOURCE_DIR +
+      "/configs/default/w8a8_static.yaml --calib_samples 4 --seq_len 32 "
+      "--save_path " +
+      out.string());
+  ASSERT_EQ(quantized.exitCode, 0) << quantized.err;
+  const fs::path original = qpipe::test::testDir() / "rescaled_original.safetensors";
+  fs::copy_file(out / "model.safetensors", original, fs::copy_options::overwrite_existing);
+  const std::string module = "model.layers.1.mlp.down_proj.";
+  for (const auto& [tensor, value, error] :
+       {std::tuple{"weight_scale", -0.01, "holds -0.01 (its least value); a quantization scale is never negative"},
+        std::tuple{"input_scale", 0.0, "holds 0 (its least value); a quantization scale is positive"}}) {
+    SCOPED_TRACE(tensor);
+    fs::copy_file(original, out / "model.safetensors", fs::copy_options::overwrite_existing);
+    const auto stored = qpipe::safetensors::File::open(out / "model.safetensors");
+    const at::Tensor scale = stored->tensor(module + tensor).clone();
+    replaceTensor(out, module + tensor, at::full_like(scale, value));
+    const CommandResult r = eval(out);
+    EXPECT_EQ(r.exitCode, 5) << r.err;
+    EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() + ": '" + module + tensor + "' " + error));
+  }
+  // Nor an integer tensor, whose values were taken for scales.
+  fs::copy_file(original, out / "model.safetensors", fs::copy_options::overwrite_existing);
+  replaceTensor(out, module + "input_scale", at::ones({1}, at::kInt));
+  const CommandResult r = eval(out);
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() + ": '" + module +
+                                        "input_scale' is Int; a quantization scale is floating point"));
 }
 
 // compressed-tensors' targets and ignore entries are names or "re:" patterns: one std::regex cannot

@@ -3,7 +3,9 @@
 #include <malloc.h>
 #include <nlohmann/json.hpp>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -85,8 +87,13 @@ void evaluate(const EvalOptions& options) {
         {"perplexity", result.perplexity}, {"mean_nll", result.meanNll}, {"tokens", result.tokens},
         {"windows", result.windows},       {"seconds", seconds},         {"tokens_per_second", tokensPerSecond}};
     std::ofstream out(options.outputJson);
-    QPIPE_REQUIRE(out.good(), ErrorCode::kIo, "cannot write '", options.outputJson, "'");
+    QPIPE_REQUIRE(out.good(), ErrorCode::kIo, "cannot write --output_json '", options.outputJson,
+                  "': ", std::strerror(errno));
     out << json.dump(2) << "\n";
+    // A full disk fails the flush at the close, not the write into the stream's buffer.
+    out.close();
+    QPIPE_REQUIRE(!out.fail(), ErrorCode::kIo, "writing --output_json '", options.outputJson,
+                  "' failed: ", std::strerror(errno));
   }
 }
 

@@ -199,13 +199,41 @@ std::vector<int64_t> scaleShape(const QScheme& scheme, int64_t out, int64_t in) 
 }
 
 // `stored` (any float dtype, any shape with the right element count) as fp32 of `shape`.
-at::Tensor asScale(const at::Tensor& stored, const std::vector<int64_t>& shape, const std::string& name,
+at::Tensor asShape(const at::Tensor& stored, const std::vector<int64_t>& shape, const std::string& name,
                    const std::string& dir) {
   int64_t numel = 1;
   for (int64_t d : shape) numel *= d;
   QPIPE_REQUIRE(stored.numel() == numel, ErrorCode::kInput, "checkpoint ", dir, ": '", name, "' has shape ",
                 shapeText(stored.sizes()), ", expected ", shapeText(shape));
   return stored.to(at::kFloat).reshape(shape);
+}
+
+// What a scale does: multiply codes (a weight's), or divide what is quantized (an activation's,
+// a global scale).
+enum class ScaleUse { kMultiplies, kDivides };
+
+// A scale is never negative (its sign would flip what it scales), and one that divides is never
+// zero either: compressed-tensors and msmodelslim clamp theirs to a small positive value, so
+// either is a checkpoint edited by hand.
+void requireScaleSign(const at::Tensor& scale, const std::string& name, const std::string& dir, ScaleUse use) {
+  if (scale.numel() == 0) return;
+  // Checked whatever --allow_non_finite says, which is about weights (docs/cli.md, Validation).
+  QPIPE_REQUIRE(at::isfinite(scale).all().item<bool>(), ErrorCode::kInput, "checkpoint ", dir, ": '", name,
+                "' holds NaN or Inf; a quantization scale is a finite number");
+  const double lowest = scale.min().item<double>();
+  QPIPE_REQUIRE(lowest > 0 || (lowest == 0 && use == ScaleUse::kMultiplies), ErrorCode::kInput, "checkpoint ", dir,
+                ": '", name, "' holds ", lowest, " (its least value); a quantization scale is ",
+                use == ScaleUse::kDivides ? "positive" : "never negative");
+}
+
+at::Tensor asScale(const at::Tensor& stored, const std::vector<int64_t>& shape, const std::string& name,
+                   const std::string& dir, ScaleUse use) {
+  // An integer tensor's values would be taken for scales (a dtype edited in the header).
+  QPIPE_REQUIRE(at::isFloatingType(stored.scalar_type()), ErrorCode::kInput, "checkpoint ", dir, ": '", name, "' is ",
+                c10::toString(stored.scalar_type()), "; a quantization scale is floating point");
+  at::Tensor scale = asShape(stored, shape, name, dir);
+  requireScaleSign(scale, name, dir, use);
+  return scale;
 }
 
 // ---- compressed-tensors
@@ -348,6 +376,7 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
     QPIPE_REQUIRE(stored.sizes().vec() == expected, ErrorCode::kInput, "checkpoint ", dir_, ": '", name, "' has shape ",
                   shapeText(stored.sizes()), ", expected ", shapeText(expected),
                   perHead ? " (attn_head)" : " (tensor)");
+    requireScaleSign(stored, name, dir_, ScaleUse::kDivides);
     const at::Tensor scale = perHead ? stored.reshape({1, -1, 1, 1}) : stored.reshape({1});
     return std::make_shared<AttentionQuant>(
         *scheme, quant::QParams{scale, at::zeros_like(scale, scale.options().dtype(at::kInt))});
@@ -384,12 +413,13 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       q = quant::unpackFp4(packed);
       paramShape = weightShape(q.size(0), q.size(1));
       if (w.dtype == QDtype::kNvfp4) {
-        globalScale = asScale(tensor(name + ".weight_global_scale"), {1}, name + ".weight_global_scale", dir_);
+        globalScale = asScale(tensor(name + ".weight_global_scale"), {1}, name + ".weight_global_scale", dir_,
+                              ScaleUse::kDivides);
       } else {
         const at::Tensor exponents = tensor(name + ".weight_scale");
         QPIPE_REQUIRE(exponents.scalar_type() == at::kByte, ErrorCode::kInput, "checkpoint ", dir_, ": '", name,
                       ".weight_scale' is ", c10::toString(exponents.scalar_type()), ", expected Byte (E8M0 exponents)");
-        scale = quant::fromE8m0(asScale(exponents, paramShape, name + ".weight_scale", dir_).to(at::kByte));
+        scale = quant::fromE8m0(asShape(exponents, paramShape, name + ".weight_scale", dir_).to(at::kByte));
       }
     } else if (scheme->format == "pack-quantized") {
       const at::Tensor shape = tensor(name + ".weight_shape").to(at::kCPU).to(at::kLong);
@@ -424,15 +454,17 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       paramShape = weightShape(q.size(0), q.size(1));
       if (!w.symmetric) zeroPoint = tensor(name + ".weight_zero_point").to(at::kInt);
     }
-    if (!scale.defined()) scale = asScale(tensor(name + ".weight_scale"), paramShape, name + ".weight_scale", dir_);
+    if (!scale.defined())
+      scale = asScale(tensor(name + ".weight_scale"), paramShape, name + ".weight_scale", dir_, ScaleUse::kMultiplies);
     zeroPoint =
         zeroPoint.defined() ? zeroPoint.reshape(paramShape) : at::zeros_like(scale, scale.options().dtype(at::kInt));
     std::optional<ActivationQuant> input = scheme->input;
     if (input && input->scheme.dtype == QDtype::kNvfp4) {
       input->params.globalScale =
-          asScale(tensor(name + ".input_global_scale"), {1}, name + ".input_global_scale", dir_);
+          asScale(tensor(name + ".input_global_scale"), {1}, name + ".input_global_scale", dir_, ScaleUse::kDivides);
     } else if (input && !input->isDynamic()) {
-      const at::Tensor inputScale = asScale(tensor(name + ".input_scale"), {1}, name + ".input_scale", dir_);
+      const at::Tensor inputScale =
+          asScale(tensor(name + ".input_scale"), {1}, name + ".input_scale", dir_, ScaleUse::kDivides);
       input->params = {inputScale, input->scheme.symmetric
                                        ? at::zeros_like(inputScale, inputScale.options().dtype(at::kInt))
                                        : tensor(name + ".input_zero_point").to(at::kInt).reshape({1})};
@@ -573,13 +605,13 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
     at::Tensor scale, offset;
     QScheme scheme{.dtype = QDtype::kInt8, .scope = QScope::kPerHead};
     if (described(fa + ".scale", "FAQuant")) {
-      scale = asScale(tensor(fa + ".scale"), {heads, 1}, fa + ".scale", dir_);
+      scale = asScale(tensor(fa + ".scale"), {heads, 1}, fa + ".scale", dir_, ScaleUse::kDivides);
       const at::Tensor stored = tensor(fa + ".offset");
       QPIPE_REQUIRE(stored.scalar_type() == at::kChar || at::isFloatingType(stored.scalar_type()), ErrorCode::kInput,
                     "checkpoint ", dir_, ": '", fa, ".offset' is ", c10::toString(stored.scalar_type()),
                     ", expected Char (int8) or a float type (fp8)");
       if (stored.scalar_type() != at::kChar) scheme.dtype = QDtype::kFp8E4m3;
-      offset = asScale(stored, {heads, 1}, fa + ".offset", dir_);
+      offset = asShape(stored, {heads, 1}, fa + ".offset", dir_);
       QPIPE_REQUIRE(scheme.dtype == QDtype::kInt8 || offset.eq(0).all().item<bool>(), ErrorCode::kInput, "checkpoint ",
                     dir_, ": '", fa, ".offset' is not zero; fp8 attention is symmetric");
     } else if (input != 'q' && described(c8 + "_scale", "C8")) {
@@ -622,11 +654,12 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
     at::Tensor scale, offset;
     if (type == "W8A8") {
       // Static: the weight scale is only present folded into deq_scale = input_scale · weight_scale.
-      const at::Tensor inputScale = asScale(tensor(name + ".input_scale"), {1}, name + ".input_scale", dir_);
+      const at::Tensor inputScale =
+          asScale(tensor(name + ".input_scale"), {1}, name + ".input_scale", dir_, ScaleUse::kDivides);
       const at::Tensor inputOffset = tensor(name + ".input_offset").to(at::kFloat).reshape({1});
       at::Tensor deq = tensor(name + ".deq_scale");
       deq = deq.scalar_type() == at::kLong ? deqScaleFromInt64(deq) : deq.to(at::kFloat);
-      scale = asScale(deq, {out, 1}, name + ".deq_scale", dir_) / inputScale;
+      scale = asScale(deq, {out, 1}, name + ".deq_scale", dir_, ScaleUse::kMultiplies) / inputScale;
       w = {.dtype = QDtype::kInt8, .scope = QScope::kPerChannel};
       const bool symmetric = inputOffset.eq(0).all().item<bool>();
       input = ActivationQuant{{.dtype = QDtype::kInt8, .scope = QScope::kPerTensor, .symmetric = symmetric},
@@ -651,8 +684,8 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
         w.scope = QScope::kPerGroup;
         w.groupSize = groupSize_;
       }
-      scale = asScale(scale, scaleShape(w, out, in), name + ".weight_scale", dir_);
-      offset = asScale(offset, scaleShape(w, out, in), name + ".weight_offset", dir_);
+      scale = asScale(scale, scaleShape(w, out, in), name + ".weight_scale", dir_, ScaleUse::kMultiplies);
+      offset = asShape(offset, scaleShape(w, out, in), name + ".weight_offset", dir_);
       w.symmetric = offset.eq(0).all().item<bool>();
       if (type != "W8A16") {
         const QDtype act = type == "WFP8AFP8_DYNAMIC" ? QDtype::kFp8E4m3 : QDtype::kInt8;
