@@ -481,6 +481,24 @@ TEST(QuantCli, ACoreBusyWithOtherWorkIsLeftToIt) {
   EXPECT_EQ(chosen.err.find("cores busy"), std::string::npos) << chosen.err;
 }
 
+// More threads than cores, given, is warned about (4,096 on two cores took minutes for a run of a
+// second), on one process as on ranks sharing a host.
+TEST(QuantCli, MoreThreadsThanCoresAreWarnedAbout) {
+  const fs::path out = qpipe::test::testDir() / "oversubscribed";
+  fs::remove_all(out);
+  const int threads = static_cast<int>(std::thread::hardware_concurrency()) + 1;
+  const CommandResult r =
+      qpipe("quant --save_path " + quote(out) + " --model_path " + quote(qpipe::test::tinyLlama("float")) +
+            " --quant_type w8a8 --threads_per_rank " + std::to_string(threads));
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  const std::regex line("\\] \\[warning\\] " + std::to_string(threads) +
+                        R"( threads on (\d+) cores: the threads will wait for each other, many times slower; )"
+                        R"(give --threads_per_rank (\d+) or set OMP_WAIT_POLICY=passive\n)");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.err, m, line)) << r.err;
+  EXPECT_EQ(m[1].str(), m[2].str());
+}
+
 TEST(QuantCli, IncludePatternThatMatchesNothingWarnsAndSucceeds) {
   const fs::path config = pipelineFile("unmatched.yaml", R"(    - type: linear_quant
       qconfig:

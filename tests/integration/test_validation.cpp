@@ -232,6 +232,37 @@ TEST(Validation, QuantizationScalesAreNeverNegativeAndDivisorsNeverZero) {
                                         "input_scale' is Int; a quantization scale is floating point"));
 }
 
+// An asymmetric checkpoint relabelled symmetric: its zero points were dropped without a word
+// (perplexity 1.5e8).
+TEST(Validation, ZeroPointsOfASymmetricSchemeAreRefused) {
+  const fs::path pipeline = qpipe::test::writeTempFile("w8a16_asymmetric.yaml", R"(apiversion: modelslim_v1
+spec:
+  process:
+    - type: linear_quant
+      qconfig:
+        weight: {dtype: int8, scope: per_channel, symmetric: False, method: minmax}
+      include: ["*"]
+      exclude: ["lm_head"]
+  save:
+    - {type: compressed_tensors}
+)");
+  const fs::path out = qpipe::test::testDir() / "relabelled_symmetric";
+  fs::remove_all(out);
+  const CommandResult quantized =
+      qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() + " --config_path " +
+                            pipeline.string() + " --save_path " + out.string());
+  ASSERT_EQ(quantized.exitCode, 0) << quantized.err;
+  ASSERT_EQ(eval(out).exitCode, 0);
+  nlohmann::json config = nlohmann::json::parse(qpipe::test::slurp(out / "config.json"));
+  for (auto& group : config["quantization_config"]["config_groups"]) group["weights"]["symmetric"] = true;
+  std::ofstream(out / "config.json", std::ios::trunc) << config.dump(2);
+  const CommandResult r = eval(out);
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() +
+                                        ": 'model.layers.0.self_attn.q_proj.weight_zero_point' holds non-zero zero "
+                                        "points, but quantization_config gives the weights symmetric: true"));
+}
+
 // compressed-tensors' targets and ignore entries are names or "re:" patterns: one std::regex cannot
 // read (Python's named groups) or one that is not a string is named at its place, not an internal
 // error from the first match.

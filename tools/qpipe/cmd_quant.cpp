@@ -172,10 +172,12 @@ void run(const QuantOptions& options) {
     // parallel regions wait for threads the other ranks' spinning keeps off the cores (2 ranks of
     // 2 threads on 2 cores: 9-20x slower than of 1).
     const int cores = usableCores();
-    if (role.group && role.group->localRank == 0 && threads > 1 && threads * role.localWorldSize > cores) {
-      logger->warn(role.localWorldSize, " ranks x ", threads, " threads on ", cores,
-                   " cores: the ranks will wait for each other's threads, many times slower; give --threads_per_rank ",
-                   std::max(1, cores / role.localWorldSize), " or set OMP_WAIT_POLICY=passive");
+    if ((!role.group || role.group->localRank == 0) && threads > 1 && threads * role.localWorldSize > cores) {
+      logger->warn(role.group ? concat(role.localWorldSize, " ranks x ", threads, " threads on ", cores,
+                                       " cores: the ranks will wait for each other's threads")
+                              : concat(threads, " threads on ", cores, " cores: the threads will wait for each other"),
+                   ", many times slower; give --threads_per_rank ", std::max(1, cores / role.localWorldSize),
+                   " or set OMP_WAIT_POLICY=passive");
     }
   } else if (const int busy = coresBusyElsewhere(); busy > 0) {
     // A thread whose core another process holds stalls every parallel region of the run: beside

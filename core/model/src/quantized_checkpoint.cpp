@@ -120,7 +120,9 @@ at::Tensor packInt8(const at::Tensor& q, int64_t dim) {
   const int64_t words = (rows.size(1) + 3) / 4;
   // Little-endian bytes of a word are its elements 0..3, so a byte view is the bit layout.
   const at::Tensor bytes = at::constant_pad_nd(rows, {0, words * 4 - rows.size(1)}, 0).to(at::kByte).contiguous();
-  const at::Tensor packed = bytes.view(at::kInt);
+  // Through one dimension: a dimension of size 1 keeps whatever stride it had (a channel zero
+  // point's [1, N] has stride 1), which view(kInt) refuses.
+  const at::Tensor packed = bytes.reshape({-1}).view(at::kInt).view({rows.size(0), words});
   return dim == 0 ? packed.t().contiguous() : packed;
 }
 
@@ -382,7 +384,7 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
         *scheme, quant::QParams{scale, at::zeros_like(scale, scale.options().dtype(at::kInt))});
   }
 
-  std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor, const HasFn&,
+  std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor, const HasFn& has,
                                       at::ScalarType computeDtype) const override {
     for (const auto& entry : ignore_) {
       if (compressedTensorsMatches(entry, name)) return nullptr;
@@ -434,7 +436,7 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
                     shapeText(packed.sizes()), ", expected Int ", shapeText(expected));
       q = bits == 4 ? quant::unpackInt4(packed, in) : unpackInt8(packed, in);
       paramShape = weightShape(out, in);
-      if (!w.symmetric) {
+      if (!w.symmetric || has(name + ".weight_zero_point")) {
         const at::Tensor stored = tensor(name + ".weight_zero_point");
         if (w.scope == QScope::kPerTensor) {
           zeroPoint = stored.to(at::kInt).reshape(paramShape);
@@ -452,8 +454,17 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
         requireInt4Codes(q, name + ".weight", dir_, "its quantization_config gives it num_bits 4");
       }
       paramShape = weightShape(q.size(0), q.size(1));
-      if (!w.symmetric) zeroPoint = tensor(name + ".weight_zero_point").to(at::kInt);
+      if (!w.symmetric || has(name + ".weight_zero_point")) {
+        zeroPoint = tensor(name + ".weight_zero_point").to(at::kInt);
+      }
     }
+    // A symmetric scheme has no zero points: non-zero ones were written by an asymmetric one whose
+    // description was edited, and would be dropped.
+    QPIPE_REQUIRE(!w.symmetric || !zeroPoint.defined() || !zeroPoint.ne(0).any().item<bool>(), ErrorCode::kInput,
+                  "checkpoint ", dir_, ": '", name,
+                  ".weight_zero_point' holds non-zero zero points, but quantization_config gives the weights "
+                  "symmetric: true");
+    if (w.symmetric) zeroPoint = at::Tensor();
     if (!scale.defined())
       scale = asScale(tensor(name + ".weight_scale"), paramShape, name + ".weight_scale", dir_, ScaleUse::kMultiplies);
     zeroPoint =
