@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <functional>
 #include <regex>
 #include <string>
 #include <tuple>
@@ -69,6 +70,23 @@ fs::path withConfig(const std::string& dirName, const std::string& json) {
   const fs::path dir = qpipe::test::tinyLlama(dirName);
   std::ofstream(dir / "config.json", std::ios::trunc) << json;
   return dir;
+}
+
+// The tiny Llama quantized by `quant <args>` into testDir()/name, where its files are edited.
+fs::path quantizedTiny(const std::string& name, const std::string& args) {
+  const fs::path out = qpipe::test::testDir() / name;
+  fs::remove_all(out);
+  const CommandResult r = qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() + " " +
+                                                args + " --save_path " + out.string());
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  return out;
+}
+
+// The JSON file `file` rewritten by `edit`.
+void editJson(const fs::path& file, const std::function<void(nlohmann::json&)>& edit) {
+  nlohmann::json json = nlohmann::json::parse(qpipe::test::slurp(file));
+  edit(json);
+  std::ofstream(file, std::ios::trunc) << json.dump(2);
 }
 
 const std::string kConfigHead =
@@ -161,15 +179,9 @@ TEST(Validation, TensorsMustHaveTheShapeAndDtypeConfigJsonImplies) {
 // A quantized checkpoint whose quantization_config lost its schemes (edited by hand): its int8
 // weights are refused by name, not handed to a float GEMM.
 TEST(Validation, AQuantizedWeightNoSchemeClaimsIsRefused) {
-  const fs::path out = qpipe::test::testDir() / "unclaimed_w8a8";
-  fs::remove_all(out);
-  const CommandResult quantized =
-      qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() +
-                            " --quant_type w8a8 --save_path " + out.string() + " --calib_samples 4 --seq_len 32");
-  ASSERT_EQ(quantized.exitCode, 0) << quantized.err;
-  nlohmann::json config = nlohmann::json::parse(qpipe::test::slurp(out / "config.json"));
-  config["quantization_config"]["config_groups"] = nlohmann::json::object();
-  std::ofstream(out / "config.json", std::ios::trunc) << config.dump(2);
+  const fs::path out = quantizedTiny("unclaimed_w8a8", "--quant_type w8a8");
+  editJson(out / "config.json",
+           [](nlohmann::json& config) { config["quantization_config"]["config_groups"] = nlohmann::json::object(); });
   const CommandResult r = eval(out);
   EXPECT_EQ(r.exitCode, 5) << r.err;
   EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() +
@@ -181,15 +193,8 @@ TEST(Validation, AQuantizedWeightNoSchemeClaimsIsRefused) {
 // once the format has unpacked it: a head_dim edited by hand was an internal reshape error in the
 // first attention.
 TEST(Validation, AQuantizedWeightMustHaveTheShapeConfigJsonImplies) {
-  const fs::path out = qpipe::test::testDir() / "reshaped_w8a8";
-  fs::remove_all(out);
-  const CommandResult quantized =
-      qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() +
-                            " --quant_type w8a8 --save_path " + out.string());
-  ASSERT_EQ(quantized.exitCode, 0) << quantized.err;
-  nlohmann::json config = nlohmann::json::parse(qpipe::test::slurp(out / "config.json"));
-  config["head_dim"] = 2;
-  std::ofstream(out / "config.json", std::ios::trunc) << config.dump(2);
+  const fs::path out = quantizedTiny("reshaped_w8a8", "--quant_type w8a8");
+  editJson(out / "config.json", [](nlohmann::json& config) { config["head_dim"] = 2; });
   const CommandResult r = eval(out);
   EXPECT_EQ(r.exitCode, 5) << r.err;
   EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() +
@@ -200,14 +205,9 @@ TEST(Validation, AQuantizedWeightMustHaveTheShapeConfigJsonImplies) {
 // A scale read from a checkpoint is never negative, and an activation's (which divides) never
 // zero: a hand-edited scale ran, its sign flipping the weights it scaled (perplexity 8,046).
 TEST(Validation, QuantizationScalesAreNeverNegativeAndDivisorsNeverZero) {
-  const fs::path out = qpipe::test::testDir() / "rescaled_w8a8_static";
-  fs::remove_all(out);
-  const CommandResult quantized = qpipe::test::runQpipe(
-      "quant --model_path " + qpipe::test::tinyLlama("float").string() + " --config_path " + QPIPE_SOURCE_DIR +
-      "/configs/default/w8a8_static.yaml --calib_samples 4 --seq_len 32 "
-      "--save_path " +
-      out.string());
-  ASSERT_EQ(quantized.exitCode, 0) << quantized.err;
+  const fs::path out = quantizedTiny("rescaled_w8a8_static", std::string("--config_path ") + QPIPE_SOURCE_DIR +
+                                                                 "/configs/default/w8a8_static.yaml --calib_samples 4 "
+                                                                 "--seq_len 32");
   const fs::path original = qpipe::test::testDir() / "rescaled_original.safetensors";
   fs::copy_file(out / "model.safetensors", original, fs::copy_options::overwrite_existing);
   const std::string module = "model.layers.1.mlp.down_proj.";
@@ -246,16 +246,11 @@ spec:
   save:
     - {type: compressed_tensors}
 )");
-  const fs::path out = qpipe::test::testDir() / "relabelled_symmetric";
-  fs::remove_all(out);
-  const CommandResult quantized =
-      qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() + " --config_path " +
-                            pipeline.string() + " --save_path " + out.string());
-  ASSERT_EQ(quantized.exitCode, 0) << quantized.err;
+  const fs::path out = quantizedTiny("relabelled_symmetric", "--config_path " + pipeline.string());
   ASSERT_EQ(eval(out).exitCode, 0);
-  nlohmann::json config = nlohmann::json::parse(qpipe::test::slurp(out / "config.json"));
-  for (auto& group : config["quantization_config"]["config_groups"]) group["weights"]["symmetric"] = true;
-  std::ofstream(out / "config.json", std::ios::trunc) << config.dump(2);
+  editJson(out / "config.json", [](nlohmann::json& config) {
+    for (auto& group : config["quantization_config"]["config_groups"]) group["weights"]["symmetric"] = true;
+  });
   const CommandResult r = eval(out);
   EXPECT_EQ(r.exitCode, 5) << r.err;
   EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() +
@@ -267,12 +262,7 @@ spec:
 // read (Python's named groups) or one that is not a string is named at its place, not an internal
 // error from the first match.
 TEST(Validation, QuantizationConfigTargetsAreNamesOrPatternsQpipeReads) {
-  const fs::path out = qpipe::test::testDir() / "targets_w8a8";
-  fs::remove_all(out);
-  const CommandResult quantized =
-      qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() +
-                            " --quant_type w8a8 --save_path " + out.string());
-  ASSERT_EQ(quantized.exitCode, 0) << quantized.err;
+  const fs::path out = quantizedTiny("targets_w8a8", "--quant_type w8a8");
   const nlohmann::json original = nlohmann::json::parse(qpipe::test::slurp(out / "config.json"));
   const std::string field = (out / "config.json").string() + ": quantization_config.";
   for (const auto& [key, value, error] :
@@ -328,15 +318,10 @@ TEST(Validation, ALinkLoopInAModelIsNamed) {
 // int4 codes held one to a byte (compressed-tensors' int-quantized) must be int4's: an int8
 // checkpoint whose num_bits was edited to 4 ran as before, its weights still int8.
 TEST(Validation, AnInt4WeightHeldOneToAByteMustHoldInt4Codes) {
-  const fs::path out = qpipe::test::testDir() / "rebitted_w8a8";
-  fs::remove_all(out);
-  const CommandResult quantized =
-      qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() +
-                            " --quant_type w8a8 --save_path " + out.string());
-  ASSERT_EQ(quantized.exitCode, 0) << quantized.err;
-  nlohmann::json config = nlohmann::json::parse(qpipe::test::slurp(out / "config.json"));
-  for (auto& group : config["quantization_config"]["config_groups"]) group["weights"]["num_bits"] = 4;
-  std::ofstream(out / "config.json", std::ios::trunc) << config.dump(2);
+  const fs::path out = quantizedTiny("rebitted_w8a8", "--quant_type w8a8");
+  editJson(out / "config.json", [](nlohmann::json& config) {
+    for (auto& group : config["quantization_config"]["config_groups"]) group["weights"]["num_bits"] = 4;
+  });
   const CommandResult r = eval(out);
   EXPECT_EQ(r.exitCode, 5) << r.err;
   EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() +
@@ -359,19 +344,14 @@ spec:
   save:
     - {type: ascendv1_saver}
 )");
-  const fs::path out = qpipe::test::testDir() / "relabelled_ascend";
-  fs::remove_all(out);
-  const CommandResult quantized =
-      qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() + " --config_path " +
-                            pipeline.string() + " --save_path " + out.string());
-  ASSERT_EQ(quantized.exitCode, 0) << quantized.err;
+  const fs::path out = quantizedTiny("relabelled_ascend", "--config_path " + pipeline.string());
   const fs::path description = out / "quant_model_description.json";
-  nlohmann::json types = nlohmann::json::parse(qpipe::test::slurp(description));
-  types.erase("version");
-  for (auto& [key, type] : types.items()) {
-    if (type == "W8A8_DYNAMIC") type = "W4A8_DYNAMIC";
-  }
-  std::ofstream(description, std::ios::trunc) << types.dump(2);
+  editJson(description, [](nlohmann::json& types) {
+    types.erase("version");
+    for (auto& [key, type] : types.items()) {
+      if (type == "W8A8_DYNAMIC") type = "W4A8_DYNAMIC";
+    }
+  });
   const CommandResult r = eval(out);
   EXPECT_EQ(r.exitCode, 5) << r.err;
   EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() +
