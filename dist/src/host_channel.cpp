@@ -435,8 +435,18 @@ std::vector<int> HostChannel::absent() const {
 }
 
 std::string HostChannel::describeRanks(const std::vector<int>& ranks) {
+  constexpr int kItems = 16;
   std::string text = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) text += (i > 0 ? ", " : "") + std::to_string(ranks[i]);
+  int items = 0;
+  for (size_t i = 0; i < ranks.size();) {
+    if (items == kItems) return text + concat(" and ", ranks.size() - i, " more");
+    size_t last = i;
+    while (last + 1 < ranks.size() && ranks[last + 1] == ranks[last] + 1) ++last;
+    if (last - i < 2) last = i;  // two in a row read better as a list
+    text += concat(items > 0 ? ", " : "", ranks[i], last > i ? concat("-", ranks[last]) : "");
+    ++items;
+    i = last + 1;
+  }
   return text;
 }
 

@@ -64,7 +64,8 @@ class HostChannel {
   std::optional<std::string> peerGone() const;
   // The ranks that have not arrived at the step this rank waits in (empty outside step's wait).
   std::vector<int> absent() const;
-  // "rank 2" or "ranks 2, 5".
+  // "rank 2", "ranks 2, 5" or "ranks 1-99999, 100001": three or more in a row as a range, and
+  // after 16 items the count of the rest (ranks ascending).
   static std::string describeRanks(const std::vector<int>& ranks);
 
  private:

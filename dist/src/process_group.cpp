@@ -995,8 +995,13 @@ std::optional<GroupOptions> optionsFromEnvironment(std::optional<std::chrono::mi
   // The ranks on this host: torchrun and our launcher set both; otherwise every rank.
   const auto localRank = environment("LOCAL_RANK");
   options.localRank = static_cast<int>(localRank ? parseInteger("LOCAL_RANK", *localRank, 0, 1 << 20) : options.rank);
+  QPIPE_REQUIRE(options.localRank < options.worldSize, ErrorCode::kDistributed, "LOCAL_RANK=", options.localRank,
+                " is not below WORLD_SIZE=", options.worldSize);
   if (const auto local = environment("LOCAL_WORLD_SIZE")) {
     options.localWorldSize = static_cast<int>(parseInteger("LOCAL_WORLD_SIZE", *local, 1, 1 << 20));
+    QPIPE_REQUIRE(*options.localWorldSize <= options.worldSize, ErrorCode::kDistributed,
+                  "LOCAL_WORLD_SIZE=", *options.localWorldSize, " is above WORLD_SIZE=", options.worldSize,
+                  ": one host cannot hold more ranks than the world");
     QPIPE_REQUIRE(!localRank || options.localRank < *options.localWorldSize, ErrorCode::kDistributed,
                   "LOCAL_RANK=", options.localRank, " is not below LOCAL_WORLD_SIZE=", *options.localWorldSize);
   }

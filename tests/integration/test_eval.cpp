@@ -93,6 +93,28 @@ TEST(EvalInputErrors, AnUnwritableOutputJsonFailsFirst) {
                        (folder / "no").string() + "' to write it in\n");
 }
 
+// The results never overwrite what the evaluation reads: the data, or the model's own files (a
+// link or another spelling of the path does not hide them).
+TEST(EvalInputErrors, AnOutputJsonThatIsAnInputIsRefused) {
+  const fs::path model = qpipe::test::tinyLlama("eval_output_json");
+  const fs::path data = qpipe::test::testDir() / "eval_output_data.jsonl";
+  std::ofstream(data) << "{\"text\": \"hello world\"}\n";
+  const fs::path link = qpipe::test::testDir() / "eval_output_data_link.jsonl";
+  fs::remove(link);
+  fs::create_symlink(data, link);
+  const std::string common = "eval --model_path " + model.string() + " --data " + data.string() + " --output_json ";
+  CommandResult r = qpipe::test::runQpipe(common + link.string());
+  EXPECT_EQ(r.exitCode, 2) << r.err;
+  EXPECT_EQ(r.err, "qpipe: usage error: --output_json '" + link.string() +
+                       "' is the --data file; writing the results would overwrite the data\n");
+  const std::string config = (model / "." / "config.json").string();
+  r = qpipe::test::runQpipe(common + config);
+  EXPECT_EQ(r.exitCode, 2) << r.err;
+  EXPECT_EQ(r.err, "qpipe: usage error: --output_json '" + config +
+                       "' is a file of the model in --model_path; writing the results would overwrite it\n");
+  EXPECT_EQ(std::ifstream(data).peek(), '{');
+}
+
 // A write that fails (a full disk) is an error, not a run that exits 0 with an empty file.
 TEST(EvalInputErrors, AnOutputJsonThatCannotBeWrittenFails) {
   if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";

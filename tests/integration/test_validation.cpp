@@ -42,9 +42,14 @@ std::string lastLine(const std::string& err) {
   return start == std::string::npos || err.size() < 2 ? err : err.substr(start + 1);
 }
 
-// Tensor `name` of dir's model.safetensors replaced by `replacement`.
+// The one weights file of a checkpoint folder: compressed-tensors' or msmodelslim's.
+fs::path weightsFile(const fs::path& dir) {
+  return fs::exists(dir / "model.safetensors") ? dir / "model.safetensors" : dir / "quant_model_weights.safetensors";
+}
+
+// Tensor `name` of dir's weights file replaced by `replacement`.
 void replaceTensor(const fs::path& dir, const std::string& name, const at::Tensor& replacement) {
-  const fs::path file = dir / "model.safetensors";
+  const fs::path file = weightsFile(dir);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   {
     const auto source = qpipe::safetensors::File::open(file);
@@ -53,7 +58,7 @@ void replaceTensor(const fs::path& dir, const std::string& name, const at::Tenso
     }
   }
   fs::remove(file);
-  qpipe::safetensors::Writer writer(dir);
+  qpipe::safetensors::Writer writer(dir, {.filePrefix = file.stem().string()});
   for (const auto& [tensorName, tensor] : tensors) writer.add(tensorName, tensor);
   writer.finish();
 }
@@ -72,12 +77,14 @@ fs::path withConfig(const std::string& dirName, const std::string& json) {
   return dir;
 }
 
-// The tiny Llama quantized by `quant <args>` into testDir()/name, where its files are edited.
-fs::path quantizedTiny(const std::string& name, const std::string& args) {
+// A tiny model (the Llama unless given) quantized by `quant <args>` into testDir()/name, where its
+// files are edited.
+fs::path quantizedTiny(const std::string& name, const std::string& args, fs::path model = {}) {
   const fs::path out = qpipe::test::testDir() / name;
   fs::remove_all(out);
-  const CommandResult r = qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() + " " +
-                                                args + " --save_path " + out.string());
+  if (model.empty()) model = qpipe::test::tinyLlama("float");
+  const CommandResult r =
+      qpipe::test::runQpipe("quant --model_path " + model.string() + " " + args + " --save_path " + out.string());
   EXPECT_EQ(r.exitCode, 0) << r.err;
   return out;
 }
@@ -258,6 +265,68 @@ spec:
                                         "points, but quantization_config gives the weights symmetric: true"));
 }
 
+// Zero points and offsets are integers in the range of the codes they shift, where every quantizer
+// clamps them: a Bool tensor, a uint8 255 that meant -1, or an offset of 1e9 was read as a number.
+TEST(Validation, ZeroPointsAreIntegersInTheirCodesRange) {
+  const auto refused = [](const fs::path& out, const std::string& tensor, const at::Tensor& value,
+                          const std::string& error) {
+    SCOPED_TRACE(tensor);
+    const fs::path original = qpipe::test::testDir() / (out.filename().string() + ".safetensors");
+    if (!fs::exists(original)) fs::copy_file(weightsFile(out), original);
+    fs::copy_file(original, weightsFile(out), fs::copy_options::overwrite_existing);
+    const at::Tensor stored = qpipe::safetensors::File::open(weightsFile(out))->tensor(tensor);
+    replaceTensor(out, tensor, value.expand(stored.sizes()).contiguous());
+    const CommandResult r = eval(out);
+    EXPECT_EQ(r.exitCode, 5) << r.err;
+    EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() + ": '" + tensor + "' " + error));
+  };
+  const fs::path pipeline = qpipe::test::writeTempFile("w8a8_asymmetric_input.yaml", R"(apiversion: modelslim_v1
+spec:
+  process:
+    - type: linear_quant
+      qconfig:
+        act: {dtype: int8, scope: per_tensor, symmetric: False, method: minmax}
+        weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}
+      include: ["*"]
+      exclude: ["lm_head"]
+  save:
+    - {type: compressed_tensors}
+)");
+  const fs::path ct =
+      quantizedTiny("asymmetric_input", "--config_path " + pipeline.string() + " --calib_samples 4 --seq_len 32");
+  const std::string zeroPoint = "model.layers.1.mlp.down_proj.input_zero_point";
+  refused(ct, zeroPoint, at::ones({1}, at::kBool), "is Bool; a zero point is an integer");
+  refused(ct, zeroPoint, at::full({1}, 255, at::kByte), "holds 255; a zero point of int8 codes is in [-128, 127]");
+  const fs::path ascend = quantizedTiny("ascend_offsets", std::string("--config_path ") + QPIPE_SOURCE_DIR +
+                                                              "/configs/default/w8a8c8_ascendv1.yaml --calib_samples 4 "
+                                                              "--seq_len 32");
+  refused(ascend, "model.layers.0.mlp.up_proj.weight_offset", at::full({1}, 1e9),
+          "holds 1e+09; a zero point of int8 codes is in [-128, 127]");
+  refused(ascend, "model.layers.0.self_attn.k_proj.kv_cache_offset", at::full({1}, -300.0),
+          "holds -300; a zero point of int8 codes is in [-128, 127]");
+}
+
+// MXFP4's E8M0 block scales: 255 is NaN, and from 253 up a block's values are past fp32's range;
+// both reached the forward and were named only by the loss.
+TEST(Validation, MxBlockScalesAreFiniteForFp32) {
+  // The tiny Qwen3: MXFP4's blocks of 32 divide its widths, not the Llama's.
+  const fs::path out = quantizedTiny(
+      "mxfp4_exponents", std::string("--config_path ") + QPIPE_SOURCE_DIR + "/configs/default/w4a16_mxfp4.yaml",
+      qpipe::test::tinyQwen3("float"));
+  const std::string tensor = "model.layers.0.mlp.gate_proj.weight_scale";
+  const at::Tensor original = qpipe::safetensors::File::open(weightsFile(out))->tensor(tensor).clone();
+  for (const auto& [byte, error] :
+       {std::pair{255, "holds E8M0 byte 255, NaN in the OCP MX format"},
+        std::pair{253, "holds E8M0 byte 253 (2^126), whose FP4 values overflow fp32 (at most byte 252)"}}) {
+    at::Tensor edited = original.clone();
+    edited.view({-1})[3] = byte;
+    replaceTensor(out, tensor, edited);
+    const CommandResult r = eval(out);
+    EXPECT_EQ(r.exitCode, 5) << r.err;
+    EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() + ": '" + tensor + "' " + error));
+  }
+}
+
 // compressed-tensors' targets and ignore entries are names or "re:" patterns: one std::regex cannot
 // read (Python's named groups) or one that is not a string is named at its place, not an internal
 // error from the first match.
@@ -390,6 +459,25 @@ TEST(Validation, ASavePathThatIsALinkSavesIntoItsFolderOrFailsAtOnce) {
                                         (dir / "nowhere").string() +
                                         "', which does not exist; create that folder or choose another --save_path"));
   EXPECT_FALSE(fs::exists(dir / "nowhere"));
+}
+
+// The partial folder beside --save_path has a longer name: a name the file system takes, but not
+// with 15 more bytes, is refused before the model loads, on one rank and on several (where the
+// launcher checks it before starting any rank).
+TEST(Validation, ASavePathNameTooLongForItsPartialFolderIsRefused) {
+  const fs::path dir = qpipe::test::testDir() / "long_save";
+  fs::create_directories(dir);
+  const std::string expected = inputError(
+      "--save_path's folder name is 250 bytes; the partial folder written beside it takes 15 more, over the file "
+      "system's 255; choose a name of at most 240 bytes");
+  for (const std::string device : {"cpu", "cpu:0,1"}) {
+    const CommandResult r = qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() +
+                                                  " --quant_type w8a8 --device " + device + " --save_path " +
+                                                  (dir / std::string(250, 'a')).string());
+    EXPECT_EQ(r.exitCode, 5) << r.err;
+    EXPECT_EQ(lastLine(r.err), expected) << device;
+  }
+  EXPECT_TRUE(fs::is_empty(dir));
 }
 
 // A run's partial folder is locked while it writes: a second run given the same --save_path

@@ -122,6 +122,12 @@ TEST_F(DistEnvironment, ErrorsNameTheVariable) {
   SetUp();
   EXPECT_EQ(errorWith({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"}}),
             "LOCAL_RANK=3 is not below LOCAL_WORLD_SIZE=2");
+  SetUp();
+  EXPECT_EQ(errorWith({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "4"}}),
+            "LOCAL_WORLD_SIZE=4 is above WORLD_SIZE=2: one host cannot hold more ranks than the world");
+  SetUp();
+  EXPECT_EQ(errorWith({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "2"}}),
+            "LOCAL_RANK=2 is not below WORLD_SIZE=2");
 }
 
 // QPIPE_DIST_TIMEOUT_S stands in for --dist_timeout: a bad value is a usage error, as a bad option

@@ -15,11 +15,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "host_channel.h"
 #include "rank_launcher.h"
 
 namespace qpipe::test {
@@ -297,6 +299,21 @@ TEST(MultirankErrors, MissingRankFailsEveryRank) {
     EXPECT_EQ(results[r].out, message) << "rank " << r;
     EXPECT_LT(results[r].seconds, 5.0) << "rank " << r;
   }
+}
+
+// A world of 100,000 with rank 0 alone listed every other rank in one 689 KB line.
+TEST(MultirankErrors, RanksInARowAreNamedAsARange) {
+  using qpipe::dist::HostChannel;
+  EXPECT_EQ(HostChannel::describeRanks({2}), "rank 2");
+  EXPECT_EQ(HostChannel::describeRanks({1, 2}), "ranks 1, 2");
+  EXPECT_EQ(HostChannel::describeRanks({1, 2, 3, 5, 7, 8, 9, 10}), "ranks 1-3, 5, 7-10");
+  std::vector<int> all(99999);
+  std::iota(all.begin(), all.end(), 1);
+  EXPECT_EQ(HostChannel::describeRanks(all), "ranks 1-99999");
+  std::vector<int> even;
+  for (int r = 0; r < 40; r += 2) even.push_back(r);
+  EXPECT_EQ(HostChannel::describeRanks(even),
+            "ranks 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30 and 4 more");
 }
 
 // A stuck peer fails the others at the timeout (2 s), long before it wakes (20 s), and is named:

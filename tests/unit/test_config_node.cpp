@@ -99,6 +99,18 @@ TEST(ConfigNode, SyntaxErrorsNameFileLineAndColumn) {
   const std::string control =
       test::errorOf([] { ConfigNode::parseYaml("a: \"\\\x01\"\n", "esc.yaml"); }, ErrorCode::kConfig);
   EXPECT_EQ(control, "esc.yaml:1:7: YAML syntax error: unknown escape character: \\x01");
+  // A tab in the indentation is named beside yaml-cpp's words about what follows it; a tab after
+  // the indentation's spaces too, and one in a value is no indentation.
+  EXPECT_EQ(test::errorOf([] { ConfigNode::parseYaml("a: 1\nb:\n\t- 2\n", "tab.yaml"); }, ErrorCode::kConfig),
+            "tab.yaml:3:2: YAML syntax error: illegal block entry; line 3 indents with a tab, and YAML indents with "
+            "spaces only");
+  EXPECT_EQ(
+      test::errorOf([] { ConfigNode::parseYaml("a:\n  - b: 1\n    c:\n\t  d: 2\n", "tab.yaml"); }, ErrorCode::kConfig),
+      "tab.yaml:4:4: YAML syntax error: end of sequence not found; line 4 indents with a tab, and YAML indents "
+      "with spaces only");
+  EXPECT_EQ(test::errorOf([] { ConfigNode::parseYaml("a: \"x\ty\"\nb: [1\n", "tab.yaml"); }, ErrorCode::kConfig)
+                .find("indents with a tab"),
+            std::string::npos);
 }
 
 TEST(ConfigNode, MoreThanOneDocumentIsRejected) {

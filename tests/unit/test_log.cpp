@@ -1,7 +1,7 @@
-#include "qpipe/log.h"
-
 #include <gtest/gtest.h>
 
+#include "qpipe/log.h"
+#include "qpipe/utf8.h"
 #include "test_helpers.h"
 
 namespace qpipe {
@@ -24,6 +24,23 @@ TEST(Logger, LevelNamesAreCheckedWithAUsageError) {
   EXPECT_EQ(log::parseLevel("off"), LogLevel::kOff);
   EXPECT_EQ(test::errorOf([] { log::parseLevel("verbose"); }, ErrorCode::kUsage),
             "unknown log level 'verbose'; use one of trace, debug, info, warn, error, off");
+}
+
+TEST(ErrorText, ALongMessageKeepsItsStartAndEndAndCountsWhatItLeavesOut) {
+  EXPECT_EQ(shortened("short", 10), "short");
+  EXPECT_EQ(shortened("0123456789abcdefghij", 8), "012345 [... 12 bytes left out ...] ij");
+  // A cut never splits a character: each cut point falls inside a two-byte "é".
+  const std::string accents = "aaaaa\xC3\xA9" + std::string(47, 'b') +
+                              "\xC3\xA9"
+                              "c";
+  const std::string cut = shortened(accents, 8);
+  EXPECT_EQ(cut, "aaaaa [... 51 bytes left out ...] c");
+  EXPECT_FALSE(findInvalidUtf8(cut).has_value());
+  const std::string huge = "dtype: '" + std::string(1000000, 'x') + "'; use int8 or int4";
+  const std::string line = shortened(huge);
+  EXPECT_LE(line.size(), 2100u);
+  EXPECT_TRUE(line.starts_with("dtype: 'xxx"));
+  EXPECT_TRUE(line.ends_with("'; use int8 or int4"));
 }
 
 }  // namespace

@@ -50,6 +50,15 @@ void evaluate(const EvalOptions& options) {
                   "' is a folder; give a file name");
     QPIPE_REQUIRE(std::filesystem::is_directory(out.parent_path()), ErrorCode::kIo, "--output_json '",
                   options.outputJson, "': no folder '", out.parent_path().string(), "' to write it in");
+    std::error_code ec;
+    QPIPE_REQUIRE(!std::filesystem::equivalent(out, options.data, ec), ErrorCode::kUsage, "--output_json '",
+                  options.outputJson, "' is the --data file; writing the results would overwrite the data");
+    const std::string name = out.filename().string();
+    const bool modelFile = name == "config.json" || name == "tokenizer.json" || name.ends_with(".safetensors") ||
+                           name.ends_with(".safetensors.index.json");
+    QPIPE_REQUIRE(!modelFile || !std::filesystem::equivalent(out.parent_path(), model, ec), ErrorCode::kUsage,
+                  "--output_json '", options.outputJson,
+                  "' is a file of the model in --model_path; writing the results would overwrite it");
   }
   auto lm = CausalLM::open(model, {.device = device,
                                    .checkFinite = !options.allowNonFinite,

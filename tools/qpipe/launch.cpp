@@ -319,8 +319,9 @@ bool launchRanks(const LaunchOptions& options) {
   if (const fs::path self = fs::read_symlink("/proc/self/exe", ec); !ec) args[0] = self.string();
   std::vector<char*> argv = pointers(args);
 
-  // A bad QPIPE_RANK_START is refused before anything exists to clean up.
+  // A bad QPIPE_RANK_START or --save_path is refused before anything exists to clean up.
   const bool forkable = forkAllowed();
+  const fs::path partial = CheckpointSaver::partialDir(options.savePath);
   const fs::path errorDir = makeErrorDir();
   std::vector<Child> children(options.worldSize);
   std::vector<std::vector<std::string>> envs;
@@ -442,7 +443,6 @@ bool launchRanks(const LaunchOptions& options) {
   fs::remove_all(errorDir, ec);
   if (interrupted || failure) {
     // A rank stopped by a signal cannot clean up; a complete --save_path is never touched.
-    const fs::path partial = CheckpointSaver::partialDir(options.savePath);
     // Not another run's, in progress, to the same path (rank 0 refused to touch it).
     if (fs::exists(partial, ec)) {
       if (const std::optional<int> lock = CheckpointSaver::lockPartial(partial)) {
@@ -467,7 +467,8 @@ void markGroup(std::shared_ptr<ProcessGroup> group) {
   rankState().group = std::move(group);
 }
 
-int reportFailure(ErrorCode code, const std::string& message) {
+int reportFailure(ErrorCode code, const std::string& text) {
+  const std::string message = shortened(text);
   const int exitCode = static_cast<int>(code);
   const RankState& state = rankState();
   const char* errorFile = std::getenv(kRankErrorFileVar);

@@ -61,7 +61,7 @@ struct LaunchOptions {
 void markRank(int rank, int worldSize);
 void markGroup(std::shared_ptr<ProcessGroup> group);
 
-// The top-level error handler of qpipe: reports `message` and returns the exit code. A rank
+// The top-level error handler of qpipe: reports `message` (shortened) and returns the exit code. A rank
 // also writes it to its error file (under our launcher), tells its peers
 // (ProcessGroup::reportFailure on the group of markGroup) and, under our launcher, leaves the final `qpipe:` line to
 // the parent.

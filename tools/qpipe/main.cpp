@@ -174,7 +174,7 @@ int run(int argc, char** argv) {
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::cerr << "qpipe: usage error: " << usageMessage(app, e) << " (see '" << commandOf(reached(app))
+    std::cerr << "qpipe: usage error: " << shortened(usageMessage(app, e)) << " (see '" << commandOf(reached(app))
               << " --help')\n";
     return static_cast<int>(ErrorCode::kUsage);
   }

@@ -332,8 +332,27 @@ class Builder : public YAML::EventHandler {
   std::optional<ConfigNode> root_;
 };
 
-ConfigNode parseStream(std::istream& in, const std::string& fileName) {
+// Of the lines up to `last` (from 0), the nearest to it with a tab in its indentation, numbered
+// from 1. YAML indents with spaces only; yaml-cpp's error for a tab is about what follows it
+// ("illegal block entry", "end of sequence not found").
+std::optional<size_t> tabIndentedLine(std::string_view text, size_t last) {
+  std::optional<size_t> found;
+  size_t start = 0;
+  for (size_t line = 0; line <= last && start < text.size(); ++line) {
+    const size_t end = std::min(text.find('\n', start), text.size());
+    const std::string_view row = text.substr(start, end - start);
+    const size_t content = row.find_first_not_of(" \t");
+    if (content != std::string_view::npos && row.substr(0, content).find('\t') != std::string_view::npos) {
+      found = line + 1;
+    }
+    start = end + 1;
+  }
+  return found;
+}
+
+ConfigNode parseText(std::string_view text, const std::string& fileName) {
   Builder builder(fileName);
+  std::istringstream in{std::string(text)};
   try {
     YAML::Parser parser(in);
     if (!parser.HandleNextDocument(builder)) return builder.takeRoot();
@@ -353,8 +372,10 @@ ConfigNode parseStream(std::istream& in, const std::string& fileName) {
         why += escaped;
       }
     }
+    const std::optional<size_t> tab = e.mark.line >= 0 ? tabIndentedLine(text, e.mark.line) : std::nullopt;
     throw Error(ErrorCode::kConfig,
-                concat(fileName, ":", e.mark.line + 1, ":", e.mark.column + 1, ": YAML syntax error: ", why));
+                concat(fileName, ":", e.mark.line + 1, ":", e.mark.column + 1, ": YAML syntax error: ", why,
+                       tab ? concat("; line ", *tab, " indents with a tab, and YAML indents with spaces only") : ""));
   }
   return builder.takeRoot();
 }
@@ -425,8 +446,7 @@ ConfigNode ConfigNode::loadYamlFile(const std::filesystem::path& file) {
 }
 
 ConfigNode ConfigNode::parseYaml(std::string_view text, const std::string& fileName) {
-  std::istringstream in{std::string(text)};
-  return parseStream(in, fileName);
+  return parseText(text, fileName);
 }
 
 std::string ConfigNode::toYaml() const {

@@ -12,6 +12,16 @@ std::string firstLine(std::string_view text) {
   return std::string(text.substr(0, text.find('\n')));
 }
 
+std::string shortened(std::string_view message, size_t limit) {
+  if (message.size() <= limit) return std::string(message);
+  const auto continuation = [&](size_t at) { return (static_cast<unsigned char>(message[at]) & 0xC0) == 0x80; };
+  // Three quarters before the cut, one after: a message names its input first and what to do last.
+  size_t head = limit * 3 / 4, tail = message.size() - limit / 4;
+  while (head > 0 && continuation(head)) --head;
+  while (tail < message.size() && continuation(tail)) ++tail;
+  return concat(message.substr(0, head), " [... ", tail - head, " bytes left out ...] ", message.substr(tail));
+}
+
 std::string oneLine(const std::exception& error) {
   if (const auto* c10Error = dynamic_cast<const c10::Error*>(&error)) {
     log::logger()->debug("LibTorch error: ", c10Error->what());

@@ -81,10 +81,6 @@ int bitsOf(QDtype dtype) {
   return dtype == QDtype::kInt4 ? 4 : 8;
 }
 
-bool isInt(QDtype dtype) {
-  return dtype == QDtype::kInt8 || dtype == QDtype::kInt4;
-}
-
 // per_group works on a [..., in/group, group] view, so the [..., in/group] parameters broadcast
 // (unsqueezed) without copies.
 at::Tensor grouped(const at::Tensor& x, const QScheme& scheme) {
@@ -149,6 +145,10 @@ std::string_view qscopeName(QScope scope) {
   }
   QPIPE_CHECK(false, "unknown QScope ", static_cast<int>(scope));
   return {};
+}
+
+bool isInt(QDtype dtype) {
+  return dtype == QDtype::kInt8 || dtype == QDtype::kInt4;
 }
 
 bool isFp4(QDtype dtype) {

@@ -241,6 +241,26 @@ at::Tensor asScale(const at::Tensor& stored, const std::vector<int64_t>& shape, 
   return scale;
 }
 
+// Zero points (compressed-tensors' zero_point, msmodelslim's offsets) as int32 of `shape`: numbers
+// (Bool is not one), rounded as a float offset is, in the range of the `codes` they shift, to
+// which every quantizer clamps them (fp8 codes have none: 0). An offset of 1e9, or a uint8 255
+// that meant -1, was taken as it stood.
+at::Tensor asZeroPoints(const at::Tensor& stored, const std::vector<int64_t>& shape, QDtype codes,
+                        const std::string& name, const std::string& dir) {
+  QPIPE_REQUIRE(stored.scalar_type() != at::kBool, ErrorCode::kInput, "checkpoint ", dir, ": '", name,
+                "' is Bool; a zero point is an integer");
+  const at::Tensor points = at::round(asShape(stored, shape, name, dir));
+  if (points.numel() == 0) return points.to(at::kInt);
+  const bool integer = quant::isInt(codes);
+  const double low = integer ? quant::qmin(codes) : 0, high = integer ? quant::qmax(codes) : 0;
+  const auto [least, most] = at::aminmax(points);
+  const double lowest = least.item<double>(), highest = most.item<double>();
+  QPIPE_REQUIRE(lowest >= low && highest <= high, ErrorCode::kInput, "checkpoint ", dir, ": '", name, "' holds ",
+                lowest < low || std::isnan(lowest) ? lowest : highest, "; a zero point of ", quant::qdtypeName(codes),
+                " codes is ", integer ? concat("in [", low, ", ", high, "]") : std::string("0"));
+  return points.to(at::kInt);
+}
+
 // ---- compressed-tensors
 
 struct CtScheme {
@@ -424,7 +444,16 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
         const at::Tensor exponents = tensor(name + ".weight_scale");
         QPIPE_REQUIRE(exponents.scalar_type() == at::kByte, ErrorCode::kInput, "checkpoint ", dir_, ": '", name,
                       ".weight_scale' is ", c10::toString(exponents.scalar_type()), ", expected Byte (E8M0 exponents)");
-        scale = quant::fromE8m0(asShape(exponents, paramShape, name + ".weight_scale", dir_).to(at::kByte));
+        const at::Tensor bytes = asShape(exponents, paramShape, name + ".weight_scale", dir_).to(at::kByte);
+        // 255 is E8M0's NaN; from 253 (2^126) up, 6 · scale, FP4's largest value, is past fp32's.
+        constexpr int64_t kLargestFinite = 252;
+        const int64_t largest = bytes.numel() == 0 ? 0 : bytes.max().item<int64_t>();
+        QPIPE_REQUIRE(largest <= kLargestFinite, ErrorCode::kInput, "checkpoint ", dir_, ": '", name,
+                      ".weight_scale' holds E8M0 byte ", largest,
+                      largest == 255 ? ", NaN in the OCP MX format"
+                                     : concat(" (2^", largest - 127, "), whose FP4 values overflow fp32 (at most byte ",
+                                              kLargestFinite, ")"));
+        scale = quant::fromE8m0(bytes);
       }
     } else if (scheme->format == "pack-quantized") {
       const at::Tensor shape = tensor(name + ".weight_shape").to(at::kCPU).to(at::kLong);
@@ -442,7 +471,7 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       if (!w.symmetric || has(name + ".weight_zero_point")) {
         const at::Tensor stored = tensor(name + ".weight_zero_point");
         if (w.scope == QScope::kPerTensor) {
-          zeroPoint = stored.to(at::kInt).reshape(paramShape);
+          zeroPoint = asZeroPoints(stored, paramShape, w.dtype, name + ".weight_zero_point", dir_);
         } else {
           zeroPoint = (bits == 4 ? quant::unpackInt4(stored, out, 0) : unpackInt8(stored, out, 0)).to(at::kInt);
         }
@@ -458,7 +487,8 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       }
       paramShape = weightShape(q.size(0), q.size(1));
       if (!w.symmetric || has(name + ".weight_zero_point")) {
-        zeroPoint = tensor(name + ".weight_zero_point").to(at::kInt);
+        zeroPoint =
+            asZeroPoints(tensor(name + ".weight_zero_point"), paramShape, w.dtype, name + ".weight_zero_point", dir_);
       }
     }
     // A symmetric scheme has no zero points: non-zero ones were written by an asymmetric one whose
@@ -481,7 +511,8 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
           asScale(tensor(name + ".input_scale"), {1}, name + ".input_scale", dir_, ScaleUse::kDivides);
       input->params = {inputScale, input->scheme.symmetric
                                        ? at::zeros_like(inputScale, inputScale.options().dtype(at::kInt))
-                                       : tensor(name + ".input_zero_point").to(at::kInt).reshape({1})};
+                                       : asZeroPoints(tensor(name + ".input_zero_point"), {1}, input->scheme.dtype,
+                                                      name + ".input_zero_point", dir_)};
     }
     const at::Tensor bias = hasBias ? tensor(name + ".bias").to(computeDtype) : at::Tensor();
     return std::make_shared<QuantLinear>(q, quant::QParams{scale, zeroPoint, globalScale}, w, std::move(input), bias,
@@ -625,9 +656,7 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
                     "checkpoint ", dir_, ": '", fa, ".offset' is ", c10::toString(stored.scalar_type()),
                     ", expected Char (int8) or a float type (fp8)");
       if (stored.scalar_type() != at::kChar) scheme.dtype = QDtype::kFp8E4m3;
-      offset = asShape(stored, {heads, 1}, fa + ".offset", dir_);
-      QPIPE_REQUIRE(scheme.dtype == QDtype::kInt8 || offset.eq(0).all().item<bool>(), ErrorCode::kInput, "checkpoint ",
-                    dir_, ": '", fa, ".offset' is not zero; fp8 attention is symmetric");
+      offset = asZeroPoints(stored, {heads, 1}, scheme.dtype, fa + ".offset", dir_);
     } else if (input != 'q' && described(c8 + "_scale", "C8")) {
       const auto perHead = [&](const std::string& name) {
         const at::Tensor stored = tensor(name).to(at::kFloat);
@@ -641,14 +670,13 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
         return channels.narrow(1, 0, 1).contiguous();
       };
       scale = perHead(c8 + "_scale");
-      offset = perHead(c8 + "_offset");
+      offset = asZeroPoints(perHead(c8 + "_offset"), {heads, 1}, scheme.dtype, c8 + "_offset", dir_);
     } else {
       return nullptr;
     }
     scheme.symmetric = offset.eq(0).all().item<bool>();
     return std::make_shared<AttentionQuant>(
-        scheme,
-        quant::QParams{scale.reshape({1, heads, 1, 1}), at::round(offset).to(at::kInt).reshape({1, heads, 1, 1})});
+        scheme, quant::QParams{scale.reshape({1, heads, 1, 1}), offset.reshape({1, heads, 1, 1})});
   }
 
   std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor, const HasFn& has,
@@ -670,17 +698,18 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
       // Static: the weight scale is only present folded into deq_scale = input_scale · weight_scale.
       const at::Tensor inputScale =
           asScale(tensor(name + ".input_scale"), {1}, name + ".input_scale", dir_, ScaleUse::kDivides);
-      const at::Tensor inputOffset = tensor(name + ".input_offset").to(at::kFloat).reshape({1});
+      const at::Tensor inputOffset =
+          asZeroPoints(tensor(name + ".input_offset"), {1}, QDtype::kInt8, name + ".input_offset", dir_);
       at::Tensor deq = tensor(name + ".deq_scale");
       deq = deq.scalar_type() == at::kLong ? deqScaleFromInt64(deq) : deq.to(at::kFloat);
       scale = asScale(deq, {out, 1}, name + ".deq_scale", dir_, ScaleUse::kMultiplies) / inputScale;
       w = {.dtype = QDtype::kInt8, .scope = QScope::kPerChannel};
       const bool symmetric = inputOffset.eq(0).all().item<bool>();
       input = ActivationQuant{{.dtype = QDtype::kInt8, .scope = QScope::kPerTensor, .symmetric = symmetric},
-                              {inputScale, at::round(inputOffset).to(at::kInt)}};
+                              {inputScale, inputOffset}};
     } else if (type == "W8A8_DYNAMIC" || type == "W8A16" || type == "WFP8AFP8_DYNAMIC" || type == "W4A8_DYNAMIC") {
       scale = tensor(name + ".weight_scale").to(at::kFloat);
-      offset = tensor(name + ".weight_offset").to(at::kFloat);
+      offset = tensor(name + ".weight_offset");
       const bool int4 = type == "W4A8_DYNAMIC";
       w.dtype = type == "WFP8AFP8_DYNAMIC" ? QDtype::kFp8E4m3 : int4 ? QDtype::kInt4 : QDtype::kInt8;
       // W4A8_DYNAMIC is per-channel in msmodelslim's V1 layout; its scale_bias is a term of the
@@ -699,7 +728,7 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
         w.groupSize = groupSize_;
       }
       scale = asScale(scale, scaleShape(w, out, in), name + ".weight_scale", dir_, ScaleUse::kMultiplies);
-      offset = asShape(offset, scaleShape(w, out, in), name + ".weight_offset", dir_);
+      offset = asZeroPoints(offset, scaleShape(w, out, in), w.dtype, name + ".weight_offset", dir_);
       w.symmetric = offset.eq(0).all().item<bool>();
       if (type != "W8A16") {
         const QDtype act = type == "WFP8AFP8_DYNAMIC" ? QDtype::kFp8E4m3 : QDtype::kInt8;
@@ -715,8 +744,7 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
                   c10::toString(stored.scalar_type()), ", expected ", c10::toString(expected), " for ", type);
     if (w.dtype == QDtype::kInt4 && !packed) requireInt4Codes(stored, key, dir_, concat(file_, " gives it ", type));
     const at::Tensor q = packed ? unpackInt4Rows(stored) : stored;
-    const at::Tensor zeroPoint =
-        offset.defined() ? at::round(offset).to(at::kInt) : at::zeros_like(scale, scale.options().dtype(at::kInt));
+    const at::Tensor zeroPoint = offset.defined() ? offset : at::zeros_like(scale, scale.options().dtype(at::kInt));
     const at::Tensor bias = hasBias ? tensor(name + ".bias").to(computeDtype) : at::Tensor();
     return std::make_shared<QuantLinear>(q, quant::QParams{scale, zeroPoint}, w, std::move(input), bias, computeDtype);
   }

@@ -55,16 +55,37 @@ std::string ProcessorContext::fieldPath(std::string_view field) const {
   return configPath.empty() ? std::string(field) : concat(configPath, ".", field);
 }
 
+namespace {
+
+constexpr std::string_view kPartialSuffix = ".qpipe-partial";
+
+// The longest file name the file system holding `path` (or its nearest existing ancestor) takes.
+size_t nameMax(std::filesystem::path path) {
+  std::error_code ec;
+  while (!path.empty() && !std::filesystem::exists(path, ec) && path != path.parent_path()) path = path.parent_path();
+  const long limit = path.empty() ? -1 : ::pathconf(path.c_str(), _PC_NAME_MAX);
+  return limit > 0 ? static_cast<size_t>(limit) : 255;  // NAME_MAX of Linux file systems
+}
+
+}  // namespace
+
 std::filesystem::path CheckpointSaver::partialDir(const std::filesystem::path& saveDir) {
   std::filesystem::path target = std::filesystem::absolute(saveDir).lexically_normal();
   if (target.filename().empty()) target = target.parent_path();  // "out/" names "out"
+  // Checked before the path is looked at: a name the file system refuses failed as its error,
+  // deep in the saver, after the model had loaded.
+  const size_t name = target.filename().native().size(), limit = nameMax(target.parent_path());
+  QPIPE_REQUIRE(name + 1 + kPartialSuffix.size() <= limit, ErrorCode::kInput, "--save_path's folder name is ", name,
+                " bytes; the partial folder written beside it takes ", 1 + kPartialSuffix.size(),
+                " more, over the file system's ", limit, "; choose a name of at most ",
+                limit - 1 - kPartialSuffix.size(), " bytes");
   if (std::filesystem::is_symlink(target)) {
     std::error_code ec;
     const std::filesystem::path resolved = std::filesystem::canonical(target, ec);
     if (!ec) target = resolved;
   }
   // Hidden, beside the destination (same file system, so the final rename is atomic).
-  return target.parent_path() / ("." + target.filename().string() + ".qpipe-partial");
+  return target.parent_path() / ("." + target.filename().string() + std::string(kPartialSuffix));
 }
 
 std::optional<int> CheckpointSaver::lockPartial(const std::filesystem::path& partial) {

@@ -29,6 +29,11 @@ std::string firstLine(std::string_view text);
 // without the C++ backtrace that follows it; the whole text goes to the log at debug level.
 std::string oneLine(const std::exception& error);
 
+// A message of at most about `limit` bytes: a longer one keeps its start and its end around a
+// count of the bytes left out, cut between UTF-8 characters. Where an input is echoed (a 1 MB
+// value of a YAML file) the line stays one a terminal shows.
+std::string shortened(std::string_view message, size_t limit = 2000);
+
 class Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}

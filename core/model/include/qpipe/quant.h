@@ -71,6 +71,8 @@ inline constexpr int64_t kNvfp4GroupSize = 16;
 // MXFP4's group size (the E8M0 block scales' blocks along the input dimension).
 inline constexpr int64_t kMxfp4GroupSize = 32;
 
+// Integer codes (int8, int4), the dtypes qmin and qmax give a range of.
+bool isInt(QDtype dtype);
 // E2M1 codes with block scales: NVFP4 or MXFP4.
 bool isFp4(QDtype dtype);
 // An FP4 block's divisor, what one E2M1 unit of the block stands for (fp32, the scale's shape):
