@@ -107,11 +107,13 @@ TEST(EvalInputErrors, AnOutputJsonThatIsAnInputIsRefused) {
   EXPECT_EQ(r.exitCode, 2) << r.err;
   EXPECT_EQ(r.err, "qpipe: usage error: --output_json '" + link.string() +
                        "' is the --data file; writing the results would overwrite the data\n");
-  const std::string config = (model / "." / "config.json").string();
-  r = qpipe::test::runQpipe(common + config);
+  const fs::path config = qpipe::test::testDir() / "eval_output_config_link.json";
+  fs::remove(config);
+  fs::create_symlink(model / "config.json", config);
+  r = qpipe::test::runQpipe(common + config.string());
   EXPECT_EQ(r.exitCode, 2) << r.err;
-  EXPECT_EQ(r.err, "qpipe: usage error: --output_json '" + config +
-                       "' is a file of the model in --model_path; writing the results would overwrite it\n");
+  EXPECT_EQ(r.err, "qpipe: usage error: --output_json '" + config.string() +
+                       "' is the model's config.json; writing the results would overwrite it\n");
   EXPECT_EQ(std::ifstream(data).peek(), '{');
 }
 

@@ -4,6 +4,7 @@
 // and a run killed midway on the real SmolLM2-135M.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -486,7 +487,10 @@ TEST(QuantCli, ACoreBusyWithOtherWorkIsLeftToIt) {
 TEST(QuantCli, MoreThreadsThanCoresAreWarnedAbout) {
   const fs::path out = qpipe::test::testDir() / "oversubscribed";
   fs::remove_all(out);
-  const int threads = static_cast<int>(std::thread::hardware_concurrency()) + 1;
+  // One more than the cores qpipe may use (its affinity mask, as qpipe counts them).
+  cpu_set_t set;
+  ASSERT_EQ(::sched_getaffinity(0, sizeof(set), &set), 0);
+  const int threads = CPU_COUNT(&set) + 1;
   const CommandResult r =
       qpipe("quant --save_path " + quote(out) + " --model_path " + quote(qpipe::test::tinyLlama("float")) +
             " --quant_type w8a8 --threads_per_rank " + std::to_string(threads));
@@ -497,6 +501,19 @@ TEST(QuantCli, MoreThreadsThanCoresAreWarnedAbout) {
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.err, m, line)) << r.err;
   EXPECT_EQ(m[1].str(), m[2].str());
+}
+
+// Past four threads a core they are refused, before any work.
+TEST(QuantCli, ThreadsFarBeyondTheCoresAreRefused) {
+  const CommandResult r =
+      qpipe("quant --save_path " + quote(qpipe::test::testDir() / "oversubscribed") + " --model_path " +
+            quote(qpipe::test::tinyLlama("float")) + " --quant_type w8a8 --threads_per_rank 4096");
+  EXPECT_EQ(r.exitCode, 2) << r.err;
+  const std::regex line(R"(qpipe: usage error: --threads_per_rank 4096 is more than 4 threads a core on the (\d+) )"
+                        R"(cores this process may use; give at most (\d+)\n)");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_match(r.err, m, line)) << r.err;
+  EXPECT_EQ(std::stoi(m[2].str()), 4 * std::stoi(m[1].str()));
 }
 
 TEST(QuantCli, IncludePatternThatMatchesNothingWarnsAndSucceeds) {

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <fstream>
 #include <functional>
 #include <regex>
@@ -268,15 +269,19 @@ spec:
 // Zero points and offsets are integers in the range of the codes they shift, where every quantizer
 // clamps them: a Bool tensor, a uint8 255 that meant -1, or an offset of 1e9 was read as a number.
 TEST(Validation, ZeroPointsAreIntegersInTheirCodesRange) {
+  // Each edit of a checkpoint starts from its file as quantized, kept beside it.
+  const auto keep = [](const fs::path& out) {
+    fs::copy_file(weightsFile(out), qpipe::test::testDir() / (out.filename().string() + ".safetensors"),
+                  fs::copy_options::overwrite_existing);
+  };
   const auto refused = [](const fs::path& out, const std::string& tensor, const at::Tensor& value,
-                          const std::string& error) {
+                          const std::string& error, const std::string& more = "") {
     SCOPED_TRACE(tensor);
-    const fs::path original = qpipe::test::testDir() / (out.filename().string() + ".safetensors");
-    if (!fs::exists(original)) fs::copy_file(weightsFile(out), original);
-    fs::copy_file(original, weightsFile(out), fs::copy_options::overwrite_existing);
+    fs::copy_file(qpipe::test::testDir() / (out.filename().string() + ".safetensors"), weightsFile(out),
+                  fs::copy_options::overwrite_existing);
     const at::Tensor stored = qpipe::safetensors::File::open(weightsFile(out))->tensor(tensor);
     replaceTensor(out, tensor, value.expand(stored.sizes()).contiguous());
-    const CommandResult r = eval(out);
+    const CommandResult r = eval(out, more);
     EXPECT_EQ(r.exitCode, 5) << r.err;
     EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() + ": '" + tensor + "' " + error));
   };
@@ -294,16 +299,24 @@ spec:
 )");
   const fs::path ct =
       quantizedTiny("asymmetric_input", "--config_path " + pipeline.string() + " --calib_samples 4 --seq_len 32");
+  keep(ct);
   const std::string zeroPoint = "model.layers.1.mlp.down_proj.input_zero_point";
   refused(ct, zeroPoint, at::ones({1}, at::kBool), "is Bool; a zero point is an integer");
   refused(ct, zeroPoint, at::full({1}, 255, at::kByte), "holds 255; a zero point of int8 codes is in [-128, 127]");
   const fs::path ascend = quantizedTiny("ascend_offsets", std::string("--config_path ") + QPIPE_SOURCE_DIR +
                                                               "/configs/default/w8a8c8_ascendv1.yaml --calib_samples 4 "
                                                               "--seq_len 32");
+  keep(ascend);
   refused(ascend, "model.layers.0.mlp.up_proj.weight_offset", at::full({1}, 1e9),
           "holds 1e+09; a zero point of int8 codes is in [-128, 127]");
   refused(ascend, "model.layers.0.self_attn.k_proj.kv_cache_offset", at::full({1}, -300.0),
           "holds -300; a zero point of int8 codes is in [-128, 127]");
+  // --allow_non_finite is about weights: quantization parameters are checked always.
+  refused(ascend, "model.layers.0.self_attn.k_proj.kv_cache_offset", at::full({1}, std::nan("")),
+          "holds NaN; a zero point of int8 codes is in [-128, 127]", "--allow_non_finite");
+  // C8's scales are checked as every other scale is.
+  refused(ascend, "model.layers.0.self_attn.v_proj.kv_cache_scale", at::full({1}, -0.5),
+          "holds -0.5 (its least value); a quantization scale is positive");
 }
 
 // MXFP4's E8M0 block scales: 255 is NaN, and from 253 up a block's values are past fp32's range;
@@ -466,16 +479,23 @@ TEST(Validation, ASavePathThatIsALinkSavesIntoItsFolderOrFailsAtOnce) {
 // launcher checks it before starting any rank).
 TEST(Validation, ASavePathNameTooLongForItsPartialFolderIsRefused) {
   const fs::path dir = qpipe::test::testDir() / "long_save";
+  fs::remove_all(dir);
   fs::create_directories(dir);
-  const std::string expected = inputError(
-      "--save_path's folder name is 250 bytes; the partial folder written beside it takes 15 more, over the file "
-      "system's 255; choose a name of at most 240 bytes");
-  for (const std::string device : {"cpu", "cpu:0,1"}) {
-    const CommandResult r = qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() +
-                                                  " --quant_type w8a8 --device " + device + " --save_path " +
-                                                  (dir / std::string(250, 'a')).string());
-    EXPECT_EQ(r.exitCode, 5) << r.err;
-    EXPECT_EQ(lastLine(r.err), expected) << device;
+  const long limit = ::pathconf(dir.c_str(), _PC_NAME_MAX);
+  ASSERT_GT(limit, 20);
+  // One the file system takes, and one it would refuse itself.
+  for (const long length : {limit - 5, limit + 10}) {
+    const std::string expected = inputError(
+        "--save_path's folder name is " + std::to_string(length) +
+        " bytes; the partial folder written beside it takes 15 more, over the file system's limit of " +
+        std::to_string(limit) + " bytes a name; choose a name of at most " + std::to_string(limit - 15) + " bytes");
+    for (const std::string device : {"cpu", "cpu:0,1"}) {
+      const CommandResult r = qpipe::test::runQpipe("quant --model_path " + qpipe::test::tinyLlama("float").string() +
+                                                    " --quant_type w8a8 --device " + device + " --save_path " +
+                                                    (dir / std::string(length, 'a')).string());
+      EXPECT_EQ(r.exitCode, 5) << r.err;
+      EXPECT_EQ(lastLine(r.err), expected) << device << ", " << length << " bytes";
+    }
   }
   EXPECT_TRUE(fs::is_empty(dir));
 }

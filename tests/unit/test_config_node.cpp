@@ -108,9 +108,13 @@ TEST(ConfigNode, SyntaxErrorsNameFileLineAndColumn) {
       test::errorOf([] { ConfigNode::parseYaml("a:\n  - b: 1\n    c:\n\t  d: 2\n", "tab.yaml"); }, ErrorCode::kConfig),
       "tab.yaml:4:4: YAML syntax error: end of sequence not found; line 4 indents with a tab, and YAML indents "
       "with spaces only");
-  EXPECT_EQ(test::errorOf([] { ConfigNode::parseYaml("a: \"x\ty\"\nb: [1\n", "tab.yaml"); }, ErrorCode::kConfig)
-                .find("indents with a tab"),
-            std::string::npos);
+  // Nor a tab before a comment, or one in a block scalar lines before the error.
+  for (const char* text : {"a: \"x\ty\"\nb: [1\n", "a: 1\n\t# note\nb: [1\n", "a: |\n  x\n  \ty\nc: 2\nd: [1\n"}) {
+    EXPECT_EQ(
+        test::errorOf([&] { ConfigNode::parseYaml(text, "tab.yaml"); }, ErrorCode::kConfig).find("indents with a tab"),
+        std::string::npos)
+        << text;
+  }
 }
 
 TEST(ConfigNode, MoreThanOneDocumentIsRejected) {

@@ -684,12 +684,30 @@ TEST(QuantizedLoadErrors, UnsupportedConfigsNameFileAndField) {
                 "and mxfp4-pack-quantized");
   EXPECT_EQ(openError([](Json& q) { q["config_groups"]["group_0"]["format"] = "mxfp4-pack-quantized"; }),
             file +
-                ": quantization_config.config_groups.group_0.format \"mxfp4-pack-quantized\" is not supported; "
-                "qpipe loads mxfp4-pack-quantized for fp4 group-32 weights, and those in it");
+                ": quantization_config.config_groups.group_0.format \"mxfp4-pack-quantized\" holds mxfp4 weights, "
+                "but quantization_config.config_groups.group_0.weights describes int8 weights");
   EXPECT_EQ(openError([](Json& q) { q["config_groups"]["group_0"]["format"] = "nvfp4-pack-quantized"; }),
             file +
-                ": quantization_config.config_groups.group_0.format \"nvfp4-pack-quantized\" is not supported; "
-                "qpipe loads nvfp4-pack-quantized for fp4 tensor_group weights, and those in it");
+                ": quantization_config.config_groups.group_0.format \"nvfp4-pack-quantized\" holds nvfp4 weights, "
+                "but quantization_config.config_groups.group_0.weights describes int8 weights");
+  // MXFP4 weights relabelled with NVFP4's format: the message used to contradict itself.
+  EXPECT_EQ(openError([](Json& q) {
+              auto& group = q["config_groups"]["group_0"];
+              group["format"] = "nvfp4-pack-quantized";
+              group["weights"].update({{"num_bits", 4}, {"type", "float"}, {"strategy", "group"}, {"group_size", 32}});
+            }),
+            file +
+                ": quantization_config.config_groups.group_0.format \"nvfp4-pack-quantized\" holds nvfp4 weights, "
+                "but quantization_config.config_groups.group_0.weights describes mxfp4 weights, whose format is "
+                "mxfp4-pack-quantized");
+  EXPECT_EQ(openError([](Json& q) {
+              q["config_groups"]["group_0"]["weights"].update(
+                  {{"num_bits", 4}, {"type", "float"}, {"strategy", "group"}, {"group_size", 32}});
+            }),
+            file +
+                ": quantization_config.config_groups.group_0.format \"int-quantized\" holds no fp4 weights, but "
+                "quantization_config.config_groups.group_0.weights describes mxfp4 weights, whose format is "
+                "mxfp4-pack-quantized");
   EXPECT_EQ(openError([](Json& q) {
               auto& w = q["config_groups"]["group_0"]["weights"];
               w["num_bits"] = 4;

@@ -20,6 +20,7 @@
 #include "qpipe/model.h"
 #include "qpipe/perplexity.h"
 #include "qpipe/progress.h"
+#include "qpipe/quantized_checkpoint.h"
 #include "qpipe/tokenizer.h"
 
 namespace qpipe::cli {
@@ -53,12 +54,19 @@ void evaluate(const EvalOptions& options) {
     std::error_code ec;
     QPIPE_REQUIRE(!std::filesystem::equivalent(out, options.data, ec), ErrorCode::kUsage, "--output_json '",
                   options.outputJson, "' is the --data file; writing the results would overwrite the data");
-    const std::string name = out.filename().string();
-    const bool modelFile = name == "config.json" || name == "tokenizer.json" || name.ends_with(".safetensors") ||
-                           name.ends_with(".safetensors.index.json");
-    QPIPE_REQUIRE(!modelFile || !std::filesystem::equivalent(out.parent_path(), model, ec), ErrorCode::kUsage,
-                  "--output_json '", options.outputJson,
-                  "' is a file of the model in --model_path; writing the results would overwrite it");
+    // The files of the model qpipe reads, wherever a link to one lives.
+    const auto readByModel = [](const std::filesystem::path& file) {
+      const std::string name = file.filename().string();
+      return name == "config.json" || name == "tokenizer.json" || name == detail::kAscendDescription ||
+             name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json");
+    };
+    if (std::filesystem::exists(out, ec)) {
+      for (const auto& entry : std::filesystem::directory_iterator(model, ec)) {
+        QPIPE_REQUIRE(!readByModel(entry.path()) || !std::filesystem::equivalent(entry.path(), out, ec),
+                      ErrorCode::kUsage, "--output_json '", options.outputJson, "' is the model's ",
+                      entry.path().filename().string(), "; writing the results would overwrite it");
+      }
+    }
   }
   auto lm = CausalLM::open(model, {.device = device,
                                    .checkFinite = !options.allowNonFinite,

@@ -123,6 +123,13 @@ fs::path resourceDir(const std::string& name) {
 void run(const QuantOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   const auto logger = log::logger();
+  // Past a few a core, threads only wait for each other: 4,096 on two cores took minutes for a run
+  // of a second. Checked before any rank starts.
+  constexpr int kThreadsPerCore = 4;
+  const int threadLimit = kThreadsPerCore * usableCores();
+  QPIPE_REQUIRE(options.threadsPerRank.value_or(1) <= threadLimit, ErrorCode::kUsage, "--threads_per_rank ",
+                *options.threadsPerRank, " is more than ", kThreadsPerCore, " threads a core on the ", usableCores(),
+                " cores this process may use; give at most ", threadLimit);
   const DeviceList devices = parseDeviceList(options.device);
   const Role role = roleOf(options, devices);
   const int rank = role.group ? role.group->rank : 0;

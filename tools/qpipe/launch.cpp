@@ -469,6 +469,7 @@ void markGroup(std::shared_ptr<ProcessGroup> group) {
 
 int reportFailure(ErrorCode code, const std::string& text) {
   const std::string message = shortened(text);
+  if (message.size() < text.size()) log::logger()->debug("the whole error: ", text);
   const int exitCode = static_cast<int>(code);
   const RankState& state = rankState();
   const char* errorFile = std::getenv(kRankErrorFileVar);

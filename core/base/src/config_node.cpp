@@ -332,22 +332,24 @@ class Builder : public YAML::EventHandler {
   std::optional<ConfigNode> root_;
 };
 
-// Of the lines up to `last` (from 0), the nearest to it with a tab in its indentation, numbered
-// from 1. YAML indents with spaces only; yaml-cpp's error for a tab is about what follows it
-// ("illegal block entry", "end of sequence not found").
+// The error's line `last` (from 0) or, failing that, the nearest line with content before it,
+// numbered from 1, where that line's indentation holds a tab (comments and blank lines are no
+// indentation). YAML indents with spaces only; yaml-cpp's error for a tab is about what follows
+// it ("illegal block entry", "end of sequence not found").
 std::optional<size_t> tabIndentedLine(std::string_view text, size_t last) {
-  std::optional<size_t> found;
+  std::optional<size_t> previous;
   size_t start = 0;
   for (size_t line = 0; line <= last && start < text.size(); ++line) {
     const size_t end = std::min(text.find('\n', start), text.size());
     const std::string_view row = text.substr(start, end - start);
-    const size_t content = row.find_first_not_of(" \t");
-    if (content != std::string_view::npos && row.substr(0, content).find('\t') != std::string_view::npos) {
-      found = line + 1;
-    }
     start = end + 1;
+    const size_t content = row.find_first_not_of(" \t\r");
+    if (content == std::string_view::npos || row[content] == '#') continue;
+    const bool tab = row.substr(0, content).find('\t') != std::string_view::npos;
+    if (line == last) return tab ? std::optional<size_t>(line + 1) : previous;
+    previous = tab ? std::optional<size_t>(line + 1) : std::nullopt;
   }
-  return found;
+  return previous;
 }
 
 ConfigNode parseText(std::string_view text, const std::string& fileName) {

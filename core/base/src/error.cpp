@@ -17,8 +17,9 @@ std::string shortened(std::string_view message, size_t limit) {
   const auto continuation = [&](size_t at) { return (static_cast<unsigned char>(message[at]) & 0xC0) == 0x80; };
   // Three quarters before the cut, one after: a message names its input first and what to do last.
   size_t head = limit * 3 / 4, tail = message.size() - limit / 4;
-  while (head > 0 && continuation(head)) --head;
-  while (tail < message.size() && continuation(tail)) ++tail;
+  // A character has at most three continuation bytes; text that is not UTF-8 is cut where it falls.
+  for (int step = 0; step < 3 && head > 0 && continuation(head); ++step) --head;
+  for (int step = 0; step < 3 && tail < message.size() && continuation(tail); ++step) ++tail;
   return concat(message.substr(0, head), " [... ", tail - head, " bytes left out ...] ", message.substr(tail));
 }
 

@@ -132,6 +132,8 @@ SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::pat
       segmentsOnly_(options.segmentsOnly) {
   final_ = fs::absolute(saveDir).lexically_normal();
   if (final_.filename().empty()) final_ = final_.parent_path();  // "out/" names "out"
+  // First: it refuses a name too long for the file system, which the calls below would throw on.
+  temporary_ = CheckpointSaver::partialDir(final_);
   // A link stands for the folder it leads to: the finished checkpoint is renamed onto that folder
   // (renamed onto the link, it would fail after the whole run). A link to nothing fails now.
   if (fs::is_symlink(final_)) {
@@ -142,7 +144,6 @@ SaverBase::SaverBase(const SaverOptions& options, CausalLM& model, const fs::pat
                   "', which does not exist; create that folder or choose another --save_path");
     final_ = target;
   }
-  temporary_ = CheckpointSaver::partialDir(final_);
   if (segmentsOnly_) return;  // rank 0's saver owns the folder
   std::error_code ec;
   if (fs::exists(final_)) {

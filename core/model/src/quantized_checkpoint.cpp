@@ -255,9 +255,11 @@ at::Tensor asZeroPoints(const at::Tensor& stored, const std::vector<int64_t>& sh
   const double low = integer ? quant::qmin(codes) : 0, high = integer ? quant::qmax(codes) : 0;
   const auto [least, most] = at::aminmax(points);
   const double lowest = least.item<double>(), highest = most.item<double>();
+  const double outside = lowest < low || std::isnan(lowest) ? lowest : highest;
   QPIPE_REQUIRE(lowest >= low && highest <= high, ErrorCode::kInput, "checkpoint ", dir, ": '", name, "' holds ",
-                lowest < low || std::isnan(lowest) ? lowest : highest, "; a zero point of ", quant::qdtypeName(codes),
-                " codes is ", integer ? concat("in [", low, ", ", high, "]") : std::string("0"));
+                std::isnan(outside) ? std::string("NaN") : concat(outside), "; a zero point of ",
+                quant::qdtypeName(codes), " codes is ",
+                integer ? concat("in [", low, ", ", high, "]") : std::string("0"));
   return points.to(at::kInt);
 }
 
@@ -372,11 +374,20 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       if (scheme.format == "pack-quantized" && scheme.weight.dtype == QDtype::kFp8E4m3) {
         unsupported(formatField, scheme.format, "pack-quantized for int weights only");
       }
-      if ((scheme.format == "nvfp4-pack-quantized") != (scheme.weight.dtype == QDtype::kNvfp4)) {
-        unsupported(formatField, scheme.format, "nvfp4-pack-quantized for fp4 tensor_group weights, and those in it");
-      }
-      if ((scheme.format == "mxfp4-pack-quantized") != (scheme.weight.dtype == QDtype::kMxfp4)) {
-        unsupported(formatField, scheme.format, "mxfp4-pack-quantized for fp4 group-32 weights, and those in it");
+      // Each fp4 format holds its own fp4 weights (codes and block scales packed its way), and no others.
+      const QDtype dtype = scheme.weight.dtype;
+      const bool nvfp4Format = scheme.format == "nvfp4-pack-quantized";
+      const bool mxfp4Format = scheme.format == "mxfp4-pack-quantized";
+      if (nvfp4Format != (dtype == QDtype::kNvfp4) || mxfp4Format != (dtype == QDtype::kMxfp4)) {
+        throw Error(
+            ErrorCode::kInput,
+            concat(
+                field(formatField), " \"", scheme.format, "\" holds ",
+                nvfp4Format   ? "nvfp4"
+                : mxfp4Format ? "mxfp4"
+                              : "no fp4",
+                " weights, but quantization_config.", at, ".weights describes ", quant::qdtypeName(dtype), " weights",
+                quant::isFp4(dtype) ? concat(", whose format is ", quant::qdtypeName(dtype), "-pack-quantized") : ""));
       }
       schemes_.push_back(std::move(scheme));
     }
@@ -658,19 +669,24 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
       if (stored.scalar_type() != at::kChar) scheme.dtype = QDtype::kFp8E4m3;
       offset = asZeroPoints(stored, {heads, 1}, scheme.dtype, fa + ".offset", dir_);
     } else if (input != 'q' && described(c8 + "_scale", "C8")) {
-      const auto perHead = [&](const std::string& name) {
-        const at::Tensor stored = tensor(name).to(at::kFloat);
+      // Read as `read` checks a tensor of [heads, values a head], before the values are compared.
+      const auto perHead = [&](const std::string& name, const auto& read) {
+        const at::Tensor stored = tensor(name);
         QPIPE_REQUIRE(stored.numel() % heads == 0, ErrorCode::kInput, "checkpoint ", dir_, ": '", name, "' has shape ",
                       shapeText(stored.sizes()), ", not a multiple of the ", heads, " KV heads");
-        const at::Tensor channels = stored.reshape({heads, -1});
+        const at::Tensor channels = read(stored, std::vector<int64_t>{heads, stored.numel() / heads});
         QPIPE_REQUIRE(channels.eq(channels.narrow(1, 0, 1)).all().item<bool>(), ErrorCode::kInput, "checkpoint ", dir_,
                       ": '", name,
                       "' differs within a KV head (per-channel C8); qpipe runs C8 with one value per head, as it "
                       "writes them");
         return channels.narrow(1, 0, 1).contiguous();
       };
-      scale = perHead(c8 + "_scale");
-      offset = asZeroPoints(perHead(c8 + "_offset"), {heads, 1}, scheme.dtype, c8 + "_offset", dir_);
+      scale = perHead(c8 + "_scale", [&](const at::Tensor& stored, const std::vector<int64_t>& shape) {
+        return asScale(stored, shape, c8 + "_scale", dir_, ScaleUse::kDivides);
+      });
+      offset = perHead(c8 + "_offset", [&](const at::Tensor& stored, const std::vector<int64_t>& shape) {
+        return asZeroPoints(stored, shape, scheme.dtype, c8 + "_offset", dir_);
+      });
     } else {
       return nullptr;
     }

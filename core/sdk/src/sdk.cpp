@@ -72,18 +72,18 @@ size_t nameMax(std::filesystem::path path) {
 std::filesystem::path CheckpointSaver::partialDir(const std::filesystem::path& saveDir) {
   std::filesystem::path target = std::filesystem::absolute(saveDir).lexically_normal();
   if (target.filename().empty()) target = target.parent_path();  // "out/" names "out"
-  // Checked before the path is looked at: a name the file system refuses failed as its error,
-  // deep in the saver, after the model had loaded.
-  const size_t name = target.filename().native().size(), limit = nameMax(target.parent_path());
-  QPIPE_REQUIRE(name + 1 + kPartialSuffix.size() <= limit, ErrorCode::kInput, "--save_path's folder name is ", name,
-                " bytes; the partial folder written beside it takes ", 1 + kPartialSuffix.size(),
-                " more, over the file system's ", limit, "; choose a name of at most ",
-                limit - 1 - kPartialSuffix.size(), " bytes");
-  if (std::filesystem::is_symlink(target)) {
-    std::error_code ec;
+  std::error_code ec;
+  if (std::filesystem::is_symlink(target, ec)) {
     const std::filesystem::path resolved = std::filesystem::canonical(target, ec);
     if (!ec) target = resolved;
   }
+  // A name the file system takes, but not with the suffix, failed as the file system's error deep
+  // in the saver, after the model had loaded.
+  const size_t name = target.filename().native().size(), extra = 1 + kPartialSuffix.size();
+  const size_t limit = nameMax(target.parent_path());
+  QPIPE_REQUIRE(name + extra <= limit, ErrorCode::kInput, "--save_path's folder name is ", name,
+                " bytes; the partial folder written beside it takes ", extra, " more, over the file system's limit of ",
+                limit, " bytes a name; choose a name of at most ", limit > extra ? limit - extra : 0, " bytes");
   // Hidden, beside the destination (same file system, so the final rename is atomic).
   return target.parent_path() / ("." + target.filename().string() + std::string(kPartialSuffix));
 }

@@ -71,7 +71,7 @@ inline constexpr int64_t kNvfp4GroupSize = 16;
 // MXFP4's group size (the E8M0 block scales' blocks along the input dimension).
 inline constexpr int64_t kMxfp4GroupSize = 32;
 
-// Integer codes (int8, int4), the dtypes qmin and qmax give a range of.
+// Integer codes: int8 or int4.
 bool isInt(QDtype dtype);
 // E2M1 codes with block scales: NVFP4 or MXFP4.
 bool isFp4(QDtype dtype);
