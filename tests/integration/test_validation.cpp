@@ -351,7 +351,11 @@ TEST(Validation, QuantizationConfigTargetsAreNamesOrPatternsQpipeReads) {
        {std::tuple{"targets", nlohmann::json::array({"re:(?P<proj>q_proj)"}),
                    field + "config_groups.group_0.targets[0] 're:(?P<proj>q_proj)' is not a pattern qpipe reads "
                            "(Invalid '(?...)' zero-width assertion in regular expression): ECMAScript syntax, without "
-                           "Python's (?P<name>...) groups and (?i) flags"},
+                           "Python's (?P<name>...) groups, (?i) flags and back-references"},
+        std::tuple{"ignore", nlohmann::json::array({"re:(q)_\\1"}),
+                   field + "ignore[0] 're:(q)_\\1' is not a pattern qpipe reads (Unexpected back-reference in "
+                           "polynomial mode.): ECMAScript syntax, without Python's (?P<name>...) groups, (?i) flags "
+                           "and back-references"},
         // Matching recurses a level per element of the pattern: 100,000 overflowed the stack.
         std::tuple{"targets", nlohmann::json::array({"re:" + std::string(5000, 'x')}),
                    field + "config_groups.group_0.targets[0] 're:" + std::string(37, 'x') +
@@ -370,6 +374,13 @@ TEST(Validation, QuantizationConfigTargetsAreNamesOrPatternsQpipeReads) {
     EXPECT_EQ(r.exitCode, 5) << r.err;
     EXPECT_EQ(lastLine(r.err), inputError(error));
   }
+  // A pattern that backtracks exponentially (here on every module name) is matched in linear time:
+  // this evaluation hung before.
+  nlohmann::json config = original;
+  config["quantization_config"]["ignore"] = nlohmann::json::array({"lm_head", "re:(.*)*z"});
+  std::ofstream(out / "config.json", std::ios::trunc) << config.dump(2);
+  const CommandResult r = eval(out);
+  EXPECT_EQ(r.exitCode, 0) << r.err;
 }
 
 // A link loop where a model's file or folder should be is an I/O error naming the path and the

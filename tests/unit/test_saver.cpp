@@ -720,6 +720,15 @@ TEST(QuantizedLoadErrors, UnsupportedConfigsNameFileAndField) {
                 "\"strategy\":\"group\",\"symmetric\":true} is not supported; qpipe loads nvfp4 weights as "
                 "symmetric tensor_group, group_size 16, static, and mxfp4 ones as symmetric group, group_size 32, "
                 "static");
+  // Asymmetric fp8 is refused as the description is read, for activations as for weights: its
+  // zero point was dropped, or named only as the tensors loaded.
+  for (const char* args : {"weights", "input_activations"}) {
+    EXPECT_EQ(openError([&](Json& q) {
+                q["config_groups"]["group_0"][args].update({{"type", "float"}, {"symmetric", false}});
+              }),
+              file + ": quantization_config.config_groups.group_0." + args + ".symmetric is false; fp8 " +
+                  (std::string(args) == "weights" ? "weights" : "activations") + " are symmetric");
+  }
   EXPECT_EQ(openError([](Json& q) { q["config_groups"]["group_0"]["weights"]["strategy"] = "block"; }),
             file +
                 ": quantization_config.config_groups.group_0.weights.strategy {\"group_size\":null,\"strategy\":"

@@ -107,10 +107,22 @@ SortedJson compressedTensorsInputArgs(const ActivationQuant& input) {
                     input.isDynamic());
 }
 
+namespace {
+
+// The pattern of a "re:" entry, matched in libstdc++'s polynomial mode: a breadth-first search of
+// the automaton, where the default backtracks, and took exponential time on a pattern such as
+// "(.*)*z" (Python's re backtracks too). Whether a name matches is the same in either mode; the
+// one thing polynomial mode refuses is a back-reference, when the pattern is compiled.
+std::regex targetPattern(const std::string& entry) {
+  return std::regex(entry.substr(3), std::regex::ECMAScript | std::regex_constants::__polynomial);
+}
+
+}  // namespace
+
 bool compressedTensorsMatches(const std::string& target, const std::string& moduleName) {
   if (target == "Linear") return true;
   if (target.rfind("re:", 0) == 0) {
-    return std::regex_search(moduleName, std::regex(target.substr(3)), std::regex_constants::match_continuous);
+    return std::regex_search(moduleName, targetPattern(target), std::regex_constants::match_continuous);
   }
   return target == moduleName;
 }
@@ -311,11 +323,12 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
                         "…' is a pattern of ", name.size() - 3, " characters; qpipe reads patterns of up to ",
                         kLongestPattern);
           try {
-            std::regex{name.substr(3)};
+            targetPattern(name);
           } catch (const std::regex_error& error) {
             throw Error(ErrorCode::kInput,
                         concat(field(entry), " '", name, "' is not a pattern qpipe reads (", error.what(),
-                               "): ECMAScript syntax, without Python's (?P<name>...) groups and (?i) flags"));
+                               "): ECMAScript syntax, without Python's (?P<name>...) groups, (?i) flags and "
+                               "back-references"));
           }
         }
         out.push_back(name);
@@ -596,6 +609,10 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       s.groupSize = width.get<int64_t>();
       return out;
     }
+    // An fp8 zero point would shift values that are not codes in a range; compressed-tensors'
+    // fp8 schemes, and vLLM's kernels, are symmetric.
+    QPIPE_REQUIRE(s.dtype != QDtype::kFp8E4m3 || s.symmetric, ErrorCode::kInput, field(at + ".symmetric"),
+                  " is false; fp8 ", activation ? "activations" : "weights", " are symmetric");
     if (activation) {
       if (strategy == "tensor" && dynamic == false) {
         s.scope = QScope::kPerTensor;
@@ -619,8 +636,6 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
       unsupported(at + ".strategy", Json{{"group_size", groupSize}, {"strategy", strategy}},
                   "tensor, channel and group (group_size > 0) weights");
     }
-    QPIPE_REQUIRE(s.dtype != QDtype::kFp8E4m3 || s.symmetric, ErrorCode::kInput, field(at + ".symmetric"),
-                  " is false; fp8 weights are symmetric");
     return out;
   }
 
