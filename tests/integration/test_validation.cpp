@@ -197,17 +197,36 @@ TEST(Validation, AQuantizedWeightNoSchemeClaimsIsRefused) {
                                         "quantization description gives 'model.layers.0.self_attn.q_proj' no scheme"));
 }
 
-// A quantized weight keeps its format's layout in the file, so config.json's shapes are checked
-// once the format has unpacked it: a head_dim edited by hand was an internal reshape error in the
-// first attention.
+// A quantized weight is checked against config.json in its format's layout, from the headers at
+// open, and once more as its format unpacks it (a pack-quantized weight_shape is data): a head_dim
+// edited by hand was an internal reshape error in the first attention.
 TEST(Validation, AQuantizedWeightMustHaveTheShapeConfigJsonImplies) {
-  const fs::path out = quantizedTiny("reshaped_w8a8", "--quant_type w8a8");
-  editJson(out / "config.json", [](nlohmann::json& config) { config["head_dim"] = 2; });
-  const CommandResult r = eval(out);
+  const std::string q = "model.layers.0.self_attn.q_proj";
+  const fs::path int8 = quantizedTiny("reshaped_w8a8", "--quant_type w8a8");
+  editJson(int8 / "config.json", [](nlohmann::json& config) { config["head_dim"] = 2; });
+  CommandResult r = eval(int8);
   EXPECT_EQ(r.exitCode, 5) << r.err;
-  EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() +
-                                        ": the quantized weight of 'model.layers.0.self_attn.q_proj' holds [16, 16], "
-                                        "but config.json implies [8, 16]"));
+  EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + int8.string() + ": tensor '" + q +
+                                        ".weight' has shape [16, 16], but config.json implies [8, 16]"));
+  // W8A16 is pack-quantized: four codes to an int32 word.
+  const fs::path packed = quantizedTiny("reshaped_w8a16", "--quant_type w8a16");
+  const fs::path config = qpipe::test::testDir() / "reshaped_w8a16.json";
+  fs::copy_file(packed / "config.json", config, fs::copy_options::overwrite_existing);
+  editJson(packed / "config.json", [](nlohmann::json& config) { config["head_dim"] = 2; });
+  r = eval(packed);
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + packed.string() + ": tensor '" + q +
+                                        ".weight_packed' has shape [16, 4], but config.json implies [8, 4] (4 codes a "
+                                        "word)"));
+  // A weight_shape that packs into the same words, but not the shape config.json implies.
+  fs::copy_file(config, packed / "config.json", fs::copy_options::overwrite_existing);
+  at::Tensor shape = qpipe::safetensors::File::open(weightsFile(packed))->tensor(q + ".weight_shape").clone();
+  shape[1] = 13;
+  replaceTensor(packed, q + ".weight_shape", shape);
+  r = eval(packed);
+  EXPECT_EQ(r.exitCode, 5) << r.err;
+  EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + packed.string() + ": the quantized weight of '" + q +
+                                        "' holds [16, 13], but config.json implies [16, 16]"));
 }
 
 // A scale read from a checkpoint is never negative, and an activation's (which divides) never

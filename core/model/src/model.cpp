@@ -251,14 +251,14 @@ class UnloadedLayer final : public DecoderLayer {
 
 // What config.json implies the checkpoint holds, checked from the safetensors headers before any
 // tensor is read (docs/cli.md, Validation): every tensor the family needs is there, a float one
-// has a float dtype and the shape the configuration implies. A quantized module (qpipe's, or a
-// packed weight) keeps whatever layout its format has; only its presence is checked here, and the
-// [out, in] shape config.json implies for it is returned, for CausalLM::linear to check once its
-// format has unpacked it.
+// has a float dtype and the shape the configuration implies, and a quantized weight the shape its
+// format gives that. The [out, in] shape config.json implies for a quantized module is returned,
+// for CausalLM::linear to check once its format has unpacked it (a pack-quantized weight's
+// weight_shape, for one, is data, not header).
 std::unordered_map<std::string, std::vector<int64_t>> validateCheckpoint(const std::filesystem::path& dir,
                                                                          const ModelConfig& c,
                                                                          const safetensors::Checkpoint& ckpt,
-                                                                         bool quantized) {
+                                                                         const detail::QuantizedCheckpoint* quantized) {
   std::unordered_map<std::string, std::vector<int64_t>> quantizedShapes;
   const std::string where = concat("checkpoint ", dir.string());
   int64_t layersPresent = 0;
@@ -296,6 +296,15 @@ std::unordered_map<std::string, std::vector<int64_t>> validateCheckpoint(const s
     } else {
       QPIPE_REQUIRE(ckpt.contains(weight) || (quantized && ckpt.contains(name + ".weight_packed")), ErrorCode::kInput,
                     where, ": missing tensor '", weight, "'");
+      if (const std::optional<detail::StoredWeight> stored = quantized->storedWeight(name, out, in)) {
+        QPIPE_REQUIRE(ckpt.contains(stored->tensor), ErrorCode::kInput, where, ": missing tensor '", stored->tensor,
+                      "'");
+        const std::vector<int64_t>& shape = ckpt.info(stored->tensor).shape;
+        QPIPE_REQUIRE(shape == stored->shape, ErrorCode::kInput, where, ": tensor '", stored->tensor, "' has shape ",
+                      safetensors::shapeText(shape), ", but config.json implies ",
+                      safetensors::shapeText(stored->shape),
+                      stored->layout.empty() ? "" : concat(" (", stored->layout, ")"));
+      }
       quantizedShapes[name] = {out, in};
     }
     if (bias) tensor(name + ".bias", {out});
@@ -352,7 +361,7 @@ std::unique_ptr<CausalLM> CausalLM::open(const std::filesystem::path& modelDir, 
   lm->config_ = ModelConfig::fromFile(modelFile(modelDir, "config.json"));
   lm->quantized_ = detail::QuantizedCheckpoint::detect(modelDir);
   lm->checkpoint_ = safetensors::Checkpoint::open(modelDir, lm->quantized_ ? lm->quantized_->weightsPrefix() : "model");
-  lm->quantizedShapes_ = validateCheckpoint(modelDir, lm->config_, lm->checkpoint_, lm->quantized_ != nullptr);
+  lm->quantizedShapes_ = validateCheckpoint(modelDir, lm->config_, lm->checkpoint_, lm->quantized_.get());
   const ModelConfig& c = lm->config_;
 
   auto model = std::make_shared<Module>("Model");

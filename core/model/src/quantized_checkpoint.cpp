@@ -431,17 +431,21 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
         *scheme, quant::QParams{scale, at::zeros_like(scale, scale.options().dtype(at::kInt))});
   }
 
+  std::optional<StoredWeight> storedWeight(const std::string& name, int64_t out, int64_t in) const override {
+    const CtScheme* scheme = schemeOf(name);
+    if (scheme == nullptr) return std::nullopt;
+    if (quant::isFp4(scheme->weight.dtype))
+      return StoredWeight{name + ".weight_packed", {out, in / 2}, "two codes a byte"};
+    if (scheme->format == "pack-quantized") {
+      const int64_t bits = scheme->weight.dtype == QDtype::kInt4 ? 4 : 8;
+      return StoredWeight{name + ".weight_packed", {out, (in * bits + 31) / 32}, concat(32 / bits, " codes a word")};
+    }
+    return StoredWeight{name + ".weight", {out, in}, ""};
+  }
+
   std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor, const HasFn& has,
                                       at::ScalarType computeDtype) const override {
-    for (const auto& entry : ignore_) {
-      if (compressedTensorsMatches(entry, name)) return nullptr;
-    }
-    const CtScheme* scheme = nullptr;
-    for (const auto& candidate : schemes_) {
-      for (const auto& target : candidate.targets) {
-        if (!scheme && compressedTensorsMatches(target, name)) scheme = &candidate;
-      }
-    }
+    const CtScheme* scheme = schemeOf(name);
     if (scheme == nullptr) return nullptr;
     const QScheme& w = scheme->weight;
     at::Tensor q;
@@ -544,6 +548,19 @@ class CompressedTensorsCheckpoint final : public QuantizedCheckpoint {
   }
 
  private:
+  // The scheme of Linear `name`: the first whose targets match it, none where `ignore` does.
+  const CtScheme* schemeOf(const std::string& name) const {
+    for (const auto& entry : ignore_) {
+      if (compressedTensorsMatches(entry, name)) return nullptr;
+    }
+    for (const auto& candidate : schemes_) {
+      for (const auto& target : candidate.targets) {
+        if (compressedTensorsMatches(target, name)) return &candidate;
+      }
+    }
+    return nullptr;
+  }
+
   // What a QuantizationArgs object describes: a weight, a Linear's input, or the KV cache.
   enum class Role { kWeight, kInput, kKvCache };
 
@@ -710,12 +727,17 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
         scheme, quant::QParams{scale.reshape({1, heads, 1, 1}), offset.reshape({1, heads, 1, 1})});
   }
 
+  std::optional<StoredWeight> storedWeight(const std::string& name, int64_t out, int64_t in) const override {
+    const std::string type = typeOf(name);
+    if (type == "FLOAT") return std::nullopt;
+    if (type == "W4A8_DYNAMIC" && packedInt4_) return StoredWeight{name + ".weight", {out / 2, in}, "two rows a row"};
+    return StoredWeight{name + ".weight", {out, in}, ""};
+  }
+
   std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor, const HasFn& has,
                                       at::ScalarType computeDtype) const override {
     const std::string key = name + ".weight";
-    QPIPE_REQUIRE(description_.contains(key) && description_[key].is_string(), ErrorCode::kInput, file_,
-                  ": no quantization type for '", key, "'");
-    const std::string type = description_[key].get<std::string>();
+    const std::string type = typeOf(name);
     if (type == "FLOAT") return nullptr;
     const at::Tensor stored = tensor(key);
     QPIPE_REQUIRE(stored.dim() == 2, ErrorCode::kInput, "checkpoint ", dir_, ": '", key, "' is not 2-D");
@@ -781,6 +803,15 @@ class AscendV1Checkpoint final : public QuantizedCheckpoint {
   }
 
  private:
+  // The quantization type the description gives Linear `name`'s weight ("FLOAT" where it is not
+  // quantized).
+  std::string typeOf(const std::string& name) const {
+    const std::string key = name + ".weight";
+    QPIPE_REQUIRE(description_.contains(key) && description_[key].is_string(), ErrorCode::kInput, file_,
+                  ": no quantization type for '", key, "'");
+    return description_[key].get<std::string>();
+  }
+
   // Whether the description gives `key`, as `type` (Error(kInput) when it gives another).
   bool described(const std::string& key, const std::string& type) const {
     if (!description_.contains(key)) return false;

@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "qpipe/attention_quant.h"
 #include "qpipe/model.h"
@@ -65,6 +66,14 @@ at::Tensor unpackInt4Rows(const at::Tensor& packed);
 at::Tensor deqScaleToInt64(const at::Tensor& deqScale);
 at::Tensor deqScaleFromInt64(const at::Tensor& stored);
 
+// Where a quantized Linear's weight is stored, and the shape its format gives an [out, in] weight
+// there.
+struct StoredWeight {
+  std::string tensor;
+  std::vector<int64_t> shape;
+  std::string layout;  // how the format packs the codes, for messages; empty for one code a value
+};
+
 // Reads the quantized modules of a checkpoint back into QuantLinear (dequantized weights,
 // activation fake quantization as declared) for CausalLM.
 class QuantizedCheckpoint {
@@ -86,6 +95,10 @@ class QuantizedCheckpoint {
   // `computeDtype`, or nullptr when the checkpoint keeps it in float.
   virtual std::shared_ptr<QuantLinear> linear(const std::string& name, bool hasBias, const TensorFn& tensor,
                                               const HasFn& has, at::ScalarType computeDtype) const = 0;
+  // Module `name`'s stored weight for a Linear of [out, in], from the description alone (no tensor
+  // is read), or nullopt where the checkpoint keeps it in float: what CausalLM::open checks the
+  // safetensors headers against, before any layer loads.
+  virtual std::optional<StoredWeight> storedWeight(const std::string& name, int64_t out, int64_t in) const = 0;
   // The quantization of `attention`'s input 'q', 'k' or 'v' (its q_hook, k_hook, v_hook), which
   // has `heads` heads, or nullptr where the checkpoint keeps it in float (compressed-tensors:
   // kv_cache_scheme with `<attention>.k_scale` / `v_scale`; ascendv1: FAQuant and C8 entries).
