@@ -427,7 +427,7 @@ class C10dGroup final : public ProcessGroup {
   }
 
   void sendAndReceive(const std::vector<std::vector<at::Tensor>>& parts) {
-    announceBackendStep();
+    announceBackendStep("exchangeInPlace");
     const int world = worldSize(), me = rank();
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     const auto post = [&](at::Tensor message, int peer, int tag, bool send) {
@@ -532,38 +532,54 @@ class C10dGroup final : public ProcessGroup {
   // stuck, failed): it becomes one line that names the failed rank when it reported itself. Errors
   // of this rank's own tensor work happen outside and pass through as they are.
   void run(const char* collective, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
-    announceBackendStep();
+    announceBackendStep(collective);
     backendCall(collective, [&] { start()->wait(options_.timeout); });
   }
-  // Published before each backend operation, for a waiter's timeout to name who never came: the
-  // backends say only that time ran out. One store write (the client does not wait for a reply),
-  // against a collective's socket round trips; the host channel counts its own steps in its
-  // segment. Best effort: a store that fails here fails no collective, and ends the naming.
-  void announceBackendStep() {
+  // Published before each backend operation, its count and name ("12 allReduce"), for a waiter's
+  // timeout to name who never came, or who came to another operation: the backends say only that
+  // time ran out. One store write (the client does not wait for a reply), against a collective's
+  // socket round trips; the host channel counts its own steps in its segment. Best effort: a
+  // store that fails here fails no collective, and ends the naming.
+  void announceBackendStep(const char* collective) {
     ++backendSteps_;
     if (!stepsPublished_) return;
     try {
-      store_->set(backendStepKey(rank()), bytes(std::to_string(backendSteps_)));
+      store_->set(backendStepKey(rank()), bytes(concat(backendSteps_, " ", collective)));
     } catch (const std::exception&) {
       stepsPublished_ = false;
     }
   }
-  // The peers that have not started this rank's latest backend operation, as far as the store
-  // tells (none where it does not answer: rank 0, its host, is gone).
-  std::vector<int> behindInBackendSteps() {
-    std::vector<int> behind;
-    if (!stepsPublished_) return behind;
+  // Where the peers are against this rank's latest backend operation, as far as the store tells
+  // (nothing where it does not answer: rank 0, its host, is gone).
+  struct PeerSteps {
+    std::vector<int> behind;                             // not yet started it
+    std::vector<std::pair<int, std::string>> elsewhere;  // in another operation (rank, its name)
+  };
+  PeerSteps peerSteps(const char* collective) {
+    PeerSteps steps;
+    if (!stepsPublished_) return steps;
     try {
       for (int r = 0; r < worldSize(); ++r) {
         const std::string key = backendStepKey(r);
-        if (r != rank() && (!store_->check({key}) || std::stoll(text(store_->get(key))) < backendSteps_)) {
-          behind.push_back(r);
+        if (r == rank()) continue;
+        if (!store_->check({key})) {
+          steps.behind.push_back(r);
+          continue;
+        }
+        const std::string published = text(store_->get(key));
+        const size_t space = published.find(' ');
+        const int64_t count = std::stoll(published.substr(0, space));
+        const std::string name = space == std::string::npos ? "" : published.substr(space + 1);
+        if (count < backendSteps_) {
+          steps.behind.push_back(r);
+        } else if (count > backendSteps_ || name != collective) {
+          steps.elsewhere.emplace_back(r, name);
         }
       }
     } catch (const std::exception&) {
       return {};
     }
-    return behind;
+    return steps;
   }
   // The same for backend calls that start or wait on operations of their own.
   void backendCall(const char* collective, const std::function<void()>& call) {
@@ -572,16 +588,28 @@ class C10dGroup final : public ProcessGroup {
     } catch (const Error&) {
       throw;
     } catch (const std::exception& error) {
-      peerLost_ = true;
       // Gloo's own words for a wait that ran out ("Operation timed out!") name no setting.
       std::string cause = oneLine(error);
       std::string lower = cause;
       std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
       if (lower.find("timed out") != std::string::npos) {
-        const std::vector<int> behind = behindInBackendSteps();
-        cause = concat(behind.empty() ? "no answer" : HostChannel::describeRanks(behind) + " did not arrive",
-                       " within ", seconds(options_.timeout), " (--dist_timeout)");
+        const PeerSteps steps = peerSteps(collective);
+        cause =
+            concat(steps.behind.empty() ? "no answer" : HostChannel::describeRanks(steps.behind) + " did not arrive",
+                   " within ", seconds(options_.timeout), " (--dist_timeout)");
+        // Ranks in another operation: this rank is a cause of the failure, not a rank that lost a
+        // peer, and reports it as such (the host channel's words for the same).
+        if (!steps.elsewhere.empty()) {
+          std::string where;
+          for (const auto& [peer, name] : steps.elsewhere) {
+            where += concat(where.empty() ? "" : ", ", "rank ", peer, " is in ", name);
+          }
+          throw Error(ErrorCode::kDistributed,
+                      concat(collective, ": ", where, "; every rank must call the collectives in the same order",
+                             steps.behind.empty() ? "" : concat(" (", cause, ")")));
+        }
       }
+      peerLost_ = true;
       throw Error(ErrorCode::kDistributed, peerFailure(collective, cause));
     }
   }

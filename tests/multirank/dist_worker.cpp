@@ -238,6 +238,20 @@ void collectivesDiffer(bool size) {
   std::cout << "unexpected: gathered" << std::endl;
 }
 
+// The same over Gloo (QPIPE_DIST_SHM=0), where the ranks wait until their timeout: the last rank
+// enters a broadcast, half a second late, where the others enter an allReduce.
+void backendCollectivesDiffer() {
+  ProcessGroup& group = world();
+  at::Tensor t = at::ones({4});
+  if (group.rank() == group.worldSize() - 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    group.broadcast(t, 0);
+  } else {
+    group.allReduce(t, ReduceOp::kSum);
+  }
+  std::cout << "unexpected: " << values(t) << std::endl;
+}
+
 // The last rank closes its group, then lingers: the others, waiting for it in a gather, fail
 // without waiting for the timeout.
 void peerClosesGroup() {
@@ -717,6 +731,8 @@ int main(int argc, char** argv) {
       collectivesDiffer(true);
     } else if (scenario == "collectives_differ") {
       collectivesDiffer(false);
+    } else if (scenario == "backend_collectives_differ") {
+      backendCollectivesDiffer();
     } else if (scenario == "peer_closes_group") {
       peerClosesGroup();
     } else if (scenario == "host_channel") {

@@ -436,6 +436,22 @@ TEST(MultirankErrors, SharedMemoryCollectivesThatDoNotPairUpFailEveryRank) {
                               "collectives in the same order\n");
 }
 
+// Over Gloo, ranks in different collectives wait until their timeout (2 s), which Gloo reports in
+// words that name neither: each rank publishes which operation it is in, and the first to time
+// out names the others', as a cause; the rank it names then reports that cause.
+TEST(MultirankErrors, GlooCollectivesThatDoNotPairUpAreNamed) {
+  Launch launch = world("backend_collectives_differ", 2);
+  launch.timeoutSeconds = "2";
+  launch.env.push_back("QPIPE_DIST_SHM=0");
+  const auto results = run(launch);
+  const std::string cause = "allReduce: rank 1 is in broadcast; every rank must call the collectives in the same order";
+  EXPECT_EQ(results[0].exitCode, 7);
+  EXPECT_EQ(results[0].out, connected(0, 2) + "error: " + cause + "\n");
+  EXPECT_EQ(results[1].exitCode, 7);
+  EXPECT_EQ(results[1].out, connected(1, 2) + "error: rank 0 failed: " + cause + "\n");
+  EXPECT_LT(results[1].seconds, 10.0);
+}
+
 // A rank that closes its group while a peer waits for it in shared memory: the peer fails at once.
 TEST(MultirankErrors, PeerThatClosesItsGroupIsLostContact) {
   const auto results = run(world("peer_closes_group", 2));
