@@ -13,6 +13,7 @@
 #include <regex>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "qpipe/safetensors.h"
 #include "test_helpers.h"
@@ -88,6 +89,16 @@ fs::path quantizedTiny(const std::string& name, const std::string& args, fs::pat
       qpipe::test::runQpipe("quant --model_path " + model.string() + " " + args + " --save_path " + out.string());
   EXPECT_EQ(r.exitCode, 0) << r.err;
   return out;
+}
+
+// A pipeline, written to temporary file `file`: one linear_quant step with the `qconfig` entries
+// (e.g. "weight: {...}") over every Linear but lm_head, saved by `saver`.
+fs::path linearQuantPipeline(const std::string& file, const std::vector<std::string>& qconfig,
+                             const std::string& saver) {
+  std::string yaml = "apiversion: modelslim_v1\nspec:\n  process:\n    - type: linear_quant\n      qconfig:\n";
+  for (const std::string& entry : qconfig) yaml += "        " + entry + "\n";
+  yaml += "      include: [\"*\"]\n      exclude: [\"lm_head\"]\n  save:\n    - {type: " + saver + "}\n";
+  return qpipe::test::writeTempFile(file, yaml);
 }
 
 // The JSON file `file` rewritten by `edit`.
@@ -262,17 +273,9 @@ TEST(Validation, QuantizationScalesAreNeverNegativeAndDivisorsNeverZero) {
 // An asymmetric checkpoint relabelled symmetric: its zero points were dropped without a word
 // (perplexity 1.5e8).
 TEST(Validation, ZeroPointsOfASymmetricSchemeAreRefused) {
-  const fs::path pipeline = qpipe::test::writeTempFile("w8a16_asymmetric.yaml", R"(apiversion: modelslim_v1
-spec:
-  process:
-    - type: linear_quant
-      qconfig:
-        weight: {dtype: int8, scope: per_channel, symmetric: False, method: minmax}
-      include: ["*"]
-      exclude: ["lm_head"]
-  save:
-    - {type: compressed_tensors}
-)");
+  const fs::path pipeline = linearQuantPipeline(
+      "w8a16_asymmetric.yaml", {"weight: {dtype: int8, scope: per_channel, symmetric: False, method: minmax}"},
+      "compressed_tensors");
   const fs::path out = quantizedTiny("relabelled_symmetric", "--config_path " + pipeline.string());
   ASSERT_EQ(eval(out).exitCode, 0);
   editJson(out / "config.json", [](nlohmann::json& config) {
@@ -304,18 +307,11 @@ TEST(Validation, ZeroPointsAreIntegersInTheirCodesRange) {
     EXPECT_EQ(r.exitCode, 5) << r.err;
     EXPECT_EQ(lastLine(r.err), inputError("checkpoint " + out.string() + ": '" + tensor + "' " + error));
   };
-  const fs::path pipeline = qpipe::test::writeTempFile("w8a8_asymmetric_input.yaml", R"(apiversion: modelslim_v1
-spec:
-  process:
-    - type: linear_quant
-      qconfig:
-        act: {dtype: int8, scope: per_tensor, symmetric: False, method: minmax}
-        weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}
-      include: ["*"]
-      exclude: ["lm_head"]
-  save:
-    - {type: compressed_tensors}
-)");
+  const fs::path pipeline =
+      linearQuantPipeline("w8a8_asymmetric_input.yaml",
+                          {"act: {dtype: int8, scope: per_tensor, symmetric: False, method: minmax}",
+                           "weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}"},
+                          "compressed_tensors");
   const fs::path ct =
       quantizedTiny("asymmetric_input", "--config_path " + pipeline.string() + " --calib_samples 4 --seq_len 32");
   keep(ct);
@@ -444,18 +440,11 @@ TEST(Validation, AnInt4WeightHeldOneToAByteMustHoldInt4Codes) {
 // The same for msmodelslim's W4A8_DYNAMIC held one code to a byte (a description without the
 // version that packs two to a byte), where an int8 weight was relabelled.
 TEST(Validation, AnUnpackedAscendInt4WeightMustHoldInt4Codes) {
-  const fs::path pipeline = qpipe::test::writeTempFile("w8a8_dynamic_ascend.yaml", R"(apiversion: modelslim_v1
-spec:
-  process:
-    - type: linear_quant
-      qconfig:
-        act: {dtype: int8, scope: per_token, symmetric: True, method: minmax}
-        weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}
-      include: ["*"]
-      exclude: ["lm_head"]
-  save:
-    - {type: ascendv1_saver}
-)");
+  const fs::path pipeline =
+      linearQuantPipeline("w8a8_dynamic_ascend.yaml",
+                          {"act: {dtype: int8, scope: per_token, symmetric: True, method: minmax}",
+                           "weight: {dtype: int8, scope: per_channel, symmetric: True, method: minmax}"},
+                          "ascendv1_saver");
   const fs::path out = quantizedTiny("relabelled_ascend", "--config_path " + pipeline.string());
   const fs::path description = out / "quant_model_description.json";
   editJson(description, [](nlohmann::json& types) {

@@ -352,36 +352,6 @@ std::optional<size_t> tabIndentedLine(std::string_view text, size_t last) {
   return previous;
 }
 
-ConfigNode parseText(std::string_view text, const std::string& fileName) {
-  Builder builder(fileName);
-  std::istringstream in{std::string(text)};
-  try {
-    YAML::Parser parser(in);
-    if (!parser.HandleNextDocument(builder)) return builder.takeRoot();
-    Builder extra(fileName);
-    QPIPE_REQUIRE(!parser.HandleNextDocument(extra), ErrorCode::kConfig, fileName,
-                  ": holds more than one YAML document; put the pipeline in one");
-  } catch (const YAML::Exception& e) {
-    // yaml-cpp quotes the offending byte as it is: a control byte would break the one line.
-    std::string why;
-    for (const char c : e.msg) {
-      const auto byte = static_cast<unsigned char>(c);
-      if (byte >= 0x20 && byte != 0x7f) {
-        why += c;
-      } else {
-        char escaped[8];
-        std::snprintf(escaped, sizeof escaped, "\\x%02X", byte);
-        why += escaped;
-      }
-    }
-    const std::optional<size_t> tab = e.mark.line >= 0 ? tabIndentedLine(text, e.mark.line) : std::nullopt;
-    throw Error(ErrorCode::kConfig,
-                concat(fileName, ":", e.mark.line + 1, ":", e.mark.column + 1, ": YAML syntax error: ", why,
-                       tab ? concat("; line ", *tab, " indents with a tab, and YAML indents with spaces only") : ""));
-  }
-  return builder.takeRoot();
-}
-
 void emitNode(YAML::Emitter& out, const ConfigNode& node) {
   switch (node.kind()) {
     case ConfigNode::Kind::kNull:
@@ -448,7 +418,33 @@ ConfigNode ConfigNode::loadYamlFile(const std::filesystem::path& file) {
 }
 
 ConfigNode ConfigNode::parseYaml(std::string_view text, const std::string& fileName) {
-  return parseText(text, fileName);
+  Builder builder(fileName);
+  std::istringstream in{std::string(text)};
+  try {
+    YAML::Parser parser(in);
+    if (!parser.HandleNextDocument(builder)) return builder.takeRoot();
+    Builder extra(fileName);
+    QPIPE_REQUIRE(!parser.HandleNextDocument(extra), ErrorCode::kConfig, fileName,
+                  ": holds more than one YAML document; put the pipeline in one");
+  } catch (const YAML::Exception& e) {
+    // yaml-cpp quotes the offending byte as it is: a control byte would break the one line.
+    std::string why;
+    for (const char c : e.msg) {
+      const auto byte = static_cast<unsigned char>(c);
+      if (byte >= 0x20 && byte != 0x7f) {
+        why += c;
+      } else {
+        char escaped[8];
+        std::snprintf(escaped, sizeof escaped, "\\x%02X", byte);
+        why += escaped;
+      }
+    }
+    const std::optional<size_t> tab = e.mark.line >= 0 ? tabIndentedLine(text, e.mark.line) : std::nullopt;
+    throw Error(ErrorCode::kConfig,
+                concat(fileName, ":", e.mark.line + 1, ":", e.mark.column + 1, ": YAML syntax error: ", why,
+                       tab ? concat("; line ", *tab, " indents with a tab, and YAML indents with spaces only") : ""));
+  }
+  return builder.takeRoot();
 }
 
 std::string ConfigNode::toYaml() const {

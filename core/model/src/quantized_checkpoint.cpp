@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <mutex>
 #include <optional>
 #include <regex>
+#include <unordered_map>
 #include <vector>
 
 #include "qpipe/attention_quant.h"
@@ -112,9 +114,16 @@ namespace {
 // The pattern of a "re:" entry, matched in libstdc++'s polynomial mode: a breadth-first search of
 // the automaton, where the default backtracks, and took exponential time on a pattern such as
 // "(.*)*z" (Python's re backtracks too). Whether a name matches is the same in either mode; the
-// one thing polynomial mode refuses is a back-reference, when the pattern is compiled.
-std::regex targetPattern(const std::string& entry) {
-  return std::regex(entry.substr(3), std::regex::ECMAScript | std::regex_constants::__polynomial);
+// one thing polynomial mode refuses is a back-reference, when the pattern is compiled. Each
+// pattern is compiled once per process: a model's open and each layer's load match every Linear
+// against every pattern (tens of thousands of matches in a many-expert MoE).
+const std::regex& targetPattern(const std::string& entry) {
+  static std::mutex mutex;
+  static std::unordered_map<std::string, std::regex> compiled;
+  const std::lock_guard lock(mutex);
+  if (const auto found = compiled.find(entry); found != compiled.end()) return found->second;
+  std::regex pattern(entry.substr(3), std::regex::ECMAScript | std::regex_constants::__polynomial);
+  return compiled.emplace(entry, std::move(pattern)).first->second;
 }
 
 }  // namespace
